@@ -1,0 +1,29 @@
+"""How a flat buffer of ``n`` elements is split into ``P`` rank chunks (the shard layout).
+
+The buffer's scale blocks (``ceil(n / block)`` of them) are dealt out in order, as evenly as
+possible: rank ``r`` gets ``nb // P`` blocks, plus one more if ``r < nb % P``. Chunk ``r`` is
+the element range of its blocks, clipped to ``n``. So every chunk starts on a block boundary,
+the blocks of a chunk's wire messages are the buffer's own blocks, and rank ``r``'s
+reduce_scatter shard is chunk ``r``. Chunks may be empty (fewer blocks than ranks).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import num_blocks
+
+
+def chunk_bounds(n: int, nranks: int, block: int) -> np.ndarray:
+    """Element offsets of the ``nranks`` chunks: int64 array of ``nranks + 1`` increasing values."""
+    nb = num_blocks(n, block)
+    base, extra = divmod(nb, nranks)
+    blocks = np.full(nranks, base, np.int64)
+    blocks[:extra] += 1
+    bounds = np.zeros(nranks + 1, np.int64)
+    np.cumsum(blocks * block, out=bounds[1:])
+    return np.minimum(bounds, n)
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype in which sums are formed: float64 for float64 input, float32 for all else."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
