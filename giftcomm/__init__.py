@@ -1,0 +1,25 @@
+"""giftcomm: geometry-informed FP8 gradient collectives.
+
+Ring allreduce with FP8 wire messages (block-scaled E4M3/E5M2, fp32 accumulation at every hop)
+over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-layer geometry.
+"""
+from .api import allgather, allreduce, gift_allreduce, reduce_scatter
+from .formats import FORMATS, bytes_per_value, message_nbytes
+from .partition import chunk_bounds
+from .transport import LoopbackGroup, Transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "allreduce",
+    "gift_allreduce",
+    "reduce_scatter",
+    "allgather",
+    "chunk_bounds",
+    "message_nbytes",
+    "bytes_per_value",
+    "FORMATS",
+    "LoopbackGroup",
+    "Transport",
+    "__version__",
+]

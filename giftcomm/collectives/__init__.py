@@ -1,0 +1,1 @@
+"""Collective algorithms over a Transport (ring reduce-scatter / allgather) and their helpers."""

@@ -1,0 +1,74 @@
+"""Cross-rank agreement on a call's arguments, in one small collective.
+
+Every rank validates its own arguments locally (without raising yet), then all ranks exchange a
+short int64 signature: an error code and a fixed list of fields (element count, dtype, format,
+block, op, geometry fingerprint...). If any rank failed locally, or a field that must agree
+differs, every rank raises the same exception with the same message. No rank is left waiting,
+and the communicator stays usable.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from ..formats import FORMATS
+from ..transport import Transport
+
+T = TypeVar("T")
+
+_ERROR_TYPES: dict[int, type[Exception]] = {1: TypeError, 2: ValueError}
+_ERROR_CODES = {cls: code for code, cls in _ERROR_TYPES.items()}
+
+DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
+OP_CODES = {"sum": 1, "avg": 2}
+
+
+def agree(
+    transport: Transport,
+    what: str,
+    prepare: Callable[[], tuple[T, dict[str, int]]],
+    fields: tuple[str, ...],
+    must_match: tuple[str, ...],
+) -> tuple[T, np.ndarray]:
+    """Run ``prepare()`` locally, then check on all ranks that it succeeded everywhere and agrees.
+
+    ``prepare`` returns (plan, signature) where signature maps each name in ``fields`` to an int;
+    a TypeError/ValueError it raises is caught and reported by every rank. Returns (plan, table):
+    table is the (size, len(fields)) int64 array of every rank's fields, so callers can read
+    fields that may differ (e.g. shard lengths). Raises, on every rank alike, TypeError or
+    ValueError naming the ranks and fields at fault.
+    """
+    plan: T | None = None
+    error: Exception | None = None
+    vec = np.zeros(1 + len(fields), np.int64)
+    try:
+        plan, sig = prepare()
+        vec[1:] = [sig[k] for k in fields]
+    except (TypeError, ValueError) as exc:
+        error = exc
+        vec[:] = 0
+        vec[0] = _ERROR_CODES.get(type(exc), 2)
+    table = transport.allgather_int64(vec)
+    failed = np.flatnonzero(table[:, 0])
+    if failed.size:
+        messages = transport.allgather_object(None if error is None else f"{type(error).__name__}: {error}")
+        cls = _ERROR_TYPES.get(int(table[failed[0], 0]), ValueError)
+        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise cls(f"{what}: bad input on rank(s) {', '.join(map(str, failed))} -- {detail}")
+    for key in must_match:
+        column = table[:, 1 + fields.index(key)]
+        if np.any(column != column[0]):
+            values = ", ".join(f"rank {r}: {_describe(key, int(v))}" for r, v in enumerate(column))
+            raise ValueError(f"{what}: ranks disagree on {key} ({values})")
+    assert plan is not None
+    return plan, table[:, 1:]
+
+
+def _describe(key: str, value: int) -> str:
+    names: dict[str, dict[int, str]] = {
+        "dtype": {v: k for k, v in DTYPE_CODES.items()},
+        "fmt": {f.code: f.name for f in FORMATS.values()},
+        "op": {v: k for k, v in OP_CODES.items()},
+    }
+    return names.get(key, {}).get(value, str(value))
