@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: serial tests, then the MPI tests at world sizes 1..5, then the large test
+# at P = 2. Any failure on any rank fails the run (pytest -x exits non-zero, mpiexec propagates it;
+# `timeout` turns a hang into a failure).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+timeout 1200 python -m pytest -m "not mpi" -q "$@"
+for p in 1 2 3 4 5; do
+    echo "=== MPI tests at P=$p ==="
+    timeout 600 mpiexec -n "$p" python -m pytest -m "mpi and not big" --with-mpi -q -x -p no:cacheprovider "$@" tests/
+done
+echo "=== large MPI test at P=2 ==="
+timeout 900 mpiexec -n 2 python -m pytest -m big --with-mpi -q -x -p no:cacheprovider "$@" tests/

@@ -1,0 +1,116 @@
+"""The collectives under mpiexec (run at P = 1..5 by tests/run_all.sh), against the simulation.
+
+Every rank builds all P inputs from one seed broadcast by rank 0, runs its part of the collective,
+and checks its output against the single-process simulation, bit for bit; the ranks then compare
+digests so the results are also bit-identical across ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import giftcomm as gc
+from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_rng(comm):
+    seed = comm.bcast(int(np.random.SeedSequence().entropy % (2**32)) if comm.rank == 0 else None)
+    print(f"shared seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest() + str(a.dtype) + str(a.shape)
+
+
+def assert_identical_everywhere(comm, a: np.ndarray) -> None:
+    digests = comm.allgather(digest(a))
+    assert len(set(digests)) == 1, digests
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 1000, 65537])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16", "fp32"])
+def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, n, fmt):
+    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+    y = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt)
+    assert digest(y) == digest(simulate_allreduce(xs, fmt=fmt)[comm.rank])
+    assert_identical_everywhere(comm, y)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_dtypes_and_ops(comm, shared_rng, dtype, op):
+    xs = [shared_rng.standard_normal((33, 17)).astype(dtype) for _ in range(comm.size)]
+    y = gc.allreduce(xs[comm.rank], comm=comm, op=op, block=64)
+    assert digest(y) == digest(simulate_allreduce(xs, block=64, op=op)[comm.rank])
+    assert_identical_everywhere(comm, y)
+
+
+def test_reduce_scatter_then_allgather(comm, shared_rng):
+    xs = [shared_rng.standard_normal(10007).astype(np.float32) for _ in range(comm.size)]
+    shard = gc.reduce_scatter(xs[comm.rank], comm=comm)
+    assert digest(shard) == digest(simulate_reduce_scatter(xs)[comm.rank])
+    full = gc.allgather(shard, comm=comm)
+    assert digest(full) == digest(simulate_allreduce(xs)[comm.rank])
+
+
+def test_disagreement_raises_on_every_rank_and_comm_stays_usable(comm, shared_rng):
+    x = np.zeros(10 + comm.rank * (comm.size > 1), np.float32)
+    fmt = "e5m2" if comm.rank == comm.size - 1 and comm.size > 1 else "e4m3"
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="disagree on count") as info:
+            gc.allreduce(x, comm=comm, fmt=fmt)
+        assert len(set(comm.allgather(str(info.value)))) == 1
+    bad = np.arange(4) if comm.rank == 0 else np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="rank\\(s\\) 0"):
+        gc.allreduce(bad, comm=comm)
+    xs = [shared_rng.standard_normal(100).astype(np.float32) for _ in range(comm.size)]
+    y = gc.allreduce(xs[comm.rank], comm=comm)
+    assert digest(y) == digest(simulate_allreduce(xs)[comm.rank])
+
+
+def test_nan_on_one_rank_is_non_finite_on_all(comm, shared_rng):
+    x = shared_rng.standard_normal(3000).astype(np.float32)
+    if comm.rank == comm.size - 1:
+        x[1500] = np.nan
+    y = gc.allreduce(x, comm=comm)
+    assert np.isnan(y[1500]) and np.all(np.isnan(y[1280:1536]))
+    assert np.all(np.isfinite(y[:1280])) and np.all(np.isfinite(y[1536:]))
+
+
+def test_sub_communicator(comm, shared_rng):
+    sub = comm.Split(comm.rank % 2, comm.rank)
+    xs = [shared_rng.standard_normal(500).astype(np.float32) for _ in range(comm.size)]
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    y = gc.allreduce(xs[comm.rank], comm=sub)
+    want = simulate_allreduce([xs[r] for r in members])[sub.rank]
+    assert digest(y) == digest(want)
+    sub.Free()
+
+
+@pytest.mark.big
+def test_hundred_million_elements(comm):
+    """10^8 values: every rank holds the same periodic input, so the result repeats with the period
+    and each period equals the simulation of one period (blocks never straddle periods).
+    Marked ``big``: tests/run_all.sh runs it once, at P = 2, to bound memory and time."""
+    period = 256 * 5
+    rng = np.random.default_rng(comm.bcast(int(np.random.SeedSequence().entropy % 2**32) if comm.rank == 0 else None))
+    base = rng.standard_normal(period).astype(np.float32)
+    x = np.tile(base, 10**8 // period)
+    y = gc.allreduce(x, comm=comm)
+    want = simulate_allreduce([base] * comm.size)[0]
+    rows = y.reshape(-1, period)
+    assert np.all(rows.view(np.uint32) == want.view(np.uint32))
