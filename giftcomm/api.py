@@ -20,7 +20,7 @@ from .transport import Transport, resolve
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike"]
 
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
-_FIELDS = ("count", "dtype", "fmt", "block", "op", "geometry")
+_FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry")
 
 
 class GeometryLike(Protocol):
@@ -41,6 +41,12 @@ def _check_array(x: Any, name: str = "x") -> np.ndarray:
     if arr.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got dtype {arr.dtype}")
     return arr
+
+
+def _check_slice(slice_elems: int) -> int:
+    if isinstance(slice_elems, bool) or not isinstance(slice_elems, (int, np.integer)) or slice_elems < 1:
+        raise ValueError(f"slice_elems must be a positive int, got {slice_elems!r}")
+    return int(slice_elems)
 
 
 def _check_op(op: str) -> int:
@@ -81,6 +87,7 @@ def gift_allreduce(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -101,6 +108,7 @@ def gift_allreduce(
         if geo is not None and geo.size != arr.size:
             raise ValueError(f"geometry covers {geo.size} elements but x has {arr.size}")
         sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b, op=opc,
+                   slice=_check_slice(slice_elems),
                    geometry=0 if geo is None else geo.fingerprint())
         return (arr, f, b, geo), sig
 
@@ -113,9 +121,8 @@ def gift_allreduce(
     if n == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
     bounds = chunk_bounds(n, p, b)
-    _, own = ring.reduce_scatter(t, flat, bounds, f, b, acc_t)
-    messages = ring.allgather_messages(t, own, np.diff(bounds), f, b)
-    total = ring.decode_all(messages, np.diff(bounds), f, b)
+    _, own = ring.reduce_scatter(t, flat, bounds, f, b, acc_t, slice_elems)
+    total = ring.allgather(t, own, np.diff(bounds), f, b, slice_elems)
     if geo is not None:
         total = np.asarray(geo.inverse(total), dtype=np.float32)
     return _finish(total.astype(acc_t, copy=False), op, p, arr.dtype, arr.shape, out)
@@ -129,6 +136,7 @@ def allreduce(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
@@ -138,7 +146,7 @@ def allreduce(
     x's shape and dtype, bit-identical on every rank and equal to
     ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs.
     """
-    return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out)
+    return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, slice_elems=slice_elems)
 
 
 def reduce_scatter(
@@ -149,6 +157,7 @@ def reduce_scatter(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype).
 
@@ -165,7 +174,8 @@ def reduce_scatter(
         bounds = chunk_bounds(arr.size, t.size, b)
         shard_n = int(bounds[t.rank + 1] - bounds[t.rank])
         _check_out(out, (shard_n,), arr.dtype)
-        sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b, op=opc, geometry=0)
+        sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b, op=opc,
+                   slice=_check_slice(slice_elems), geometry=0)
         return (arr, f, b, bounds), sig
 
     (arr, f, b, bounds), _ = agree(t, "giftcomm.reduce_scatter", prepare, _FIELDS, _FIELDS)
@@ -174,7 +184,7 @@ def reduce_scatter(
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, t.size, arr.dtype, (0,), out)
     flat = np.ascontiguousarray(arr).reshape(-1)
-    total, _ = ring.reduce_scatter(t, flat, bounds, f, b, acc_t)
+    total, _ = ring.reduce_scatter(t, flat, bounds, f, b, acc_t, slice_elems)
     return _finish(total, op, t.size, arr.dtype, (shard_n,), out)
 
 
@@ -185,6 +195,7 @@ def allgather(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
@@ -201,18 +212,19 @@ def allgather(
             if out.ndim != 1:
                 raise ValueError(f"out must be 1-D, got shape {out.shape}")
         sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b,
-                   out=-1 if out is None else out.size)
+                   slice=_check_slice(slice_elems), out=-1 if out is None else out.size)
         return (arr, f, b), sig
 
-    fields = ("count", "dtype", "fmt", "block", "out")
-    (arr, f, b), table = agree(t, "giftcomm.allgather", prepare, fields, ("dtype", "fmt", "block"))
+    fields = ("count", "dtype", "fmt", "block", "slice", "out")
+    (arr, f, b), table = agree(t, "giftcomm.allgather", prepare, fields, ("dtype", "fmt", "block", "slice"))
     counts = table[:, 0]
     total_n = int(counts.sum())
-    out_sizes = table[:, 4]
+    out_sizes = table[:, fields.index("out")]
     wrong = [r for r, m in enumerate(out_sizes) if m not in (-1, total_n)]
     if wrong:  # every rank sees the same table, so every rank raises this
         raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
-    own = codec.encode(np.ascontiguousarray(arr).reshape(-1), f, b)
-    messages = ring.allgather_messages(t, own, counts, f, b)
-    values = ring.decode_all(messages, counts, f, b)
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    sl = ring.slice_chunk(flat.size, f, b, slice_elems)
+    own = ring.encode_sliced(flat, sl, f, b, np.empty(sl.nbytes, np.uint8))
+    values = ring.allgather(t, own, counts, f, b, slice_elems)
     return _finish(values, "sum", t.size, arr.dtype, (total_n,), out)

@@ -183,3 +183,22 @@ def test_gift_allreduce_without_geometry_is_allreduce(rng):
 def test_comm_of_wrong_type_is_a_type_error():
     with pytest.raises(TypeError, match="comm must be"):
         gc.allreduce(np.zeros(3, np.float32), comm="world")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("slice_elems", [1, 32, 96, 1000, 1 << 18])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_pipelined_ring_is_bit_identical_for_every_slice_size(rng, p, slice_elems, dtype):
+    """Slices are whole blocks, so the bytes of each block do not depend on how the hop is cut."""
+    n = 32 * 37 + 5  # 38 blocks of 32, the last one partial: uneven chunks, several slices each
+    xs = inputs(rng, p, (n,), dtype)
+    outs = run(p, lambda t: gc.allreduce(xs[t.rank], comm=t, block=32, slice_elems=slice_elems))
+    want = simulate_allreduce(xs, block=32)
+    assert all(same_bytes(o, w) for o, w in zip(outs, want))
+    shards = run(p, lambda t: gc.reduce_scatter(xs[t.rank], comm=t, block=32, slice_elems=slice_elems))
+    assert all(same_bytes(s, w) for s, w in zip(shards, simulate_reduce_scatter(xs, block=32)))
+
+
+def test_slice_size_must_agree(rng):
+    results = raised(2, lambda t: gc.allreduce(np.ones(100, np.float32), comm=t, slice_elems=256 * (1 + t.rank)))
+    assert all(r is not None and "disagree on slice" in r[1] for r in results)

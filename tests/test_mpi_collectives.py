@@ -114,3 +114,11 @@ def test_hundred_million_elements(comm):
     want = simulate_allreduce([base] * comm.size)[0]
     rows = y.reshape(-1, period)
     assert np.all(rows.view(np.uint32) == want.view(np.uint32))
+
+
+@pytest.mark.parametrize("slice_elems", [256, 256 * 7, 1 << 18])
+def test_pipelined_slices_over_mpi(comm, shared_rng, slice_elems):
+    xs = [shared_rng.standard_normal(256 * 61 + 17).astype(np.float32) for _ in range(comm.size)]
+    y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=slice_elems)
+    assert digest(y) == digest(simulate_allreduce(xs)[comm.rank])
+    assert_identical_everywhere(comm, y)

@@ -1,19 +1,71 @@
-"""Ring reduce-scatter with in-ring FP8 requantization, and the ring allgather of FP8 messages.
+"""Pipelined ring reduce-scatter with in-ring FP8 requantization, and the ring allgather.
 
 Chunk layout: :func:`giftcomm.partition.chunk_bounds`. Chunk ``c`` starts at rank ``c+1`` and
 travels right around the ring; each rank on the way decodes it, adds its own values in the
 accumulation dtype and re-encodes it; rank ``c`` adds last and keeps the high-precision sum. In
-the allgather, each owner's encoded message travels P-1 hops unchanged, so every rank decodes the
+the allgather, each owner's encoded chunk travels P-1 hops unchanged, so every rank decodes the
 very same bytes.
+
+Pipelining: every chunk is cut into slices of whole blocks, and each slice is its own wire
+message. A slice received at hop ``s`` is decoded, summed, re-encoded and sent on as hop ``s+1``
+at once, while the next slices are still in flight (nonblocking sends and receives). Because
+slices are whole blocks of the buffer, the bytes of every block, and so the result, do not depend
+on the slice size.
+
+Workspace (reused across calls, per transport): two receive and two send buffers of one chunk
+message each, the owner's chunk message, and the allgather buffer of all P chunk messages.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import codec
 from ..formats import Format, message_nbytes
-from ..transport import Transport
+from ..transport import Request, Transport, wait_all
 from .workspace import workspace_of
+
+DEFAULT_SLICE_ELEMS = 1 << 18  # 256K values: 1 MiB of float32, ~257 KiB of e4m3 per message
+
+
+@dataclass(frozen=True)
+class SlicedMessage:
+    """The slices of one chunk: element offsets (into the chunk) and byte offsets (into its message).
+
+    ``elems[k]:elems[k+1]`` are slice k's values; ``bytes[k]:bytes[k+1]`` its wire message.
+    """
+
+    elems: np.ndarray
+    bytes: np.ndarray
+
+    @property
+    def nslices(self) -> int:
+        return len(self.elems) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bytes[-1])
+
+
+def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> SlicedMessage:
+    """Cut ``count`` values into slices of ``slice_elems`` rounded down to whole blocks (>= 1 block)."""
+    step = max(slice_elems // block, 1) * block
+    elems = np.append(np.arange(0, count, step, dtype=np.int64), np.int64(count))
+    if count == 0:
+        elems = np.zeros(2, np.int64)
+    sizes = [message_nbytes(int(n), fmt, block) for n in np.diff(elems)]
+    offs = np.zeros(len(elems), np.int64)
+    np.cumsum(sizes, out=offs[1:])
+    return SlicedMessage(elems, offs)
+
+
+def encode_sliced(values: np.ndarray, sl: SlicedMessage, fmt: Format, block: int, out: np.ndarray) -> np.ndarray:
+    """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``."""
+    for k in range(sl.nslices):
+        part = values[sl.elems[k] : sl.elems[k + 1]]
+        codec.encode(part.astype(np.float32, copy=False), fmt, block, out=out[sl.bytes[k] : sl.bytes[k + 1]])
+    return out
 
 
 def _local(x: np.ndarray, lo: int, hi: int, acc_t: np.dtype) -> np.ndarray:
@@ -21,79 +73,128 @@ def _local(x: np.ndarray, lo: int, hi: int, acc_t: np.dtype) -> np.ndarray:
     return part if part.dtype == acc_t else part.astype(acc_t)
 
 
-def _hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.ndarray, keep_sum: bool):
-    """Decode ``recv``, add ``local`` (accumulation dtype), encode into ``out``; maybe return the sum."""
+def _hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.ndarray,
+         sum_out: np.ndarray | None) -> None:
+    """Decode ``recv``, add ``local`` (accumulation dtype), encode into ``out``; keep the sum if asked."""
     if local.dtype == np.float32:
-        total = np.empty(local.size, np.float32) if keep_sum else None
-        codec.decode_add_encode(recv, local, fmt, block, out=out, sum_out=total)
-        return total
+        codec.decode_add_encode(recv, local, fmt, block, out=out, sum_out=sum_out)
+        return
     with np.errstate(invalid="ignore", over="ignore"):
         total = codec.decode(recv, local.size, fmt, block).astype(local.dtype) + local
-        codec.encode(total.astype(np.float32), fmt, block, out=out)
-    return total
+    codec.encode(total.astype(np.float32), fmt, block, out=out)
+    if sum_out is not None:
+        sum_out[...] = total
+
+
+def _piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
+    return buf[sl.bytes[k] : sl.bytes[k + 1]]
 
 
 def reduce_scatter(
-    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype
+    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype).
+    """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype).
 
     Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array),
-    and that sum encoded once (a workspace view, valid until the next collective).
+    and that sum encoded once, slice by slice (a workspace view, valid until the next call).
     """
     p, r = t.size, t.rank
     counts = np.diff(bounds)
+    slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
     ws = workspace_of(t)
-    sizes = [message_nbytes(int(n), fmt, block) for n in counts]
-    own = ws.get("owner", sizes[r])
+    own_sl = slices[r]
+    own = ws.get("owner", own_sl.nbytes)
+    total = np.empty(int(counts[r]), acc_t)
+    lo_r = int(bounds[r])
     if p == 1:
-        total = np.array(_local(x, 0, x.size, acc_t), copy=True)
-        codec.encode(total.astype(np.float32, copy=False), fmt, block, out=own)
-        return total, own
+        total[...] = x[lo_r : lo_r + total.size]
+        return total, encode_sliced(total, own_sl, fmt, block, own)
     right, left = (r + 1) % p, (r - 1) % p
-    biggest = max(sizes)
-    send_buf, recv_buf = ws.get("send", biggest), ws.get("recv", biggest)
-    c = left
-    send = codec.encode(_local(x, bounds[c], bounds[c + 1], acc_t).astype(np.float32, copy=False), fmt, block,
-                        out=send_buf[: sizes[c]])
-    total = None
+    biggest = max(s.nbytes for s in slices)
+    send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
+    recv_bufs = [ws.get("recv0", biggest), ws.get("recv1", biggest)]
+    sends: list[list[Request]] = [[], []]
+
+    def post_receives(step: int) -> list[Request]:
+        c = (r - step - 2) % p
+        buf = recv_bufs[step % 2]
+        return [t.irecv(_piece(buf, slices[c], k), left, tag=step) for k in range(slices[c].nslices)]
+
+    # Hop 0: encode our own values of chunk r-1 slice by slice, sending each as soon as it is ready.
+    recvs = post_receives(0)
+    c0 = left
+    lo = int(bounds[c0])
+    for k in range(slices[c0].nslices):
+        a, b = slices[c0].elems[k], slices[c0].elems[k + 1]
+        piece = _piece(send_bufs[0], slices[c0], k)
+        codec.encode(_local(x, lo + a, lo + b, acc_t).astype(np.float32, copy=False), fmt, block, out=piece)
+        sends[0].append(t.isend(piece, right, tag=0))
     for step in range(p - 1):
         c = (r - step - 2) % p
-        recv = recv_buf[: sizes[c]]
-        t.sendrecv(send, right, recv, left)
-        local = _local(x, bounds[c], bounds[c + 1], acc_t)
         last = step == p - 2
-        send = send_buf[: sizes[c]] if not last else own
-        total = _hop(recv, local, fmt, block, out=send, keep_sum=last)
-    assert total is not None
+        nxt = recvs if last else None
+        if not last:
+            nxt = post_receives(step + 1)
+            wait_all(sends[(step + 1) % 2])  # that send buffer was last used two hops ago
+            sends[(step + 1) % 2] = []
+        sl, lo = slices[c], int(bounds[c])
+        for k in range(sl.nslices):
+            recvs[k].wait()
+            a, b = sl.elems[k], sl.elems[k + 1]
+            local = _local(x, lo + a, lo + b, acc_t)
+            recv = _piece(recv_bufs[step % 2], sl, k)
+            if last:
+                _hop(recv, local, fmt, block, out=_piece(own, sl, k), sum_out=total[a:b])
+            else:
+                out = _piece(send_bufs[(step + 1) % 2], sl, k)
+                _hop(recv, local, fmt, block, out=out, sum_out=None)
+                sends[(step + 1) % 2].append(t.isend(out, right, tag=step + 1))
+        recvs = nxt
+    wait_all(sends[0] + sends[1])
     return total, own
 
 
-def allgather_messages(
-    t: Transport, own: np.ndarray, counts: np.ndarray, fmt: Format, block: int
-) -> list[np.ndarray]:
-    """Ring allgather of one wire message per rank (rank r's carries ``counts[r]`` values).
+def allgather(
+    t: Transport, own: np.ndarray, counts: np.ndarray, fmt: Format, block: int,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Pipelined ring allgather of one sliced chunk message per rank, decoded into float32.
 
-    Returns the P messages in rank order, as views of one workspace buffer.
+    ``own``: this rank's chunk message, sliced as :func:`slice_chunk` of ``counts[rank]``.
+    Each received slice is forwarded at once and decoded while the next ones travel. Returns the
+    float32 vector of all ``sum(counts)`` values in rank order (``out`` if given).
     """
     p, r = t.size, t.rank
-    sizes = np.array([message_nbytes(int(n), fmt, block) for n in counts], np.int64)
+    slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
     offs = np.zeros(p + 1, np.int64)
-    np.cumsum(sizes, out=offs[1:])
+    np.cumsum([s.nbytes for s in slices], out=offs[1:])
+    elem_offs = np.zeros(p + 1, np.int64)
+    np.cumsum(counts, out=elem_offs[1:])
     buf = workspace_of(t).get("gather", int(offs[-1]))
     slots = [buf[offs[c] : offs[c + 1]] for c in range(p)]
-    slots[r][...] = own
+    values = np.empty(int(elem_offs[-1]), np.float32) if out is None else out
+
+    def decode_slice(c: int, k: int) -> None:
+        sl, base = slices[c], int(elem_offs[c])
+        a, b = base + sl.elems[k], base + sl.elems[k + 1]
+        codec.decode(_piece(slots[c], sl, k), int(b - a), fmt, block, out=values[a:b])
+
     right, left = (r + 1) % p, (r - 1) % p
+    slots[r][...] = own
+    sends: list[Request] = []
+    if p > 1:
+        sends = [t.isend(_piece(slots[r], slices[r], k), right, tag=0) for k in range(slices[r].nslices)]
+    for k in range(slices[r].nslices):
+        decode_slice(r, k)
     for step in range(p - 1):
-        t.sendrecv(slots[(r - step) % p], right, slots[(r - step - 1) % p], left)
-    return slots
-
-
-def decode_all(messages: list[np.ndarray], counts: np.ndarray, fmt: Format, block: int) -> np.ndarray:
-    """Decode the P messages of an allgather into one new float32 vector, in rank order."""
-    out = np.empty(int(np.sum(counts)), np.float32)
-    lo = 0
-    for msg, n in zip(messages, counts):
-        codec.decode(msg, int(n), fmt, block, out=out[lo : lo + int(n)])
-        lo += int(n)
-    return out
+        c = (r - step - 1) % p
+        sl = slices[c]
+        recvs = [t.irecv(_piece(slots[c], sl, k), left, tag=step) for k in range(sl.nslices)]
+        for k in range(sl.nslices):
+            recvs[k].wait()
+            if step < p - 2:
+                sends.append(t.isend(_piece(slots[c], sl, k), right, tag=step + 1))
+            decode_slice(c, k)
+    wait_all(sends)
+    return values

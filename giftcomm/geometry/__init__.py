@@ -1,0 +1,24 @@
+"""GIFT geometry: per-segment linear transforms of the gradient buffer (KFAC whitening, low-rank,
+diagonal, randomised Hadamard), the estimators of their factors and the selective policy.
+
+See docs/method.md (the method and its choices) and docs/geometry.md (API reference).
+"""
+from .estimators import GradientFactorEstimator, KfacEstimator, row_col_mean_squares
+from .geometry import Geometry
+from .layout import Layout, Segment
+from .policy import SelectivePolicy, select
+from .spectral import Spectrum
+from .sync import SyncReport
+
+__all__ = [
+    "Geometry",
+    "Layout",
+    "Segment",
+    "Spectrum",
+    "KfacEstimator",
+    "GradientFactorEstimator",
+    "SyncReport",
+    "SelectivePolicy",
+    "select",
+    "row_col_mean_squares",
+]
