@@ -1,26 +1,30 @@
 """The public collectives: allreduce, gift_allreduce, reduce_scatter, allgather.
 
-Each call: validate locally, agree across ranks in one small collective (same exception on every
-rank on bad input), then run the ring with FP8 (or pass-through) wire messages.
+Each call: validate locally, agree across ranks in one small collective (the same exception on
+every rank on bad input), pick the algorithm, then move FP8 (or pass-through) wire messages.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
 
-from . import codec
-from .collectives import ring
+from .collectives import direct, doubling, hierarchical, ring
 from .collectives.agree import DTYPE_CODES, OP_CODES, agree
+from .costmodel import Topology, choose
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format
 from .partition import accumulation_dtype, chunk_bounds
 from .transport import Transport, resolve
 
-__all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike"]
+__all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
 
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
-_FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry")
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+_ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
+_FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "chosen")
+_MATCH = _FIELDS[:-1]  # "chosen" may differ (auto on different calibrations): rank 0's choice wins
 
 
 class GeometryLike(Protocol):
@@ -34,7 +38,17 @@ class GeometryLike(Protocol):
     def fingerprint(self) -> int: ...
 
 
-def _check_array(x: Any, name: str = "x") -> np.ndarray:
+@dataclass
+class _Call:
+    """A validated call: the input array, format, block and the rest of the signature."""
+
+    arr: np.ndarray
+    fmt: Format
+    block: int
+    sig: dict[str, int]
+
+
+def _check_array(x: Any, name: str) -> np.ndarray:
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: device arrays are not supported by the NumPy path")
     arr = np.asarray(x)
@@ -43,39 +57,85 @@ def _check_array(x: Any, name: str = "x") -> np.ndarray:
     return arr
 
 
-def _check_slice(slice_elems: int) -> int:
-    if isinstance(slice_elems, bool) or not isinstance(slice_elems, (int, np.integer)) or slice_elems < 1:
-        raise ValueError(f"slice_elems must be a positive int, got {slice_elems!r}")
-    return int(slice_elems)
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
-def _check_op(op: str) -> int:
-    if op not in OP_CODES:
-        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    return OP_CODES[op]
-
-
-def _check_out(out: Any, shape: tuple, dtype: np.dtype) -> None:
+def _check_out(out: Any, shape: tuple | None, dtype: np.dtype) -> None:
+    """``out`` must be a writable NumPy array of ``dtype`` (and ``shape`` unless None)."""
     if out is None:
         return
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
-    if out.shape != shape or out.dtype != dtype:
+    if (shape is not None and out.shape != shape) or out.dtype != dtype:
         raise ValueError(f"out must have shape {shape} and dtype {dtype}, got {out.shape} {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
+
+
+def _validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any) -> _Call:
+    """The checks every collective shares; raises TypeError/ValueError (caught by ``agree``)."""
+    arr = _check_array(x, name)
+    f, b = get_format(fmt), check_block(block)
+    if op is not None and op not in OP_CODES:
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b,
+               op=OP_CODES.get(op, 0), slice=_positive_int(slice_elems, "slice_elems"),
+               geometry=0, algorithm=0, local_size=0, chosen=0)
+    return _Call(arr, f, b, sig)
+
+
+def _node_layout(t: Transport, local_size: int | None) -> np.ndarray:
+    if local_size is None:
+        return t.node_ids()
+    return hierarchical.contiguous_nodes(t.size, _positive_int(local_size, "local_size"))
+
+
+def _plan_algorithm(t: Transport, call: _Call, algorithm: str, local_size: int | None,
+                    allowed: tuple[str, ...]) -> np.ndarray:
+    """Validate ``algorithm``/``local_size``, record the choice in the signature; the node layout."""
+    if algorithm not in allowed:
+        raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
+    nodes = _node_layout(t, local_size)
+    groups = hierarchical.node_groups(nodes)
+    uniform = len({len(g) for g in groups}) == 1
+    if algorithm.startswith("hierarchical") and not uniform:
+        hierarchical.check_uniform(nodes)  # raises, naming the node sizes
+    topo = Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
+    chosen = algorithm
+    if algorithm == "auto":
+        chosen = choose(call.arr.size, topo, call.fmt.name, call.block)
+        chosen = chosen if chosen in allowed else "ring"
+    call.sig.update(algorithm=_ALGO_CODES[algorithm], local_size=local_size or 0, chosen=_ALGO_CODES[chosen])
+    return nodes
 
 
 def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype, shape: tuple, out: np.ndarray | None) -> np.ndarray:
     """Apply ``avg``, cast to the caller's dtype and shape, write ``out`` if given."""
     if op == "avg":
         values = values / values.dtype.type(p)
-    if out is not None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            out[...] = values.reshape(shape)
-        return out
     with np.errstate(over="ignore", invalid="ignore"):
+        if out is not None:
+            out[...] = values.reshape(shape)
+            return out
         return values.astype(dtype, copy=False).reshape(shape)
+
+
+def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, algorithm: str,
+                    nodes: np.ndarray, slice_elems: int) -> np.ndarray:
+    """The sum of ``flat`` over all ranks, decoded (float32), by the chosen algorithm."""
+    acc_t = accumulation_dtype(flat.dtype)
+    if algorithm == "doubling":
+        return doubling.allreduce(t, flat, fmt, block, acc_t)
+    if algorithm.startswith("hierarchical"):
+        inter = "direct" if algorithm == "hierarchical_direct" else "ring"
+        return hierarchical.allreduce(t, flat, nodes, fmt, block, acc_t, slice_elems, inter=inter)
+    bounds = chunk_bounds(flat.size, t.size, block)
+    rs = direct.reduce_scatter if algorithm == "direct" else ring.reduce_scatter
+    _, own = rs(t, flat, bounds, fmt, block, acc_t, slice_elems)
+    return ring.allgather(t, own, np.diff(bounds), fmt, block, slice_elems)
 
 
 def gift_allreduce(
@@ -87,42 +147,43 @@ def gift_allreduce(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    algorithm: str = "auto",
+    local_size: int | None = None,
     slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
     x: float32/float64/float16/bfloat16 array of any shape (read as a flat vector; not modified
     unless it is ``out``). geometry: None or an identity geometry gives exactly :func:`allreduce`;
-    otherwise ``inverse(ring_sum(forward(x)))`` with the transform in float32 (then ``/ P`` for
+    otherwise ``inverse(sum(forward(x)))`` with the transform in float32 (then ``/ P`` for
     ``op="avg"``). Returns an array of x's shape and dtype (``out`` if given), bit-identical on
     every rank. Raises TypeError/ValueError on every rank when any rank's input is bad or the
-    ranks disagree (count, dtype, fmt, block, op, geometry fingerprint).
+    ranks disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     t = resolve(comm)
+    nodes_box: list[np.ndarray] = []
 
     def prepare():
-        arr = _check_array(x)
-        f, b, opc = get_format(fmt), check_block(block), _check_op(op)
-        _check_out(out, arr.shape, arr.dtype)
+        call = _validate(x, "x", fmt, block, op, slice_elems)
+        _check_out(out, call.arr.shape, call.arr.dtype)
         geo = None if geometry is None or geometry.is_identity else geometry
-        if geo is not None and geo.size != arr.size:
-            raise ValueError(f"geometry covers {geo.size} elements but x has {arr.size}")
-        sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b, op=opc,
-                   slice=_check_slice(slice_elems),
-                   geometry=0 if geo is None else geo.fingerprint())
-        return (arr, f, b, geo), sig
+        if geo is not None:
+            if geo.size != call.arr.size:
+                raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
+            call.sig["geometry"] = int(geo.fingerprint())
+        nodes_box.append(_plan_algorithm(t, call, algorithm, local_size, ALGORITHMS))
+        return (call, geo), call.sig
 
-    (arr, f, b, geo), _ = agree(t, "giftcomm.allreduce", prepare, _FIELDS, _FIELDS)
-    n, p = arr.size, t.size
+    (call, geo), table = agree(t, "giftcomm.allreduce", prepare, _FIELDS, _MATCH)
+    chosen = ALGORITHMS[int(table[0, _FIELDS.index("chosen")])]
+    arr, p = call.arr, t.size
     flat = np.ascontiguousarray(arr).reshape(-1)
     if geo is not None:
         flat = np.ascontiguousarray(geo.forward(flat), dtype=np.float32)
     acc_t = accumulation_dtype(flat.dtype)
-    if n == 0:
+    if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
-    bounds = chunk_bounds(n, p, b)
-    _, own = ring.reduce_scatter(t, flat, bounds, f, b, acc_t, slice_elems)
-    total = ring.allgather(t, own, np.diff(bounds), f, b, slice_elems)
+    total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_elems)
     if geo is not None:
         total = np.asarray(geo.inverse(total), dtype=np.float32)
     return _finish(total.astype(acc_t, copy=False), op, p, arr.dtype, arr.shape, out)
@@ -136,17 +197,22 @@ def allreduce(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    algorithm: str = "auto",
+    local_size: int | None = None,
     slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
     x: float32/float64/float16/bfloat16 array, any shape and size. fmt: "e4m3", "e5m2" (block-
     scaled FP8) or "bf16", "fp16", "fp32" (raw values on the wire). block: elements per scale.
-    comm: mpi4py communicator, giftcomm Transport, or None for MPI.COMM_WORLD. Returns an array of
-    x's shape and dtype, bit-identical on every rank and equal to
-    ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs.
+    comm: mpi4py communicator, giftcomm Transport, or None for MPI.COMM_WORLD. algorithm: "ring",
+    "direct", "doubling", "hierarchical", "hierarchical_direct" or "auto" (cost model);
+    local_size: ranks per node for the hierarchical algorithms (default: from the MPI library).
+    Returns an array of x's shape and dtype, bit-identical on every rank and equal to
+    ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
     """
-    return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, slice_elems=slice_elems)
+    return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, algorithm=algorithm,
+                          local_size=local_size, slice_elems=slice_elems)
 
 
 def reduce_scatter(
@@ -157,34 +223,34 @@ def reduce_scatter(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
+    algorithm: str = "ring",
     slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
 ) -> np.ndarray:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype).
 
-    The shard is chunk ``rank`` of ``giftcomm.partition.chunk_bounds(x.size, P, block)`` of the
-    flattened buffer: whole blocks, dealt out evenly. It is the owner's high-precision sum, not
-    re-quantized, so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` bit for bit for
-    float32/float64 input and ``op="sum"``.
+    The shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P, block)`` of the flattened
+    buffer: whole blocks, dealt out evenly. It is the owner's high-precision sum, not re-quantized,
+    so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
+    float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
     t = resolve(comm)
 
     def prepare():
-        arr = _check_array(x)
-        f, b, opc = get_format(fmt), check_block(block), _check_op(op)
-        bounds = chunk_bounds(arr.size, t.size, b)
-        shard_n = int(bounds[t.rank + 1] - bounds[t.rank])
-        _check_out(out, (shard_n,), arr.dtype)
-        sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b, op=opc,
-                   slice=_check_slice(slice_elems), geometry=0)
-        return (arr, f, b, bounds), sig
+        call = _validate(x, "x", fmt, block, op, slice_elems)
+        bounds = chunk_bounds(call.arr.size, t.size, call.block)
+        _check_out(out, (int(bounds[t.rank + 1] - bounds[t.rank]),), call.arr.dtype)
+        _plan_algorithm(t, call, algorithm, None, ("auto", "ring", "direct"))
+        return (call, bounds), call.sig
 
-    (arr, f, b, bounds), _ = agree(t, "giftcomm.reduce_scatter", prepare, _FIELDS, _FIELDS)
+    (call, bounds), table = agree(t, "giftcomm.reduce_scatter", prepare, _FIELDS, _MATCH)
+    chosen = ALGORITHMS[int(table[0, _FIELDS.index("chosen")])]
+    arr = call.arr
     acc_t = accumulation_dtype(arr.dtype)
     shard_n = int(bounds[t.rank + 1] - bounds[t.rank])
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, t.size, arr.dtype, (0,), out)
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    total, _ = ring.reduce_scatter(t, flat, bounds, f, b, acc_t, slice_elems)
+    rs = direct.reduce_scatter if chosen == "direct" else ring.reduce_scatter
+    total, _ = rs(t, np.ascontiguousarray(arr).reshape(-1), bounds, call.fmt, call.block, acc_t, slice_elems)
     return _finish(total, op, t.size, arr.dtype, (shard_n,), out)
 
 
@@ -200,31 +266,29 @@ def allgather(
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
     Each shard is encoded once by its owner; every rank decodes the same bytes, so the result is
-    bit-identical everywhere. The inverse of :func:`reduce_scatter`'s layout.
+    bit-identical everywhere. The inverse of :func:`reduce_scatter`'s layout. ``out``: a 1-D
+    array of the shard's dtype holding all the gathered values.
     """
     t = resolve(comm)
+    fields = ("count", "dtype", "fmt", "block", "slice", "out")
 
     def prepare():
-        arr = _check_array(shard, "shard")
-        f, b = get_format(fmt), check_block(block)
-        if out is not None:
-            _check_out(out, out.shape if isinstance(out, np.ndarray) else (), arr.dtype)
-            if out.ndim != 1:
-                raise ValueError(f"out must be 1-D, got shape {out.shape}")
-        sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b,
-                   slice=_check_slice(slice_elems), out=-1 if out is None else out.size)
-        return (arr, f, b), sig
+        call = _validate(shard, "shard", fmt, block, None, slice_elems)
+        _check_out(out, None, call.arr.dtype)
+        if out is not None and out.ndim != 1:
+            raise ValueError(f"out must be 1-D, got shape {out.shape}")
+        sig = {k: call.sig.get(k, 0) for k in fields}
+        sig["out"] = -1 if out is None else out.size
+        return call, sig
 
-    fields = ("count", "dtype", "fmt", "block", "slice", "out")
-    (arr, f, b), table = agree(t, "giftcomm.allgather", prepare, fields, ("dtype", "fmt", "block", "slice"))
+    call, table = agree(t, "giftcomm.allgather", prepare, fields, ("dtype", "fmt", "block", "slice"))
     counts = table[:, 0]
     total_n = int(counts.sum())
-    out_sizes = table[:, fields.index("out")]
-    wrong = [r for r, m in enumerate(out_sizes) if m not in (-1, total_n)]
+    wrong = [r for r, m in enumerate(table[:, fields.index("out")]) if m not in (-1, total_n)]
     if wrong:  # every rank sees the same table, so every rank raises this
         raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    sl = ring.slice_chunk(flat.size, f, b, slice_elems)
-    own = ring.encode_sliced(flat, sl, f, b, np.empty(sl.nbytes, np.uint8))
-    values = ring.allgather(t, own, counts, f, b, slice_elems)
-    return _finish(values, "sum", t.size, arr.dtype, (total_n,), out)
+    flat = np.ascontiguousarray(call.arr).reshape(-1)
+    sl = ring.slice_chunk(flat.size, call.fmt, call.block, slice_elems)
+    own = ring.encode_sliced(flat, sl, call.fmt, call.block, np.empty(sl.nbytes, np.uint8))
+    values = ring.allgather(t, own, counts, call.fmt, call.block, slice_elems)
+    return _finish(values, "sum", t.size, call.arr.dtype, (total_n,), out)

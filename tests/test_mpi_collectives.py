@@ -64,7 +64,7 @@ def test_reduce_scatter_then_allgather(comm, shared_rng):
     shard = gc.reduce_scatter(xs[comm.rank], comm=comm)
     assert digest(shard) == digest(simulate_reduce_scatter(xs)[comm.rank])
     full = gc.allgather(shard, comm=comm)
-    assert digest(full) == digest(simulate_allreduce(xs)[comm.rank])
+    assert digest(full) == digest(simulate_allreduce(xs, algorithm="ring")[comm.rank])
 
 
 def test_disagreement_raises_on_every_rank_and_comm_stays_usable(comm, shared_rng):
@@ -122,3 +122,14 @@ def test_pipelined_slices_over_mpi(comm, shared_rng, slice_elems):
     y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=slice_elems)
     assert digest(y) == digest(simulate_allreduce(xs)[comm.rank])
     assert_identical_everywhere(comm, y)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "auto"])
+@pytest.mark.parametrize("n", [7, 4099, 300001])
+def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
+    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+    for k in [k for k in range(1, comm.size + 1) if comm.size % k == 0]:
+        kw = dict(algorithm=algorithm, local_size=k)
+        y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
+        assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), kw
+        assert_identical_everywhere(comm, y)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..formats import check_block, get_format
+from ..costmodel import Topology, choose
 from ..partition import accumulation_dtype, chunk_bounds
 from .codec import decode, encode
 
@@ -50,6 +51,74 @@ def _ring_chunk_sums(flat: list[np.ndarray], fmt: str, block: int) -> tuple[list
     return sums, bounds
 
 
+def _direct_chunk_sums(flat: list[np.ndarray], fmt: str, block: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The owner's sum of each chunk after the direct reduce-scatter: contributions in rank
+    order, each other rank's quantized once, the owner's own exact."""
+    p = len(flat)
+    acc_t = accumulation_dtype(flat[0].dtype)
+    bounds = chunk_bounds(flat[0].size, p, block)
+    sums = []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for c in range(p):
+            lo, hi = bounds[c], bounds[c + 1]
+            acc = None
+            for src in range(p):
+                part = flat[src][lo:hi].astype(np.float32)
+                value = (flat[src][lo:hi].astype(acc_t) if src == c
+                         else decode(encode(part, fmt, block), hi - lo, fmt, block).astype(acc_t))
+                acc = value if acc is None else acc + value
+            sums.append(acc)
+    return sums, bounds
+
+
+def _gathered(sums: list[np.ndarray], bounds: np.ndarray, fmt: str, block: int, acc_t: np.dtype) -> np.ndarray:
+    """Each owner encodes its sum once; everybody decodes: the allgather's result."""
+    result = np.empty(int(bounds[-1]), acc_t)
+    for c, s in enumerate(sums):
+        result[bounds[c] : bounds[c + 1]] = decode(encode(s.astype(np.float32), fmt, block), s.size, fmt, block)
+    return result
+
+
+def _doubling_sum(flat: list[np.ndarray], fmt: str, block: int) -> np.ndarray:
+    """Recursive doubling (see giftcomm/collectives/doubling.py), rank by rank."""
+    p, n = len(flat), flat[0].size
+    acc_t = accumulation_dtype(flat[0].dtype)
+    p2 = 1 << (p.bit_length() - 1)
+
+    def q(v: np.ndarray) -> np.ndarray:
+        return decode(encode(v.astype(np.float32), fmt, block), n, fmt, block).astype(acc_t)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        acc = [flat[r].astype(acc_t) for r in range(p2)]
+        for r in range(p - p2):
+            acc[r] = acc[r] + q(flat[r + p2])
+        dist = 1
+        while dist < p2:
+            acc = [q(acc[min(r, r ^ dist)]) + q(acc[max(r, r ^ dist)]) for r in range(p2)]
+            dist *= 2
+    return q(acc[0])
+
+
+def _hierarchical_sum(flat: list[np.ndarray], fmt: str, block: int, local_size: int,
+                      local_fmt: str, inter: str) -> np.ndarray:
+    """Node-local pass-through ring reduce-scatter, FP8 across nodes, node-local allgather."""
+    p = len(flat)
+    if local_size < 1 or p % local_size:
+        raise ValueError(f"local_size={local_size} must divide the number of ranks ({p})")
+    acc_t = accumulation_dtype(flat[0].dtype)
+    nodes = [flat[j : j + local_size] for j in range(0, p, local_size)]
+    local_bounds = chunk_bounds(flat[0].size, local_size, block)
+    node_sums = [_ring_chunk_sums(members, local_fmt, block)[0] for members in nodes]
+    result = np.empty(flat[0].size, acc_t)
+    cross_sums = _direct_chunk_sums if inter == "direct" else _ring_chunk_sums
+    for l in range(local_size):
+        sums, bounds = cross_sums([ns[l] for ns in node_sums], fmt, block)
+        chunk = _gathered(sums, bounds, fmt, block, acc_t)
+        # the node-local allgather carries these float32 values exactly (fp32 pass-through)
+        result[local_bounds[l] : local_bounds[l + 1]] = chunk.astype(np.float32)
+    return result
+
+
 def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype) -> np.ndarray:
     if op == "avg":
         values = values / values.dtype.type(p)
@@ -58,35 +127,72 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype) -> np.ndarray:
 
 
 def simulate_reduce_scatter(
-    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum"
+    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum", algorithm: str = "ring"
 ) -> list[np.ndarray]:
-    """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input."""
-    get_format(fmt)
-    block = check_block(block)
-    flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = _ring_chunk_sums(flat, fmt, block)
-    return [_finish(s, op, len(flat), dtype) for s in sums]
+    """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
-
-def simulate_allreduce(
-    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum"
-) -> list[np.ndarray]:
-    """Every rank's allreduce output (input shape and dtype), from every rank's input.
-
-    Ring reduce-scatter with in-ring requantization, then the owner of each chunk encodes its
-    sum once and every rank decodes those same bytes.
+    algorithm: "ring" or "direct" (the reduce-scatter halves of those allreduces).
     """
     get_format(fmt)
     block = check_block(block)
+    if algorithm not in ("ring", "direct"):
+        raise ValueError(f"reduce_scatter algorithm must be 'ring' or 'direct', got {algorithm!r}")
+    flat, dtype, _ = _flat_inputs(inputs)
+    sums, _ = (_direct_chunk_sums if algorithm == "direct" else _ring_chunk_sums)(flat, fmt, block)
+    return [_finish(s, op, len(flat), dtype) for s in sums]
+
+
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+
+
+def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str, block: int) -> str:
+    """The algorithm "auto" stands for: the cost model's choice for n values on p ranks, in
+    nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    if algorithm != "auto":
+        return algorithm
+    k = local_size or p
+    return choose(n, Topology(p, p // k, k), fmt, block)
+
+
+def simulate_allreduce(
+    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum",
+    algorithm: str = "auto", local_size: int | None = None, local_fmt: str = "fp32",
+) -> list[np.ndarray]:
+    """Every rank's allreduce output (input shape and dtype), from every rank's input.
+
+    algorithm:
+    - "ring": ring reduce-scatter with in-ring requantization, then the owner of each chunk
+      encodes its sum once and every rank decodes those same bytes;
+    - "direct": each contribution quantized once and summed by the chunk's owner in rank order,
+      then the same allgather;
+    - "doubling": recursive doubling (small messages);
+    - "hierarchical" / "hierarchical_direct": nodes of ``local_size`` consecutive ranks;
+      pass-through (``local_fmt``) ring reduce-scatter inside each node, ring / direct FP8
+      allreduce of each node chunk across nodes, exact fp32 allgather inside each node;
+    - "auto" (the default, as in giftcomm.allreduce): the cost model's choice for this size,
+      rank count and node layout (giftcomm.costmodel.choose).
+    """
+    get_format(fmt)
+    get_format(local_fmt)
+    block = check_block(block)
     flat, dtype, shape = _flat_inputs(inputs)
     p = len(flat)
-    sums, bounds = _ring_chunk_sums(flat, fmt, block)
+    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, get_format(fmt).name, block)
     acc_t = accumulation_dtype(dtype)
-    result = np.empty(flat[0].size, acc_t)
-    for c, s in enumerate(sums):
-        msg = encode(s.astype(np.float32), fmt, block)
-        result[bounds[c] : bounds[c + 1]] = decode(msg, s.size, fmt, block)
-    out = _finish(result, op, p, dtype).reshape(shape)
+    if flat[0].size == 0:
+        result = np.zeros(0, acc_t)
+    elif algorithm == "ring":
+        result = _gathered(*_ring_chunk_sums(flat, fmt, block), fmt, block, acc_t)
+    elif algorithm == "direct":
+        result = _gathered(*_direct_chunk_sums(flat, fmt, block), fmt, block, acc_t)
+    elif algorithm == "doubling":
+        result = _doubling_sum(flat, fmt, block)
+    else:
+        inter = "direct" if algorithm == "hierarchical_direct" else "ring"
+        result = _hierarchical_sum(flat, fmt, block, local_size or p, local_fmt, inter)
+    out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
 

@@ -47,6 +47,27 @@ class Transport(ABC):
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object per rank (control path only: error messages)."""
 
+    def node_ids(self) -> np.ndarray:
+        """Node index of every rank (int64, shape (size,)): ranks sharing memory share a node.
+
+        The default is one node for all ranks; MPI transports ask the MPI library.
+        """
+        return np.zeros(self.size, np.int64)
+
+    def split(self, members: Sequence[int], name: str) -> "Transport":
+        """A transport over the parent ranks ``members`` (which include this rank), cached by name.
+
+        Every rank calls split with the same name at the same point of the program (like
+        MPI_Comm_split); each rank passes the members of its own group.
+        """
+        cache = self.__dict__.setdefault("_giftcomm_splits", {})
+        key = (name, tuple(members))
+        if key not in cache:
+            from .sub import TAG_SPAN, SubTransport
+
+            cache[key] = SubTransport(self, members, tag_base=TAG_SPAN * (1 + len(cache)))
+        return cache[key]
+
 
 def wait_all(requests: Sequence[Request]) -> None:
     """Wait for every request in order."""

@@ -27,6 +27,31 @@ class MpiTransport(Transport):
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self._nodes = self._find_nodes()
+
+    def _find_nodes(self) -> np.ndarray:
+        """Node index per rank from MPI_COMM_TYPE_SHARED (collective; done once, at creation)."""
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        leader = local.allreduce(self.rank, op=MPI.MIN)
+        local.Free()
+        leaders = np.array(self.comm.allgather(leader), np.int64)
+        return np.unique(leaders, return_inverse=True)[1].astype(np.int64)
+
+    def node_ids(self) -> np.ndarray:
+        return self._nodes.copy()
+
+    def split(self, members, name: str) -> Transport:
+        """A real MPI sub-communicator (MPI_Comm_split, collective over this transport)."""
+        cache = self.__dict__.setdefault("_giftcomm_splits", {})
+        key = (name, tuple(members))
+        if key not in cache:
+            sub = self.comm.Split(color=min(members), key=self.rank)
+            t = MpiTransport.__new__(MpiTransport)
+            t.user_comm, t.comm = sub, sub
+            t.rank, t.size = sub.Get_rank(), sub.Get_size()
+            t._nodes = self._nodes[list(members)]
+            cache[key] = t
+        return cache[key]
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
         return _MpiRequest(self.comm.Isend([buf, MPI.BYTE], dest, tag))
