@@ -3,6 +3,12 @@
 allreduce  nccl-tests-style sweep with fidelity columns (run under mpiexec)
 codec      codec throughput, native vs NumPy vs memory copy
 netbed     multi-host testbed: shaped links in network namespaces (root)
+calibrate  measure the cost model's constants (under mpiexec)
+model      validate the cost model against measurements; project to cluster scale
+errors     error growth against P for every algorithm
+fidelity   GIFT vs Euclidean FP8 on synthetic and real gradients
+train      end-to-end data-parallel Llama training comparison (under mpiexec)
+plot       busbw-vs-size plots from allreduce --json files
 """
 from __future__ import annotations
 
@@ -13,6 +19,12 @@ COMMANDS = {
     "allreduce": "giftcomm.perf.collective_bench",
     "codec": "giftcomm.perf.codec_bench",
     "netbed": "giftcomm.perf.netbed",
+    "calibrate": "giftcomm.perf.calibrate",
+    "model": "giftcomm.perf.model",
+    "errors": "giftcomm.perf.errors",
+    "fidelity": "giftcomm.perf.fidelity",
+    "train": "giftcomm.perf.train",
+    "plot": "giftcomm.perf.plot",
 }
 
 

@@ -88,7 +88,7 @@ def _count_wrong(comm, y: np.ndarray, want: np.ndarray) -> int:
 
 def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
-                        on_row: Callable[[Row], None]) -> list[Row]:
+                        on_row: Callable[[Row], None], algorithm: str = "auto") -> list[Row]:
     """Time and check allreduce for every size and format, plus the MPI fp32 baseline."""
     from mpi4py import MPI
 
@@ -105,7 +105,8 @@ def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str
         if op == "avg":
             exact /= p
         cases: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (fmt, lambda fmt=fmt: api.allreduce(x, comm=comm, op=op, fmt=fmt, block=block)) for fmt in fmts
+            (fmt, lambda fmt=fmt: api.allreduce(x, comm=comm, op=op, fmt=fmt, block=block, algorithm=algorithm))
+            for fmt in fmts
         ]
         x32 = x.astype(np.float32)
         y32 = np.empty_like(x32)
@@ -124,7 +125,7 @@ def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str
             wrong = None
             if check and name != "mpi":
                 inputs = [_rank_input(seed, r, count, dtype) for r in range(p)]
-                want = simulate_allreduce(inputs, fmt=name, block=block, op=op)[comm.rank]
+                want = simulate_allreduce(inputs, fmt=name, block=block, op=op, algorithm=algorithm)[comm.rank]
                 wrong = _count_wrong(comm, y, want)
             algbw = size / seconds / 1e9 if seconds > 0 else 0.0
             row = Row(size, count, "float32" if name == "mpi" else dtype_name, name, op, seconds * 1e6,
@@ -161,6 +162,8 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
                     help="count elements differing from the reference simulation (slow at large sizes)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--label", default="", help="a title for this run in the JSON (used by perf plot)")
+    ap.add_argument("--algorithm", default="auto", help="allreduce algorithm (auto, ring, direct, ...)")
     ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return ap
 
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     if comm.rank == 0:
         link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
-        print(f"# giftcomm allreduce: P={comm.size} dtype={args.dtype} op={args.op} block={args.block} "
+        print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} dtype={args.dtype} op={args.op} block={args.block} "
               f"iters={args.iters} warmup={args.warmup} check={args.check}")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
               f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}")
@@ -193,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_row(r), flush=True)
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
-                               args.check, args.seed, not args.no_progress, on_row)
+                               args.check, args.seed, not args.no_progress, on_row, args.algorithm)
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
         if args.check:
             print(f"# check: {bad} wrong elements in total ({'OK' if bad == 0 else 'FAILED'})")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"P": comm.size, "args": vars(args), "rows": [asdict(r) for r in rows]}, fh, indent=1)
+                json.dump({"P": comm.size, "label": args.label, "link": os.environ.get("GIFTCOMM_NETBED_RATE", "host"),
+                           "args": vars(args), "rows": [asdict(r) for r in rows]}, fh, indent=1)
     return 1 if bad else 0

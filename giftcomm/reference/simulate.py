@@ -14,7 +14,7 @@ from ..costmodel import Topology, choose
 from ..partition import accumulation_dtype, chunk_bounds
 from .codec import decode, encode
 
-__all__ = ["simulate_allreduce", "simulate_reduce_scatter", "simulate_allgather"]
+__all__ = ["simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather"]
 
 
 def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dtype, tuple]:
@@ -124,6 +124,27 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype) -> np.ndarray:
         values = values / values.dtype.type(p)
     with np.errstate(over="ignore", invalid="ignore"):
         return values.astype(dtype)
+
+
+def simulate_gift_allreduce(
+    inputs: Sequence[np.ndarray], geometry, fmt: str = "e4m3", block: int = 256, op: str = "sum",
+    algorithm: str = "auto", local_size: int | None = None,
+) -> list[np.ndarray]:
+    """Every rank's gift_allreduce output: forward on each rank (float32), the allreduce
+    simulation of the transformed vectors, inverse of the sum, then ``/ P`` for avg.
+
+    ``geometry``: anything with size, is_identity, forward(flat) and inverse(flat)
+    (giftcomm.geometry.Geometry). None or an identity geometry simulates plain allreduce.
+    """
+    if geometry is None or geometry.is_identity:
+        return simulate_allreduce(inputs, fmt, block, op, algorithm, local_size)
+    flat, dtype, shape = _flat_inputs(inputs)
+    p = len(flat)
+    transformed = [np.asarray(geometry.forward(x), dtype=np.float32) for x in flat]
+    summed = simulate_allreduce(transformed, fmt, block, "sum", algorithm, local_size)[0]
+    back = np.asarray(geometry.inverse(summed), dtype=np.float32)
+    out = _finish(back, op, p, dtype).reshape(shape)
+    return [out.copy() for _ in range(p)]
 
 
 def simulate_reduce_scatter(

@@ -1,0 +1,54 @@
+"""Plot busbw against message size from the JSON files of ``giftcomm.perf allreduce --json``.
+
+``python -m giftcomm.perf plot A.json B.json ... -o busbw.png``: one panel per file (its title
+is the file's ``--label`` or name), one line per format plus the MPI fp32 baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load_rows(path: str) -> tuple[str, dict]:
+    data = json.loads(Path(path).read_text())
+    return data.get("label") or Path(path).stem, data
+
+
+def plot(files: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
+    for ax, path in zip(axes[0], files):
+        label, data = load_rows(path)
+        fmts = sorted({r["fmt"] for r in data["rows"]}, key=lambda f: (f == "mpi", f))
+        for fmt in fmts:
+            rows = sorted((r for r in data["rows"] if r["fmt"] == fmt), key=lambda r: r["size"])
+            name = "MPI_Allreduce fp32" if fmt == "mpi" else f"giftcomm {fmt}"
+            ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o",
+                    linestyle="--" if fmt == "mpi" else "-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes of float32 input)")
+        ax.set_ylabel("busbw (GB/s of float32 input)")
+        ax.set_title(f"{label} (P={data['P']})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="giftcomm.perf plot", description=__doc__)
+    ap.add_argument("files", nargs="+", help="JSON files from giftcomm.perf allreduce --json")
+    ap.add_argument("-o", "--out", required=True, help="PNG file to write")
+    args = ap.parse_args(argv)
+    plot(args.files, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
