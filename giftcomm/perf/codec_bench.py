@@ -1,0 +1,200 @@
+"""Codec kernel benchmark: native C kernels vs the NumPy reference vs a memory-copy roofline.
+
+Prints a Markdown table of throughput in Melem/s (million float32 values per second) for the four
+codec operations::
+
+    encode              float32[n] -> wire message
+    decode              wire message -> float32[n]
+    decode_add_encode   wire message + float32[n] -> wire message (fused ring hop, no sum_out)
+    decode_accumulate   float32[n] += decode(wire message)
+
+Each cell is the median of repeated timings on one core (the process is pinned to one CPU where
+the OS allows it). ``copy`` is ``np.copyto`` of the same float32 vector (read 4n + write 4n
+bytes): a rough roofline for a pass that streams the data once.
+
+Run: ``python -m giftcomm.perf codec`` or ``python -m giftcomm.perf.codec_bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..formats import get_format, message_nbytes
+from ..reference import codec as ref
+
+__all__ = ["main", "run"]
+
+OPS = ("encode", "decode", "decode_add_encode", "decode_accumulate")
+
+
+def _native():
+    try:
+        from .. import _codec_native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _codec_native
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float) -> float:
+    """Median wall time in seconds of ``fn()`` over at least ``repeats`` calls (after one warm-up),
+    adding calls until ``min_time`` seconds have been spent in total (at most 10x repeats)."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats or (spent < min_time and len(times) < 10 * repeats):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    return statistics.median(times)
+
+
+def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) -> dict[str, Callable[[], object]]:
+    """Closures for the four operations on preallocated buffers, for impl 'native' or 'numpy'."""
+    f = get_format(fmt)
+    n = x.size
+    msg = ref.encode(x, f, block)
+    msg_out = np.empty(message_nbytes(n, f, block), np.uint8)
+    enc_out = np.empty_like(msg_out)
+    dec_out = np.empty(n, np.float32)
+    acc = np.zeros(n, np.float32)
+    if impl == "native":
+        nat = _native()
+        return {
+            "encode": lambda: nat.encode(x, enc_out, f.code, block),
+            "decode": lambda: nat.decode(msg, dec_out, f.code, block),
+            "decode_add_encode": lambda: nat.decode_add_encode(msg, local, msg_out, None, f.code, block),
+            "decode_accumulate": lambda: nat.decode_accumulate(msg, acc, f.code, block),
+        }
+
+    def dae():
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = ref.decode(msg, n, f, block) + local
+        return ref.encode(total, f, block, out=msg_out)
+
+    def accumulate():
+        with np.errstate(invalid="ignore", over="ignore"):
+            acc.__iadd__(ref.decode(msg, n, f, block))
+
+    return {
+        "encode": lambda: ref.encode(x, f, block, out=enc_out),
+        "decode": lambda: ref.decode(msg, n, f, block),
+        "decode_add_encode": dae,
+        "decode_accumulate": accumulate,
+    }
+
+
+def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time: float, seed: int,
+        with_numpy: bool = True) -> list[dict]:
+    """Measure every (format, size, op); return rows of dicts with Melem/s per implementation.
+
+    Keys: fmt, n, op, native (or None when the extension is missing), numpy (or None), copy.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in sizes:
+        x = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+        local = rng.standard_normal(n).astype(np.float32)
+        dst = np.empty_like(x)
+        copy = n / _median_seconds(lambda: np.copyto(dst, x), repeats, min_time) / 1e6
+        for fmt in formats:
+            impls = {}
+            if _native() is not None:
+                impls["native"] = _kernels("native", fmt, block, x, local)
+            if with_numpy:
+                impls["numpy"] = _kernels("numpy", fmt, block, x, local)
+            for op in OPS:
+                row = {"fmt": fmt, "n": n, "op": op, "native": None, "numpy": None, "copy": copy}
+                for impl, fns in impls.items():
+                    reps = repeats if impl == "native" else max(3, repeats // 3)
+                    row[impl] = n / _median_seconds(fns[op], reps, min_time) / 1e6
+                rows.append(row)
+    return rows
+
+
+def _fmt_rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the rows returned by :func:`run`."""
+    lines = [
+        "| format | n | op | native M/s | numpy M/s | native/numpy | copy M/s | native/copy |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        nat, npy, cp = r["native"], r["numpy"], r["copy"]
+        ratio = f"{nat / npy:.1f}x" if nat and npy else "-"
+        roof = f"{nat / cp:.2f}" if nat else "-"
+        lines.append(
+            f"| {r['fmt']} | {r['n']:,} | {r['op']} | {_fmt_rate(nat)} | {_fmt_rate(npy)} | {ratio} | "
+            f"{_fmt_rate(cp)} | {roof} |"
+        )
+    return "\n".join(lines)
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the process exit status (0)."""
+    p = argparse.ArgumentParser(prog="giftcomm.perf codec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="64K,16M", help="comma-separated element counts (K/M suffixes), default 64K,16M")
+    p.add_argument("--formats", default="e4m3,bf16", help="comma-separated formats, default e4m3,bf16")
+    p.add_argument("--block", type=int, default=256, help="elements per scale, default 256")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median), default 15")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds per cell to aim for, default 0.3")
+    p.add_argument("--isa", default=None, help="native kernel variant (generic, avx2, avx512); default: best")
+    p.add_argument("--no-numpy", action="store_true", help="skip the NumPy reference codec (it is slow)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="also write the result as Markdown to this file")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+
+    nat = _native()
+    if args.isa:
+        if nat is None:
+            p.error("--isa: the native extension is not built")
+        nat._set_isa(args.isa)
+    pinned = None
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[-1]})
+        pinned = cpus[-1]
+
+    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    formats = [get_format(s.strip()).name for s in args.formats.split(",") if s.strip()]
+    try:
+        rows = run(sizes, formats, args.block, args.repeats, args.min_time, args.seed, not args.no_numpy)
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, set(cpus))
+    header = (
+        f"native kernels: {nat._isa() if nat else 'not built'}; block {args.block}; "
+        f"one core{f' (pinned to CPU {pinned})' if pinned is not None else ''}; median of >= {args.repeats} "
+        f"calls; Melem/s = 10^6 float32 values per second"
+    )
+    text = header + "\n\n" + format_table(rows)
+    print(text)
+    if args.output:
+        cmd = "python -m giftcomm.perf codec" + "".join(" " + shlex.quote(a) for a in argv
+                                                       if a != "--output" and a != args.output)
+        with open(args.output, "w") as fh:
+            fh.write(f"# Codec kernel throughput\n\n```\n{cmd}\n```\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+/* giftcomm native CPU codec: shared declarations.
+ *
+ * Wire message for n values (see docs/wire-format.md, giftcomm/formats.py):
+ *   block-scaled (e4m3, e5m2): [n code bytes][zero pad to a multiple of 4][ceil(n/block) float32 scales]
+ *   pass-through (bf16, fp16): n little-endian 2-byte values; (fp32): n float32 values.
+ *
+ * Every kernel is bit-identical to giftcomm/reference/codec.py (NumPy + ml_dtypes). The kernels
+ * are plain C written so that gcc auto-vectorizes them; native/gc_kernels.h is compiled once per
+ * instruction set (generic, AVX2, AVX-512) and gc_dispatch.c picks one at import time.
+ *
+ * This file must be compiled with -ffp-contract=off and without -ffast-math: a fused multiply-add
+ * or a flushed denormal changes bits.
+ */
+#ifndef GC_CODEC_H
+#define GC_CODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Format codes: giftcomm.formats.Format.code */
+enum { GC_E4M3 = 1, GC_E5M2 = 2, GC_BF16 = 3, GC_FP16 = 4, GC_FP32 = 5 };
+
+#define GC_MAX_BLOCK (1u << 20)
+
+/* Extra AVX2 / AVX-512 copies of the kernels: gcc (not clang, which lacks `#pragma GCC target`)
+ * on x86-64. Elsewhere only the generic copy exists. Define GC_NO_X86_VARIANTS to disable. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(GC_NO_X86_VARIANTS)
+#define GC_HAVE_X86_VARIANTS 1
+#endif
+
+/* One instruction-set variant of the four kernels. All sizes are element counts; `msg` pointers
+ * are whole wire messages (payload, pad, scales); float pointers need no particular alignment.
+ * `tmp` is scratch space of at least min(block, n) floats (only the scaled formats use it). */
+typedef struct {
+    const char *name;
+    /* x: n float32 -> msg */
+    void (*encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block);
+    /* msg -> out: n float32 */
+    void (*decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t block);
+    /* msg_out = encode(decode(msg_in) + local); sum_out (may be NULL) = the float32 sum */
+    void (*decode_add_encode)(int fmt, const uint8_t *msg_in, const float *local, size_t n,
+                              uint8_t *msg_out, float *sum_out, size_t block, float *tmp);
+    /* acc += decode(msg) */
+    void (*decode_accumulate)(int fmt, const uint8_t *msg, size_t n, float *acc, size_t block);
+} gc_kernels;
+
+extern const gc_kernels gc_kernels_generic;
+#if defined(GC_HAVE_X86_VARIANTS)
+extern const gc_kernels gc_kernels_avx2;
+extern const gc_kernels gc_kernels_avx512;
+#endif
+
+/* Bytes of the payload padded to 4 (scaled formats), i.e. the offset of the scales. */
+static inline size_t gc_scales_offset(size_t n) { return (n + 3u) & ~(size_t)3u; }
+
+#endif

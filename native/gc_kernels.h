@@ -1,0 +1,282 @@
+/* giftcomm native codec: the kernels, as a template included once per instruction set.
+ *
+ * Before including, define GC_SUFFIX (an identifier: generic, avx2, avx512) and GC_ISA_NAME (a
+ * string); gc_kernels.c wraps each inclusion in `#pragma GCC target(...)` so that gcc vectorizes
+ * the same C source for that instruction set. The result is the object `gc_kernels_<suffix>`.
+ *
+ * Block-scaled formats work one block at a time: the block's amax (integer max of |bits|, which
+ * orders non-negative floats and puts NaN above Inf), its scale, then the codes. The fused hop
+ * decodes the block into block-local scratch, adds `local`, and encodes it while it is still in L1.
+ */
+#include "gc_codec.h"
+#include "gc_scalar.h"
+
+#define GC_CAT2(a, b) a##_##b
+#define GC_CAT(a, b) GC_CAT2(a, b)
+#define K(name) GC_CAT(name, GC_SUFFIX)
+
+/* max |bits| of len float32 values */
+GC_INLINE uint32_t K(amax_bits)(const float *restrict x, size_t len)
+{
+    uint32_t m = 0;
+    for (size_t i = 0; i < len; i++) {
+        uint32_t a = gc_bits(x[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* Encode one block of len values whose amax bits are m: codes[len] and the scale at scale_p. */
+GC_INLINE void K(enc8_block)(const float *restrict x, size_t len, uint8_t *restrict codes,
+                             uint8_t *scale_p, uint32_t m, const int e5)
+{
+    if (m >= 0x7f800000u) { /* NaN or Inf in the block */
+        memset(codes, 0x7f, len);
+        gc_store_f32(scale_p, gc_float(0x7fc00000u));
+        return;
+    }
+    float amax = gc_float(m), scale = 1.0f, inv = 1.0f;
+    if (!(amax < GC8_TINY(e5))) {
+        scale = amax / GC8_FMAX(e5);
+        inv = GC8_FMAX(e5) / amax;
+    }
+    for (size_t i = 0; i < len; i++)
+        codes[i] = (uint8_t)gc_q8(gc_bits(x[i] * inv), e5);
+    gc_store_f32(scale_p, scale);
+}
+
+/* Decode one block: out[i] = float(code) * scale (numpy's operand order for NaN results). */
+GC_INLINE void K(dec8_block)(const uint8_t *restrict codes, size_t len, float scale,
+                             float *restrict out, const int e5)
+{
+    if (gc_isnan(scale)) {
+        float q = gc_quiet(scale);
+        for (size_t i = 0; i < len; i++) {
+            float v = gc_d8(codes[i], e5);
+            out[i] = gc_isnan(v) ? v : q;
+        }
+        return;
+    }
+    for (size_t i = 0; i < len; i++)
+        out[i] = gc_d8(codes[i], e5) * scale;
+}
+
+/* Software prefetch of the float32 stream GC_PF_BYTES ahead, one hint per 64-byte line of this
+ * block: it overlaps the next blocks' loads with this block's (compute-bound) encode pass. */
+#ifndef GC_PREFETCH_AHEAD
+#define GC_PF_BYTES 4096
+#if defined(__GNUC__)
+#define GC_PREFETCH_AHEAD(p, len, left)                                                         \
+    do {                                                                                         \
+        if ((left) * 4 > GC_PF_BYTES + (len) * 4)                                                \
+            for (size_t pf_ = 0; pf_ < (len); pf_ += 16)                                         \
+                __builtin_prefetch((const char *)((p) + pf_) + GC_PF_BYTES, 0, 0);               \
+    } while (0)
+#else
+#define GC_PREFETCH_AHEAD(p, len, left) ((void)0)
+#endif
+#endif
+
+GC_INLINE void K(encode8)(const float *x, size_t n, uint8_t *msg, size_t block, const int e5)
+{
+    size_t off = gc_scales_offset(n);
+    memset(msg + n, 0, off - n);
+    for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        size_t len = n - i0 < block ? n - i0 : block;
+        uint32_t m = K(amax_bits)(x + i0, len);
+        K(enc8_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, e5);
+    }
+}
+
+GC_INLINE void K(decode8)(const uint8_t *msg, size_t n, float *out, size_t block, const int e5)
+{
+    size_t off = gc_scales_offset(n);
+    for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        size_t len = n - i0 < block ? n - i0 : block;
+        K(dec8_block)(msg + i0, len, gc_load_f32(msg + off + 4 * b), out + i0, e5);
+    }
+}
+
+GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out,
+                       float *sum_out, size_t block, float *restrict tmp, const int e5)
+{
+    size_t off = gc_scales_offset(n);
+    memset(msg_out + n, 0, off - n);
+    for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        size_t len = n - i0 < block ? n - i0 : block;
+        const uint8_t *c = msg_in + i0;
+        const float *l = local + i0;
+        float scale = gc_load_f32(msg_in + off + 4 * b);
+        /* pass 1: sum into block-local scratch (or sum_out) and its amax; everything of this
+         * block is read from msg_in before msg_out is written (they may be the same buffer) */
+        float *dst = sum_out ? sum_out + i0 : tmp;
+        uint32_t m = 0;
+        GC_PREFETCH_AHEAD(l, len, n - i0);
+        if (gc_isnan(scale)) { /* non-finite input block: rare, decode separately */
+            K(dec8_block)(c, len, scale, tmp, e5);
+            for (size_t i = 0; i < len; i++) {
+                float s = gc_addf(tmp[i], l[i]);
+                dst[i] = s;
+                uint32_t a = gc_bits(s) & 0x7fffffffu;
+                m = a > m ? a : m;
+            }
+        } else if (sum_out) {
+            for (size_t i = 0; i < len; i++) {
+                float s = gc_addf(gc_d8(c[i], e5) * scale, l[i]);
+                dst[i] = s;
+                uint32_t a = gc_bits(s) & 0x7fffffffu;
+                m = a > m ? a : m;
+            }
+        } else {
+            for (size_t i = 0; i < len; i++) {
+                float s = gc_addf(gc_d8(c[i], e5) * scale, l[i]);
+                tmp[i] = s;
+                uint32_t a = gc_bits(s) & 0x7fffffffu;
+                m = a > m ? a : m;
+            }
+        }
+        /* pass 2: encode the block from L1 */
+        K(enc8_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, e5);
+    }
+}
+
+GC_INLINE void K(acc8)(const uint8_t *msg, size_t n, float *acc, size_t block, const int e5)
+{
+    size_t off = gc_scales_offset(n);
+    for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        size_t len = n - i0 < block ? n - i0 : block;
+        float scale = gc_load_f32(msg + off + 4 * b);
+        const uint8_t *c = msg + i0;
+        float *a = acc + i0;
+        if (gc_isnan(scale)) {
+            float q = gc_quiet(scale);
+            for (size_t i = 0; i < len; i++) {
+                float v = gc_d8(c[i], e5);
+                a[i] = gc_addf(a[i], gc_isnan(v) ? v : q);
+            }
+        } else {
+            for (size_t i = 0; i < len; i++)
+                a[i] = gc_addf(a[i], gc_d8(c[i], e5) * scale);
+        }
+    }
+}
+
+/* ---- pass-through formats: element-wise, 2-byte payloads read and written with memcpy ---- */
+
+GC_INLINE void K(encode16)(const float *restrict x, size_t n, uint8_t *restrict msg, const int fp16)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = gc_bits(x[i]);
+        uint16_t h = (uint16_t)(fp16 ? gc_efp16(u) : gc_ebf16(u));
+        memcpy(msg + 2 * i, &h, 2);
+    }
+}
+
+GC_INLINE float K(load16)(const uint8_t *p, const int fp16)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return fp16 ? gc_dfp16(h) : gc_dbf16(h);
+}
+
+GC_INLINE void K(decode16)(const uint8_t *restrict msg, size_t n, float *restrict out, const int fp16)
+{
+    for (size_t i = 0; i < n; i++)
+        out[i] = K(load16)(msg + 2 * i, fp16);
+}
+
+GC_INLINE void K(dae16)(const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out,
+                     float *sum_out, const int fp16)
+{
+    if (sum_out) {
+        for (size_t i = 0; i < n; i++) {
+            float s = gc_addf(K(load16)(msg_in + 2 * i, fp16), local[i]);
+            sum_out[i] = s;
+            uint16_t h = (uint16_t)(fp16 ? gc_efp16(gc_bits(s)) : gc_ebf16(gc_bits(s)));
+            memcpy(msg_out + 2 * i, &h, 2);
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            float s = gc_addf(K(load16)(msg_in + 2 * i, fp16), local[i]);
+            uint16_t h = (uint16_t)(fp16 ? gc_efp16(gc_bits(s)) : gc_ebf16(gc_bits(s)));
+            memcpy(msg_out + 2 * i, &h, 2);
+        }
+    }
+}
+
+GC_INLINE void K(acc16)(const uint8_t *msg, size_t n, float *acc, const int fp16)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = gc_addf(acc[i], K(load16)(msg + 2 * i, fp16));
+}
+
+GC_INLINE void K(dae32)(const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out, float *sum_out)
+{
+    for (size_t i = 0; i < n; i++) {
+        float s = gc_addf(gc_load_f32(msg_in + 4 * i), local[i]);
+        if (sum_out)
+            sum_out[i] = s;
+        gc_store_f32(msg_out + 4 * i, s);
+    }
+}
+
+GC_INLINE void K(acc32)(const uint8_t *msg, size_t n, float *acc)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] = gc_addf(acc[i], gc_load_f32(msg + 4 * i));
+}
+
+/* ---- entry points: dispatch on the format code (validated by the caller) ---- */
+
+static void K(encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block)
+{
+    switch (fmt) {
+    case GC_E4M3: K(encode8)(x, n, msg, block, 0); break;
+    case GC_E5M2: K(encode8)(x, n, msg, block, 1); break;
+    case GC_BF16: K(encode16)(x, n, msg, 0); break;
+    case GC_FP16: K(encode16)(x, n, msg, 1); break;
+    default: memmove(msg, x, 4 * n); break;
+    }
+}
+
+static void K(decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t block)
+{
+    switch (fmt) {
+    case GC_E4M3: K(decode8)(msg, n, out, block, 0); break;
+    case GC_E5M2: K(decode8)(msg, n, out, block, 1); break;
+    case GC_BF16: K(decode16)(msg, n, out, 0); break;
+    case GC_FP16: K(decode16)(msg, n, out, 1); break;
+    default: memmove(out, msg, 4 * n); break;
+    }
+}
+
+static void K(decode_add_encode)(int fmt, const uint8_t *msg_in, const float *local, size_t n,
+                                 uint8_t *msg_out, float *sum_out, size_t block, float *tmp)
+{
+    switch (fmt) {
+    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 0); break;
+    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 1); break;
+    case GC_BF16: K(dae16)(msg_in, local, n, msg_out, sum_out, 0); break;
+    case GC_FP16: K(dae16)(msg_in, local, n, msg_out, sum_out, 1); break;
+    default: K(dae32)(msg_in, local, n, msg_out, sum_out); break;
+    }
+}
+
+static void K(decode_accumulate)(int fmt, const uint8_t *msg, size_t n, float *acc, size_t block)
+{
+    switch (fmt) {
+    case GC_E4M3: K(acc8)(msg, n, acc, block, 0); break;
+    case GC_E5M2: K(acc8)(msg, n, acc, block, 1); break;
+    case GC_BF16: K(acc16)(msg, n, acc, 0); break;
+    case GC_FP16: K(acc16)(msg, n, acc, 1); break;
+    default: K(acc32)(msg, n, acc); break;
+    }
+}
+
+const gc_kernels GC_CAT(gc_kernels, GC_SUFFIX) = {
+    GC_ISA_NAME, K(encode), K(decode), K(decode_add_encode), K(decode_accumulate),
+};
+
+#undef K
+#undef GC_CAT
+#undef GC_CAT2

@@ -1,0 +1,382 @@
+/* giftcomm._codec_native: CPython bindings of the native CPU codec.
+ *
+ * Functions (all arguments are objects exporting the buffer protocol, C-contiguous; float32
+ * buffers must have item format 'f', message buffers itemsize 1; sizes in bytes are checked
+ * against giftcomm.formats.message_nbytes and raise ValueError on mismatch):
+ *
+ *   encode(x, out, fmt_code, block)             x: n float32 -> out: uint8[message_nbytes(n)]
+ *   decode(msg, out, fmt_code, block)           msg: uint8[message_nbytes(n)] -> out: n float32
+ *   decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block)
+ *                                               msg_out = encode(fp32(decode(msg_in) + local));
+ *                                               sum_out: n float32 or None, receives the sum
+ *   decode_accumulate(msg, acc, fmt_code, block)    acc (n float32) += decode(msg)
+ *
+ * fmt_code: giftcomm.formats.Format.code (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32); block: 1..2^20
+ * elements per scale (checked for every format, used by e4m3/e5m2 only). The GIL is released
+ * while the kernels run. Exact aliasing of an input and an output of the same call (msg_in is
+ * msg_out, or sum_out is local) is allowed; partial overlap is not.
+ *
+ * Private helpers for tests and benchmarks: _isa() -> the kernel variant in use ("generic",
+ * "avx2", "avx512"); _isas() -> the variants this CPU can run; _set_isa(name). The variant is
+ * chosen at import: the best one the CPU supports, or GIFTCOMM_NATIVE_ISA if set (an unknown or
+ * unsupported name warns and is ignored).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "gc_codec.h"
+
+static const gc_kernels *g_kernels = &gc_kernels_generic;
+
+static int isa_supported(const gc_kernels *k)
+{
+    if (k == &gc_kernels_generic)
+        return 1;
+#if defined(GC_HAVE_X86_VARIANTS)
+    __builtin_cpu_init();
+    if (k == &gc_kernels_avx2)
+        return __builtin_cpu_supports("avx2");
+    if (k == &gc_kernels_avx512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    return 0;
+}
+
+static const gc_kernels *const g_all[] = {
+#if defined(GC_HAVE_X86_VARIANTS)
+    &gc_kernels_avx512, &gc_kernels_avx2,
+#endif
+    &gc_kernels_generic,
+};
+#define N_ISAS (sizeof(g_all) / sizeof(g_all[0]))
+
+/* ---- argument handling ---- */
+
+static int fmt_itemsize(int fmt)
+{
+    switch (fmt) {
+    case GC_E4M3: case GC_E5M2: return 1;
+    case GC_BF16: case GC_FP16: return 2;
+    case GC_FP32: return 4;
+    default: return 0;
+    }
+}
+
+static int check_fmt_block(int fmt, long long block)
+{
+    if (!fmt_itemsize(fmt)) {
+        PyErr_Format(PyExc_ValueError, "unknown format code %d (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32)", fmt);
+        return -1;
+    }
+    if (block < 1 || block > (long long)GC_MAX_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "block must be between 1 and %u, got %lld", GC_MAX_BLOCK, block);
+        return -1;
+    }
+    return 0;
+}
+
+/* message_nbytes(n, fmt, block) */
+static size_t msg_nbytes(size_t n, int fmt, size_t block)
+{
+    if (fmt == GC_E4M3 || fmt == GC_E5M2)
+        return gc_scales_offset(n) + 4 * ((n + block - 1) / block);
+    return n * (size_t)fmt_itemsize(fmt);
+}
+
+/* Get a C-contiguous buffer of float32 items; on success the caller releases it. */
+static int get_f32(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if ((f[0] == '@' || f[0] == '=' || f[0] == '<') && f[1])
+        f++;
+    if (view->itemsize != 4 || strcmp(f, "f") != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous float32 buffer, got format '%s' itemsize %zd",
+                     what, view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Get a C-contiguous buffer of bytes (itemsize 1); on success the caller releases it. */
+static int get_u8(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    if (view->itemsize != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous uint8 buffer, got format '%s' itemsize %zd",
+                     what, view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_msg(const Py_buffer *view, size_t n, int fmt, size_t block, const char *what)
+{
+    size_t want = msg_nbytes(n, fmt, block);
+    if ((size_t)view->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s: a message of %zu values (format code %d, block %zu) has %zu bytes, got %zd",
+                     what, n, fmt, block, want, view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the four functions ---- */
+
+static PyObject *py_encode(PyObject *self, PyObject *args)
+{
+    PyObject *xo, *oo;
+    int fmt;
+    long long block;
+    Py_buffer x, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOiL:encode", &xo, &oo, &fmt, &block) || check_fmt_block(fmt, block) < 0)
+        return NULL;
+    if (get_f32(xo, &x, 0, "x") < 0)
+        return NULL;
+    if (get_u8(oo, &out, 1, "out") < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    size_t n = (size_t)x.len / 4;
+    PyObject *ret = NULL;
+    if (check_msg(&out, n, fmt, (size_t)block, "out") == 0) {
+        const gc_kernels *k = g_kernels;
+        Py_BEGIN_ALLOW_THREADS
+        k->encode(fmt, (const float *)x.buf, n, (uint8_t *)out.buf, (size_t)block);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&x);
+    return ret;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args)
+{
+    PyObject *mo, *oo;
+    int fmt;
+    long long block;
+    Py_buffer msg, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOiL:decode", &mo, &oo, &fmt, &block) || check_fmt_block(fmt, block) < 0)
+        return NULL;
+    if (get_u8(mo, &msg, 0, "msg") < 0)
+        return NULL;
+    if (get_f32(oo, &out, 1, "out") < 0) {
+        PyBuffer_Release(&msg);
+        return NULL;
+    }
+    size_t n = (size_t)out.len / 4;
+    PyObject *ret = NULL;
+    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0) {
+        const gc_kernels *k = g_kernels;
+        Py_BEGIN_ALLOW_THREADS
+        k->decode(fmt, (const uint8_t *)msg.buf, n, (float *)out.buf, (size_t)block);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&msg);
+    return ret;
+}
+
+static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
+{
+    PyObject *mio, *lo, *moo, *so;
+    int fmt;
+    long long block;
+    Py_buffer min, loc, mout, sum;
+    int have_sum = 0;
+    PyObject *ret = NULL;
+    float *tmp = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOiL:decode_add_encode", &mio, &lo, &moo, &so, &fmt, &block)
+        || check_fmt_block(fmt, block) < 0)
+        return NULL;
+    if (get_u8(mio, &min, 0, "msg_in") < 0)
+        return NULL;
+    if (get_f32(lo, &loc, 0, "local") < 0)
+        goto rel_min;
+    if (get_u8(moo, &mout, 1, "msg_out") < 0)
+        goto rel_loc;
+    if (so != Py_None) {
+        if (get_f32(so, &sum, 1, "sum_out") < 0)
+            goto rel_mout;
+        have_sum = 1;
+    }
+    size_t n = (size_t)loc.len / 4;
+    if (check_msg(&min, n, fmt, (size_t)block, "msg_in") < 0 || check_msg(&mout, n, fmt, (size_t)block, "msg_out") < 0)
+        goto done;
+    if (have_sum && (size_t)sum.len != 4 * n) {
+        PyErr_Format(PyExc_ValueError, "sum_out must hold %zu float32 values, got %zd bytes", n, sum.len);
+        goto done;
+    }
+    if (fmt == GC_E4M3 || fmt == GC_E5M2) {
+        size_t t = n < (size_t)block ? n : (size_t)block;
+        tmp = (float *)PyMem_RawMalloc(4 * (t ? t : 1));
+        if (!tmp) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    {
+        const gc_kernels *k = g_kernels;
+        float *sp = have_sum ? (float *)sum.buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        k->decode_add_encode(fmt, (const uint8_t *)min.buf, (const float *)loc.buf, n, (uint8_t *)mout.buf, sp,
+                             (size_t)block, tmp);
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(tmp);
+    if (have_sum)
+        PyBuffer_Release(&sum);
+rel_mout:
+    PyBuffer_Release(&mout);
+rel_loc:
+    PyBuffer_Release(&loc);
+rel_min:
+    PyBuffer_Release(&min);
+    return ret;
+}
+
+static PyObject *py_decode_accumulate(PyObject *self, PyObject *args)
+{
+    PyObject *mo, *ao;
+    int fmt;
+    long long block;
+    Py_buffer msg, acc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOiL:decode_accumulate", &mo, &ao, &fmt, &block) || check_fmt_block(fmt, block) < 0)
+        return NULL;
+    if (get_u8(mo, &msg, 0, "msg") < 0)
+        return NULL;
+    if (get_f32(ao, &acc, 1, "acc") < 0) {
+        PyBuffer_Release(&msg);
+        return NULL;
+    }
+    size_t n = (size_t)acc.len / 4;
+    PyObject *ret = NULL;
+    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0) {
+        const gc_kernels *k = g_kernels;
+        Py_BEGIN_ALLOW_THREADS
+        k->decode_accumulate(fmt, (const uint8_t *)msg.buf, n, (float *)acc.buf, (size_t)block);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&acc);
+    PyBuffer_Release(&msg);
+    return ret;
+}
+
+/* ---- kernel variant selection ---- */
+
+static PyObject *py_isa(PyObject *self, PyObject *args)
+{
+    (void)self; (void)args;
+    return PyUnicode_FromString(g_kernels->name);
+}
+
+static PyObject *py_isas(PyObject *self, PyObject *args)
+{
+    (void)self; (void)args;
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    for (size_t i = 0; i < N_ISAS; i++) {
+        if (!isa_supported(g_all[i]))
+            continue;
+        PyObject *s = PyUnicode_FromString(g_all[i]->name);
+        if (!s || PyList_Append(list, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return list;
+}
+
+static int set_isa(const char *name)
+{
+    for (size_t i = 0; i < N_ISAS; i++) {
+        if (strcmp(g_all[i]->name, name) == 0) {
+            if (!isa_supported(g_all[i]))
+                return -2;
+            g_kernels = g_all[i];
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *args)
+{
+    const char *name;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s:_set_isa", &name))
+        return NULL;
+    int r = set_isa(name);
+    if (r == -1)
+        return PyErr_Format(PyExc_ValueError, "unknown kernel variant %R", PyTuple_GET_ITEM(args, 0));
+    if (r == -2)
+        return PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", py_encode, METH_VARARGS,
+     "encode(x, out, fmt_code, block): x float32[n] -> out uint8[message_nbytes(n)]."},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(msg, out, fmt_code, block): msg uint8[message_nbytes(n)] -> out float32[n]."},
+    {"decode_add_encode", py_decode_add_encode, METH_VARARGS,
+     "decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block): msg_out = encode(decode(msg_in) + local) "
+     "with the sum in float32; sum_out (float32[n] or None) receives the sum. Fused per block."},
+    {"decode_accumulate", py_decode_accumulate, METH_VARARGS,
+     "decode_accumulate(msg, acc, fmt_code, block): acc (float32[n]) += decode(msg)."},
+    {"_isa", py_isa, METH_NOARGS, "Name of the kernel variant in use."},
+    {"_isas", py_isas, METH_NOARGS, "Kernel variants this CPU can run, best first."},
+    {"_set_isa", py_set_isa, METH_VARARGS, "Select a kernel variant by name (tests, benchmarks)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "giftcomm._codec_native",
+    "Native CPU kernels of the giftcomm FP8 codec (bit-identical to giftcomm.reference.codec).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__codec_native(void)
+{
+    for (size_t i = 0; i < N_ISAS; i++) { /* best supported variant first */
+        if (isa_supported(g_all[i])) {
+            g_kernels = g_all[i];
+            break;
+        }
+    }
+    PyObject *mod = PyModule_Create(&moduledef);
+    const char *env = getenv("GIFTCOMM_NATIVE_ISA");
+    if (mod && env && *env) {
+        int r = set_isa(env);
+        if (r < 0 && PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "GIFTCOMM_NATIVE_ISA=%s ignored: %s; using %s", env,
+                                      r == -1 ? "unknown kernel variant (generic, avx2, avx512)"
+                                              : "not supported by this CPU",
+                                      g_kernels->name) < 0) {
+            Py_DECREF(mod);
+            return NULL;
+        }
+    }
+    return mod;
+}

@@ -1,0 +1,123 @@
+/* giftcomm native codec: element-wise conversions, shared by every instruction-set variant.
+ *
+ * Each function converts one value with integer bit manipulation (plus one exact float add or
+ * subtract for subnormal results), written without branches so that gcc turns the loops that call
+ * them into SIMD code. All of them are exact re-statements of the reference (NumPy/ml_dtypes):
+ *
+ *   gc_q8      float32 bits (finite, already scaled) -> FP8 code: clip to +-max, round to nearest
+ *              even (subnormal FP8 results included), keep the sign of zero.
+ *   gc_d8      FP8 code -> float32 (exact; NaN codes give ml_dtypes' +-0x7FC00000, e5m2 Inf codes Inf).
+ *   gc_ebf16   float32 bits -> bfloat16 bits: round to nearest even; NaN -> sign|0x7FC0 (as ml_dtypes).
+ *   gc_dbf16   bfloat16 bits -> float32 (shift).
+ *   gc_efp16   float32 bits -> IEEE half bits: round to nearest even, overflow to Inf; NaN keeps the
+ *              sign and the top 10 payload bits, 0x7C01 if those are zero (as numpy's astype).
+ *   gc_dfp16   half bits -> float32 (exact; NaN payload shifted, not quieted, as numpy).
+ *   gc_addf    a + b in float32; when a is NaN the result is a quieted (x86 SSE semantics: the first
+ *              NaN operand wins), so the result does not depend on how the compiler orders operands.
+ */
+#ifndef GC_SCALAR_H
+#define GC_SCALAR_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__)
+#define GC_INLINE static inline __attribute__((always_inline))
+#else
+#define GC_INLINE static inline
+#endif
+
+GC_INLINE uint32_t gc_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+GC_INLINE float gc_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* FP8 format constants; e5 = 0 for e4m3 (float8_e4m3fn), 1 for e5m2. */
+#define GC8_MAXBITS(e5) ((e5) ? 0x47600000u : 0x43e00000u)    /* 57344, 448 */
+#define GC8_MINNORM(e5) ((e5) ? (113u << 23) : (121u << 23))  /* 2^-14, 2^-6 */
+#define GC8_SHIFT(e5) ((e5) ? 21u : 20u)                      /* fp32 mantissa bits dropped */
+#define GC8_EBIAS(e5) ((e5) ? (112u << 2) : (120u << 3))      /* (127 - bias) << mantissa bits */
+#define GC8_MAGIC(e5) ((e5) ? 128.0f : 16384.0f)              /* 2^23 * smallest subnormal */
+#define GC8_MAGICBITS(e5) ((e5) ? 0x43000000u : 0x46800000u)
+#define GC8_FMAX(e5) ((e5) ? 57344.0f : 448.0f)
+#define GC8_TINY(e5) ((e5) ? 0x1.cp-111f : 0x1.cp-118f)       /* max * 2^-126, exact */
+
+GC_INLINE uint32_t gc_q8(uint32_t u, const int e5)
+{
+    uint32_t s = (u >> 24) & 0x80u;
+    uint32_t a = u & 0x7fffffffu;
+    a = a < GC8_MAXBITS(e5) ? a : GC8_MAXBITS(e5); /* clip(-max, max); no NaN reaches here */
+    /* normal FP8 result: round the fp32 mantissa to 3 (2) bits, nearest even, then rebias */
+    uint32_t rn = ((a + ((1u << (GC8_SHIFT(e5) - 1u)) - 1u) + ((a >> GC8_SHIFT(e5)) & 1u)) >> GC8_SHIFT(e5))
+                  - GC8_EBIAS(e5);
+    /* subnormal FP8 result: adding 2^23 * step rounds a to a multiple of the subnormal step (RNE,
+     * done by the FPU); the low bits are then the code. Reaching 2^-6 (2^-14) gives the smallest
+     * normal code, so the two paths meet exactly. */
+    uint32_t rs = gc_bits(gc_float(a) + GC8_MAGIC(e5)) - GC8_MAGICBITS(e5);
+    return (a < GC8_MINNORM(e5) ? rs : rn) | s;
+}
+
+GC_INLINE float gc_d8(uint32_t c, const int e5)
+{
+    uint32_t m = c & 0x7fu, s = (c & 0x80u) << 24, b;
+    if (e5) {
+        uint32_t nb = (m << 21) + (112u << 23);
+        /* subnormal: 2^-14 * (1 + m/4) - 2^-14 = m * 2^-16, exact, never an fp32 denormal */
+        uint32_t sb = gc_bits(gc_float((m << 21) + (113u << 23)) - 0x1p-14f);
+        b = m < 4u ? sb : nb;
+        b = m == 0x7cu ? 0x7f800000u : b;
+        b = m > 0x7cu ? 0x7fc00000u : b;
+    } else {
+        uint32_t nb = (m << 20) + (120u << 23);
+        uint32_t sb = gc_bits(gc_float((m << 20) + (121u << 23)) - 0x1p-6f);
+        b = m < 8u ? sb : nb;
+        b = m == 0x7fu ? 0x7fc00000u : b;
+    }
+    return gc_float(b | s);
+}
+
+GC_INLINE uint32_t gc_ebf16(uint32_t u)
+{
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? nan : r;
+}
+
+GC_INLINE float gc_dbf16(uint32_t h) { return gc_float(h << 16); }
+
+GC_INLINE uint32_t gc_efp16(uint32_t u)
+{
+    uint32_t s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    uint32_t rn = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    rn = a >= 0x477ff000u ? 0x7c00u : rn;                           /* >= 65520 rounds to Inf */
+    uint32_t rs = gc_bits(gc_float(a) + 0.5f) - 0x3f000000u;        /* subnormal: step 2^-24 */
+    uint32_t r = a < 0x38800000u ? rs : rn;
+    uint32_t nan = 0x7c00u | ((a >> 13) & 0x3ffu);
+    nan = nan == 0x7c00u ? 0x7c01u : nan;
+    r = a > 0x7f800000u ? nan : r;
+    return r | s;
+}
+
+GC_INLINE float gc_dfp16(uint32_t h)
+{
+    uint32_t s = (h & 0x8000u) << 16;
+    uint32_t o = (h & 0x7fffu) << 13;
+    uint32_t e = o & 0x0f800000u;
+    uint32_t nb = o + (112u << 23);
+    nb = e == 0x0f800000u ? nb + (112u << 23) : nb;                 /* Inf/NaN: exponent 255 */
+    uint32_t sb = gc_bits(gc_float(o + (113u << 23)) - 0x1p-14f);   /* subnormal: exact */
+    return gc_float((e == 0u ? sb : nb) | s);
+}
+
+GC_INLINE float gc_addf(float a, float b)
+{
+    uint32_t ua = gc_bits(a);
+    float s = a + b;
+    return (ua & 0x7fffffffu) > 0x7f800000u ? gc_float(ua | 0x400000u) : s;
+}
+
+GC_INLINE int gc_isnan(float a) { return (gc_bits(a) & 0x7fffffffu) > 0x7f800000u; }
+GC_INLINE float gc_quiet(float a) { return gc_float(gc_bits(a) | 0x400000u); }
+
+GC_INLINE float gc_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+GC_INLINE void gc_store_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
+
+#endif
