@@ -5,6 +5,7 @@ over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-la
 """
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .formats import FORMATS, bytes_per_value, message_nbytes
+from .geometry import Geometry
 from .partition import chunk_bounds
 from .transport import LoopbackGroup, Transport
 
@@ -15,6 +16,7 @@ __all__ = [
     "gift_allreduce",
     "reduce_scatter",
     "allgather",
+    "Geometry",
     "chunk_bounds",
     "message_nbytes",
     "bytes_per_value",

@@ -112,6 +112,7 @@ class LowRankSide(Side):
 
     def __init__(self, u: np.ndarray, d_fwd: np.ndarray, c_fwd: float, d_inv: np.ndarray, c_inv: float):
         self.u = np.ascontiguousarray(u, dtype=np.float32)
+        self.ut = np.ascontiguousarray(self.u.T)  # contiguous U^T: faster skinny GEMMs
         self.dim, self.rank = self.u.shape
         self.c_fwd = np.float32(c_fwd)
         self.c_inv = np.float32(c_inv)
@@ -131,7 +132,7 @@ class LowRankSide(Side):
 
     def left(self, x, inverse=False):
         c, delta = (self.c_inv, self.delta_inv) if inverse else (self.c_fwd, self.delta_fwd)
-        y = self.u.T @ x
+        y = self.ut @ x
         y *= delta[:, None]
         out = self.u @ y
         out += c * x
@@ -141,7 +142,7 @@ class LowRankSide(Side):
         c, delta = (self.c_inv, self.delta_inv) if inverse else (self.c_fwd, self.delta_fwd)
         y = x @ self.u
         y *= delta
-        out = y @ self.u.T
+        out = y @ self.ut
         out += c * x
         return out
 

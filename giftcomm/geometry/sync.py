@@ -7,7 +7,8 @@ Two modes (docs/method.md reports which is cheaper as measured):
   all ranks (it is in MPICH and Open MPI for SUM on doubles) and eigh is deterministic; a
   BLAKE2b digest of all spectra is compared with one allgather, and if any rank differs every
   rank takes rank 0's spectra (counted in ``SyncReport.repaired``).
-- ``"broadcast"``: factor j is summed onto its owner rank ``j % P`` with ``Reduce``, the owner
+- ``"broadcast"``: factor j is summed onto its owner rank with ``Reduce`` (owners balance the
+  ``d^3`` eigh work: largest factor first, each to the least-loaded rank), the owner
   eigendecomposes it, and ``Bcast`` sends the eigenvalues and eigenvectors to all. The
   eigendecompositions are spread over the ranks, and every rank receives the same bytes.
 
@@ -52,6 +53,18 @@ def _digest(spectra: list[Spectrum | None]) -> bytes:
         h.update(np.float64(s.scale).tobytes())
         h.update(s.vectors.tobytes())
     return h.digest()
+
+
+def owners(sizes: list[int], nranks: int) -> list[int]:
+    """Owner rank of each factor: largest first onto the least-loaded rank (load = sum d^3).
+    Deterministic, so every rank computes the same assignment."""
+    load = [0.0] * nranks
+    out = [0] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        r = min(range(nranks), key=lambda r: (load[r], r))
+        out[j] = r
+        load[r] += float(sizes[j]) ** 3
+    return out
 
 
 def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "broadcast"):
@@ -103,11 +116,12 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
         t_comm += time.perf_counter() - tc
     else:
         owned: dict[int, np.ndarray] = {}
+        own = owners([m.shape[0] if n else 0 for m, n in zip(mats, nfed)], size)
         tc = time.perf_counter()
         for j, (m, n) in enumerate(zip(mats, nfed)):
             if n == 0:
                 continue
-            owner = j % size
+            owner = own[j]
             buf = np.empty_like(m) if rank == owner else None
             comm.Reduce(np.ascontiguousarray(m), buf, op=MPI.SUM, root=owner)
             nbytes += m.nbytes
@@ -121,7 +135,7 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
         for j, (m, n) in enumerate(zip(mats, nfed)):
             if n == 0:
                 continue
-            owner = j % size
+            owner = own[j]
             d = m.shape[0]
             head = np.empty(d + 1, np.float64)
             vecs = np.empty((d, d), np.float64)
