@@ -18,9 +18,10 @@ switch namespace and prints one proxy command per host; netbed runs proxy ``i`` 
 ``i`` (in a fresh UTS namespace with its own hostname), so every host is a separate MPI node.
 Ranks on different hosts would still talk through shared memory (all namespaces share /dev/shm
 and UCX believes it is one machine), so netbed forces the network module onto TCP:
-``UCX_TLS=tcp,self UCX_NET_DEVICES=eth0`` (``--transport ucx``, the default) or
-``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0`` (``--transport ofi``). Ranks on the
-same host (``--ranks-per-host k``) still use MPICH's shared memory, as on a real node.
+``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0`` (``--transport ofi``, the default:
+full duplex at link rate) or ``UCX_TLS=tcp,self UCX_NET_DEVICES=eth0`` (``--transport ucx``: works,
+but a bidirectional exchange gets only half the link rate each way). Ranks on the same host
+(``--ranks-per-host k``) still use MPICH's shared memory, as on a real node.
 
 Cleanup is guaranteed on normal exit, job failure, exceptions, SIGINT/SIGTERM/SIGHUP: all
 processes inside the bed's namespaces are killed and the namespaces (with their links) deleted.
@@ -28,7 +29,7 @@ After a SIGKILL of netbed itself, ``netbed cleanup`` removes the leftovers.
 
 CLI (``python -m giftcomm.perf.netbed`` or ``perf/netbed``)::
 
-    netbed run --hosts 4 --rate 1gbit [--ranks-per-host 1] [--transport ucx|ofi] -- CMD ...
+    netbed run --hosts 4 --rate 1gbit [--ranks-per-host 1] [--transport ofi|ucx] -- CMD ...
     netbed probe [--sizes 16MiB,64MiB]          # an mpi4py bandwidth probe, run inside a bed
     netbed bench --hosts 4 --rates 1gbit,10gbit,none --out perf/results/netbed-probe.md
     netbed cleanup [--all]                      # remove beds left by crashed runs
@@ -64,6 +65,9 @@ __all__ = [
     "NetbedInterrupted",
     "parse_rate",
     "format_rate",
+    "payload_ceiling",
+    "probe",
+    "bench",
     "list_beds",
     "cleanup",
     "main",
@@ -149,6 +153,18 @@ def format_rate(bits: int | None) -> str:
         if bits >= mult:
             return f"{bits / mult:g}{unit}"
     return f"{bits}bit"
+
+
+def payload_ceiling(bits: int, mtu: int = 1500) -> float:
+    """Most TCP payload bytes/s a tbf-shaped link of ``bits`` bit/s can carry at ``mtu``."""
+    return bits / 8 * (mtu - 52) / (mtu + 14)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -301,7 +317,7 @@ class Netbed:
         hosts: number of hosts (namespaces), 1..253.
         rate: link rate per host and direction (``"1gbit"``, ``"10gbit"``, ``"none"`` ...).
         ranks_per_host: MPI ranks per host (they share memory with each other).
-        transport: ``"ucx"`` or ``"ofi"``: how MPI traffic is forced onto TCP.
+        transport: ``"ofi"`` (default) or ``"ucx"``: how MPI traffic is forced onto TCP.
         subnet: first three octets of the private /24 used inside the bed.
         mtu: MTU of every link (1500 like plain Ethernet, 9000 for jumbo frames).
         burst: tbf bucket in bytes (default: 1 ms of traffic at the rate, at least 64 KiB).
@@ -312,8 +328,8 @@ class Netbed:
     """
 
     def __init__(self, hosts: int = 2, rate: str | int | None = "1gbit", *,
-                 ranks_per_host: int = 1, transport: str = "ucx", subnet: str = DEFAULT_SUBNET,
-                 mtu: int = 1500, burst: int | None = None, queue_ms: float = 10.0,
+                 ranks_per_host: int = 1, transport: str = "ofi", subnet: str = DEFAULT_SUBNET,
+                 mtu: int = 1500, burst: int | None = None, queue_ms: float = 50.0,
                  hostnames: bool = True, keep_env: bool = False,
                  log: IO[str] | None = sys.stderr):
         global _bed_counter
@@ -489,9 +505,14 @@ class Netbed:
         shaped = (f"tbf {format_rate(self.rate_bits)} each direction "
                   f"(burst {self.burst} B, queue {self.queue_ms:g} ms)"
                   if self.rate_bits else "unshaped veth")
+        env = self.job_env()
+        tvars = [k for k in TRANSPORTS[self.transport] if not k.startswith("UCX_WARN")]
+        kept = [k for k in tvars if env[k] != TRANSPORTS[self.transport][k]]
+        how = (f"MPI via {self.transport} with the caller's {', '.join(kept)} kept: TCP NOT "
+               f"guaranteed" if kept else f"MPI over TCP via {self.transport}")
         lines = [f"bed {self.id}: {self.hosts} hosts x {self.ranks_per_host} rank(s), "
-                 f"link rate {self.rate_spec} ({shaped}), mtu {self.mtu}, MPI over TCP via "
-                 f"{self.transport} ({' '.join(f'{k}={v}' for k, v in TRANSPORTS[self.transport].items() if not k.startswith('UCX_WARN'))})",
+                 f"link rate {self.rate_spec} ({shaped}), mtu {self.mtu}, {how} "
+                 f"({' '.join(f'{k}={env[k]}' for k in tvars)})",
                  f"  switch {self.switch_ns}: br0 {self.switch_addr}/24 (runs mpiexec)"]
         for i, (ns, a) in enumerate(zip(self.host_ns, self.addrs)):
             r0 = i * self.ranks_per_host
@@ -574,6 +595,7 @@ class Netbed:
         self._procs.append(mp)
         threads = [threading.Thread(target=_pump, args=(mp.stderr, err, lock), daemon=True)]
         threads[0].start()
+        finished = False
         try:
             launches = self._read_launch_lines(mp, launch_timeout)
             for proxy_id, argv in launches:
@@ -595,12 +617,14 @@ class Netbed:
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
             try:
                 rc = mp.wait(timeout=remaining)
+                finished = True
             except subprocess.TimeoutExpired:
                 self._say(f"job timed out after {timeout:g} s; killing it")
                 rc = 124
         finally:
-            # proxies exit right after mpiexec; anything still running is a stray
-            deadline = time.monotonic() + 3.0
+            # after a normal end the proxies exit right after mpiexec: give them a moment;
+            # after a timeout, error or interrupt kill at once. Anything left is a stray.
+            deadline = time.monotonic() + (3.0 if finished else 0.0)
             for p in self._procs:
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -673,6 +697,7 @@ def probe(sizes: Sequence[int], iters: int = 3, p2p_size: int = 16 << 20,
     rank, size = comm.Get_rank(), comm.Get_size()
     rph = int(os.environ.get("GIFTCOMM_NETBED_RANKS_PER_HOST", "1"))
     say = (lambda s: print(s, file=out, flush=True)) if rank == 0 else (lambda s: None)
+    results: dict[str, float] = {}
     names = comm.gather(MPI.Get_processor_name(), root=0)
     say(f"# probe: {size} ranks on {len(set(names or []))} nodes {sorted(set(names or []))}; "
         f"link rate {os.environ.get('GIFTCOMM_NETBED_RATE', '?')}; MPI {MPI.Get_library_version().splitlines()[0]}")
@@ -719,6 +744,7 @@ def probe(sizes: Sequence[int], iters: int = 3, p2p_size: int = 16 << 20,
                 (f"ring shift +{step} (per rank)", ring_shift, 1)):
             t = best(fn)
             say(f"{label:<34} {n:>12} {t * 1e3:>10.1f} {factor * n / t / 1e6:>10.1f}")
+            results[label.split()[0] + "_" + label.split()[1]] = n / t / 1e6
 
     say(f"{'allreduce fp32 sum':<22} {'bytes':>12} {'time_ms':>10} {'algbw MB/s':>11} "
         f"{'busbw MB/s':>11} {'#wrong':>6}")
@@ -732,32 +758,66 @@ def probe(sizes: Sequence[int], iters: int = 3, p2p_size: int = 16 << 20,
         wrong = comm.reduce(wrong, op=MPI.SUM, root=0)
         algbw = nbytes / t / 1e6
         busbw = algbw * 2 * (size - 1) / size if size > 1 else 0.0
-        say(f"{'':<22} {nbytes:>12} {t * 1e3:>10.1f} {algbw:>11.1f} {busbw:>11.1f} {wrong:>6}")
+        if rank == 0:
+            say(f"{'':<22} {nbytes:>12} {t * 1e3:>10.1f} {algbw:>11.1f} {busbw:>11.1f} "
+                f"{wrong:>6}")
+            results[f"allreduce_busbw_{nbytes}"] = busbw
+            results[f"allreduce_wrong_{nbytes}"] = wrong
+    say("PROBE_JSON " + json.dumps(results))
     return 0
+
+
+def _abort_on_error(fn, *args, **kwargs) -> int:
+    """Call fn inside an MPI job; on an exception print it and MPI_Abort the whole job.
+
+    (A rank that dies with a Python exception would otherwise hang the others in MPI_Finalize.)
+    """
+    try:
+        return fn(*args, **kwargs)
+    except BaseException:
+        import traceback
+
+        from mpi4py import MPI
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
 
 
 # --------------------------------------------------------------------------- bench (probe sweep)
 
 
 def bench(hosts: int, rates: Sequence[str], sizes: Sequence[int], iters: int,
-          transport: str, ranks_per_host: int, out_path: str | None, argv_line: str) -> int:
-    """Run the probe on a fresh bed per rate; report link counters; optionally write markdown."""
+          transport: str, ranks_per_host: int, out_path: str | None, argv_line: str,
+          **bed_kwargs) -> int:
+    """Run the probe on a fresh bed per rate; report link counters; optionally write markdown.
+
+    ``bed_kwargs`` go to :class:`Netbed` (mtu, burst, queue_ms, subnet). Returns the first
+    non-zero probe exit code, else 0.
+    """
+    mtu = int(bed_kwargs.get("mtu", 1500))
     report = [f"# netbed probe\n", f"```\n{argv_line}\n```\n",
               f"Machine: {os.cpu_count()} CPUs, kernel {os.uname().release}; "
               f"{hosts} hosts x {ranks_per_host} rank(s), transport {transport}.\n"]
     worst = 0
+    summary = ["| rate | payload ceiling MB/s | p2p one-way | p2p bidir (each) | ring shift | "
+               + " | ".join(f"allreduce {_fmt_size(n)} busbw" for n in sizes)
+               + " | bytes sent over links | bytes through shapers |",
+               "|---" * (7 + len(sizes)) + "|"]
     for rate in rates:
         buf = io.StringIO()
         cmd = [sys.executable, "-m", "giftcomm.perf.netbed", "probe", "--iters", str(iters),
                "--sizes", ",".join(str(s) for s in sizes)]
         with Netbed(hosts=hosts, rate=rate, transport=transport,
-                    ranks_per_host=ranks_per_host) as nb:
+                    ranks_per_host=ranks_per_host, **bed_kwargs) as nb:
             before = nb.link_stats()
             rc = nb.run(cmd, stdout=_Tee(buf, sys.stdout))
             after = nb.link_stats()
             desc = nb.describe()
         worst = worst or rc
-        report.append(f"## rate {rate}\n\n```\n{desc}\n\n{buf.getvalue().rstrip()}\n```\n")
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        report.append(f"## rate {rate}\n\nload average after the run: {load}\n\n"
+                      f"```\n{desc}\n\n{buf.getvalue().rstrip()}\n```\n")
         rows = ["| host | eth0 tx | eth0 rx | tbf tx (host->switch) | tbf rx (switch->host) "
                 "| overlimits | drops |", "|---|---|---|---|---|---|---|"]
         for i in sorted(after):
@@ -767,6 +827,24 @@ def bench(hosts: int, rates: Sequence[str], sizes: Sequence[int], iters: int,
                         f"{d['qdisc_overlimits']} | {d['qdisc_drops']} |")
         report.append("Link counters during the job:\n\n" + "\n".join(rows) + "\n")
         print("\n".join(rows), file=sys.stderr)
+        res = {}
+        for line in buf.getvalue().splitlines():
+            if line.startswith("PROBE_JSON "):
+                res = json.loads(line.split(" ", 1)[1])
+        bits = parse_rate(rate)
+        ceiling = f"{payload_ceiling(bits, mtu) / 1e6:.1f}" if bits else "-"
+        shaped = sum(after[i]["qdisc_tx_bytes"] - before[i]["qdisc_tx_bytes"] for i in after)
+        sent = sum(after[i]["tx_bytes"] - before[i]["tx_bytes"] for i in after)
+        cells = [rate, ceiling] + [
+            f"{res[k]:.1f}" if k in res else "?" for k in
+            ("p2p_one-way", "p2p_bidirectional", "ring_shift",
+             *(f"allreduce_busbw_{n}" for n in sizes))] + [_fmt_bytes(sent), _fmt_bytes(shaped)]
+        summary.append("| " + " | ".join(cells) + " |")
+    report.insert(3, "## Summary (MB/s = 10^6 B/s of MPI payload)\n\n" + "\n".join(summary)
+                  + "\n\nPayload ceiling: rate/8 x (MTU-52)/(MTU+14) (TCP/IPv4 headers with "
+                  "timestamps; tbf counts the 14-byte Ethernet header but not preamble/FCS/gap). "
+                  "busbw = algbw x 2(P-1)/P.\n")
+    print("\n".join(summary), file=sys.stderr)
     if out_path:
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
@@ -802,12 +880,12 @@ def _build_parser() -> argparse.ArgumentParser:
     def bed_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
         q.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host")
-        q.add_argument("--transport", choices=sorted(TRANSPORTS), default="ucx",
-                       help="how MPI is forced onto TCP (default ucx)")
+        q.add_argument("--transport", choices=sorted(TRANSPORTS), default="ofi",
+                       help="how MPI is forced onto TCP (default ofi)")
         q.add_argument("--subnet", default=DEFAULT_SUBNET, help="private /24 inside the bed")
         q.add_argument("--mtu", type=int, default=1500)
         q.add_argument("--burst", type=int, default=None, help="tbf bucket bytes")
-        q.add_argument("--queue-ms", type=float, default=10.0, help="tbf queue length (ms)")
+        q.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue length (ms)")
 
     r = sub.add_parser("run", help="run an MPI job on a fresh bed (then tear it down)")
     bed_args(r)
@@ -842,8 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.cmd == "probe":
-            return probe([_parse_size(s) for s in args.sizes.split(",") if s],
-                         iters=args.iters, p2p_size=args.p2p_size)
+            return _abort_on_error(probe, [_parse_size(s) for s in args.sizes.split(",") if s],
+                                   iters=args.iters, p2p_size=args.p2p_size)
         if args.cmd == "list":
             for bed_id, names in sorted(list_beds().items()):
                 owner = _bed_owner(bed_id)
@@ -859,7 +937,8 @@ def main(argv: list[str] | None = None) -> int:
             line = "perf/netbed " + shlex.join(argv if argv is not None else sys.argv[1:])
             return bench(args.hosts, [r for r in args.rates.split(",") if r],
                          [_parse_size(s) for s in args.sizes.split(",") if s], args.iters,
-                         args.transport, args.ranks_per_host, args.out, line)
+                         args.transport, args.ranks_per_host, args.out, line, mtu=args.mtu,
+                         burst=args.burst, queue_ms=args.queue_ms, subnet=args.subnet)
         # run
         job = args.job[1:] if args.job[:1] == ["--"] else args.job
         if not job:
