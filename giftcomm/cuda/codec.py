@@ -1,0 +1,249 @@
+"""The wire codec on the GPU: :mod:`giftcomm.codec`'s four functions on CuPy arrays.
+
+Same signatures, same bytes: every function here equals :mod:`giftcomm.reference.codec` bit for
+bit (NaN payload bits aside: a NaN stays a NaN). Kernels: ``kernels/gc_codec.cu``; they run on
+CuPy's *current stream* and return without synchronizing, so results are stream-ordered like
+any CuPy operation.
+
+Arrays: ``x``, ``local``, ``acc``, ``sum_out``: float32 CuPy arrays (read flat; other float dtypes
+are first cast to float32, as in giftcomm.codec); ``message``/``out``: contiguous 1-D uint8 CuPy
+arrays of ``giftcomm.message_nbytes(count, fmt, block)`` bytes (docs/wire-format.md).
+
+Kernel choice (all give the same bytes): block <= 256: a team of 1..32 lanes of one warp per
+scale block, values in registers (x read once: 5 bytes of traffic per value for e4m3/e5m2);
+256 < block <= 4096: one CTA per scale block, values in registers; block > 4096: two passes
+(amax with atomics, then quantize: x read twice). 16-byte vector loads when block % 4 == 0 and
+the pointers are aligned.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..formats import DEFAULT_BLOCK, Format, check_block, get_format, message_nbytes, num_blocks, scales_offset
+from . import _loader
+
+__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "message_nbytes"]
+
+_THREADS = 256
+_MAX_GRID = 1 << 20
+_NULL = np.uint64(0)
+TEAM_MAX_BLOCK = 256
+CTA_MAX_BLOCK = 4096
+BIG_TILE = 4096
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _ptr(a: Any) -> int:
+    return int(a.data.ptr)
+
+
+def _as_f32(x: Any, name: str = "x") -> Any:
+    cp = _cp()
+    if not isinstance(x, cp.ndarray):
+        raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
+    return cp.ascontiguousarray(x, dtype=cp.float32).reshape(-1)
+
+
+def _check_f32_out(a: Any, count: int, name: str) -> Any:
+    cp = _cp()
+    if not isinstance(a, cp.ndarray) or a.dtype != cp.float32 or a.size != count or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 CuPy array of {count} values")
+    return a.reshape(-1)
+
+
+def _message_out(out: Any, nbytes: int) -> Any:
+    cp = _cp()
+    if out is None:
+        return cp.empty(nbytes, cp.uint8)
+    if not isinstance(out, cp.ndarray) or out.dtype != cp.uint8 or out.size != nbytes or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous uint8 CuPy array of {nbytes} bytes")
+    return out.reshape(-1)
+
+
+def _check_message(message: Any, count: int, f: Format, block: int) -> Any:
+    cp = _cp()
+    if not isinstance(message, cp.ndarray):
+        raise TypeError(f"message must be a CuPy array, got {type(message).__name__}")
+    message = cp.ascontiguousarray(message).reshape(-1).view(cp.uint8)
+    nbytes = message_nbytes(count, f, block)
+    if message.size != nbytes:
+        raise ValueError(f"a {f.name} message of {count} values has {nbytes} bytes, got {message.size}")
+    return message
+
+
+def _parts(msg: Any, count: int, f: Format, block: int) -> tuple[Any, Any]:
+    """(payload uint8 view, scales float32 view) of a block-scaled message; checks alignment."""
+    cp = _cp()
+    off = scales_offset(count, f)
+    if (_ptr(msg) + off) % 4:
+        raise ValueError("the scales of a wire message must be 4-byte aligned (message start % 4 == 0)")
+    return msg[:count], msg[off : off + 4 * num_blocks(count, block)].view(cp.float32)
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    if a is None or b is None or a.nbytes == 0 or b.nbytes == 0:
+        return False
+    return _ptr(a) < _ptr(b) + b.nbytes and _ptr(b) < _ptr(a) + a.nbytes
+
+
+def _grid(items: int, per_cta: int = 1) -> int:
+    return max(1, min(-(-items // per_cta), _MAX_GRID))
+
+
+def _team_width(block: int) -> int:
+    g = 1
+    while g * 8 < block:
+        g *= 2
+    return g
+
+
+def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any,
+                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
+    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format."""
+    cp = _cp()
+    nb = num_blocks(count, block)
+    n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
+    s_out = _NULL if sum_out is None else sum_out
+    head = (x, payload_out, scales_out) if mode == "enc" else (pin, sin, x, payload_out, scales_out, s_out)
+    if block <= CTA_MAX_BLOCK:
+        vec = block % 4 == 0 and _ptr(x) % 16 == 0 and _ptr(payload_out) % 4 == 0
+        if mode == "dae":
+            vec = vec and _ptr(pin) % 4 == 0 and (sum_out is None or _ptr(sum_out) % 16 == 0)
+        suffix = ("_vec_" if vec else "_") + f.name
+        if block <= TEAM_MAX_BLOCK:
+            g = _team_width(block)
+            fn = _loader.get_function(f"gc_{mode}_team{suffix}")
+            fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32))
+        else:
+            threads = max(32, min(512, _team_width(block)))
+            fn = _loader.get_function(f"gc_{mode}_cta{suffix}")
+            fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32))
+        return
+    splits = -(-block // BIG_TILE)
+    amax = cp.zeros(nb, cp.uint32)
+    grid = (_grid(nb * splits),)
+    if mode == "enc":
+        _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
+        _loader.get_function(f"gc_enc_big_{f.name}")(
+            grid, (_THREADS,), (x, amax, payload_out, scales_out, n64, b32, nb64, np.int32(splits), pad32))
+    else:
+        _loader.get_function(f"gc_dae_amax_{f.name}")(
+            grid, (_THREADS,), (pin, sin, x, amax, n64, b32, nb64, np.int32(splits)))
+        _loader.get_function(f"gc_dae_big_{f.name}")(
+            grid, (_THREADS,), (pin, sin, x, amax, payload_out, scales_out, s_out, n64, b32, nb64, np.int32(splits), pad32))
+
+
+def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, wout: Any = None, out: Any = None) -> None:
+    """Pass-through kernels (bf16, fp16): op 0 encode, 1 decode, 2 accumulate, 3 decode-add-encode."""
+    cp = _cp()
+    for a in (win, wout):
+        if a is not None and _ptr(a) % 2:
+            raise ValueError(f"a {f.name} wire message must start at an even address")
+    args = tuple(_NULL if a is None else a for a in (x, win, wout, out))
+    u16 = lambda a: a if a is _NULL else a.view(cp.uint16)  # noqa: E731
+    args = (args[0], u16(args[1]), u16(args[2]), args[3])
+    _loader.get_function(f"gc_pt_{f.name}")((_grid(count, _THREADS),), (_THREADS,), (np.int32(op),) + args + (np.int64(count),))
+
+
+def encode(x: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
+    """Encode float32 values (CuPy, any shape, read flat) into one wire message (uint8 CuPy, 1-D)."""
+    f, block = get_format(fmt), check_block(block)
+    x = _as_f32(x)
+    n = x.size
+    msg = _message_out(out, message_nbytes(n, f, block))
+    if n == 0:
+        return msg
+    if not f.scaled:
+        if f.name == "fp32":
+            msg.view(_cp().float32)[...] = x
+        else:
+            _pt_launch(f, 0, n, x=x, wout=msg)
+        return msg
+    payload, scales = _parts(msg, n, f, block)
+    _scaled_launch("enc", f, block, n, payload, scales, x, pad=scales_offset(n, f) - n)
+    return msg
+
+
+def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
+    """Decode one wire message of ``count`` values into a float32 CuPy vector (``out`` if given)."""
+    cp = _cp()
+    f, block = get_format(fmt), check_block(block)
+    message = _check_message(message, count, f, block)
+    res = cp.empty(count, cp.float32) if out is None else _check_f32_out(out, count, "out")
+    if count == 0:
+        return res if out is None else out
+    if not f.scaled:
+        if f.name == "fp32":
+            res[...] = message.view(cp.float32)
+        else:
+            _pt_launch(f, 1, count, win=message, out=res)
+        return res if out is None else out
+    payload, scales = _parts(message, count, f, block)
+    vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(res) % 16 == 0)
+    _loader.get_function(f"gc_dec_{f.name}")(
+        (_grid(-(-count // 4), _THREADS),), (_THREADS,), (payload, scales, res, np.int64(count), np.int32(block), vec))
+    return res if out is None else out
+
+
+def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
+                      out: Any = None, sum_out: Any = None) -> Any:
+    """One ring hop: ``encode(decode(message) + local)`` with the sum in float32.
+
+    ``local``: float32 CuPy vector of the message's count. ``sum_out``: optional float32 CuPy
+    vector that receives the float32 sum. ``out`` must not overlap ``message``.
+    """
+    cp = _cp()
+    f, block = get_format(fmt), check_block(block)
+    local = _as_f32(local, "local")
+    n = local.size
+    message = _check_message(message, n, f, block)
+    msg = _message_out(out, message_nbytes(n, f, block))
+    if sum_out is not None:
+        sum_out = _check_f32_out(sum_out, n, "sum_out")
+    if _overlap(msg, message):
+        raise ValueError("out must not overlap message")
+    if n == 0:
+        return msg
+    if not f.scaled:
+        if f.name == "fp32":
+            total = cp.add(message.view(cp.float32), local, out=sum_out)
+            msg.view(cp.float32)[...] = total
+        else:
+            _pt_launch(f, 3, n, x=local, win=message, wout=msg, out=sum_out)
+        return msg
+    pin, sin = _parts(message, n, f, block)
+    payload, scales = _parts(msg, n, f, block)
+    _scaled_launch("dae", f, block, n, payload, scales, local, pin=pin, sin=sin, sum_out=sum_out,
+                   pad=scales_offset(n, f) - n)
+    return msg
+
+
+def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> Any:
+    """``acc += decode(message)`` in place; ``acc`` is a contiguous float32 CuPy array."""
+    cp = _cp()
+    f, block = get_format(fmt), check_block(block)
+    if not isinstance(acc, cp.ndarray) or acc.dtype != cp.float32 or not acc.flags.c_contiguous:
+        raise ValueError("acc must be a contiguous float32 CuPy array")
+    message = _check_message(message, acc.size, f, block)
+    n = acc.size
+    if n == 0:
+        return acc
+    flat = acc.reshape(-1)
+    if not f.scaled:
+        if f.name == "fp32":
+            cp.add(flat, message.view(cp.float32), out=flat)
+        else:
+            _pt_launch(f, 2, n, win=message, out=flat)
+        return acc
+    payload, scales = _parts(message, n, f, block)
+    vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(flat) % 16 == 0)
+    _loader.get_function(f"gc_acc_{f.name}")(
+        (_grid(-(-n // 4), _THREADS),), (_THREADS,), (payload, scales, flat, np.int64(n), np.int32(block), vec))
+    return acc

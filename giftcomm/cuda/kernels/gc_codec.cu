@@ -1,0 +1,368 @@
+// gc_codec.cu -- the giftcomm wire codec on the GPU (CuPy RawModule, NVRTC; checked by
+// native/check_cuda.sh with nvcc -ptx for sm_80 and sm_90).
+//
+// Wire message of `count` values (docs/wire-format.md):
+//   block-scaled (e4m3, e5m2): [count code bytes][0-3 zero pad bytes][ceil(count/block) float32 scales]
+//   pass-through (bf16, fp16): [count 16-bit values]       (fp32 needs no kernel: it is a copy)
+// The host side (giftcomm/cuda/codec.py) passes the payload and scale pointers separately.
+//
+// Kernels for block-scaled formats, F in {e4m3, e5m2}:
+//   gc_{enc,dae}_team_F[_vec]  block <= 256: a team of G lanes (G a power of two <= 32, inside
+//                              one warp) per scale block; each lane keeps 8 values in registers,
+//                              so x is read once. Reduction: __shfl_xor_sync inside the team.
+//   gc_{enc,dae}_cta_F[_vec]   256 < block <= 4096: one CTA (blockDim = 32..512 threads, 8 values
+//                              per thread in registers) per scale block; warp shuffles + shared.
+//   gc_{enc,dae}_amax_F,       block > 4096: the block is split over several CTAs: pass 1 reduces
+//   gc_{enc,dae}_big_F         amax into a scratch array with atomicMax on the bits, pass 2 reads
+//                              the values again and quantizes.
+//   gc_dec_F, gc_acc_F         decode (out = value) and decode-accumulate (acc += value):
+//                              elementwise, 4 values per thread.
+// "enc" reads float32 x; "dae" (decode-add-encode, one ring hop) reads an input message and a
+// float32 local vector, forms fp32(decode + local), optionally stores that sum (sum_out, may be
+// NULL) and encodes it. The _vec variants need block % 4 == 0 and 16-byte aligned float pointers,
+// 4-byte aligned payload pointers (the host checks).
+//
+// Sizes: count < 2^62 values; block in [1, 2^20]; index arithmetic is 64-bit.
+
+#include "gc_fp8.cuh"
+
+#define GC_VPT 8  // values per thread held in registers by the team / cta kernels
+
+// Value of element i of the block-scaled stream being encoded.
+//   MODE 0 (encode): x[i].   MODE 1 (decode-add-encode): fp32(decode(pin[i], sin[b]) + x[i]).
+template <class F, int MODE>
+struct gc_src {
+    const float* __restrict__ x;
+    const gc_u8* __restrict__ pin;
+    const float* __restrict__ sin;
+
+    GC_DEV float load(long long i, long long b) const {
+        if (MODE == 0) return x[i];
+        return gc_add(gc_mul(F::to_f32(pin[i]), sin[b]), x[i]);
+    }
+    // Four consecutive values starting at i (16-byte aligned x, 4-byte aligned pin).
+    GC_DEV void load4(long long i, long long b, float* v) const {
+        const float4 q = *reinterpret_cast<const float4*>(x + i);
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+        if (MODE == 1) {
+            const gc_u32 c = *reinterpret_cast<const gc_u32*>(pin + i);
+            const float s = sin[b];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] = gc_add(gc_mul(F::to_f32((gc_u8)(c >> (8 * j))), s), v[j]);
+        }
+    }
+};
+
+// Index of value k (0..GC_VPT-1) of lane `lane` in a team of `width` lanes.
+// Scalar layout: e = k*width + lane (coalesced).  Vector layout: e = (k/4*width + lane)*4 + k%4.
+template <bool VEC>
+GC_DEV int gc_elem(int k, int lane, int width) {
+    return VEC ? ((k / 4) * width + lane) * 4 + (k % 4) : k * width + lane;
+}
+
+// Load a lane's values of scale block b (n values from `base`), return the lane's amax bits.
+template <class F, int MODE, bool VEC>
+GC_DEV gc_u32 gc_team_load(const gc_src<F, MODE>& src, long long base, long long b, int n, int lane,
+                           int width, float* v) {
+    gc_u32 m = 0;
+    if (VEC) {
+#pragma unroll
+        for (int k = 0; k < GC_VPT; k += 4) {
+            const int e = gc_elem<true>(k, lane, width);
+            if (e + 3 < n) {
+                src.load4(base + e, b, v + k);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[k + j] = (e + j < n) ? src.load(base + e + j, b) : 0.0f;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < GC_VPT; ++k) {
+            const int e = gc_elem<false>(k, lane, width);
+            v[k] = (e < n) ? src.load(base + e, b) : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < GC_VPT; ++k) m = gc_umax(m, gc_abs_bits(v[k]));
+    return m;
+}
+
+// Quantize and store a lane's values (and the fp32 sums when sum_out is given).
+template <class F, bool VEC>
+GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, int n, int lane, int width,
+                          gc_u8* __restrict__ pout, float* __restrict__ sum_out) {
+    if (VEC) {
+#pragma unroll
+        for (int k = 0; k < GC_VPT; k += 4) {
+            const int e = gc_elem<true>(k, lane, width);
+            if (e + 3 < n) {
+                gc_u32 c = 0;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) c |= (gc_u32)s.quantize(v[k + j]) << (8 * j);
+                *reinterpret_cast<gc_u32*>(pout + base + e) = c;
+                if (sum_out) *reinterpret_cast<float4*>(sum_out + base + e) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (e + j < n) {
+                        pout[base + e + j] = s.quantize(v[k + j]);
+                        if (sum_out) sum_out[base + e + j] = v[k + j];
+                    }
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < GC_VPT; ++k) {
+            const int e = gc_elem<false>(k, lane, width);
+            if (e < n) {
+                pout[base + e] = s.quantize(v[k]);
+                if (sum_out) sum_out[base + e] = v[k];
+            }
+        }
+    }
+}
+
+// Zero the 0-3 padding bytes between the payload and the scales (first CTA only).
+GC_DEV void gc_zero_pad(gc_u8* __restrict__ pout, long long count, int pad) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < pad) pout[count + threadIdx.x] = 0;
+}
+
+// ---------------------------------------------------------------- team path (block <= 256)
+// blockDim.x = 256; G = lanes per scale block (power of two, 1..32, G*8 >= block).
+template <class F, int MODE, bool VEC>
+GC_DEV void gc_team_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
+                           float* __restrict__ sum_out, long long count, int block, long long nb, int G, int pad) {
+    gc_zero_pad(pout, count, pad);
+    const int tid = threadIdx.x;
+    const int lane = tid & (G - 1);
+    const int teams = blockDim.x / G;
+    const gc_u32 wl = tid & 31;
+    const gc_u32 mask = (G == 32) ? 0xFFFFFFFFu : (((1u << G) - 1u) << (wl & ~(gc_u32)(G - 1)));
+    for (long long b = (long long)blockIdx.x * teams + tid / G; b < nb; b += (long long)gridDim.x * teams) {
+        const long long base = b * (long long)block;
+        const long long left = count - base;
+        const int n = left < block ? (int)left : block;
+        float v[GC_VPT];
+        gc_u32 m = gc_team_load<F, MODE, VEC>(src, base, b, n, lane, G, v);
+        for (int o = G >> 1; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(mask, m, o, G));
+        const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
+        gc_team_store<F, VEC>(s, v, base, n, lane, G, pout, sum_out);
+        if (lane == 0) sout[b] = s.scale;
+    }
+}
+
+// ---------------------------------------------------------------- cta path (256 < block <= 4096)
+// blockDim.x = T, a multiple of 32 with T*8 >= block; one scale block per CTA iteration.
+template <class F, int MODE, bool VEC>
+GC_DEV void gc_cta_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
+                          float* __restrict__ sum_out, long long count, int block, long long nb, int pad) {
+    __shared__ gc_u32 red[32];
+    gc_zero_pad(pout, count, pad);
+    const int tid = threadIdx.x, T = blockDim.x;
+    for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
+        const long long base = b * (long long)block;
+        const long long left = count - base;
+        const int n = left < block ? (int)left : block;
+        float v[GC_VPT];
+        gc_u32 m = gc_team_load<F, MODE, VEC>(src, base, b, n, tid, T, v);
+        for (int o = 16; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if ((tid & 31) == 0) red[tid >> 5] = m;
+        __syncthreads();
+        m = 0;
+        for (int w = 0; w < (T >> 5); ++w) m = gc_umax(m, red[w]);
+        __syncthreads();  // red is rewritten by the next iteration
+        const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
+        gc_team_store<F, VEC>(s, v, base, n, tid, T, pout, sum_out);
+        if (tid == 0) sout[b] = s.scale;
+    }
+}
+
+// ---------------------------------------------------------------- big path (block > 4096)
+// blockDim.x = 256; each work item (b, s) covers values [s*GC_BIG_TILE, (s+1)*GC_BIG_TILE) of
+// scale block b; splits = ceil(block / GC_BIG_TILE). amax_bits: nb zeroed words of scratch.
+#define GC_BIG_TILE 4096
+
+template <class F, int MODE>
+GC_DEV void gc_big_amax_kernel(gc_src<F, MODE> src, gc_u32* __restrict__ amax_bits, long long count, int block,
+                               long long nb, int splits) {
+    __shared__ gc_u32 red[8];
+    const int tid = threadIdx.x;
+    for (long long w = blockIdx.x; w < nb * splits; w += gridDim.x) {
+        const long long b = w / splits;
+        const int s = (int)(w - b * splits);
+        const long long base = b * (long long)block;
+        const long long left = count - base;
+        const int n = left < block ? (int)left : block;
+        const int lo = s * GC_BIG_TILE, hi = (lo + GC_BIG_TILE < n) ? lo + GC_BIG_TILE : n;
+        gc_u32 m = 0;
+        for (int e = lo + tid; e < hi; e += 256) m = gc_umax(m, gc_abs_bits(src.load(base + e, b)));
+        for (int o = 16; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if ((tid & 31) == 0) red[tid >> 5] = m;
+        __syncthreads();
+        if (tid == 0) {
+            for (int k = 1; k < 8; ++k) m = gc_umax(m, red[k]);
+            atomicMax(amax_bits + b, m);
+        }
+        __syncthreads();
+    }
+}
+
+template <class F, int MODE>
+GC_DEV void gc_big_store_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ amax_bits, gc_u8* __restrict__ pout,
+                                float* __restrict__ sout, float* __restrict__ sum_out, long long count, int block,
+                                long long nb, int splits, int pad) {
+    gc_zero_pad(pout, count, pad);
+    const int tid = threadIdx.x;
+    for (long long w = blockIdx.x; w < nb * splits; w += gridDim.x) {
+        const long long b = w / splits;
+        const int s = (int)(w - b * splits);
+        const long long base = b * (long long)block;
+        const long long left = count - base;
+        const int n = left < block ? (int)left : block;
+        const int lo = s * GC_BIG_TILE, hi = (lo + GC_BIG_TILE < n) ? lo + GC_BIG_TILE : n;
+        const gc_scale<F> sc = gc_scale<F>::from_amax_bits(amax_bits[b]);
+        for (int e = lo + tid; e < hi; e += 256) {
+            const float v = src.load(base + e, b);
+            pout[base + e] = sc.quantize(v);
+            if (sum_out) sum_out[base + e] = v;
+        }
+        if (s == 0 && tid == 0) sout[b] = sc.scale;
+    }
+}
+
+// ---------------------------------------------------------------- decode / decode-accumulate
+// Each thread handles 4 consecutive values; vec: 4-byte aligned payload, 16-byte aligned out.
+template <class F, bool ACC>
+GC_DEV float gc_dec_step(float acc, gc_u8 code, float scale) {
+    const float v = gc_mul(F::to_f32(code), scale);
+    return ACC ? gc_add(acc, v) : v;
+}
+
+template <class F, bool ACC>
+GC_DEV void gc_decode_kernel(const gc_u8* __restrict__ pin, const float* __restrict__ sin, float* __restrict__ out,
+                             long long count, int block, int vec) {
+    const long long groups = (count + 3) >> 2;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups;
+         t += (long long)gridDim.x * blockDim.x) {
+        const long long i0 = t << 2;
+        long long b = i0 / block;
+        long long next = (b + 1) * (long long)block;
+        if (vec && i0 + 3 < count) {
+            const gc_u32 c = *reinterpret_cast<const gc_u32*>(pin + i0);
+            float4* o = reinterpret_cast<float4*>(out + i0);
+            float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (ACC) r = *o;
+            float s = sin[b];
+            r.x = gc_dec_step<F, ACC>(r.x, (gc_u8)c, s);
+            if (i0 + 1 == next) { ++b; next += block; s = sin[b]; }
+            r.y = gc_dec_step<F, ACC>(r.y, (gc_u8)(c >> 8), s);
+            if (i0 + 2 == next) { ++b; next += block; s = sin[b]; }
+            r.z = gc_dec_step<F, ACC>(r.z, (gc_u8)(c >> 16), s);
+            if (i0 + 3 == next) { ++b; next += block; s = sin[b]; }
+            r.w = gc_dec_step<F, ACC>(r.w, (gc_u8)(c >> 24), s);
+            *o = r;
+        } else {
+            for (int j = 0; j < 4 && i0 + j < count; ++j) {
+                if (i0 + j == next) { ++b; next += block; }
+                const float val = gc_mul(F::to_f32(pin[i0 + j]), sin[b]);
+                out[i0 + j] = ACC ? gc_add(out[i0 + j], val) : val;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- pass-through (bf16, fp16)
+// op 0: encode x -> wire.  op 1: decode wire -> out.  op 2: out += decode(wire).
+// op 3: decode-add-encode: s = fp32(decode(win) + x); wout = encode(s); sum_out = s if given.
+template <class P>
+GC_DEV void gc_pt_kernel(int op, const float* __restrict__ x, const gc_u16* __restrict__ win, gc_u16* __restrict__ wout,
+                         float* __restrict__ out, long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        if (op == 0) {
+            wout[i] = P::from_f32(x[i]);
+        } else if (op == 1) {
+            out[i] = P::to_f32(win[i]);
+        } else if (op == 2) {
+            out[i] = gc_add(out[i], P::to_f32(win[i]));
+        } else {
+            const float s = gc_add(P::to_f32(win[i]), x[i]);
+            wout[i] = P::from_f32(s);
+            if (out) out[i] = s;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- entry points
+#define GC_ENC_ARGS const float* __restrict__ x, gc_u8* __restrict__ pout, float* __restrict__ sout, long long count, int block, long long nb
+#define GC_DAE_ARGS const gc_u8* __restrict__ pin, const float* __restrict__ sin, const float* __restrict__ local, \
+    gc_u8* __restrict__ pout, float* __restrict__ sout, float* __restrict__ sum_out, long long count, int block, long long nb
+
+#define GC_BLOCK_SCALED_ENTRIES(F, NAME)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_team_##NAME(GC_ENC_ARGS, int G, int pad) {              \
+        gc_team_kernel<F, 0, false>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, G, pad);                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_team_vec_##NAME(GC_ENC_ARGS, int G, int pad) {          \
+        gc_team_kernel<F, 0, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, G, pad);                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_team_##NAME(GC_DAE_ARGS, int G, int pad) {              \
+        gc_team_kernel<F, 1, false>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, G, pad);   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_team_vec_##NAME(GC_DAE_ARGS, int G, int pad) {          \
+        gc_team_kernel<F, 1, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, G, pad);    \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_enc_cta_##NAME(GC_ENC_ARGS, int pad) {                      \
+        gc_cta_kernel<F, 0, false>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, pad);                     \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_enc_cta_vec_##NAME(GC_ENC_ARGS, int pad) {                  \
+        gc_cta_kernel<F, 0, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, pad);                      \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_dae_cta_##NAME(GC_DAE_ARGS, int pad) {                      \
+        gc_cta_kernel<F, 1, false>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, pad);       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_dae_cta_vec_##NAME(GC_DAE_ARGS, int pad) {                  \
+        gc_cta_kernel<F, 1, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, pad);        \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_amax_##NAME(const float* __restrict__ x,               \
+        gc_u32* __restrict__ amax_bits, long long count, int block, long long nb, int splits) {                      \
+        gc_big_amax_kernel<F, 0>(gc_src<F, 0>{x, 0, 0}, amax_bits, count, block, nb, splits);                         \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_big_##NAME(const float* __restrict__ x,                \
+        const gc_u32* __restrict__ amax_bits, gc_u8* __restrict__ pout, float* __restrict__ sout, long long count,   \
+        int block, long long nb, int splits, int pad) {                                                              \
+        gc_big_store_kernel<F, 0>(gc_src<F, 0>{x, 0, 0}, amax_bits, pout, sout, 0, count, block, nb, splits, pad);   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_amax_##NAME(const gc_u8* __restrict__ pin,             \
+        const float* __restrict__ sin, const float* __restrict__ local, gc_u32* __restrict__ amax_bits,              \
+        long long count, int block, long long nb, int splits) {                                                      \
+        gc_big_amax_kernel<F, 1>(gc_src<F, 1>{local, pin, sin}, amax_bits, count, block, nb, splits);                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_big_##NAME(const gc_u8* __restrict__ pin,              \
+        const float* __restrict__ sin, const float* __restrict__ local, const gc_u32* __restrict__ amax_bits,        \
+        gc_u8* __restrict__ pout, float* __restrict__ sout, float* __restrict__ sum_out, long long count,            \
+        int block, long long nb, int splits, int pad) {                                                              \
+        gc_big_store_kernel<F, 1>(gc_src<F, 1>{local, pin, sin}, amax_bits, pout, sout, sum_out, count, block, nb,    \
+                                  splits, pad);                                                                      \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dec_##NAME(const gc_u8* __restrict__ pin,                  \
+        const float* __restrict__ sin, float* __restrict__ out, long long count, int block, int vec) {              \
+        gc_decode_kernel<F, false>(pin, sin, out, count, block, vec);                                                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_acc_##NAME(const gc_u8* __restrict__ pin,                  \
+        const float* __restrict__ sin, float* __restrict__ acc, long long count, int block, int vec) {              \
+        gc_decode_kernel<F, true>(pin, sin, acc, count, block, vec);                                                  \
+    }
+
+GC_BLOCK_SCALED_ENTRIES(gc_e4m3, e4m3)
+GC_BLOCK_SCALED_ENTRIES(gc_e5m2, e5m2)
+
+#define GC_PT_ENTRY(P, NAME)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) gc_pt_##NAME(int op, const float* __restrict__ x,             \
+        const gc_u16* __restrict__ win, gc_u16* __restrict__ wout, float* __restrict__ out, long long count) {       \
+        gc_pt_kernel<P>(op, x, win, wout, out, count);                                                                \
+    }
+
+GC_PT_ENTRY(gc_bf16, bf16)
+GC_PT_ENTRY(gc_fp16, fp16)

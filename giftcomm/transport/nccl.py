@@ -1,0 +1,159 @@
+"""Transport over NCCL point-to-point (``cupy.cuda.nccl.NcclCommunicator``), device buffers.
+
+- Setup: rank 0 makes the NCCL unique id and broadcasts it over an mpi4py communicator
+  (:meth:`NcclTransport.from_mpi`), or the caller passes ``unique_id``/``rank``/``size``.
+- Point-to-point is *stream-ordered*: ``isend``/``irecv`` only queue the operation;
+  ``Request.wait()`` (on any queued request) issues everything queued, in order, inside one
+  ``ncclGroupStart``/``ncclGroupEnd`` on CuPy's current stream, and returns without waiting for
+  the GPU. Kernels launched later on the same stream see the received bytes; host code that
+  reads them must synchronize the stream first.
+  Because queued operations are issued together, a hop must queue its receive and its send and
+  then wait (what ``sendrecv`` and giftcomm.cuda.ring do); queuing a receive whose matching send
+  the peer can only post after its own next wait would deadlock, as in NCCL itself.
+- Control collectives (allgather_int64 / allgather_object) go over the MPI communicator when
+  there is one, else over NCCL (allGather of int64 on the device; objects pickled).
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from .. import _xp
+from .base import Request, Transport
+
+
+def _nccl():
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", True):
+        raise RuntimeError("NCCL is not available to CuPy (install nvidia-nccl-cu12/13 or a system NCCL)")
+    return nccl
+
+
+def _current_stream_ptr() -> int:
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+class _Queued(Request):
+    """A queued NCCL send/recv; waiting issues the transport's whole queue as one group."""
+
+    __slots__ = ("_t", "issued")
+
+    def __init__(self, t: "NcclTransport") -> None:
+        self._t, self.issued = t, False
+
+    def wait(self) -> None:
+        if not self.issued:
+            self._t.flush()
+
+
+class NcclTransport(Transport):
+    """One rank of an NCCL communicator; buffers are CuPy arrays (contiguous), sent as bytes."""
+
+    def __init__(self, unique_id: Any, rank: int, size: int, mpi_comm: Any = None) -> None:
+        nccl = _nccl()
+        self.rank, self.size = int(rank), int(size)
+        self.mpi_comm = mpi_comm
+        self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        self._queue: list[tuple[str, Any, int, _Queued]] = []
+
+    @classmethod
+    def from_mpi(cls, comm: Any = None) -> "NcclTransport":
+        """Create over every rank of an mpi4py communicator (collective): rank 0's unique id is
+        broadcast; each rank uses CuPy's current device (set it before, e.g. to local rank)."""
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD if comm is None else comm
+        uid = _nccl().get_unique_id() if comm.Get_rank() == 0 else None
+        uid = comm.bcast(uid, root=0)
+        return cls(uid, comm.Get_rank(), comm.Get_size(), mpi_comm=comm.Dup())
+
+    # --- point-to-point -------------------------------------------------------------------
+    def _enqueue(self, kind: str, buf: Any, peer: int) -> Request:
+        if not _xp.is_device_array(buf):
+            raise TypeError(f"NCCL transport: expected a device array, got {type(buf).__name__}")
+        if not getattr(buf, "flags", None) or not buf.flags.c_contiguous:
+            raise ValueError("NCCL transport: buffers must be contiguous")
+        req = _Queued(self)
+        self._queue.append((kind, buf, int(peer), req))
+        return req
+
+    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        """Queue a send of ``buf``'s bytes to ``dest`` (tags are not needed: NCCL orders
+        messages per peer in queue order)."""
+        return self._enqueue("send", buf, dest)
+
+    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
+        """Queue a receive of exactly ``buf.nbytes`` bytes from ``source``."""
+        return self._enqueue("recv", buf, source)
+
+    def flush(self) -> None:
+        """Issue every queued operation in one NCCL group on the current stream."""
+        if not self._queue:
+            return
+        nccl = _nccl()
+        stream = _current_stream_ptr()
+        ops, self._queue = self._queue, []
+        nccl.groupStart()
+        try:
+            for kind, buf, peer, req in ops:
+                ptr, nbytes = _xp.device_pointer(buf), int(buf.nbytes)
+                if kind == "send":
+                    self.comm.send(ptr, nbytes, nccl.NCCL_UINT8, peer, stream)
+                else:
+                    self.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, peer, stream)
+                req.issued = True
+        finally:
+            nccl.groupEnd()
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        self.irecv(recvbuf, source, tag)
+        self.isend(sendbuf, dest, tag)
+        self.flush()
+
+    # --- control --------------------------------------------------------------------------
+    def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
+        vec = np.ascontiguousarray(vec, dtype=np.int64)
+        if self.mpi_comm is not None:
+            from mpi4py import MPI
+
+            table = np.empty((self.size, vec.size), np.int64)
+            self.mpi_comm.Allgather([vec, MPI.INT64_T], [table, MPI.INT64_T])
+            return table
+        import cupy
+
+        nccl = _nccl()
+        self.flush()
+        src = cupy.asarray(vec)
+        dst = cupy.empty(self.size * vec.size, cupy.int64)
+        self.comm.allGather(src.data.ptr, dst.data.ptr, vec.size, nccl.NCCL_INT64,
+                            cupy.cuda.get_current_stream().ptr)
+        return cupy.asnumpy(dst).reshape(self.size, vec.size)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        if self.mpi_comm is not None:
+            return self.mpi_comm.allgather(obj)
+        import cupy
+
+        nccl = _nccl()
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = self.allgather_int64(np.array([data.size]))[:, 0]
+        width = int(lengths.max())
+        src = cupy.zeros(width, cupy.uint8)
+        src[: data.size] = cupy.asarray(data)
+        dst = cupy.empty(width * self.size, cupy.uint8)
+        self.comm.allGather(src.data.ptr, dst.data.ptr, width, nccl.NCCL_UINT8, cupy.cuda.get_current_stream().ptr)
+        rows = cupy.asnumpy(dst).reshape(self.size, width)
+        return [pickle.loads(rows[r, : lengths[r]].tobytes()) for r in range(self.size)]
+
+    def free(self) -> None:
+        """Destroy the NCCL communicator (after its work is done) and the private MPI one."""
+        self.flush()
+        self.comm.destroy()
+        if self.mpi_comm is not None:
+            self.mpi_comm.Free()
+            self.mpi_comm = None

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU check for a machine with one CUDA GPU (sized for <= 8 minutes on one H200). Installs
+# nothing from a registry: CuPy, NCCL, torch and nvcc are expected there; this repo is installed
+# with pip install -e . --no-deps --no-build-isolation (builds the optional C extension).
+# Writes perf/results/device-<date>.md (and copies it and the logs to $OUT when OUT is set).
+# Steps: nvcc check of the .cu sources; tests/test_gpu.py; python -m giftcomm.cuda.device_check.
+# Each step runs under its own timeout; a failing step is reported and the next one still runs.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+RES=perf/results
+mkdir -p "$RES"
+LOG="$RES/device-$(date +%F).log"
+: > "$LOG"
+status=0
+step() {  # step NAME SECONDS CMD...
+    local name="$1" secs="$2"; shift 2
+    echo "=== $name (limit ${secs}s) ===" | tee -a "$LOG"
+    timeout "$secs" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc ===" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+step "pip install -e ." 90 "$PY" -m pip install -q -e . --no-deps --no-build-isolation
+step "nvcc check" 60 bash native/check_cuda.sh
+step "tests/test_gpu.py" 150 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
+step "device_check" 240 "$PY" -m giftcomm.cuda.device_check --out "$RES" "$@"
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then cp "$RES"/device-*.md "$LOG" "$OUT"/ 2>/dev/null; fi
+echo "device_check.sh: overall exit $status"
+exit $status

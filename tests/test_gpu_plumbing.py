@@ -1,0 +1,466 @@
+"""The GPU path's plumbing, checked on the CPU (no GPU needed; see docs/gpu.md for what is not).
+
+- _xp: backend detection, fake device arrays (``__cuda_array_interface__`` over host memory, as
+  in mpi4py's test suite), DLPack round trips with NumPy and torch CPU, bfloat16 bit conversions.
+- The CUDA codec's scalar code (gc_fp8.cuh) compiled for the host (gc_host_emu.cpp): bit for bit
+  against giftcomm.reference.codec on the edge tables and random data, and the portable
+  float32 -> FP8 conversion exhaustively over every float32 in [0, max].
+- The loader: include inlining and #line directives; NVRTC compile (when CuPy's NVRTC loads).
+- The device ring (giftcomm.cuda.ring) over the device loopback with NumPy arrays and over
+  CUDA-aware-MPI plumbing with fake device arrays (MPI test), against simulate_allreduce.
+- The NCCL transport's queue / group logic with a recording fake NCCL.
+- The batched transform plan against per-segment NumPy.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from giftcomm import _xp
+from giftcomm.cuda import _loader
+from giftcomm.cuda import ring as dring
+from giftcomm.cuda.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
+from giftcomm.cuda.transform import SegmentPair, TransformPlan
+from giftcomm.formats import FORMATS, message_nbytes
+from giftcomm.reference import codec as ref
+from giftcomm.reference import simulate_allreduce
+from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALED = ("e4m3", "e5m2")
+EMU_FORMATS = ("e4m3", "e5m2", "bf16", "fp16")
+
+
+class FakeDeviceArray:
+    """A 'device' array over host memory: exposes only ``__cuda_array_interface__`` (v3)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        assert host.flags.c_contiguous
+        self.host = host
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.host.shape, "typestr": self.host.dtype.str, "strides": None,
+                "data": (self.host.ctypes.data, False), "version": 3, "stream": None}
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+
+# ------------------------------------------------------------------------------------- _xp
+def test_xp_detection():
+    a = np.zeros(3, np.float32)
+    fake = FakeDeviceArray(a)
+    assert _xp.array_module(a) is np
+    assert not _xp.is_device_array(a)
+    assert _xp.is_device_array(fake)
+    assert _xp.device_pointer(fake) == a.ctypes.data
+    assert not _xp.is_device_array([1.0, 2.0])
+    assert _xp.array_module([1.0]) is np
+
+
+def test_xp_dtype_table():
+    assert set(_xp.DTYPES) == {"float32", "float64", "float16", "bfloat16"}
+    assert _xp.dtype_info(np.float32).itemsize == 4
+    assert _xp.dtype_info("bfloat16").device_storage == np.uint16
+    assert _xp.dtype_info(np.dtype(ml_dtypes.bfloat16)).host == np.dtype(ml_dtypes.bfloat16)
+    from giftcomm.collectives.agree import DTYPE_CODES
+
+    assert {k: v.code for k, v in _xp.DTYPES.items()} == DTYPE_CODES
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        _xp.dtype_info(np.int32)
+
+
+def test_xp_bf16_bits_match_ml_dtypes(rng):
+    x = random_vector(rng, 100_000, spread=60)
+    x[:6] = [np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -0.0]
+    bits = _xp.bf16_bits_from_float32(x)
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(bits, want)
+    back = _xp.to_float32(bits, "bfloat16")
+    assert floats_equal(back, want.view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+
+def test_xp_import_numpy_and_dlpack_cpu():
+    a = np.arange(10, dtype=np.float32)
+    imp = _xp.import_array(a)
+    assert imp.array is a and imp.logical == "float32" and not imp.device
+    view = _xp.import_array(memoryview(a))  # no DLPack: falls back to asarray
+    assert view.logical == "float32"
+    with pytest.raises(ValueError):
+        _xp.import_array(np.arange(3))
+
+
+def test_xp_dlpack_torch_cpu_zero_copy():
+    torch = pytest.importorskip("torch", reason="torch not installed")
+    for tdt, logical in ((torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
+                         (torch.float64, "float64")):
+        t = torch.arange(8, dtype=tdt)
+        imp = _xp.import_array(t)
+        assert imp.source == "torch" and imp.logical == logical and not imp.device
+        assert imp.array.ctypes.data == t.data_ptr()  # zero-copy
+        if logical == "bfloat16":
+            assert imp.array.dtype == np.dtype(ml_dtypes.bfloat16)
+        out = _xp.export_like(imp.array.astype(imp.array.dtype) * 2, imp)
+        assert isinstance(out, torch.Tensor) and out.dtype == tdt
+        assert torch.equal(out, t * 2)
+
+
+# ------------------------------------------------------------------------ host emulation
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the CUDA codec's CPU emulation")
+    out = tmp_path_factory.mktemp("emu") / "gc_emu.so"
+    src = _loader.KERNEL_DIR / "gc_host_emu.cpp"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
+                    f"-I{_loader.KERNEL_DIR}", str(src), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    ll, i, p = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
+    lib.gc_emu_encode.argtypes = [i, p, ll, i, p]
+    lib.gc_emu_decode.argtypes = [i, p, ll, i, p, i]
+    lib.gc_emu_dae.argtypes = [i, p, p, ll, i, p, p]
+    lib.gc_emu_fp8_cast.argtypes = [i, p, ll, p]
+    return lib
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data
+
+
+def emu_encode(lib, x, fmt, block):
+    f = FORMATS[fmt]
+    msg = np.full(message_nbytes(x.size, f, block), 0xAB, np.uint8)
+    assert lib.gc_emu_encode(f.code, _ptr(x), x.size, block, _ptr(msg)) == 0
+    return msg
+
+
+def emu_decode(lib, msg, n, fmt, block, acc=None):
+    out = np.full(n, np.nan, np.float32) if acc is None else acc
+    assert lib.gc_emu_decode(FORMATS[fmt].code, _ptr(msg), n, block, _ptr(out), int(acc is not None)) == 0
+    return out
+
+
+def emu_dae(lib, msg, local, fmt, block, want_sum=True):
+    f = FORMATS[fmt]
+    out = np.full(message_nbytes(local.size, f, block), 0xCD, np.uint8)
+    s = np.full(local.size, np.nan, np.float32) if want_sum else None
+    assert lib.gc_emu_dae(f.code, _ptr(msg), _ptr(local), local.size, block, _ptr(out), _ptr(s)) == 0
+    return out, s
+
+
+def _check_all_ops(lib, x, fmt, block, rng, label):
+    with np.errstate(all="ignore"):
+        want = ref.encode(x, fmt, block)
+        got = emu_encode(lib, x, fmt, block)
+        ok, why = messages_equal(got, want, x.size, fmt, block)
+        assert ok, f"{label}: encode: {why}"
+        dec = emu_decode(lib, want, x.size, fmt, block)
+        assert floats_equal(dec, ref.decode(want, x.size, fmt, block)).all(), f"{label}: decode"
+        acc0 = random_vector(rng, x.size)
+        acc = emu_decode(lib, want, x.size, fmt, block, acc=acc0.copy())
+        assert floats_equal(acc, acc0 + ref.decode(want, x.size, fmt, block)).all(), f"{label}: accumulate"
+        local = random_vector(rng, x.size)
+        out, s = emu_dae(lib, want, local, fmt, block)
+        total = ref.decode(want, x.size, fmt, block) + local
+        ok, why = messages_equal(out, ref.encode(total, fmt, block), x.size, fmt, block)
+        assert ok, f"{label}: decode_add_encode: {why}"
+        assert floats_equal(s, total).all(), f"{label}: sum_out"
+
+
+@pytest.mark.parametrize("fmt", EMU_FORMATS)
+def test_emulation_edge_tables(emu, fmt, rng):
+    for name, vec in edge_vectors(fmt).items():
+        for block in (1, 3, 4, 256, 1000):
+            _check_all_ops(emu, vec, fmt, block, rng, f"{fmt} {name} block={block}")
+
+
+@pytest.mark.parametrize("fmt", EMU_FORMATS)
+def test_emulation_random(emu, fmt, rng):
+    for n in LENGTHS:
+        for block in BLOCKS:
+            x = random_vector(rng, n, spread=30)
+            if n > 10:
+                x[rng.integers(0, n)] = rng.choice([np.nan, np.inf, -np.inf])
+            _check_all_ops(emu, x, fmt, block, rng, f"{fmt} n={n} block={block}")
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+def test_emulation_fp8_cast_exhaustive(emu, fmt):
+    """The portable float32 -> FP8 conversion equals ml_dtypes' cast on every float32 in
+    [-max, max] (positives exhaustively, negatives on every 3rd bit pattern)."""
+    f = FORMATS[fmt]
+    top = int(np.float32(f.max_value).view(np.uint32))
+    step = 1 << 24
+    for sign, stride in ((0, 1), (0x80000000, 3)):
+        for lo in range(0, top + 1, step):
+            bits = np.arange(lo, min(lo + step, top + 1), stride, dtype=np.uint32) | np.uint32(sign)
+            v = bits.view(np.float32)
+            got = np.empty(v.size, np.uint8)
+            assert emu.gc_emu_fp8_cast(f.code, _ptr(v), v.size, _ptr(got)) == 0
+            want = v.astype(f.wire_dtype).view(np.uint8)
+            bad = np.flatnonzero(got != want)
+            assert bad.size == 0, f"{fmt}: {v[bad[0]]!r} -> {got[bad[0]]:#x}, ml_dtypes {want[bad[0]]:#x}"
+
+
+# ---------------------------------------------------------------------------------- loader
+def test_loader_source_text_and_line_directives():
+    text = _loader.source_text("codec")
+    lines = text.splitlines()
+    cu = _loader.source_path("codec")
+    cuh = _loader.KERNEL_DIR / "gc_fp8.cuh"
+    assert lines[0] == f'#line 1 "{cu}"'
+    assert f'#line 1 "{cuh}"' in lines
+    assert not any(line.strip().startswith('#include "') for line in lines)
+    # after the header, the directive names the .cu line right after the #include
+    inc_line = next(i for i, l in enumerate(cu.read_text().splitlines(), 1) if l.startswith('#include "gc_fp8.cuh"'))
+    assert f'#line {inc_line + 1} "{cu}"' in lines
+    assert "gc_e4m3" in text and "#pragma once" not in text
+
+
+def test_loader_finds_sources_as_package_data():
+    import giftcomm.cuda
+
+    kdir = Path(giftcomm.cuda.__file__).parent / "kernels"
+    assert (kdir / "gc_codec.cu").is_file() and (kdir / "gc_fp8.cuh").is_file()
+    with pytest.raises(ValueError, match="unknown CUDA module"):
+        _loader.source_path("nope")
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception as exc:  # CuPy or libnvrtc missing
+        pytest.skip(f"NVRTC not loadable here ({type(exc).__name__})")
+
+
+def _kernel_names_used_by_codec() -> set[str]:
+    names = set()
+    for f in SCALED:
+        for mode in ("enc", "dae"):
+            for path in ("team", "cta"):
+                for vec in ("_", "_vec_"):
+                    names.add(f"gc_{mode}_{path}{vec}{f}")
+            names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
+        names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
+    return names | {"gc_pt_bf16", "gc_pt_fp16"}
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_nvrtc_compiles_every_kernel(arch):
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(_loader.source_text("codec"), "gc_codec.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS) + [f"--gpu-architecture=compute_{arch}"])
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    entries = {line.split()[2].split("(")[0] for line in ptx.splitlines() if line.startswith(".visible .entry")}
+    assert _kernel_names_used_by_codec() <= entries
+    assert "fma.rn.f32" not in ptx  # no contraction anywhere
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (arch == "90")
+
+
+def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
+    nvrtc = _nvrtc()
+    (tmp_path / "bad.cuh").write_text("#pragma once\n// line 2\nint broken = ;\n")
+    (tmp_path / "bad.cu").write_text('// one\n#include "bad.cuh"\nextern "C" __global__ void k() {}\n')
+    monkeypatch.setattr(_loader, "KERNEL_DIR", tmp_path)
+    monkeypatch.setitem(_loader.MODULES, "bad", "bad.cu")
+    prog = nvrtc.createProgram(_loader.source_text("bad"), "bad.cu", [], [])
+    try:
+        with pytest.raises(Exception):
+            nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS))
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert f"{tmp_path / 'bad.cuh'}(3)" in log
+
+
+def test_check_cuda_script_passes():
+    res = subprocess.run(["bash", str(ROOT / "native" / "check_cuda.sh")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAIL" not in res.stdout
+
+
+# ------------------------------------------------------------- device ring on the CPU
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16", "fp32"])
+def test_device_ring_loopback_numpy_matches_simulation(p, fmt, rng):
+    for n, block, dtype in ((1000, 32, np.float32), (12345, 256, np.float32), (7, 3, np.float64), (513, 256, np.float16)):
+        xs = [random_vector(rng, n, spread=8).astype(dtype) for _ in range(p)]
+        for op in ("sum", "avg"):
+            got = DeviceLoopbackGroup(p).run(lambda t: dring.allreduce(t, xs[t.rank], fmt, block, op))
+            with np.errstate(all="ignore"):
+                want = simulate_allreduce(xs, fmt, block, op, algorithm="ring")
+            for r in range(p):
+                assert got[r].dtype == dtype and got[r].shape == xs[r].shape
+                assert floats_equal(got[r].astype(np.float32), want[r].astype(np.float32)).all(), (p, fmt, n, block, op, r)
+
+
+class FakeDeviceView:
+    """Wraps a transport so that every buffer it is handed reaches it as a FakeDeviceArray."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+
+    def isend(self, buf, dest, tag=0):
+        return self.inner.isend(FakeDeviceArray(buf), dest, tag)
+
+    def irecv(self, buf, source, tag=0):
+        return self.inner.irecv(FakeDeviceArray(buf), source, tag)
+
+    def allgather_int64(self, vec):
+        return self.inner.allgather_int64(vec)
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+
+@pytest.mark.mpi
+def test_device_mpi_transport_fake_device_buffers():
+    """CUDA-aware MPI plumbing with fake device arrays (MPICH reads the host memory behind the
+    pointer): raw messages, then the whole device ring against the simulation."""
+    from mpi4py import MPI
+
+    from giftcomm.transport.device_mpi import CudaSupport, DeviceMpiTransport, cuda_support
+
+    comm = MPI.COMM_WORLD
+    support = cuda_support()
+    assert isinstance(support, CudaSupport) and support.how
+    t = DeviceMpiTransport(comm, require_cuda_aware=False)
+    p, r = t.size, t.rank
+    send = np.full(37, r, np.uint8)
+    recv = np.zeros(37, np.uint8)
+    reqs = [t.irecv(FakeDeviceArray(recv), (r - 1) % p, tag=5), t.isend(FakeDeviceArray(send), (r + 1) % p, tag=5)]
+    for q in reqs:
+        q.wait()
+    assert (recv == (r - 1) % p).all()
+    with pytest.raises(TypeError, match="device array"):
+        t.isend(send, (r + 1) % p)
+    rng = np.random.default_rng(1234)  # same inputs on every rank
+    xs = [random_vector(rng, 5000, spread=10) for _ in range(p)]
+    got = dring.allreduce(FakeDeviceView(t), xs[r], "e4m3", 256, "sum")
+    want = simulate_allreduce(xs, "e4m3", 256, "sum", algorithm="ring")[r]
+    assert floats_equal(got, want).all()
+    digests = comm.allgather(got.tobytes())
+    assert all(d == digests[0] for d in digests)
+    t.free()
+
+
+def test_device_mpi_refuses_host_only_mpi(monkeypatch):
+    from mpi4py import MPI
+
+    from giftcomm.transport import device_mpi
+
+    monkeypatch.setenv("GIFTCOMM_CUDA_AWARE_MPI", "0")
+    assert device_mpi.cuda_support() == device_mpi.CudaSupport(False, "GIFTCOMM_CUDA_AWARE_MPI")
+    with pytest.raises(RuntimeError, match="not CUDA-aware"):
+        device_mpi.DeviceMpiTransport(MPI.COMM_SELF)
+    monkeypatch.setenv("GIFTCOMM_CUDA_AWARE_MPI", "1")
+    assert device_mpi.cuda_support().supported is True
+
+
+# --------------------------------------------------------------------- NCCL queue logic
+class _FakeNccl:
+    NCCL_UINT8, NCCL_INT64 = 0, 1
+    available = True
+
+    def __init__(self):
+        self.log = []
+
+    def groupStart(self):
+        self.log.append(("start",))
+
+    def groupEnd(self):
+        self.log.append(("end",))
+
+    def get_unique_id(self):
+        return (1, 2, 3)
+
+    def NcclCommunicator(self, n, uid, rank):
+        log = self.log
+
+        class Comm:
+            def send(self, ptr, nbytes, dtype, peer, stream):
+                log.append(("send", ptr, nbytes, peer, stream))
+
+            def recv(self, ptr, nbytes, dtype, peer, stream):
+                log.append(("recv", ptr, nbytes, peer, stream))
+
+            def destroy(self):
+                log.append(("destroy",))
+
+        return Comm()
+
+
+class _FakeCupyLike(FakeDeviceArray):
+    @property
+    def flags(self):
+        return self.host.flags
+
+
+def test_nccl_transport_groups_queued_ops(monkeypatch):
+    from giftcomm.transport import nccl as tn
+
+    fake = _FakeNccl()
+    monkeypatch.setattr(tn, "_nccl", lambda: fake)
+    monkeypatch.setattr(tn, "_current_stream_ptr", lambda: 77)
+    t = tn.NcclTransport((1, 2, 3), rank=1, size=3)
+    a, b = _FakeCupyLike(np.zeros(10, np.uint8)), _FakeCupyLike(np.zeros(6, np.uint8))
+    rq = t.irecv(a, 0)
+    sq = t.isend(b, 2)
+    assert fake.log == []  # queued, nothing issued yet
+    rq.wait()
+    assert fake.log == [("start",), ("recv", a.host.ctypes.data, 10, 0, 77), ("send", b.host.ctypes.data, 6, 2, 77), ("end",)]
+    sq.wait()  # already issued: no second group
+    assert len(fake.log) == 4
+    t.sendrecv(b, 2, a, 0)
+    assert [e[0] for e in fake.log[4:]] == ["start", "recv", "send", "end"]
+    with pytest.raises(TypeError):
+        t.isend(np.zeros(3, np.uint8), 0)
+    # the device ring's pattern (recv + send queued, then wait) issues one group per hop
+    fake.log.clear()
+    t.free()
+    assert fake.log == [("destroy",)]
+
+
+# ----------------------------------------------------------------------------- transform
+def test_transform_plan_matches_numpy(rng):
+    segs, start, pairs = [(64, 48), (64, 48), (32, 32), (10, 7), (64, 48)], 5, []
+    for k, (m, n) in enumerate(segs):
+        left = (np.eye(m) + rng.standard_normal((m, m)) / np.sqrt(m)).astype(np.float32) if k != 3 else None
+        right = (np.eye(n) + rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32) if k != 2 else None
+        pairs.append(SegmentPair(start, m, n, left, right))
+        start += m * n + 3
+    size = start + 11
+    plan = TransformPlan(size, pairs)
+    x = rng.standard_normal(size).astype(np.float32)
+    y = plan.forward(x)
+    want = x.copy()
+    for p in pairs:
+        blk = x[p.start : p.start + p.size].reshape(p.m, p.n).astype(np.float64)
+        if p.left is not None:
+            blk = p.left.astype(np.float64) @ blk
+        if p.right is not None:
+            blk = blk @ p.right.astype(np.float64)
+        want[p.start : p.start + p.size] = blk.reshape(-1)
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-5
+    z = plan.inverse(y)
+    assert np.linalg.norm(z - x) / np.linalg.norm(x) < 1e-3
+    assert len(plan.groups) == 3 and plan.flops() > 0
+    with pytest.raises(ValueError):
+        TransformPlan(10, [SegmentPair(5, 2, 3)])
