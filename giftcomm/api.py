@@ -82,7 +82,8 @@ def _validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_ele
     if op is not None and op not in OP_CODES:
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b,
-               op=OP_CODES.get(op, 0), slice=_positive_int(slice_elems, "slice_elems"),
+               op=OP_CODES.get(op, 0),
+               slice=0 if slice_elems is None else _positive_int(slice_elems, "slice_elems"),
                geometry=0, algorithm=0, local_size=0, chosen=0)
     return _Call(arr, f, b, sig)
 
@@ -149,7 +150,7 @@ def gift_allreduce(
     out: np.ndarray | None = None,
     algorithm: str = "auto",
     local_size: int | None = None,
-    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
+    slice_elems: int | None = None,
 ) -> np.ndarray:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -183,7 +184,8 @@ def gift_allreduce(
     acc_t = accumulation_dtype(flat.dtype)
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
-    total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_elems)
+    slice_n = slice_elems or ring.auto_slice_elems(arr.size, p)
+    total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_n)
     if geo is not None:
         total = np.asarray(geo.inverse(total), dtype=np.float32)
     return _finish(total.astype(acc_t, copy=False), op, p, arr.dtype, arr.shape, out)
@@ -199,7 +201,7 @@ def allreduce(
     out: np.ndarray | None = None,
     algorithm: str = "auto",
     local_size: int | None = None,
-    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
+    slice_elems: int | None = None,
 ) -> np.ndarray:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
@@ -224,7 +226,7 @@ def reduce_scatter(
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
     algorithm: str = "ring",
-    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
+    slice_elems: int | None = None,
 ) -> np.ndarray:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype).
 
@@ -250,7 +252,8 @@ def reduce_scatter(
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, t.size, arr.dtype, (0,), out)
     rs = direct.reduce_scatter if chosen == "direct" else ring.reduce_scatter
-    total, _ = rs(t, np.ascontiguousarray(arr).reshape(-1), bounds, call.fmt, call.block, acc_t, slice_elems)
+    slice_n = slice_elems or ring.auto_slice_elems(arr.size, t.size)
+    total, _ = rs(t, np.ascontiguousarray(arr).reshape(-1), bounds, call.fmt, call.block, acc_t, slice_n)
     return _finish(total, op, t.size, arr.dtype, (shard_n,), out)
 
 
@@ -261,7 +264,7 @@ def allgather(
     fmt: str | Format = "e4m3",
     block: int = DEFAULT_BLOCK,
     out: np.ndarray | None = None,
-    slice_elems: int = ring.DEFAULT_SLICE_ELEMS,
+    slice_elems: int | None = None,
 ) -> np.ndarray:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
@@ -288,7 +291,8 @@ def allgather(
     if wrong:  # every rank sees the same table, so every rank raises this
         raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
     flat = np.ascontiguousarray(call.arr).reshape(-1)
-    sl = ring.slice_chunk(flat.size, call.fmt, call.block, slice_elems)
+    slice_n = slice_elems or ring.auto_slice_elems(total_n, t.size)
+    sl = ring.slice_chunk(flat.size, call.fmt, call.block, slice_n)
     own = ring.encode_sliced(flat, sl, call.fmt, call.block, np.empty(sl.nbytes, np.uint8))
-    values = ring.allgather(t, own, counts, call.fmt, call.block, slice_elems)
+    values = ring.allgather(t, own, counts, call.fmt, call.block, slice_n)
     return _finish(values, "sum", t.size, call.arr.dtype, (total_n,), out)

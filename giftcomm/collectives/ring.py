@@ -27,6 +27,16 @@ from ..transport import Request, Transport, wait_all
 from .workspace import workspace_of
 
 DEFAULT_SLICE_ELEMS = 1 << 18  # 256K values: 1 MiB of float32, ~257 KiB of e4m3 per message
+MIN_AUTO_SLICE, MAX_AUTO_SLICE = 1 << 16, 1 << 20
+
+
+def auto_slice_elems(n: int, nranks: int) -> int:
+    """The default slice: about a quarter of a chunk, between 64K and 1M values.
+
+    Measured on shaped TCP links (docs/performance.md): many small slices cost more in
+    per-message overhead than they gain in overlap, one slice per chunk overlaps nothing.
+    """
+    return int(min(max(n // max(nranks, 1) // 4, MIN_AUTO_SLICE), MAX_AUTO_SLICE))
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def _count_wrong(comm, y: np.ndarray, want: np.ndarray) -> int:
 
 def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
-                        on_row: Callable[[Row], None], algorithm: str = "auto") -> list[Row]:
+                        on_row: Callable[[Row], None], algorithm: str = "auto",
+                        slice_elems: int | None = None) -> list[Row]:
     """Time and check allreduce for every size and format, plus the MPI fp32 baseline."""
     from mpi4py import MPI
 
@@ -105,7 +106,8 @@ def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str
         if op == "avg":
             exact /= p
         cases: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (fmt, lambda fmt=fmt: api.allreduce(x, comm=comm, op=op, fmt=fmt, block=block, algorithm=algorithm))
+            (fmt, lambda fmt=fmt: api.allreduce(x, comm=comm, op=op, fmt=fmt, block=block, algorithm=algorithm,
+                                                 slice_elems=slice_elems))
             for fmt in fmts
         ]
         x32 = x.astype(np.float32)
@@ -164,6 +166,8 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--label", default="", help="a title for this run in the JSON (used by perf plot)")
     ap.add_argument("--algorithm", default="auto", help="allreduce algorithm (auto, ring, direct, ...)")
+    ap.add_argument("--slice-elems", type=int, default=None,
+                    help="pipelining slice in values (default: automatic; changes speed, never results)")
     ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return ap
 
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     if comm.rank == 0:
         link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
-        print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} dtype={args.dtype} op={args.op} block={args.block} "
+        print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} slice={args.slice_elems} "
+              f"dtype={args.dtype} op={args.op} block={args.block} "
               f"iters={args.iters} warmup={args.warmup} check={args.check}")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
               f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}")
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_row(r), flush=True)
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
-                               args.check, args.seed, not args.no_progress, on_row, args.algorithm)
+                               args.check, args.seed, not args.no_progress, on_row, args.algorithm,
+                               args.slice_elems)
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
         if args.check:
