@@ -14,6 +14,7 @@ import numpy as np
 from .collectives import direct, doubling, hierarchical, ring
 from .collectives.agree import DTYPE_CODES, OP_CODES, agree
 from .costmodel import Topology, choose
+from .device_api import device_allreduce, is_device_input
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format
 from .partition import accumulation_dtype, chunk_bounds
 from .transport import Transport, resolve
@@ -49,8 +50,8 @@ class _Call:
 
 
 def _check_array(x: Any, name: str) -> np.ndarray:
-    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
-        raise TypeError(f"{name}: device arrays are not supported by the NumPy path")
+    if is_device_input(x):
+        raise TypeError(f"{name}: device arrays go through allreduce/gift_allreduce only (docs/gpu.md)")
     arr = np.asarray(x)
     if arr.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got dtype {arr.dtype}")
@@ -161,6 +162,8 @@ def gift_allreduce(
     every rank. Raises TypeError/ValueError on every rank when any rank's input is bad or the
     ranks disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
+    if is_device_input(x):
+        return device_allreduce(x, geometry, comm, op, fmt, block, out, algorithm)
     t = resolve(comm)
     nodes_box: list[np.ndarray] = []
 
