@@ -38,6 +38,10 @@ class Calibration:
     decode_rate: float = 2.0e9
     fused_rate: float = 1.0e9
     accumulate_rate: float = 1.5e9
+    #: seconds per call spent outside the messages (argument agreement, planning, finishing)
+    call_overhead: float = 0.0
+    #: seconds per algorithm step (ring hop, doubling round) of software work besides alpha
+    step_overhead: float = 0.0
     source: str = "built-in defaults"
 
     def to_json(self) -> str:
@@ -45,8 +49,10 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
+        """From a parsed calibration file; keys that are not fields (e.g. "measured") are ignored."""
+        known = {f for f in cls.__dataclass_fields__} - {"shm", "net"}
         return cls(shm=LinkCost(**d["shm"]), net=LinkCost(**d["net"]),
-                   **{k: v for k, v in d.items() if k not in ("shm", "net")})
+                   **{k: v for k, v in d.items() if k in known})
 
 
 def calibration_path() -> Path:
@@ -88,33 +94,44 @@ def _codec_rate(cal: Calibration, fmt: str) -> float:
 
 def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
             cal: Calibration | None = None) -> float:
-    """Predicted seconds for one allreduce of ``n`` values (float32 input) with this algorithm."""
+    """Predicted seconds for one allreduce of ``n`` values (float32 input) with this algorithm.
+
+    ``call_overhead + steps * (alpha + step_overhead) + max(wire time, codec time)`` per phase;
+    the formulas are written out in docs/scaling.md. ``inf`` for a hierarchical algorithm on a
+    topology without at least 2 nodes of at least 2 ranks."""
     cal = cal or load_calibration()
+    t = _predict_messages(algorithm, n, topo, fmt, block, cal)
+    return t if math.isinf(t) else cal.call_overhead + t
+
+
+def _predict_messages(algorithm: str, n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """predict() without the per-call overhead."""
     p = topo.ranks
     if p == 1:
         return n / cal.encode_rate + n / cal.decode_rate
     link = cal.net if topo.nodes > 1 else cal.shm
     bpv = bytes_per_value(fmt, block)
     fused = _codec_rate(cal, fmt)
+    step = link.alpha + cal.step_overhead
     if algorithm == "ring":
         wire = 2 * (p - 1) / p * n * bpv * link.beta
         codec = (p - 1) / p * n / fused + n / p / cal.encode_rate + n / cal.decode_rate
-        return 2 * (p - 1) * link.alpha + max(wire, codec)
+        return 2 * (p - 1) * step + max(wire, codec)
     if algorithm == "direct":
         wire = 2 * (p - 1) / p * n * bpv * link.beta
         codec = n / cal.encode_rate + (p - 1) / p * n / cal.accumulate_rate + n / cal.decode_rate
-        return 2 * (p - 1) * link.alpha + max(wire, codec)
+        return 2 * (p - 1) * step + max(wire, codec)
     if algorithm == "doubling":
         p2 = 1 << (p.bit_length() - 1)
         rounds = int(math.log2(p2)) + (2 if p2 != p else 0)
-        return rounds * (link.alpha + n * bpv * link.beta + n / cal.encode_rate + 2 * n / cal.decode_rate)
+        return rounds * (step + n * bpv * link.beta + n / cal.encode_rate + 2 * n / cal.decode_rate)
     if algorithm in ("hierarchical", "hierarchical_direct"):
         if topo.nodes < 2 or topo.local_size < 2:
             return math.inf
         loc, nn = topo.local_size, topo.nodes
-        local = 2 * ((loc - 1) * cal.shm.alpha + (loc - 1) / loc * n * 4 * cal.shm.beta)
+        local = 2 * ((loc - 1) * (cal.shm.alpha + cal.step_overhead) + (loc - 1) / loc * n * 4 * cal.shm.beta)
         inner = "direct" if algorithm == "hierarchical_direct" else "ring"
-        cross = predict(inner, math.ceil(n / loc), Topology(nn, nn, 1), fmt, block, cal)
+        cross = _predict_messages(inner, math.ceil(n / loc), Topology(nn, nn, 1), fmt, block, cal)
         return local + cross
     raise ValueError(f"unknown algorithm {algorithm!r}")
 

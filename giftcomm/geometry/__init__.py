@@ -6,7 +6,7 @@ See docs/method.md (the method and its choices) and docs/geometry.md (API refere
 from .estimators import GradientFactorEstimator, KfacEstimator, row_col_mean_squares
 from .geometry import Geometry
 from .layout import Layout, Segment
-from .policy import SelectivePolicy, select
+from .policy import SelectivePolicy, TransformTimeModel, collective_seconds, select
 from .spectral import Spectrum
 from .sync import SyncReport
 
@@ -20,5 +20,7 @@ __all__ = [
     "SyncReport",
     "SelectivePolicy",
     "select",
+    "TransformTimeModel",
+    "collective_seconds",
     "row_col_mean_squares",
 ]

@@ -12,18 +12,71 @@ Per segment, in order (docs/method.md gives the reasons):
 4. the transform is kept only when ``1 - r >= min_gain`` and ``f <= (1 - r) * flops_per_gain``
    (the predicted error reduction pays for the flops at the stated exchange rate); otherwise
    identity.
+
+With a time budget (``budget``, a fraction of the FP8 collective's predicted time; see
+``SelectivePolicy.budgeted``) steps 3-4 are replaced by a choice over the whole buffer: every
+eligible segment offers candidates (the step-2 choice, smaller ranks, one-sided variants), each
+with a predicted gain ``w_s (1 - r^2)`` (``w_s`` = elements x anisotropy out x anisotropy in,
+the segment's predicted Euclidean whitened squared error) and a predicted time
+(``TransformTimeModel``); the candidates are picked greedily by gain per second along each
+segment's convex hull (the LP relaxation of the multiple-choice knapsack) until the budget is
+spent. docs/method.md, section 4, gives the reasons.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .geometry import Geometry, _check_damping, spectra_from_factors
 from .layout import as_layout
-from .spectral import Spectrum, rank_for_energy
+from .spectral import Spectrum, anisotropy, damped, lowrank_damped, rank_for_energy, side_error_factor
 from .transform import SegmentTransform, identity_transform, kfac_transform
 
-__all__ = ["SelectivePolicy", "select"]
+__all__ = ["SelectivePolicy", "TransformTimeModel", "select", "collective_seconds"]
+
+
+@dataclass(frozen=True)
+class TransformTimeModel:
+    """Predicted seconds of forward + inverse of one segment transform on some machine:
+    ``passes * elements * seconds_per_pass + flops / flops_per_second``.
+
+    passes counts the element-wise sweeps over the segment that the implementation makes
+    (``giftcomm/geometry/sides.py``, forward and inverse together): 2 for the segment's output
+    copies, 2 per diagonal side, 12 per low-rank side (the two skinny GEMMs read / write the
+    segment, plus ``c x`` and the add), 4 per full side; flops as ``SegmentTransform.flops``.
+    The defaults were fitted on the 2-core development VM, fp32, loaded (perf/results/gift-cost.md:
+    ``python -m giftcomm.perf fidelity cost``); refit for other machines (a GPU is 2-3 orders of
+    magnitude faster).
+    """
+
+    seconds_per_pass: float = 0.6e-9
+    flops_per_second: float = 20e9
+
+    PASSES = {"identity": 0, "diagonal": 2, "lowrank": 12, "full": 4, "hadamard": 16}
+
+    def passes(self, left_kind: str, right_kind: str) -> int:
+        """Element passes of forward + inverse for one segment with these side kinds."""
+        if left_kind == right_kind == "identity":
+            return 0
+        return 2 + self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4)
+
+    def seconds(self, elements: int, flops: float, left_kind: str, right_kind: str) -> float:
+        """Seconds for a segment of ``elements`` values, ``flops`` of forward + inverse."""
+        return self.passes(left_kind, right_kind) * elements * self.seconds_per_pass + flops / self.flops_per_second
+
+    def transform_seconds(self, t: SegmentTransform) -> float:
+        """Predicted seconds of one built transform."""
+        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
+
+
+def collective_seconds(n: int, ranks: int, bandwidth: float, bytes_per_value: float = 1.015625) -> float:
+    """Wire time of a ring allreduce of ``n`` values: ``2 (P-1)/P * n * bytes_per_value / bandwidth``
+    (seconds; bandwidth in bytes/s per link; 0 for one rank)."""
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * n * bytes_per_value / bandwidth
 
 
 @dataclass(frozen=True)
@@ -36,6 +89,13 @@ class SelectivePolicy:
     min_gain: least predicted relative error reduction ``1 - r`` worth a transform.
     flops_per_gain: flops per element one is willing to spend for a gain of 1.0 (all error
       removed); the transform is kept when its flops per element <= gain * flops_per_gain.
+      Not used when ``budget`` is set.
+    budget: None (per-segment rule above), or the fraction of the collective's predicted wire
+      time (``collective_seconds(layout.size, ranks, bandwidth, wire_bytes_per_value)``) that
+      forward + inverse of all segments together may take, by ``time_model``.
+    ranks, bandwidth (bytes/s per link), wire_bytes_per_value: the collective the budget is
+      relative to (defaults: P = 4 at 1 Gbit/s, E4M3 with 256-value blocks).
+    time_model: predicted transform time on the machine that runs it.
     """
 
     min_size: int = 4096
@@ -43,6 +103,20 @@ class SelectivePolicy:
     max_rank: int | None = 128
     min_gain: float = 0.1
     flops_per_gain: float = 4096.0
+    budget: float | None = None
+    ranks: int = 4
+    bandwidth: float = 125e6
+    wire_bytes_per_value: float = 1.015625
+    time_model: TransformTimeModel = field(default_factory=TransformTimeModel)
+
+    @classmethod
+    def budgeted(cls, fraction: float = 0.1, ranks: int = 4, bandwidth: float = 125e6,
+                 time_model: TransformTimeModel | None = None, **kw) -> SelectivePolicy:
+        """The budget-aware policy: transforms take at most ``fraction`` of the predicted wire
+        time of the FP8 ring allreduce at ``ranks`` ranks and ``bandwidth`` bytes/s per link
+        (default 10% at P = 4, 1 Gbit/s), by ``time_model`` (default: the development CPU)."""
+        return cls(budget=fraction, ranks=ranks, bandwidth=bandwidth,
+                   time_model=time_model or TransformTimeModel(), **kw)
 
     def __post_init__(self):
         if not 0.0 < self.energy <= 1.0:
@@ -51,6 +125,10 @@ class SelectivePolicy:
             raise ValueError(f"max_rank must be >= 1 or None, got {self.max_rank}")
         if self.min_size < 0 or self.flops_per_gain < 0:
             raise ValueError("min_size and flops_per_gain must be >= 0")
+        if self.budget is not None and not self.budget >= 0:
+            raise ValueError(f"budget must be None or >= 0, got {self.budget}")
+        if self.ranks < 1 or not self.bandwidth > 0 or not self.wire_bytes_per_value > 0:
+            raise ValueError("ranks must be >= 1, bandwidth and wire_bytes_per_value > 0")
 
     def side_choice(self, spec: Spectrum):
         """'full' or the rank k for one factor's side."""
@@ -60,14 +138,22 @@ class SelectivePolicy:
         k = max(k, 1)
         return "full" if 2 * k >= spec.dim else k
 
-    def decide(self, seg, spec_g: Spectrum | None, spec_a: Spectrum | None, damping: float) -> SegmentTransform:
-        """The transform of one segment under this policy (identity or whitening)."""
+    def eligible(self, seg, spec_g: Spectrum | None, spec_a: Spectrum | None) -> str | None:
+        """None when the segment may be transformed, else why not (the identity's note)."""
         if spec_g is None or spec_a is None:
-            return identity_transform(seg, "no factors")
+            return "no factors"
         if seg.ndim < 2:
-            return identity_transform(seg, "not a matrix")
+            return "not a matrix"
         if seg.size < self.min_size:
-            return identity_transform(seg, f"small (< {self.min_size})")
+            return f"small (< {self.min_size})"
+        return None
+
+    def decide(self, seg, spec_g: Spectrum | None, spec_a: Spectrum | None, damping: float) -> SegmentTransform:
+        """The transform of one segment under the per-segment rule (identity or whitening);
+        ``budget`` is applied over the whole buffer by ``select``."""
+        why = self.eligible(seg, spec_g, spec_a)
+        if why is not None:
+            return identity_transform(seg, why)
         t = kfac_transform(seg, spec_g, spec_a, self.side_choice(spec_g), self.side_choice(spec_a), damping)
         gain = 1.0 - t.info["predicted"]
         fpe = t.flops() / max(seg.size, 1)
@@ -95,5 +181,109 @@ def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damp
     damping = _check_damping(damping)
     policy = policy or SelectivePolicy()
     spectra = spectra_from_factors(layout, factors)
+    if policy.budget is not None:
+        return Geometry(layout, _select_budgeted(layout, spectra, policy, damping))
     ts = [policy.decide(seg, *spectra.get(seg.name, (None, None)), damping) for seg in layout]
     return Geometry(layout, ts)
+
+
+# ---------------------------------------------------------------------------- budgeted selection
+def _side_options(policy: SelectivePolicy, spec: Spectrum, damping: float) -> list[tuple]:
+    """(choice, q, flops per column, kind) per option of one side: the policy's choice, then
+    halved ranks down to 1, then the identity (choice None). q: the eigenvalues it whitens with."""
+    p = damped(spec.values, damping)
+    top = policy.side_choice(spec)
+    ks = [] if top == "full" else [top]
+    k = (spec.dim if top == "full" else top) // 2
+    while k >= 1:
+        if 2 * k < spec.dim:
+            ks.append(k)
+        k //= 2
+    out = []
+    if top == "full":
+        out.append(("full", p, 2.0 * spec.dim * spec.dim, "full"))
+    for k in ks:
+        out.append((k, lowrank_damped(spec.values, k, damping), 4.0 * spec.dim * k + 2.0 * spec.dim + k, "lowrank"))
+    out.append((None, np.ones_like(p), 0.0, "identity"))
+    return out
+
+
+def _hull(points: list[tuple[float, float, object]]) -> list[tuple[float, float, object]]:
+    """Upper concave hull of (cost, gain, payload) points from (0, 0, None): increasing cost,
+    increasing gain, decreasing gain per cost between consecutive points."""
+    pts = sorted(((c, g, x) for c, g, x in points if g > 0 and c > 0), key=lambda t: (t[0], -t[1]))
+    hull = [(0.0, 0.0, None)]
+    for c, g, x in pts:
+        if g <= hull[-1][1]:
+            continue
+        while len(hull) >= 2:
+            (c1, g1, _), (c2, g2, _) = hull[-2], hull[-1]
+            # drop the last point if it lies on or below the segment from hull[-2] to (c, g)
+            if (g2 - g1) * (c - c1) <= (g - g1) * (c2 - c1):
+                hull.pop()
+            else:
+                break
+        hull.append((c, g, x))
+    return hull
+
+
+def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -> list[SegmentTransform]:
+    """Per segment the chosen transform under ``policy.budget`` (see the module doc)."""
+    tm = policy.time_model
+    budget = policy.budget * collective_seconds(layout.size, policy.ranks, policy.bandwidth,
+                                                policy.wire_bytes_per_value)
+    notes: dict[str, str] = {}
+    hulls: dict[str, list] = {}
+    for seg in layout:
+        spec_g, spec_a = spectra.get(seg.name, (None, None))
+        why = policy.eligible(seg, spec_g, spec_a)
+        if why is not None:
+            notes[seg.name] = why
+            continue
+        m, n = seg.matrix_shape
+        pg, pa = damped(spec_g.values, damping), damped(spec_a.values, damping)
+        weight = seg.size * anisotropy(pg) * anisotropy(pa)
+        cands = []
+        for cg, qg, fg, kg in _side_options(policy, spec_g, damping):
+            eg = side_error_factor(pg, qg)
+            for ca, qa, fa, ka in _side_options(policy, spec_a, damping):
+                if cg is None and ca is None:
+                    continue
+                r2 = eg * side_error_factor(pa, qa)
+                if 1.0 - np.sqrt(r2) < policy.min_gain:
+                    continue
+                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka)
+                cands.append((secs, weight * (1.0 - r2), (cg, ca)))
+        hulls[seg.name] = _hull(cands)
+        if len(hulls[seg.name]) == 1:
+            notes[seg.name] = f"identity: gain < {policy.min_gain}"
+    # increments along each hull, best gain per second first; a segment's increments are taken
+    # in order (their efficiency decreases along the hull)
+    steps = []
+    for name, hull in hulls.items():
+        for j in range(1, len(hull)):
+            dc, dg = hull[j][0] - hull[j - 1][0], hull[j][1] - hull[j - 1][1]
+            steps.append((-dg / dc, name, j, dc))
+    steps.sort(key=lambda s: (s[0], s[1], s[2]))
+    level = {name: 0 for name in hulls}
+    spent = 0.0
+    for _, name, j, dc in steps:
+        if level[name] == j - 1 and spent + dc <= budget:
+            level[name] = j
+            spent += dc
+    out = []
+    for seg in layout:
+        name = seg.name
+        if name in notes and level.get(name, 0) == 0:
+            out.append(identity_transform(seg, notes[name]))
+            continue
+        if level.get(name, 0) == 0:
+            out.append(identity_transform(seg, "identity: over the time budget"))
+            continue
+        cg, ca = hulls[name][level[name]][2]
+        spec_g, spec_a = spectra[name]
+        t = kfac_transform(seg, spec_g, spec_a, cg, ca, damping)
+        t.info["note"] = (f"gain {1 - t.info['predicted']:.2f}, budget {tm.transform_seconds(t) * 1e3:.2f} "
+                          f"of {budget * 1e3:.2f} ms")
+        out.append(t)
+    return out
