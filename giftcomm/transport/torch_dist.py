@@ -9,6 +9,7 @@ while giftcomm's wire messages are host buffers).
 """
 from __future__ import annotations
 
+import socket
 import warnings
 from typing import Any
 
@@ -58,6 +59,19 @@ class TorchDistTransport(Transport):
         self.group = dist.new_group(ranks=self._global, backend=backend)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        self._nodes = self._find_nodes()
+
+    def _find_nodes(self) -> np.ndarray:
+        """Node index per rank: ranks reporting the same host name share a node; nodes are
+        numbered in the order of their lowest rank (collective; done once, at creation)."""
+        hosts = self.allgather_object(socket.gethostname())
+        leader = {h: min(r for r, x in enumerate(hosts) if x == h) for h in hosts}
+        leaders = np.array([leader[h] for h in hosts], np.int64)
+        return np.unique(leaders, return_inverse=True)[1].astype(np.int64)
+
+    def node_ids(self) -> np.ndarray:
+        """Node index of every rank (int64, shape (size,)), from the ranks' host names."""
+        return self._nodes.copy()
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
         t = _as_tensor(buf)

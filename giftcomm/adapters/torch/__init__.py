@@ -1,0 +1,25 @@
+"""PyTorch adapter (needs ``torch``): see docs/adapters.md.
+
+- ``GiftState`` + ``gift_hook``: a DDP communication hook (``ddp.register_comm_hook``).
+- ``GradSync``: gradient synchroniser for plain loops under mpiexec (no torch.distributed).
+- ``KfacCapture``, ``build_geometries``: KFAC factors from nn.Linear hooks, per-bucket geometries.
+- ``make_buckets``, ``numpy_view``: flat float buffers whose views are the ``.grad`` tensors.
+"""
+from .buckets import GradBucket, make_buckets, named_trainable, numpy_view
+from .ddp import GiftState, gift_hook
+from .grad_sync import GradSync, SyncTimes
+from .kfac import KfacCapture, build_geometries, model_layout
+
+__all__ = [
+    "GiftState",
+    "gift_hook",
+    "GradSync",
+    "SyncTimes",
+    "KfacCapture",
+    "build_geometries",
+    "model_layout",
+    "GradBucket",
+    "make_buckets",
+    "named_trainable",
+    "numpy_view",
+]

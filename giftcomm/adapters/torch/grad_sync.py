@@ -1,0 +1,126 @@
+"""Gradient synchroniser for plain training loops under mpiexec (no torch.distributed).
+
+::
+
+    sync = GradSync(model, comm=MPI.COMM_WORLD, fmt="e4m3", bucket_mb=25)
+    for batch in data:
+        sync.zero_grad()
+        loss(model, batch).backward()     # autograd accumulates into the buckets
+        sync.sync()                       # gift_allreduce each bucket in place (op="avg")
+        opt.step()
+
+Every ``.grad`` is a view of a flat NumPy bucket, so the collective reads and writes the
+gradients without a copy. Each bucket may have its own geometry (``set_geometries``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import api
+from ...formats import DEFAULT_BLOCK
+from .buckets import GradBucket, make_buckets
+
+__all__ = ["GradSync", "SyncTimes"]
+
+
+@dataclass
+class SyncTimes:
+    """Wall seconds of one ``sync()``: transform (geometry forward + inverse), comm (the rest of
+    the collective: agreement, codec, transfers), total."""
+
+    transform: float = 0.0
+    comm: float = 0.0
+    total: float = 0.0
+
+
+class _TimedGeometry:
+    """Wraps a geometry, adding the seconds spent in forward/inverse to ``seconds``."""
+
+    def __init__(self, geometry) -> None:
+        self.g, self.seconds = geometry, 0.0
+        self.size, self.is_identity = geometry.size, geometry.is_identity
+
+    def fingerprint(self) -> int:
+        return self.g.fingerprint()
+
+    def forward(self, flat: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.g.forward(flat)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def inverse(self, flat: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.g.inverse(flat)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class GradSync:
+    """Allreduce a model's gradients bucket by bucket with giftcomm.
+
+    model: an nn.Module or (name, parameter) pairs (CPU, float32/64/16). comm: mpi4py
+    communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block, op, algorithm,
+    slice_elems: as for ``giftcomm.allreduce`` (op="avg" averages like DDP). bucket_mb: bucket
+    size in MiB.
+    """
+
+    def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
+                 op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
+                 slice_elems: int | None = None) -> None:
+        self.comm, self.fmt, self.block, self.op = comm, fmt, block, op
+        self.algorithm, self.slice_elems = algorithm, slice_elems
+        self.buckets: list[GradBucket] = make_buckets(model, bucket_mb)
+        self.geometries: list[Any] = [None] * len(self.buckets)
+
+    @property
+    def layouts(self):
+        """The geometry Layout of each bucket, in bucket order."""
+        return [b.layout for b in self.buckets]
+
+    def set_geometries(self, geometries: Sequence[Any] | None) -> None:
+        """One geometry (or None) per bucket; None clears all. Each must cover its bucket."""
+        if geometries is None:
+            self.geometries = [None] * len(self.buckets)
+            return
+        if len(geometries) != len(self.buckets):
+            raise ValueError(f"need {len(self.buckets)} geometries (one per bucket), got {len(geometries)}")
+        for b, g in zip(self.buckets, geometries):
+            if g is not None and g.size != b.buffer.size:
+                raise ValueError(f"bucket {b.index}: geometry covers {g.size} elements, bucket has {b.buffer.size}")
+        self.geometries = list(geometries)
+
+    def zero_grad(self) -> None:
+        """Zero every bucket and (re)bind the ``.grad`` views (use instead of optimizer.zero_grad)."""
+        for b in self.buckets:
+            b.zero()
+
+    def sync(self) -> SyncTimes:
+        """Collective: replace every gradient by its reduction over all ranks, in place.
+        Returns the wall-time split (transform / comm)."""
+        times = SyncTimes()
+        t0 = time.perf_counter()
+        for b, g in zip(self.buckets, self.geometries):
+            b.bind()  # a grad replaced by someone else is copied into the bucket
+            tg = None if g is None or g.is_identity else _TimedGeometry(g)
+            api.gift_allreduce(b.buffer, tg, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block,
+                               out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems)
+            if tg is not None:
+                times.transform += tg.seconds
+        times.total = time.perf_counter() - t0
+        times.comm = times.total - times.transform
+        return times
+
+    def flat_grads(self) -> list[np.ndarray]:
+        """The bucket buffers themselves (no copy), after binding: gradients that autograd or
+        the optimizer replaced are copied in first, so the buffers hold the current ``.grad``."""
+        for b in self.buckets:
+            b.bind()
+        return [b.buffer for b in self.buckets]
