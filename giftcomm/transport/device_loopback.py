@@ -7,26 +7,11 @@ queued message is complete whatever stream the receiver uses.
 """
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 from .. import _xp
 from .base import Request
-from .loopback import _TIMEOUT_S, LoopbackGroup, LoopbackTransport, _Done
-
-
-class _DeviceRecv(Request):
-    def __init__(self, box: "queue.Queue[Any]", buf: Any) -> None:
-        self._box, self._buf = box, buf
-
-    def wait(self) -> None:
-        try:
-            data = self._box.get(timeout=_TIMEOUT_S)
-        except queue.Empty:
-            raise TimeoutError("device loopback receive timed out (a rank did not send)") from None
-        if data.nbytes != self._buf.nbytes:
-            raise ValueError(f"loopback message of {data.nbytes} bytes into a {self._buf.nbytes}-byte buffer")
-        self._buf.reshape(-1).view("uint8")[...] = data
+from .loopback import LoopbackGroup, LoopbackTransport, _Done
 
 
 class DeviceLoopbackTransport(LoopbackTransport):
@@ -38,9 +23,6 @@ class DeviceLoopbackTransport(LoopbackTransport):
         _xp.synchronize(data)
         self.group.box(self.rank, dest, tag).put(data)
         return _Done()
-
-    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
-        return _DeviceRecv(self.group.box(source, self.rank, tag), buf)
 
 
 class DeviceLoopbackGroup(LoopbackGroup):

@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from .. import _xp
-from .base import Request, Transport
+from .base import Request
+from .mpi import MpiTransport
 
 MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -87,10 +87,11 @@ def _msg(buf: Any) -> list:
     return [buf, MPI.BYTE]
 
 
-class DeviceMpiTransport(Transport):
+class DeviceMpiTransport(MpiTransport):
     """Point-to-point with device buffers over a private duplicate of ``comm``.
 
-    Control collectives (allgather_int64 / allgather_object) use host memory as in MpiTransport.
+    Control collectives (allgather_int64 / allgather_object), node ids and splits are
+    MpiTransport's, in host memory.
     """
 
     def __init__(self, comm: MPI.Comm | None = None, require_cuda_aware: bool = True) -> None:
@@ -103,10 +104,7 @@ class DeviceMpiTransport(Transport):
                 f"the MPI library is not CUDA-aware on every rank ({self.support.how} says "
                 f"{self.support.supported} here); use the NCCL transport or host buffers, or set "
                 "GIFTCOMM_CUDA_AWARE_MPI=1 if you know better")
-        self.user_comm = comm
-        self.comm = comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        super().__init__(comm)
 
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         _xp.synchronize(buf)  # the producing kernels must be done before MPI reads the buffer
@@ -120,16 +118,3 @@ class DeviceMpiTransport(Transport):
         _xp.synchronize(sendbuf)
         self.comm.Sendrecv(_msg(sendbuf), dest, tag, _msg(recvbuf), source, tag)
 
-    def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
-        vec = np.ascontiguousarray(vec, dtype=np.int64)
-        table = np.empty((self.size, vec.size), np.int64)
-        self.comm.Allgather([vec, MPI.INT64_T], [table, MPI.INT64_T])
-        return table
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
-
-    def free(self) -> None:
-        """Release the private communicator."""
-        if self.comm != MPI.COMM_NULL:
-            self.comm.Free()

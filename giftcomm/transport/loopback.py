@@ -34,7 +34,7 @@ class _PendingRecv(Request):
             raise TimeoutError("loopback receive timed out (a rank did not send)") from None
         if data.nbytes != self._buf.nbytes:
             raise ValueError(f"loopback message of {data.nbytes} bytes into a {self._buf.nbytes}-byte buffer")
-        self._buf.reshape(-1).view(np.uint8)[...] = data
+        self._buf.reshape(-1).view(np.uint8)[...] = data  # NumPy or CuPy (device loopback)
 
 
 class LoopbackGroup:
