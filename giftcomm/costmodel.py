@@ -7,14 +7,14 @@ defaults below (measured on a 2-core development VM over MPICH shared memory; a 
 network link for "net").
 
 Predictions assume a pipelined implementation: per phase, time = latency terms + max(wire time,
-codec time).
+codec time), plus (1 - overlap) times the smaller of the two (docs/scaling.md has the formulas).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .formats import bytes_per_value, get_format
@@ -42,6 +42,14 @@ class Calibration:
     call_overhead: float = 0.0
     #: seconds per algorithm step (ring hop, doubling round) of software work besides alpha
     step_overhead: float = 0.0
+    #: how far the pipelined phases hide the codec behind the wire (or the reverse): 1 = fully
+    #: (time = max(wire, codec)), 0 = not at all (time = wire + codec, e.g. when one CPU core
+    #: both copies the messages and runs the codec)
+    overlap: float = 1.0
+    #: network interfaces per node; 0 = one per rank (GPU nodes with a NIC per GPU). With fewer
+    #: NICs than ranks, the phases in which every rank of a node sends across the network at
+    #: once (direct's all-to-all, doubling, the hierarchical cross-node phase) share them.
+    nics_per_node: int = 0
     source: str = "built-in defaults"
 
     def to_json(self) -> str:
@@ -92,11 +100,24 @@ def _codec_rate(cal: Calibration, fmt: str) -> float:
     return cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
 
 
+def _overlapped(cal: Calibration, wire: float, codec: float) -> float:
+    """One pipelined phase: max(wire, codec) + (1 - overlap) * min(wire, codec)."""
+    return max(wire, codec) + (1.0 - cal.overlap) * min(wire, codec)
+
+
+def _nic_share(cal: Calibration, topo: Topology) -> float:
+    """How many of a node's ranks share one NIC when all of them send across the network."""
+    if cal.nics_per_node <= 0 or topo.nodes < 2 or topo.local_size <= 1:
+        return 1.0
+    return max(1.0, topo.local_size / cal.nics_per_node)
+
+
 def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
             cal: Calibration | None = None) -> float:
     """Predicted seconds for one allreduce of ``n`` values (float32 input) with this algorithm.
 
-    ``call_overhead + steps * (alpha + step_overhead) + max(wire time, codec time)`` per phase;
+    ``call_overhead + steps * (alpha + step_overhead) + max(wire, codec) + (1 - overlap) *
+    min(wire, codec)`` per pipelined phase;
     the formulas are written out in docs/scaling.md. ``inf`` for a hierarchical algorithm on a
     topology without at least 2 nodes of at least 2 ranks."""
     cal = cal or load_calibration()
@@ -110,28 +131,32 @@ def _predict_messages(algorithm: str, n: int, topo: Topology, fmt: str, block: i
     if p == 1:
         return n / cal.encode_rate + n / cal.decode_rate
     link = cal.net if topo.nodes > 1 else cal.shm
+    shared = LinkCost(link.alpha, link.beta * _nic_share(cal, topo))  # all ranks of a node send at once
     bpv = bytes_per_value(fmt, block)
     fused = _codec_rate(cal, fmt)
     step = link.alpha + cal.step_overhead
     if algorithm == "ring":
         wire = 2 * (p - 1) / p * n * bpv * link.beta
         codec = (p - 1) / p * n / fused + n / p / cal.encode_rate + n / cal.decode_rate
-        return 2 * (p - 1) * step + max(wire, codec)
+        return 2 * (p - 1) * step + _overlapped(cal, wire, codec)
     if algorithm == "direct":
-        wire = 2 * (p - 1) / p * n * bpv * link.beta
+        # all-to-all reduce-scatter (NICs shared), then the ring allgather (one stream per node)
+        wire = (p - 1) / p * n * bpv * (shared.beta + link.beta)
         codec = n / cal.encode_rate + (p - 1) / p * n / cal.accumulate_rate + n / cal.decode_rate
-        return 2 * (p - 1) * step + max(wire, codec)
+        return 2 * (p - 1) * step + _overlapped(cal, wire, codec)
     if algorithm == "doubling":
         p2 = 1 << (p.bit_length() - 1)
         rounds = int(math.log2(p2)) + (2 if p2 != p else 0)
-        return rounds * (step + n * bpv * link.beta + n / cal.encode_rate + 2 * n / cal.decode_rate)
+        return rounds * (step + n * bpv * shared.beta + n / cal.encode_rate + 2 * n / cal.decode_rate)
     if algorithm in ("hierarchical", "hierarchical_direct"):
         if topo.nodes < 2 or topo.local_size < 2:
             return math.inf
         loc, nn = topo.local_size, topo.nodes
         local = 2 * ((loc - 1) * (cal.shm.alpha + cal.step_overhead) + (loc - 1) / loc * n * 4 * cal.shm.beta)
         inner = "direct" if algorithm == "hierarchical_direct" else "ring"
-        cross = _predict_messages(inner, math.ceil(n / loc), Topology(nn, nn, 1), fmt, block, cal)
+        share = _nic_share(cal, topo)  # the L cross-node rings of a node run at once
+        cross_cal = replace(cal, net=LinkCost(cal.net.alpha, cal.net.beta * share), nics_per_node=0)
+        cross = _predict_messages(inner, math.ceil(n / loc), Topology(nn, nn, 1), fmt, block, cross_cal)
         return local + cross
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
@@ -149,16 +174,55 @@ def quantizations(algorithm: str, topo: Topology) -> int:
     return int(math.log2(p2)) + 2
 
 
+def error_growth(algorithm: str, topo: Topology) -> float:
+    """Predicted squared relative error of the allreduce, in units of one quantization of one
+    rank's values: relative L2 error ~ eps * sqrt(error_growth) for P independent contributions
+    of equal scale (eps: the format's relative rounding error with block scaling).
+
+    Each quantization of a partial sum of k contributions adds error variance ~ k (block scales
+    follow the values), and the sum's variance is P, so the factor is
+    (sum over quantizations of the partial sums' sizes) / P:
+
+    - ring: hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2;
+    - direct: P-1 single contributions, then the sum: 2 - 1/P;
+    - doubling (P2 = largest power of two <= P): every level of the exchange tree quantizes
+      groups whose sizes add up to P, log2(P2) levels, plus the folded ranks and the final
+      message: log2(P2) + 1 + (P - P2) / P;
+    - hierarchical (fp32 inside nodes of L, ring across N nodes): (N + 1) / 2;
+    - hierarchical_direct: 2 - 1/N.
+
+    Checked against the simulation in perf/results/errors-study.md (docs/scaling.md)."""
+    p = topo.ranks
+    if p == 1:
+        return 1.0
+    if algorithm == "ring":
+        return (p + 1) / 2
+    if algorithm == "direct":
+        return 2 - 1 / p
+    if algorithm == "doubling":
+        p2 = 1 << (p.bit_length() - 1)
+        return math.log2(p2) + 1 + (p - p2) / p
+    nodes = topo.nodes if topo.nodes >= 1 else p
+    if algorithm == "hierarchical":
+        return (nodes + 1) / 2
+    if algorithm == "hierarchical_direct":
+        return 2 - 1 / nodes
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
 FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantizations
 
 
 def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None) -> str:
     """The ``auto`` algorithm: among those predicted within FIDELITY_SLACK of the fastest, the one
-    that quantizes each value the fewest times (ties: the faster)."""
+    with the smallest predicted error (:func:`error_growth`; ties: the faster).
+
+    (Until the error study, the tie-break was :func:`quantizations`, which misorders recursive
+    doubling against the ring and the hierarchical ring: see docs/scaling.md.)"""
     candidates = ["ring", "direct", "doubling"]
     if topo.nodes > 1 and topo.local_size > 1:
         candidates += ["hierarchical", "hierarchical_direct"]
     times = {a: predict(a, n, topo, fmt, block, cal) for a in candidates}
     best = min(times.values())
     near = [a for a in candidates if times[a] <= best * FIDELITY_SLACK]
-    return min(near, key=lambda a: (quantizations(a, topo), times[a]))
+    return min(near, key=lambda a: (round(error_growth(a, topo), 9), times[a]))
