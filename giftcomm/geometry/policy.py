@@ -39,36 +39,60 @@ __all__ = ["SelectivePolicy", "TransformTimeModel", "select", "collective_second
 
 @dataclass(frozen=True)
 class TransformTimeModel:
-    """Predicted seconds of forward + inverse of one segment transform on some machine:
-    ``passes * elements * seconds_per_pass + flops / flops_per_second``.
+    """Predicted seconds of forward + inverse of segment transforms on some machine.
 
-    passes counts the element-wise sweeps over the segment that the implementation makes
-    (``giftcomm/geometry/sides.py``, forward and inverse together): 2 for the segment's output
-    copies, 2 per diagonal side, 12 per low-rank side (the two skinny GEMMs read / write the
-    segment, plus ``c x`` and the add), 4 per full side; flops as ``SegmentTransform.flops``.
-    The defaults were fitted on the 2-core development VM, fp32, loaded (perf/results/gift-cost.md:
+    One segment of ``e`` elements: ``passes * e * s(e) + flops / flops_per_second``, where
+    ``s(e)`` is ``seconds_per_pass`` for segments of at most ``cache_elements`` and
+    ``seconds_per_pass_large`` above (memory-bound sweeps are several times slower once a
+    segment leaves the caches). ``passes`` counts the element-wise sweeps of the implementation
+    (``giftcomm/geometry/sides.py``, forward and inverse together): 2 per diagonal side, 12 per
+    low-rank side (the two skinny GEMMs read / write the segment, plus ``c x`` and the add), 4 per
+    full side, 16 per Hadamard side. A non-identity geometry also copies every segment into its
+    output buffer in forward and in inverse: ``copy_seconds``, charged for the whole buffer.
+    Defaults: fitted on the 2-core development VM, fp32, loaded (perf/results/gift-cost.md,
     ``python -m giftcomm.perf fidelity cost``); refit for other machines (a GPU is 2-3 orders of
     magnitude faster).
     """
 
-    seconds_per_pass: float = 0.6e-9
+    seconds_per_pass: float = 0.25e-9
+    seconds_per_pass_large: float = 0.9e-9
+    cache_elements: int = 1 << 20
     flops_per_second: float = 20e9
 
     PASSES = {"identity": 0, "diagonal": 2, "lowrank": 12, "full": 4, "hadamard": 16}
 
     def passes(self, left_kind: str, right_kind: str) -> int:
-        """Element passes of forward + inverse for one segment with these side kinds."""
-        if left_kind == right_kind == "identity":
-            return 0
-        return 2 + self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4)
+        """Element passes of forward + inverse of one segment's sides (copies not included)."""
+        return self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4)
+
+    def pass_seconds(self, elements: int) -> float:
+        """Seconds of one element-wise sweep over a segment of ``elements`` values."""
+        per = self.seconds_per_pass if elements <= self.cache_elements else self.seconds_per_pass_large
+        return elements * per
 
     def seconds(self, elements: int, flops: float, left_kind: str, right_kind: str) -> float:
-        """Seconds for a segment of ``elements`` values, ``flops`` of forward + inverse."""
-        return self.passes(left_kind, right_kind) * elements * self.seconds_per_pass + flops / self.flops_per_second
+        """Seconds of the sides of a segment of ``elements`` values, ``flops`` of forward + inverse
+        (without the output copies)."""
+        return self.passes(left_kind, right_kind) * self.pass_seconds(elements) + flops / self.flops_per_second
+
+    def copy_seconds(self, elements: int) -> float:
+        """Seconds of copying a segment into the output buffer in forward and in inverse."""
+        return 2.0 * self.pass_seconds(elements)
 
     def transform_seconds(self, t: SegmentTransform) -> float:
-        """Predicted seconds of one built transform."""
-        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
+        """Predicted seconds of one built transform, its copies included (0 for the identity)."""
+        if t.is_identity:
+            return 0.0
+        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind) + self.copy_seconds(t.segment.size)
+
+    def geometry_seconds(self, geo) -> float:
+        """Predicted seconds of forward + inverse of a whole Geometry: 0 when it is the identity
+        (gift_allreduce then skips it), else every transform plus the copies of every segment."""
+        if geo.is_identity:
+            return 0.0
+        return sum(self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
+                   for t in geo.transforms if not t.is_identity) + \
+            sum(self.copy_seconds(t.segment.size) for t in geo.transforms)
 
 
 def collective_seconds(n: int, ranks: int, bandwidth: float, bytes_per_value: float = 1.015625) -> float:
@@ -96,6 +120,11 @@ class SelectivePolicy:
     ranks, bandwidth (bytes/s per link), wire_bytes_per_value: the collective the budget is
       relative to (defaults: P = 4 at 1 Gbit/s, E4M3 with 256-value blocks).
     time_model: predicted transform time on the machine that runs it.
+    rank_rule: "utility" (default): per side the candidates are the identity, the ``energy``
+      rank, the powers of two up to ``max_rank`` and the full side (when ``2 max_rank >= d``);
+      the pair with the largest ``gain - flops_per_element / flops_per_gain`` is taken.
+      "energy": both sides at the ``energy`` rank (``side_choice``), the rule before the
+      fidelity study (docs/method.md section 4a says why it changed).
     """
 
     min_size: int = 4096
@@ -108,6 +137,7 @@ class SelectivePolicy:
     bandwidth: float = 125e6
     wire_bytes_per_value: float = 1.015625
     time_model: TransformTimeModel = field(default_factory=TransformTimeModel)
+    rank_rule: str = "utility"
 
     @classmethod
     def budgeted(cls, fraction: float = 0.1, ranks: int = 4, bandwidth: float = 125e6,
@@ -129,6 +159,8 @@ class SelectivePolicy:
             raise ValueError(f"budget must be None or >= 0, got {self.budget}")
         if self.ranks < 1 or not self.bandwidth > 0 or not self.wire_bytes_per_value > 0:
             raise ValueError("ranks must be >= 1, bandwidth and wire_bytes_per_value > 0")
+        if self.rank_rule not in ("utility", "energy"):
+            raise ValueError(f"rank_rule must be 'utility' or 'energy', got {self.rank_rule!r}")
 
     def side_choice(self, spec: Spectrum):
         """'full' or the rank k for one factor's side."""
@@ -154,7 +186,11 @@ class SelectivePolicy:
         why = self.eligible(seg, spec_g, spec_a)
         if why is not None:
             return identity_transform(seg, why)
-        t = kfac_transform(seg, spec_g, spec_a, self.side_choice(spec_g), self.side_choice(spec_a), damping)
+        if self.rank_rule == "energy":
+            cg, ca = self.side_choice(spec_g), self.side_choice(spec_a)
+        else:
+            cg, ca = self._best_pair(seg, spec_g, spec_a, damping)
+        t = kfac_transform(seg, spec_g, spec_a, cg, ca, damping)
         gain = 1.0 - t.info["predicted"]
         fpe = t.flops() / max(seg.size, 1)
         if gain < self.min_gain:
@@ -163,6 +199,42 @@ class SelectivePolicy:
             return _rejected(seg, t, f"{fpe:.0f} flop/elem > gain {gain:.2f} x {self.flops_per_gain:g}")
         t.info["note"] = f"gain {gain:.2f}"
         return t
+
+    def side_options(self, spec: Spectrum, damping: float) -> list[tuple]:
+        """Candidate choices of one side: (choice, predicted side error factor, flops per
+        column, side kind), for choice None (identity), ranks k (the ``energy`` rank and powers
+        of two up to ``max_rank``, each with ``2k < d``) and "full" (when ``2 max_rank >= d``)."""
+        d = spec.dim
+        p = damped(spec.values, damping)
+        cap = d if self.max_rank is None else min(self.max_rank, d)
+        ks = {min(max(rank_for_energy(spec.values, self.energy), 1), cap)}
+        k = 1
+        while k <= cap:
+            ks.add(k)
+            k *= 2
+        out = [(None, 1.0, 0.0, "identity")]
+        for k in sorted(ks):
+            if 2 * k < d:
+                q = lowrank_damped(spec.values, k, damping)
+                out.append((k, side_error_factor(p, q), 4.0 * d * k + 2.0 * d + k, "lowrank"))
+        if 2 * cap >= d:
+            out.append(("full", side_error_factor(p, p), 2.0 * d * d, "full"))
+        return out
+
+    def _best_pair(self, seg, spec_g: Spectrum, spec_a: Spectrum, damping: float):
+        """(choice G, choice A) maximising ``gain - flops per element / flops_per_gain``."""
+        m, n = seg.matrix_shape
+        best, best_u = (None, None), -np.inf
+        opts_a = self.side_options(spec_a, damping)
+        for cg, eg, fg, _ in self.side_options(spec_g, damping):
+            for ca, ea, fa, _ in opts_a:
+                if cg is None and ca is None:
+                    continue
+                fpe = 2.0 * (fg / m + fa / n)
+                u = (1.0 - np.sqrt(eg * ea)) - (fpe / self.flops_per_gain if self.flops_per_gain > 0 else np.inf)
+                if u > best_u:
+                    best, best_u = (cg, ca), u
+        return best
 
 
 def _rejected(seg, t: SegmentTransform, why: str) -> SegmentTransform:
@@ -188,26 +260,6 @@ def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damp
 
 
 # ---------------------------------------------------------------------------- budgeted selection
-def _side_options(policy: SelectivePolicy, spec: Spectrum, damping: float) -> list[tuple]:
-    """(choice, q, flops per column, kind) per option of one side: the policy's choice, then
-    halved ranks down to 1, then the identity (choice None). q: the eigenvalues it whitens with."""
-    p = damped(spec.values, damping)
-    top = policy.side_choice(spec)
-    ks = [] if top == "full" else [top]
-    k = (spec.dim if top == "full" else top) // 2
-    while k >= 1:
-        if 2 * k < spec.dim:
-            ks.append(k)
-        k //= 2
-    out = []
-    if top == "full":
-        out.append(("full", p, 2.0 * spec.dim * spec.dim, "full"))
-    for k in ks:
-        out.append((k, lowrank_damped(spec.values, k, damping), 4.0 * spec.dim * k + 2.0 * spec.dim + k, "lowrank"))
-    out.append((None, np.ones_like(p), 0.0, "identity"))
-    return out
-
-
 def _hull(points: list[tuple[float, float, object]]) -> list[tuple[float, float, object]]:
     """Upper concave hull of (cost, gain, payload) points from (0, 0, None): increasing cost,
     increasing gain, decreasing gain per cost between consecutive points."""
@@ -232,6 +284,8 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
     tm = policy.time_model
     budget = policy.budget * collective_seconds(layout.size, policy.ranks, policy.bandwidth,
                                                 policy.wire_bytes_per_value)
+    # any transform makes forward/inverse copy the whole buffer: a fixed cost
+    fixed = sum(tm.copy_seconds(seg.size) for seg in layout)
     notes: dict[str, str] = {}
     hulls: dict[str, list] = {}
     for seg in layout:
@@ -244,12 +298,12 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
         pg, pa = damped(spec_g.values, damping), damped(spec_a.values, damping)
         weight = seg.size * anisotropy(pg) * anisotropy(pa)
         cands = []
-        for cg, qg, fg, kg in _side_options(policy, spec_g, damping):
-            eg = side_error_factor(pg, qg)
-            for ca, qa, fa, ka in _side_options(policy, spec_a, damping):
+        opts_a = policy.side_options(spec_a, damping)
+        for cg, eg, fg, kg in policy.side_options(spec_g, damping):
+            for ca, ea, fa, ka in opts_a:
                 if cg is None and ca is None:
                     continue
-                r2 = eg * side_error_factor(pa, qa)
+                r2 = eg * ea
                 if 1.0 - np.sqrt(r2) < policy.min_gain:
                     continue
                 secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka)
@@ -266,7 +320,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
             steps.append((-dg / dc, name, j, dc))
     steps.sort(key=lambda s: (s[0], s[1], s[2]))
     level = {name: 0 for name in hulls}
-    spent = 0.0
+    spent = fixed
     for _, name, j, dc in steps:
         if level[name] == j - 1 and spent + dc <= budget:
             level[name] = j
@@ -278,12 +332,14 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
             out.append(identity_transform(seg, notes[name]))
             continue
         if level.get(name, 0) == 0:
-            out.append(identity_transform(seg, "identity: over the time budget"))
+            why = "over the time budget" if fixed < budget else \
+                f"the buffer copies alone ({fixed * 1e3:.3g} ms) exceed the budget"
+            out.append(identity_transform(seg, f"identity: {why}"))
             continue
         cg, ca = hulls[name][level[name]][2]
         spec_g, spec_a = spectra[name]
         t = kfac_transform(seg, spec_g, spec_a, cg, ca, damping)
-        t.info["note"] = (f"gain {1 - t.info['predicted']:.2f}, budget {tm.transform_seconds(t) * 1e3:.2f} "
-                          f"of {budget * 1e3:.2f} ms")
+        t.info["note"] = (f"gain {1 - t.info['predicted']:.2f}, {tm.transform_seconds(t) * 1e3:.3g} ms "
+                          f"of the {budget * 1e3:.3g} ms budget")
         out.append(t)
     return out

@@ -1,0 +1,814 @@
+"""GIFT fidelity study: GIFT vs Euclidean FP8 (and BF16) allreduce on the same gradients.
+
+``python -m giftcomm.perf fidelity [synthetic|real|cost] [options]``
+
+- ``synthetic``: per-rank gradients ``G^1/2 Z A^1/2`` (Z iid normal) of Kronecker-structured
+  covariance, factor spectra power-law or exponential (log-spaced) with chosen condition numbers.
+- ``real``: per-rank gradients of 4 data-parallel shards of a batch, and KFAC factors, captured
+  from the small Llama-style model by ``giftcomm.perf.gradients`` (a ``.npz`` file).
+- ``cost``: forward + inverse time of the geometries against the predicted time of the FP8
+  collective (see ``cost_main``).
+
+Every method reduces the same per-rank float32 buffers at P ranks (``op="avg"``, ring algorithm)
+and is compared with the float64 mean. With ``--mpi`` (under ``mpiexec -n P``) the reductions run
+through ``giftcomm.allreduce`` / ``giftcomm.gift_allreduce`` over MPI and every result is checked,
+bit for bit, against ``giftcomm.reference.simulate_*`` of the same inputs (column ``mpi==sim``);
+without it the reference simulator alone is used.
+
+Metrics (all float64, against the exact mean ``S`` and the method's result ``S~``, ``E = S~ - S``):
+
+- ``rel L2``: ``||E||_2 / ||S||_2`` over the whole buffer;
+- ``whitened``: per matrix segment ``||P_G^-1/2 E P_A^-1/2||_F / ||P_G^-1/2 S P_A^-1/2||_F`` with
+  the *metric* factors (normalised to unit mean eigenvalue, damped by ``--metric-damping``
+  relative to it, as in docs/method.md), then the element-weighted RMS over segments;
+- ``flipped``: fraction of entries with ``S != 0`` whose sign is reversed (``S~ * S < 0``);
+- ``zeroed``: fraction of entries with ``S != 0`` that come back exactly 0;
+- ``Adam cos``: cosine between the Adam update after the last of the ``steps`` reductions
+  (fresh moments at the first, beta1 0.9, beta2 0.999, eps 1e-8, bias-corrected), each method's
+  Adam fed its own reduced gradients, and the update of the same Adam fed the exact means.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import api
+from ..formats import bytes_per_value, check_block, message_nbytes
+from ..geometry import Geometry, Layout, SelectivePolicy, select
+from ..reference import simulate_allreduce, simulate_gift_allreduce
+
+__all__ = [
+    "MAX_BLOCK",
+    "WhiteningMetric",
+    "relative_l2",
+    "sign_flip_fraction",
+    "zeroed_fraction",
+    "adam_update",
+    "cosine",
+    "Case",
+    "Method",
+    "synthetic_case",
+    "kron_factor",
+    "default_methods",
+    "evaluate",
+    "format_table",
+    "main",
+]
+
+MAX_BLOCK = 1 << 20  # the largest block the codec allows (values per scale)
+
+
+# ----------------------------------------------------------------------------------- metrics
+def relative_l2(approx: np.ndarray, exact: np.ndarray) -> float:
+    """``||approx - exact||_2 / ||exact||_2`` in float64 (0 when both are 0; inf when only exact is)."""
+    a = np.asarray(approx, np.float64).ravel()
+    s = np.asarray(exact, np.float64).ravel()
+    num = float(np.linalg.norm(a - s))
+    den = float(np.linalg.norm(s))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def sign_flip_fraction(approx: np.ndarray, exact: np.ndarray) -> float:
+    """Fraction of the entries with ``exact != 0`` whose sign ``approx`` reverses (``approx*exact < 0``)."""
+    a = np.asarray(approx, np.float64).ravel()
+    s = np.asarray(exact, np.float64).ravel()
+    nz = np.count_nonzero(s)
+    return float(np.count_nonzero(a * s < 0) / nz) if nz else 0.0
+
+
+def zeroed_fraction(approx: np.ndarray, exact: np.ndarray) -> float:
+    """Fraction of the entries with ``exact != 0`` that ``approx`` has exactly 0."""
+    a = np.asarray(approx).ravel()
+    s = np.asarray(exact).ravel()
+    nz = np.count_nonzero(s)
+    return float(np.count_nonzero((a == 0) & (s != 0)) / nz) if nz else 0.0
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine of the angle between two vectors (float64; 1.0 when both are 0, 0.0 when one is)."""
+    x = np.asarray(a, np.float64).ravel()
+    y = np.asarray(b, np.float64).ravel()
+    nx, ny = float(np.linalg.norm(x)), float(np.linalg.norm(y))
+    if nx == 0.0 or ny == 0.0:
+        return 1.0 if nx == ny else 0.0
+    return float(np.dot(x, y) / (nx * ny))
+
+
+def adam_update(grads: Sequence[np.ndarray], beta1: float = 0.9, beta2: float = 0.999,
+                eps: float = 1e-8) -> np.ndarray:
+    """The Adam step direction after feeding ``grads`` (a sequence of equal-shape arrays, one per
+    step) into fresh moments: ``m_hat / (sqrt(v_hat) + eps)`` at the last step, bias-corrected,
+    float64, learning rate 1 (multiply by -lr for the parameter change)."""
+    m = v = None
+    t = 0
+    for g in grads:
+        g = np.asarray(g, np.float64)
+        t += 1
+        m = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
+        v = (1 - beta2) * g * g if v is None else beta2 * v + (1 - beta2) * g * g
+    if t == 0:
+        raise ValueError("adam_update needs at least one gradient")
+    return (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
+
+
+def _metric_side(f, damping: float) -> np.ndarray:
+    """``P^-1/2`` (d, d) float64 of one factor: normalised to unit mean eigenvalue, damped."""
+    f = np.asarray(f, np.float64)
+    if f.ndim == 1:
+        f = np.diag(f)
+    f = 0.5 * (f + f.T)
+    w, u = np.linalg.eigh(f)
+    w = np.maximum(w, 0.0)
+    mean = w.mean()
+    w = w / mean if mean > 0 else np.ones_like(w)
+    p = (w + damping) / (1.0 + damping)
+    return (u * p**-0.5) @ u.T
+
+
+class WhiteningMetric:
+    """The whitened norm ``||P_G^-1/2 X P_A^-1/2||_F`` per matrix segment, in float64.
+
+    layout: the buffer layout. factors: name -> (A (n, n), G (m, m)) for the (m, n) matrix view
+    (1-D vectors are diagonals); segments without factors are not measured. damping: relative to
+    the mean eigenvalue, as in docs/method.md. Identity factors give the plain Frobenius norm.
+    """
+
+    def __init__(self, layout, factors: Mapping, damping: float = 1e-3):
+        self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.damping = float(damping)
+        self.sides: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for name, (a, g) in factors.items():
+            m, n = self.layout[name].matrix_shape
+            wa, wg = _metric_side(a, self.damping), _metric_side(g, self.damping)
+            if wa.shape != (n, n) or wg.shape != (m, m):
+                raise ValueError(f"factors of {name!r} do not match its matrix view {(m, n)}")
+            self.sides[name] = (wa, wg)
+
+    def whiten(self, name: str, x: np.ndarray) -> np.ndarray:
+        """(m, n) (or flat) segment values -> ``P_G^-1/2 x P_A^-1/2`` (m, n) float64."""
+        wa, wg = self.sides[name]
+        mat = np.asarray(x, np.float64).reshape(self.layout[name].matrix_shape)
+        return wg @ mat @ wa
+
+    def ratios(self, approx: np.ndarray, exact: np.ndarray) -> dict[str, float]:
+        """name -> ``||W(approx - exact)|| / ||W(exact)||`` for every measured segment (flat
+        buffers of ``layout.size`` elements in)."""
+        a = np.asarray(approx, np.float64).ravel()
+        s = np.asarray(exact, np.float64).ravel()
+        out = {}
+        for name in self.sides:
+            seg = self.layout[name]
+            ex = s[seg.offset:seg.stop]
+            num = np.linalg.norm(self.whiten(name, a[seg.offset:seg.stop] - ex))
+            den = np.linalg.norm(self.whiten(name, ex))
+            out[name] = float(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        return out
+
+    def aggregate(self, ratios: Mapping[str, float]) -> float:
+        """Element-weighted RMS of per-segment ratios: ``sqrt(sum n_s r_s^2 / sum n_s)``."""
+        if not ratios:
+            return float("nan")
+        w = np.array([self.layout[k].size for k in ratios], np.float64)
+        r = np.array(list(ratios.values()), np.float64)
+        return float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
+
+
+# ----------------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """One study input.
+
+    name: label. layout: the buffer layout. grads: steps x ranks list of flat float32 buffers of
+    ``layout.size`` elements (rank i's local gradient at each step). factors: name -> (A, G) the
+    geometries are built from (known before the step). metric: name -> (A, G) of the whitened
+    norm. info: free-form description (printed).
+    """
+
+    name: str
+    layout: Layout
+    grads: list[list[np.ndarray]]
+    factors: dict
+    metric: dict
+    info: dict = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.grads[0])
+
+
+def kron_factor(rng: np.random.Generator, d: int, cond: float, spectrum: str = "power") -> np.ndarray:
+    """A (d, d) SPD float64 factor in a random orthonormal basis with eigenvalues from 1 down to
+    ``1/cond``: ``power`` (``j^-alpha``, alpha = log(cond)/log(d)) or ``exp`` (log-spaced)."""
+    q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    if spectrum == "power":
+        alpha = math.log(cond) / math.log(d) if d > 1 else 0.0
+        vals = np.arange(1, d + 1, dtype=np.float64) ** -alpha
+    elif spectrum == "exp":
+        vals = np.logspace(0.0, -math.log10(cond), d)
+    else:
+        raise ValueError(f"spectrum must be 'power' or 'exp', got {spectrum!r}")
+    return (q * vals) @ q.T
+
+
+def _sqrt_psd(f: np.ndarray) -> np.ndarray:
+    w, u = np.linalg.eigh(f)
+    return (u * np.sqrt(np.maximum(w, 0.0))) @ u.T
+
+
+def synthetic_case(shapes: Sequence[tuple[int, int]] = ((256, 512), (512, 256)), cond: float = 1e4,
+                   spectrum: str = "power", ranks: int = 4, steps: int = 3, seed: int = 0) -> Case:
+    """Layers ``w{i}`` (out, in) with a bias ``b{i}`` (out,) each; per rank and step the weight
+    gradient is ``G^1/2 Z A^1/2`` (Z iid standard normal), the bias gradient iid normal scaled to
+    the weight's RMS. Geometry and metric both use the true factors A, G (float64)."""
+    rng = np.random.default_rng([seed, int(cond), len(spectrum)])
+    entries, factors, roots = [], {}, {}
+    for i, (m, n) in enumerate(shapes):
+        a, g = kron_factor(rng, n, cond, spectrum), kron_factor(rng, m, cond, spectrum)
+        factors[f"w{i}"] = (a, g)
+        roots[f"w{i}"] = (_sqrt_psd(a), _sqrt_psd(g))
+        entries += [(f"w{i}", (m, n)), (f"b{i}", (m,))]
+    layout = Layout(entries)
+    grads = []
+    for _ in range(steps):
+        per_rank = []
+        for _ in range(ranks):
+            parts = []
+            for i, (m, n) in enumerate(shapes):
+                ra, rg = roots[f"w{i}"]
+                w = rg @ rng.standard_normal((m, n)) @ ra
+                parts += [w.ravel(), rng.standard_normal(m) * np.sqrt(np.mean(w * w))]
+            per_rank.append(np.concatenate(parts).astype(np.float32))
+        grads.append(per_rank)
+    return Case(f"synthetic {spectrum} cond {cond:g}", layout, grads, factors, factors,
+                {"spectrum": spectrum, "cond": cond, "shapes": [list(s) for s in shapes], "seed": seed})
+
+
+# ----------------------------------------------------------------------------------- methods
+@dataclass
+class Method:
+    """One way to reduce: a wire format, a block size, and a geometry (None: Euclidean).
+
+    label: table name. fmt, block: as for giftcomm.allreduce. build: case, spectra -> Geometry
+    (or None for the identity). per_tensor: one allreduce per segment with block = the
+    segment's size (capped at MAX_BLOCK): one scale per tensor.
+    """
+
+    label: str
+    fmt: str = "e4m3"
+    block: int = 256
+    build: Callable | None = None
+    per_tensor: bool = False
+
+
+def _spectra(factors: Mapping) -> dict:
+    from ..geometry import Spectrum
+
+    return {k: (Spectrum.from_matrix(a), Spectrum.from_matrix(g)) for k, (a, g) in factors.items()}
+
+
+def default_methods(ranks: Sequence[int] = (8, 32, 128), policy: SelectivePolicy | None = None,
+                    extra_policies: Mapping[str, SelectivePolicy] | None = None,
+                    damping: float = 1e-3) -> list[Method]:
+    """BF16; Euclidean E4M3 per tensor and per block of 256; GIFT full, low-rank k (both sides,
+    capped at the side), the selective policy (``policy``, default ``SelectivePolicy()``) and any
+    ``extra_policies`` (label -> policy); diagonal KFAC and randomised Hadamard (all E4M3/256).
+    damping: of the geometries (relative, docs/method.md)."""
+    pol = policy or SelectivePolicy()
+    dmp = float(damping)
+    methods = [
+        Method("bf16", "bf16", 256),
+        Method("e4m3 per-tensor", per_tensor=True),
+        Method("e4m3 block256"),
+        Method("gift full", build=lambda c, sp: Geometry.from_kfac(c.layout, sp, damping=dmp)),
+    ]
+    for k in ranks:
+        methods.append(Method(f"gift k={k}",
+                              build=lambda c, sp, k=k: Geometry.from_kfac(c.layout, sp, rank=k, damping=dmp)))
+    methods.append(Method("gift policy", build=lambda c, sp: select(c.layout, sp, pol, dmp)))
+    for label, p in (extra_policies or {}).items():
+        methods.append(Method(label, build=lambda c, sp, p=p: select(c.layout, sp, p, dmp)))
+    methods += [
+        Method("diagonal", build=lambda c, sp: Geometry.diagonal(
+            c.layout, {k: (np.diag(a), np.diag(g)) for k, (a, g) in c.factors.items()}, damping=dmp)),
+        Method("hadamard", build=lambda c, sp: Geometry.hadamard(c.layout, seed=0, min_size=4096)),
+    ]
+    return methods
+
+
+def _method_bytes(method: Method, layout: Layout) -> float:
+    """Wire bytes per value of one allreduce message."""
+    if method.per_tensor:
+        total = sum(message_nbytes(s.size, method.fmt, min(max(s.size, 1), MAX_BLOCK)) for s in layout)
+        return total / max(layout.size, 1)
+    return bytes_per_value(method.fmt, method.block)
+
+
+def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, algorithm: str) -> np.ndarray:
+    """The reference simulator's result (rank 0's; all ranks are identical), flat float32."""
+    if method.per_tensor:
+        out = np.empty(layout.size, np.float32)
+        for s in layout:
+            blk = check_block(min(max(s.size, 1), MAX_BLOCK))
+            out[s.offset:s.stop] = simulate_allreduce([x[s.offset:s.stop] for x in inputs], method.fmt, blk,
+                                                      "avg", algorithm)[0]
+        return out
+    return simulate_gift_allreduce(inputs, geo, method.fmt, method.block, "avg", algorithm)[0]
+
+
+def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, algorithm: str) -> np.ndarray:
+    """This rank's result of giftcomm.allreduce / gift_allreduce over ``comm``, flat float32."""
+    if method.per_tensor:
+        out = np.empty(layout.size, np.float32)
+        for s in layout:
+            blk = min(max(s.size, 1), MAX_BLOCK)
+            out[s.offset:s.stop] = api.allreduce(mine[s.offset:s.stop], comm=comm, op="avg", fmt=method.fmt,
+                                                 block=blk, algorithm=algorithm)
+        return out
+    return api.gift_allreduce(mine, geo, comm=comm, op="avg", fmt=method.fmt, block=method.block,
+                              algorithm=algorithm)
+
+
+def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: float = 1e-3,
+             algorithm: str = "ring", progress: bool = False) -> list[dict] | None:
+    """Run every method on every step of ``case``; return one dict of metrics per method.
+
+    comm: None (reference simulator only) or an mpi4py communicator of ``case.ranks`` ranks
+    (collective; each rank reduces its own buffers, rank 0 also simulates and compares bit for
+    bit; only rank 0 returns the rows, other ranks return None).
+    Row keys: method, bytes_per_value, rel_l2, whitened, whitened_pooled, flipped, zeroed,
+    adam_cos, transformed (fraction of elements), gflop (forward + inverse, whole buffer),
+    per_segment_whitened (name -> ratio), per_segment_l2, mpi_equals_sim (None without comm).
+    """
+    root = comm is None or comm.Get_rank() == 0
+    if comm is not None and comm.Get_size() != case.ranks:
+        raise ValueError(f"case has {case.ranks} ranks of data but the communicator has {comm.Get_size()}")
+    spectra = _spectra(case.factors)
+    metric = WhiteningMetric(case.layout, case.metric, metric_damping) if root else None
+    exact = [np.mean([x.astype(np.float64) for x in step], axis=0) for step in case.grads]
+    exact_update = adam_update(exact) if root else None
+    rows = []
+    for method in methods:
+        t0 = time.perf_counter()
+        geo = method.build(case, spectra) if method.build else None
+        results, equal = [], True
+        for step in case.grads:
+            if comm is None:
+                results.append(_reduce_sim(method, geo, step, case.layout, algorithm))
+                continue
+            mine = _reduce_mpi(method, geo, step[comm.Get_rank()], case.layout, comm, algorithm)
+            digests = comm.gather(hashlib.sha256(mine.tobytes()).hexdigest(), root=0)
+            if root:
+                want = _reduce_sim(method, geo, step, case.layout, algorithm)
+                equal &= mine.tobytes() == want.tobytes() and len(set(digests)) == 1
+                results.append(mine)
+        if not root:
+            continue
+        ratios = metric.ratios(results[-1], exact[-1])
+        num = sum(np.linalg.norm(metric.whiten(k, (results[-1] - exact[-1])[case.layout[k].offset:case.layout[k].stop]))**2
+                  for k in ratios)
+        den = sum(np.linalg.norm(metric.whiten(k, exact[-1][case.layout[k].offset:case.layout[k].stop]))**2
+                  for k in ratios)
+        transformed = 0 if geo is None else sum(t.segment.size for t in geo.transforms if not t.is_identity)
+        rows.append({
+            "method": method.label,
+            "bytes_per_value": _method_bytes(method, case.layout),
+            "rel_l2": relative_l2(results[-1], exact[-1]),
+            "whitened": metric.aggregate(ratios),
+            "whitened_pooled": float(np.sqrt(num / den)) if den > 0 else float("nan"),
+            "flipped": sign_flip_fraction(results[-1], exact[-1]),
+            "zeroed": zeroed_fraction(results[-1], exact[-1]),
+            "adam_cos": cosine(adam_update(results), exact_update),
+            "transformed": transformed / case.layout.size,
+            "gflop": 0.0 if geo is None else geo.flops() / 1e9,
+            "per_segment_whitened": ratios,
+            "per_segment_l2": {s.name: relative_l2(results[-1][s.offset:s.stop], exact[-1][s.offset:s.stop])
+                               for s in case.layout},
+            "mpi_equals_sim": None if comm is None else bool(equal),
+        })
+        if progress:
+            r = rows[-1]
+            print(f"  {method.label:<18} whitened {r['whitened']:.4g} l2 {r['rel_l2']:.4g} "
+                  f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    return rows if root else None
+
+
+def format_table(rows: Sequence[dict], reference: str = "e4m3 block256") -> str:
+    """Markdown table of evaluate()'s rows; 'x ref' columns divide by the ``reference`` row."""
+    ref = next((r for r in rows if r["method"] == reference), None)
+    out = ["| method | B/value | rel L2 | L2 / ref | whitened | ref / whitened | flipped | zeroed | "
+           "Adam cos | transformed | GFLOP fwd+inv | mpi==sim |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        l2x = f"{r['rel_l2'] / ref['rel_l2']:.2f}" if ref and ref["rel_l2"] > 0 else "-"
+        wx = f"{ref['whitened'] / r['whitened']:.2f}" if ref and r["whitened"] > 0 else "-"
+        eq = "-" if r["mpi_equals_sim"] is None else ("yes" if r["mpi_equals_sim"] else "**NO**")
+        out.append(f"| {r['method']} | {r['bytes_per_value']:.4f} | {r['rel_l2']:.3e} | {l2x} | "
+                   f"{r['whitened']:.3e} | {wx} | {r['flipped']:.2e} | {r['zeroed']:.2e} | "
+                   f"{r['adam_cos']:.6f} | {r['transformed']:.0%} | {r['gflop']:.3g} | {eq} |")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- plots
+def plot_synthetic(results: Sequence[dict], path: str) -> None:
+    """Whitened-norm error against condition number, one panel per spectrum, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spectra = sorted({r["case"]["spectrum"] for r in results})
+    fig, axes = plt.subplots(1, len(spectra), figsize=(6 * len(spectra), 4.5), squeeze=False)
+    for ax, sp in zip(axes[0], spectra):
+        sel = sorted([r for r in results if r["case"]["spectrum"] == sp], key=lambda r: r["case"]["cond"])
+        conds = [r["case"]["cond"] for r in sel]
+        names = [row["method"] for row in sel[0]["rows"]]
+        for j, name in enumerate(names):
+            ys = [next(x["whitened"] for x in r["rows"] if x["method"] == name) for r in sel]
+            ax.plot(conds, ys, marker="osD^v<>ph*Xd"[j % 12], ms=5, color=plt.cm.tab20(j / max(len(names), 1)),
+                    ls="-" if name.startswith("gift") else "--", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("condition number of each factor")
+        ax.set_ylabel("whitened-norm relative error")
+        ax.set_title(f"synthetic Kronecker gradients, {sp} spectrum, P={sel[0]['ranks']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rows(rows: Sequence[dict], title: str, path: str) -> None:
+    """Bars of the whitened and the plain relative L2 error per method (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in rows]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(7, 0.75 * len(names)), 4.5))
+    ax.bar(x - 0.2, [r["whitened"] for r in rows], 0.4, label="whitened-norm error")
+    ax.bar(x + 0.2, [r["rel_l2"] for r in rows], 0.4, label="relative L2 error")
+    ax.set_yscale("log")
+    ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------- CLI
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m giftcomm.perf fidelity", description=__doc__.split("\n")[0])
+    p.add_argument("what", nargs="?", default="synthetic", choices=["synthetic", "real", "cost"])
+    p.add_argument("--mpi", action="store_true", help="reduce over MPI.COMM_WORLD and check against the simulator")
+    p.add_argument("--ranks", type=int, default=4, help="simulated ranks (synthetic, without --mpi)")
+    p.add_argument("--steps", type=int, default=3, help="steps of gradients (Adam state length)")
+    p.add_argument("--conds", type=float, nargs="+", default=[1e2, 1e3, 1e4, 1e5])
+    p.add_argument("--spectra", nargs="+", default=["power", "exp"], choices=["power", "exp"])
+    p.add_argument("--shapes", type=_shapes, default=[(256, 512), (512, 256)], help="e.g. 256x512,512x256")
+    p.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128], help="low-rank k of the GIFT rows")
+    p.add_argument("--data", default=None, help="real: the .npz from `python -m giftcomm.perf.gradients`")
+    p.add_argument("--metric-damping", type=float, default=1e-3)
+    p.add_argument("--damping", type=float, default=1e-3, help="damping of the geometries")
+    p.add_argument("--geometry-factors", default="ema", choices=["ema", "capture"],
+                   help="real: build geometries from the EMA factors before the capture (default) or from "
+                        "the capture batches' own factors (the metric's: an oracle)")
+    p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
+    p.add_argument("--algorithm", default="ring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--md", default=None, help="write the markdown tables here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--budget", type=float, default=None,
+                   help="also run the budget-aware policy with this fraction of the collective time")
+    p.add_argument("--models", nargs="+", default=["llama-small", "llama-300m", "llama-600m"],
+                   help="cost: models (llama-small uses --data for its real factors when given)")
+    p.add_argument("--repeats", type=int, default=3, help="cost: timed repeats (median) after a warm-up")
+    p.add_argument("--bandwidth", type=float, default=125e6, help="cost: link bytes/s (1 Gbit/s = 125e6)")
+    p.add_argument("--energy-rule", action="store_true",
+                   help="also run the selective policy with the old energy rank rule")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _policies(a) -> tuple[SelectivePolicy, dict]:
+    extra = {}
+    if a.energy_rule:
+        extra["gift policy energy-rule"] = SelectivePolicy(rank_rule="energy")
+    if a.budget is not None:
+        extra[f"gift budget {a.budget:g}"] = SelectivePolicy.budgeted(fraction=a.budget)
+    return SelectivePolicy(), extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.what == "cost":
+        return cost_main(a)
+    comm = None
+    if a.mpi:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    root = comm is None or comm.Get_rank() == 0
+    ranks = comm.Get_size() if comm is not None else a.ranks
+    policy, extra = _policies(a)
+    methods = default_methods(a.ks, policy, extra, a.damping)
+    if a.methods:
+        keep = [x.strip() for x in a.methods.split(",")]
+        methods = [m for m in methods if m.label in keep]
+    header = [f"$ {'mpiexec -n %d ' % ranks if comm is not None else ''}python -m giftcomm.perf fidelity "
+              + " ".join(sys.argv[1:] if argv is None else argv),
+              f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; P = {ranks}; "
+              f"{'MPI (checked against the simulator)' if comm is not None else 'reference simulator'}; "
+              f"algorithm {a.algorithm}; damping {a.damping:g}; metric damping {a.metric_damping:g}; loadavg at start {_load()}"]
+    t_start = time.perf_counter()
+    results, md = [], list(header)
+    if a.what == "synthetic":
+        cases = [(sp, c) for sp in a.spectra for c in a.conds]
+        for sp, cond in cases:
+            case = synthetic_case(a.shapes, cond, sp, ranks, a.steps, a.seed)
+            if root and not a.quiet:
+                print(f"[{case.name}]", file=sys.stderr, flush=True)
+            rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.quiet)
+            if root:
+                results.append({"case": case.info | {"name": case.name}, "ranks": ranks, "rows": rows})
+                md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps} steps)", "", format_table(rows)]
+    else:
+        from .gradients import load_case
+
+        if not a.data:
+            raise SystemExit("real: give --data PATH (capture it with `python -m giftcomm.perf.gradients`)")
+        case = load_case(a.data)
+        if a.geometry_factors == "capture":
+            case.factors = case.metric
+            case.name += " [geometry from the capture batches' factors]"
+        if comm is None and case.ranks != a.ranks and root:
+            print(f"note: the data has {case.ranks} ranks' gradients; simulating P = {case.ranks}", file=sys.stderr)
+        rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.quiet)
+        if root:
+            results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "rows": rows})
+            md += ["", f"### {case.name}", "", format_table(rows)]
+    if not root:
+        return 0
+    md.append("")
+    md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
+    text = "\n".join(md)
+    print(text)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"header": header, "results": results}, f, indent=1)
+    if a.plot:
+        if a.what == "synthetic":
+            plot_synthetic(results, a.plot)
+        else:
+            plot_rows(results[0]["rows"], f"{results[0]['case']['name']}, P={results[0]['ranks']}", a.plot)
+    if comm is not None and not all(r["mpi_equals_sim"] for res in results for r in res["rows"]):
+        print("MPI result differs from the simulator", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------------- cost
+def _orthonormal(rng, d: int, cache: dict) -> np.ndarray:
+    if d not in cache:
+        cache[d], _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return cache[d]
+
+
+def _synthetic_spectrum(rng, d: int, cond: float, cache: dict):
+    from ..geometry import Spectrum
+
+    vals = np.arange(1, d + 1, dtype=np.float64) ** -(math.log(cond) / math.log(d))
+    return Spectrum(vals / vals.mean(), _orthonormal(rng, d, cache), 1.0)
+
+
+def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed: int = 0) -> list[dict]:
+    """Per model: layout of what is timed, factor spectra, repeat count (blocks), total values.
+
+    llama-300m / llama-600m: one transformer block (giftcomm.geometry.cost.block_shapes),
+    synthetic power-law spectra of condition number ``cond``, x blocks. llama-small: the whole
+    workload model, with the captured EMA factors from ``data`` when given (else synthetic)."""
+    from ..geometry import Spectrum
+    from ..geometry.cost import MODELS, block_shapes
+
+    rng = np.random.default_rng(seed)
+    cache: dict = {}
+    out = []
+    for name in names:
+        if name == "llama-small":
+            if data:
+                from .gradients import load_case
+
+                case = load_case(data)
+                spectra = {k: (Spectrum.from_matrix(a), Spectrum.from_matrix(g)) for k, (a, g) in case.factors.items()}
+                out.append({"model": name, "layout": case.layout, "spectra": spectra, "repeat": 1,
+                            "factors": "captured KFAC (EMA)"})
+                continue
+            from ..workloads.llama import CONFIGS, Llama
+
+            import torch
+
+            model = Llama(CONFIGS["small"])
+            entries = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+            layout = Layout(entries)
+            lin = {n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+            spectra = {f"{n}.weight": (_synthetic_spectrum(rng, layout[f"{n}.weight"].matrix_shape[1], cond, cache),
+                                       _synthetic_spectrum(rng, layout[f"{n}.weight"].matrix_shape[0], cond, cache))
+                       for n in lin}
+            out.append({"model": name, "layout": layout, "spectra": spectra, "repeat": 1,
+                        "factors": f"synthetic power-law cond {cond:g}"})
+            continue
+        entries = []
+        for names_, shape, count in block_shapes(name):
+            parts = names_.split("/")
+            entries += [(parts[j] if len(parts) == count else f"{names_}{j}", shape) for j in range(count)]
+        layout = Layout(entries)
+        spectra = {n: (_synthetic_spectrum(rng, shp[1], cond, cache), _synthetic_spectrum(rng, shp[0], cond, cache))
+                   for n, shp in entries}
+        out.append({"model": name, "layout": layout, "spectra": spectra, "repeat": MODELS[name]["blocks"],
+                    "factors": f"synthetic power-law cond {cond:g}, one block x {MODELS[name]['blocks']}"})
+    return out
+
+
+def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget: float,
+                    bandwidth: float) -> dict:
+    """label -> Geometry of the variants compared in the cost table."""
+    from ..geometry import Spectrum
+
+    geos = {"gift full": Geometry.from_kfac(layout, spectra)}
+    for k in ks:
+        geos[f"gift k={k}"] = Geometry.from_kfac(layout, spectra, rank=k)
+    geos["gift policy (default)"] = select(layout, spectra, SelectivePolicy())
+    geos[f"gift policy budget {budget:g}"] = select(layout, spectra, SelectivePolicy.budgeted(budget, 4, bandwidth))
+    diag = {}
+    for k, (sa, sg) in spectra.items():
+        diag[k] = tuple(Spectrum.from_diagonal(np.einsum("ij,j,ij->i", s.vectors, s.values, s.vectors)) for s in (sa, sg))
+    geos["diagonal"] = Geometry.diagonal(layout, diag)
+    geos["hadamard"] = Geometry.hadamard(layout, seed=0, min_size=4096)
+    return geos
+
+
+def _time_segment(t, x: np.ndarray, repeats: int) -> float:
+    """Seconds of forward + inverse of one segment transform (as Geometry applies it): the
+    minimum of ``repeats`` runs after a warm-up (the least disturbed run on a shared machine)."""
+    def run():
+        y = t.forward(x)
+        out = np.empty(x.size, np.float32)
+        out[:] = y.reshape(-1)
+        z = t.inverse(out.reshape(x.shape))
+        out[:] = z.reshape(-1)
+
+    run()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    return float(np.min(ts))
+
+
+def cost_main(a) -> int:
+    """The ``cost`` subcommand: forward + inverse time per segment and per model for each
+    geometry variant, against the FP8 ring allreduce's predicted time at P = 4 on a
+    ``--bandwidth`` link (giftcomm.costmodel.predict, and the wire-only formula); fits the
+    policy's TransformTimeModel to the measurements."""
+    from ..costmodel import Calibration, LinkCost, Topology, predict
+    from ..geometry import TransformTimeModel, collective_seconds
+
+    budget = 0.1 if a.budget is None else a.budget
+    rng = np.random.default_rng(a.seed)
+    tm = TransformTimeModel()
+    cal = Calibration(net=LinkCost(alpha=60e-6, beta=1.0 / a.bandwidth))
+    lines = [f"$ {os.environ.get('OPENBLAS_NUM_THREADS') and 'OPENBLAS_NUM_THREADS=' + os.environ['OPENBLAS_NUM_THREADS'] + ' ' or ''}"
+             f"python -m giftcomm.perf fidelity {' '.join(getattr(a, 'argv', ['cost']))}",
+             f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}, BLAS threads "
+             f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}; times: min of {a.repeats} after a warm-up; "
+             f"loadavg at start {_load()}",
+             f"collective: FP8 E4M3 ring allreduce, block 256 ({bytes_per_value('e4m3', 256):.4f} B/value), "
+             f"P = 4, {a.bandwidth * 8 / 1e9:g} Gbit/s links: costmodel.predict (alpha 60 us, codec rates of the "
+             f"built-in calibration) and wire only 2(P-1)/P n B / bw", ""]
+    seg_rows, model_rows, fit = [], [], []
+    summary = {}
+    for mdl in cost_models(a.models, a.data, seed=a.seed):
+        layout, rep = mdl["layout"], mdl["repeat"]
+        n_total = layout.size * rep
+        t_pred = predict("ring", n_total, Topology(4, 4, 1), "e4m3", 256, cal)
+        t_wire = collective_seconds(n_total, 4, a.bandwidth)
+        geos = cost_geometries(layout, mdl["spectra"], a.ks, budget, a.bandwidth)
+        timed: dict = {}
+        for label, geo in geos.items():
+            total = predicted = 0.0
+            for t in geo.transforms:
+                seg = t.segment
+                if t.is_identity:
+                    key = ("identity", seg.shape)
+                else:
+                    key = (label, seg.shape, t.left.kind, t.right.kind, t.left.rank, t.right.rank)
+                if key not in timed:
+                    x = rng.standard_normal(seg.matrix_shape).astype(np.float32)
+                    if t.is_identity:
+                        secs = _time_segment_identity(x, a.repeats)
+                    else:
+                        secs = _time_segment(t, x, a.repeats)
+                    timed[key] = secs
+                    if not t.is_identity:
+                        ks = "/".join("-" if s.is_identity else str(s.rank) for s in (t.left, t.right))
+                        pred = tm.transform_seconds(t)
+                        seg_rows.append(f"| {mdl['model']} | {label} | {seg.name} | {'x'.join(map(str, seg.shape))} | "
+                                        f"{t.kind} | {ks} | {t.flops() / seg.size:.0f} | {secs * 1e3:.2f} | "
+                                        f"{pred * 1e3:.2f} | {secs / seg.size * 1e9:.2f} |")
+                        fit.append((seg.size, tm.passes(t.left.kind, t.right.kind) + 2, t.flops(), secs))
+                total += timed[key]
+            if geo.is_identity:  # gift_allreduce skips an identity geometry: no cost
+                total = 0.0
+            total *= rep
+            predicted = tm.geometry_seconds(geo) * rep
+            frac = sum(t.segment.size for t in geo.transforms if not t.is_identity) / layout.size
+            model_rows.append(f"| {mdl['model']} | {label} | {frac:.0%} | {geo.flops() * rep / 1e9:.3g} | "
+                              f"{total:.3f} | {predicted:.3f} | {t_pred:.3f} | {total / t_pred:.1%} |")
+            summary.setdefault(mdl["model"], {})[label] = {"transform_s": total, "predicted_s": predicted,
+                                                         "collective_s": t_pred, "wire_s": t_wire, "transformed": frac}
+            if not a.quiet:
+                print(model_rows[-1], file=sys.stderr, flush=True)
+        lines.append(f"- {mdl['model']}: {n_total / 1e6:.1f}M values in the timed matrices "
+                     f"({mdl['factors']}); collective {t_pred * 1e3:.1f} ms predicted, {t_wire * 1e3:.1f} ms wire only")
+    lines += ["", "| model | geometry | transformed | GFLOP fwd+inv | measured s fwd+inv | time model s | "
+              "collective s (P=4) | measured / collective |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+              *model_rows, "", "| model | geometry | segment | out x in | transform | k out/in | flop/elem | "
+              "ms fwd+inv | time model ms | ns/elem |", "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+              *seg_rows]
+    if len(fit) >= 3:
+        arr = np.array(fit)
+        small = arr[:, 0] <= tm.cache_elements
+        cols = np.stack([arr[:, 1] * arr[:, 0] * small, arr[:, 1] * arr[:, 0] * ~small, arr[:, 2]], axis=1)
+        w = 1.0 / arr[:, 3]  # fit relative errors
+        coef, *_ = np.linalg.lstsq(cols * w[:, None], np.ones(len(fit)), rcond=None)
+        lines += ["", f"time model fit (least squares on relative error, passes incl. the 2 copies): "
+                      f"seconds_per_pass {coef[0]:.3g}, seconds_per_pass_large {coef[1]:.3g}, flops_per_second "
+                      f"{1 / coef[2] if coef[2] > 0 else float('inf'):.3g} (in force: {tm.seconds_per_pass:.3g}, "
+                      f"{tm.seconds_per_pass_large:.3g}, {tm.flops_per_second:.3g})"]
+    lines.append(f"loadavg at end {_load()}")
+    text = "\n".join(lines)
+    print(text)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _time_segment_identity(x: np.ndarray, repeats: int) -> float:
+    """Seconds of the identity segment's forward + inverse (two copies): min of ``repeats``."""
+    out = np.empty(x.size, np.float32)
+    flat = x.reshape(-1)
+
+    def run():
+        out[:] = flat
+        flat2 = out.copy()
+        out[:] = flat2
+
+    run()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    return float(np.min(ts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Capture real data-parallel gradients and KFAC factors from the small Llama-style model.
+
+``python -m giftcomm.perf.gradients [--config small] [--train-steps 120] [--capture-steps 3]
+[--ranks 4] [--batch 16] [--out PATH]``
+
+1. Train ``giftcomm.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
+   SwiGLU 688, tied embedding, ~5.3M parameters) with AdamW (lr 3e-3, warm-up 20 steps, weight
+   decay 0.1 on matrices) on the byte-level stdlib corpus (``giftcomm.workloads.corpus``),
+   ``batch`` sequences of the config's ``seq_len`` tokens per step, float32, one thread.
+   Forward/backward hooks on every ``nn.Linear`` feed running KFAC factors
+   ``A = E[a a^T]`` (inputs, in x in) and ``G = E[d d^T]`` (gradients w.r.t. the outputs,
+   out x out), from ``kfac_rows`` random rows of each layer per step, EMA decay 0.95: the
+   factors a geometry would be built from (``factors``).
+2. Then ``capture_steps`` more steps: each batch is split into ``ranks`` equal shards (data
+   parallel); each shard's gradient (mean loss over its tokens) is kept, flat, in
+   ``named_parameters`` order (float32, shape (steps, ranks, n)); the optimiser steps on the
+   mean of the shards (= the full-batch gradient). The KFAC factors of exactly these batches
+   (all rows, all shards, plain mean over the capture steps) are kept as ``metric``: the
+   curvature of the gradients being sent. ``factors`` are frozen at the start of the capture.
+
+The ``.npz`` holds: names, shapes (JSON), grads, and per Linear weight ``A/<name>``,
+``G/<name>`` (EMA, float32) and ``MA/<name>``, ``MG/<name>`` (capture batches, float32),
+plus ``info`` (JSON: config, losses, timings). ``load_case(path)`` turns it into a
+``giftcomm.perf.fidelity.Case``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["capture", "load_case", "main", "DEFAULT_PATH"]
+
+DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "giftcomm", "gradients-small.npz")
+
+
+class _KfacHooks:
+    """Forward hooks on every nn.Linear: on active steps keep ``rows`` random rows of the input
+    a (..., in) and of the output gradient d (..., out), and accumulate ``a^T a / rows`` and
+    ``d^T d / rows`` (float64) into running EMAs (``ema``) or plain sums (``total``)."""
+
+    def __init__(self, model, rows: int, seed: int, decay: float = 0.95):
+        import torch
+
+        self.torch = torch
+        self.decay, self.rows = decay, rows
+        self.gen = torch.Generator().manual_seed(seed)
+        self.mode = None  # None | "ema" | "total"
+        self.ema: dict[str, list] = {}
+        self.total: dict[str, list] = {}
+        self.count: dict[str, int] = {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.handles = []
+        for _, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                self.handles.append(mod.register_forward_hook(self._hook(names[id(mod.weight)])))
+
+    def _hook(self, name: str):
+        torch = self.torch
+
+        def hook(module, inputs, output):
+            if self.mode is None or not output.requires_grad:
+                return
+            a = inputs[0].detach().reshape(-1, module.in_features)
+            idx = None
+            if self.mode == "ema" and a.shape[0] > self.rows:
+                idx = torch.randperm(a.shape[0], generator=self.gen)[: self.rows]
+                a = a[idx]
+            fa = (a.T @ a).double() / a.shape[0]
+            mode = self.mode
+
+            def grad_hook(grad):
+                d = grad.detach().reshape(-1, module.out_features)
+                if idx is not None:
+                    d = d[idx]
+                fg = (d.T @ d).double() / d.shape[0]
+                self._add(name, fa.numpy(), fg.numpy(), mode)
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def _add(self, name, fa, fg, mode):
+        if mode == "ema":
+            if name not in self.ema:
+                self.ema[name] = [fa.copy(), fg.copy()]
+            else:
+                for old, new in zip(self.ema[name], (fa, fg)):
+                    old *= self.decay
+                    old += (1 - self.decay) * new
+        else:
+            if name not in self.total:
+                self.total[name] = [np.zeros_like(fa), np.zeros_like(fg)]
+                self.count[name] = 0
+            self.total[name][0] += fa
+            self.total[name][1] += fg
+            self.count[name] += 1
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 3, ranks: int = 4,
+            batch: int = 16, lr: float = 3e-3, kfac_rows: int = 512, seed: int = 0,
+            out: str = DEFAULT_PATH, log=sys.stderr) -> str:
+    """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path."""
+    import torch
+
+    from ..workloads.corpus import load_corpus
+    from ..workloads.llama import CONFIGS, Llama
+
+    if batch % ranks:
+        raise ValueError(f"batch {batch} must be a multiple of ranks {ranks}")
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    cfg = CONFIGS[config]
+    model = Llama(cfg)
+    corpus = load_corpus()
+    rng = np.random.default_rng(seed)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    total_steps = train_steps + capture_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    hooks = _KfacHooks(model, kfac_rows, seed)
+    params = list(model.named_parameters())
+    n = sum(p.numel() for _, p in params)
+    losses, t0 = [], time.perf_counter()
+
+    def get_batch():
+        starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=batch)
+        return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len))
+
+    hooks.mode = "ema"
+    for step in range(train_steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(get_batch())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log and (step % 20 == 0 or step == train_steps - 1):
+            print(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", file=log, flush=True)
+    ema = {k: (a.copy(), g.copy()) for k, (a, g) in hooks.ema.items()}
+    hooks.mode = "total"
+    grads = np.empty((capture_steps, ranks, n), np.float32)
+    shard = batch // ranks
+    for s in range(capture_steps):
+        tokens = get_batch()
+        mean = [torch.zeros_like(p) for _, p in params]
+        for r in range(ranks):
+            model.zero_grad(set_to_none=True)
+            loss = model.loss(tokens[r * shard:(r + 1) * shard])
+            loss.backward()
+            grads[s, r] = torch.cat([p.grad.reshape(-1) for _, p in params]).numpy()
+            for acc, (_, p) in zip(mean, params):
+                acc += p.grad / ranks
+            losses.append(loss.item())
+        for acc, (_, p) in zip(mean, params):
+            p.grad = acc
+        opt.step()
+        sched.step()
+        if log:
+            print(f"capture step {s}: shard losses {losses[-ranks:]}", file=log, flush=True)
+    hooks.remove()
+    metric = {k: (a / hooks.count[k], g / hooks.count[k]) for k, (a, g) in hooks.total.items()}
+    arrays = {"grads": grads}
+    for k in ema:
+        arrays[f"A/{k}"], arrays[f"G/{k}"] = (x.astype(np.float32) for x in ema[k])
+        arrays[f"MA/{k}"], arrays[f"MG/{k}"] = (x.astype(np.float32) for x in metric[k])
+    info = {"config": config, "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "parameters": n, "train_steps": train_steps, "capture_steps": capture_steps, "ranks": ranks,
+            "batch": batch, "lr": lr, "kfac_rows": kfac_rows, "seed": seed, "corpus": corpus.digest,
+            "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[train_steps - 5:train_steps])),
+            "capture_losses": losses[train_steps:], "seconds": time.perf_counter() - t0,
+            "torch": torch.__version__}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    np.savez(out, names=np.array([k for k, _ in params]),
+             shapes=np.array(json.dumps([list(p.shape) for _, p in params])),
+             info=np.array(json.dumps(info)), **arrays)
+    return out
+
+
+def load_case(path: str):
+    """The captured file as a fidelity ``Case``: layout of every parameter; grads steps x ranks;
+    ``factors`` the EMA KFAC factors (geometry), ``metric`` the capture batches' factors."""
+    from ..geometry import Layout
+    from .fidelity import Case
+
+    z = np.load(path)
+    names = [str(x) for x in z["names"]]
+    shapes = json.loads(str(z["shapes"]))
+    info = json.loads(str(z["info"]))
+    layout = Layout([(nm, tuple(sh)) for nm, sh in zip(names, shapes)])
+    g = z["grads"]
+    grads = [[np.ascontiguousarray(g[s, r]) for r in range(g.shape[1])] for s in range(g.shape[0])]
+    factors = {nm: (z[f"A/{nm}"].astype(np.float64), z[f"G/{nm}"].astype(np.float64)) for nm in names
+               if f"A/{nm}" in z.files}
+    metric = {nm: (z[f"MA/{nm}"].astype(np.float64), z[f"MG/{nm}"].astype(np.float64)) for nm in names
+              if f"MA/{nm}" in z.files}
+    name = (f"real: Llama-{info['config']} ({info['parameters'] / 1e6:.2f}M params) after "
+            f"{info['train_steps']} steps, {g.shape[1]} shards x {info['batch'] // g.shape[1]} seqs")
+    return Case(name, layout, grads, factors, metric, info)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m giftcomm.perf.gradients", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="small")
+    p.add_argument("--train-steps", type=int, default=120)
+    p.add_argument("--capture-steps", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--kfac-rows", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=DEFAULT_PATH)
+    a = p.parse_args(argv)
+    path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
