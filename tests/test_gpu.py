@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import giftcomm.cuda
+from giftcomm.cuda import _loader
 from giftcomm.cuda.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.reference import codec as ref
 from giftcomm.reference import simulate_allreduce
@@ -162,3 +163,58 @@ def test_public_allreduce_on_cupy_arrays(cp, p, rng):
     for o, w in zip(outs, want):
         assert isinstance(o, cp.ndarray)
         assert cp.asnumpy(o).tobytes() == w.tobytes()
+
+
+# NVRTC (CuPy's run-time compiler): part of the GPU stack; on machines without a GPU the same
+# sources are compiled by nvcc in native/check_cuda.sh (CI).
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception as exc:  # on a GPU machine CuPy and libnvrtc must be there
+        raise AssertionError(f"NVRTC not loadable on a GPU machine ({exc!r})") from exc
+
+
+def _kernel_names_used_by_codec() -> set[str]:
+    names = set()
+    for f in ("e4m3", "e5m2"):
+        for mode in ("enc", "dae"):
+            for path in ("team", "cta"):
+                for vec in ("_", "_vec_"):
+                    names.add(f"gc_{mode}_{path}{vec}{f}")
+            names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
+        names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
+    return names | {"gc_pt_bf16", "gc_pt_fp16"}
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_nvrtc_compiles_every_kernel(arch):
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(_loader.source_text("codec"), "gc_codec.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS) + [f"--gpu-architecture=compute_{arch}"])
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    entries = {line.split()[2].split("(")[0] for line in ptx.splitlines() if line.startswith(".visible .entry")}
+    assert _kernel_names_used_by_codec() <= entries
+    assert "fma.rn.f32" not in ptx  # no contraction anywhere
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (arch == "90")
+
+
+def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
+    nvrtc = _nvrtc()
+    (tmp_path / "bad.cuh").write_text("#pragma once\n// line 2\nint broken = ;\n")
+    (tmp_path / "bad.cu").write_text('// one\n#include "bad.cuh"\nextern "C" __global__ void k() {}\n')
+    monkeypatch.setattr(_loader, "KERNEL_DIR", tmp_path)
+    monkeypatch.setitem(_loader.MODULES, "bad", "bad.cu")
+    prog = nvrtc.createProgram(_loader.source_text("bad"), "bad.cu", [], [])
+    try:
+        with pytest.raises(Exception):
+            nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS))
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert f"{tmp_path / 'bad.cuh'}(3)" in log

@@ -17,7 +17,6 @@ import ctypes
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -119,8 +118,7 @@ def test_xp_dlpack_torch_cpu_zero_copy():
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the CUDA codec's CPU emulation")
+    assert cxx is not None, "a host C++ compiler (c++, g++ or clang++) is needed to build the CUDA codec's CPU emulation"
     out = tmp_path_factory.mktemp("emu") / "gc_emu.so"
     src = _loader.KERNEL_DIR / "gc_host_emu.cpp"
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
@@ -235,59 +233,6 @@ def test_loader_finds_sources_as_package_data():
     assert (kdir / "gc_codec.cu").is_file() and (kdir / "gc_fp8.cuh").is_file()
     with pytest.raises(ValueError, match="unknown CUDA module"):
         _loader.source_path("nope")
-
-
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-        return nvrtc
-    except Exception as exc:  # CuPy or libnvrtc missing
-        pytest.skip(f"NVRTC not loadable here ({type(exc).__name__})")
-
-
-def _kernel_names_used_by_codec() -> set[str]:
-    names = set()
-    for f in SCALED:
-        for mode in ("enc", "dae"):
-            for path in ("team", "cta"):
-                for vec in ("_", "_vec_"):
-                    names.add(f"gc_{mode}_{path}{vec}{f}")
-            names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
-        names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
-    return names | {"gc_pt_bf16", "gc_pt_fp16"}
-
-
-@pytest.mark.parametrize("arch", ["80", "90"])
-def test_nvrtc_compiles_every_kernel(arch):
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(_loader.source_text("codec"), "gc_codec.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS) + [f"--gpu-architecture=compute_{arch}"])
-        ptx = nvrtc.getPTX(prog).decode()
-    finally:
-        nvrtc.destroyProgram(prog)
-    entries = {line.split()[2].split("(")[0] for line in ptx.splitlines() if line.startswith(".visible .entry")}
-    assert _kernel_names_used_by_codec() <= entries
-    assert "fma.rn.f32" not in ptx  # no contraction anywhere
-    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (arch == "90")
-
-
-def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
-    nvrtc = _nvrtc()
-    (tmp_path / "bad.cuh").write_text("#pragma once\n// line 2\nint broken = ;\n")
-    (tmp_path / "bad.cu").write_text('// one\n#include "bad.cuh"\nextern "C" __global__ void k() {}\n')
-    monkeypatch.setattr(_loader, "KERNEL_DIR", tmp_path)
-    monkeypatch.setitem(_loader.MODULES, "bad", "bad.cu")
-    prog = nvrtc.createProgram(_loader.source_text("bad"), "bad.cu", [], [])
-    try:
-        with pytest.raises(Exception):
-            nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS))
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    assert f"{tmp_path / 'bad.cuh'}(3)" in log
 
 
 def test_check_cuda_script_passes():

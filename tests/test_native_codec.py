@@ -17,7 +17,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .layout import Layout, Segment, as_layout
+from .layout import Layout, as_layout
 from .sides import HadamardSide, IdentitySide
 from .spectral import Spectrum
 from .transform import SegmentTransform, SideChoice, identity_transform, kfac_transform
