@@ -176,19 +176,8 @@ class Geometry:
         mapping name -> any of those. damping: delta, relative to the mean eigenvalue.
         Segments without factors get the identity.
         """
-        layout = as_layout(layout)
-        damping = _check_damping(damping)
-        spectra = spectra_from_factors(layout, factors)
-        ts = []
-        for seg in layout:
-            if seg.name not in spectra:
-                ts.append(identity_transform(seg, "no factors"))
-                continue
-            m, n = seg.matrix_shape
-            cg, ca = _rank_choice(rank, seg.name, m, n)
-            sg, sa = spectra[seg.name]
-            ts.append(kfac_transform(seg, sg, sa, cg, ca, damping))
-        return cls(layout, ts)
+        return cls._per_segment(layout, factors, damping,
+                                lambda seg: _rank_choice(rank, seg.name, *seg.matrix_shape))
 
     @classmethod
     def diagonal(cls, layout, factors: Mapping, damping: float = 1e-3) -> Geometry:
@@ -197,6 +186,12 @@ class Geometry:
         factors: name -> (a, g), each a 1-D vector (e.g. column and row mean squares of
         gradients, see ``row_col_mean_squares``) or a square matrix (its diagonal is used).
         """
+        return cls._per_segment(layout, factors, damping, lambda seg: ("diag", "diag"))
+
+    @classmethod
+    def _per_segment(cls, layout, factors: Mapping, damping: float, choice) -> Geometry:
+        """A KFAC-style transform for every segment with factors (identity elsewhere);
+        ``choice(segment)`` gives the (output side, input side) rank choice."""
         layout = as_layout(layout)
         damping = _check_damping(damping)
         spectra = spectra_from_factors(layout, factors)
@@ -205,8 +200,9 @@ class Geometry:
             if seg.name not in spectra:
                 ts.append(identity_transform(seg, "no factors"))
                 continue
+            cg, ca = choice(seg)
             sg, sa = spectra[seg.name]
-            ts.append(kfac_transform(seg, sg, sa, "diag", "diag", damping))
+            ts.append(kfac_transform(seg, sg, sa, cg, ca, damping))
         return cls(layout, ts)
 
     @classmethod

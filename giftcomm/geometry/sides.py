@@ -28,7 +28,8 @@ class Side:
     rank: int | None = None
 
     def left(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
-        raise NotImplementedError
+        """``S x`` (or ``S^-1 x``) for x of shape (d, c); every concrete side defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define left()")
 
     def right(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x S^T`` (or ``x S^-T``) for x of shape (r, d)."""
