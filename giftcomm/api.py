@@ -14,7 +14,7 @@ import numpy as np
 from .collectives import direct, doubling, hierarchical, ring
 from .collectives.agree import DTYPE_CODES, OP_CODES, agree
 from .costmodel import Topology, choose
-from .device_api import device_allreduce, is_device_input
+from .device_api import device_allgather, device_allreduce, device_reduce_scatter, is_device_input
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format
 from .partition import accumulation_dtype, chunk_bounds
 from .transport import Transport, resolve
@@ -163,7 +163,7 @@ def gift_allreduce(
     ranks disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     if is_device_input(x):
-        return device_allreduce(x, geometry, comm, op, fmt, block, out, algorithm)
+        return device_allreduce(x, geometry, comm, op, fmt, block, out, algorithm, local_size, slice_elems)
     t = resolve(comm)
     nodes_box: list[np.ndarray] = []
 
@@ -238,6 +238,8 @@ def reduce_scatter(
     so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
     float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
+    if is_device_input(x):
+        return device_reduce_scatter(x, comm, op, fmt, block, out, algorithm, slice_elems)
     t = resolve(comm)
 
     def prepare():
@@ -275,6 +277,8 @@ def allgather(
     bit-identical everywhere. The inverse of :func:`reduce_scatter`'s layout. ``out``: a 1-D
     array of the shard's dtype holding all the gathered values.
     """
+    if is_device_input(shard):
+        return device_allgather(shard, comm, fmt, block, out, slice_elems)
     t = resolve(comm)
     fields = ("count", "dtype", "fmt", "block", "slice", "out")
 

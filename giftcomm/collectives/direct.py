@@ -2,9 +2,10 @@
 
 Each rank encodes its values of every other rank's chunk once and sends them straight to that
 chunk's owner (an all-to-all of FP8 messages, in slices). The owner sums the P contributions in
-rank order in the accumulation dtype; its own values enter unquantized. One quantization per
-value instead of the ring's P-1 requantizations, for the same bytes on the wire. The allgather
-that follows is the ring's (collectives/ring.py).
+rank order in the accumulation dtype (collectives/rank_order.py, shared with giftcomm.cuda.direct);
+its own values enter unquantized. One quantization per value instead of the ring's P-1
+requantizations, for the same bytes on the wire. The allgather that follows is the ring's
+(collectives/ring.py).
 """
 from __future__ import annotations
 
@@ -13,23 +14,9 @@ import numpy as np
 from .. import codec
 from ..formats import Format
 from ..transport import Request, Transport, wait_all
+from .rank_order import sum_in_rank_order
 from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, slice_chunk
 from .workspace import workspace_of
-
-
-def _add_contribution(acc: np.ndarray, msg: np.ndarray, fmt: Format, block: int, first: bool) -> None:
-    if acc.dtype == np.float32:
-        if first:
-            codec.decode(msg, acc.size, fmt, block, out=acc)
-        else:
-            codec.decode_accumulate(msg, acc, fmt, block)
-        return
-    values = codec.decode(msg, acc.size, fmt, block).astype(acc.dtype)
-    if first:
-        acc[...] = values
-    else:
-        with np.errstate(invalid="ignore", over="ignore"):
-            acc += values
 
 
 def reduce_scatter(
@@ -66,20 +53,15 @@ def reduce_scatter(
     # Sum the contributions in rank order, slice by slice, as they arrive.
     total = np.empty(int(counts[r]), acc_t)
     lo_r = int(bounds[r])
+
+    def arrived(src: int, j: int) -> np.ndarray:
+        recvs[src][j].wait()
+        return slot[src][mine.bytes[j] : mine.bytes[j + 1]]
+
     for j in range(mine.nslices):
         a, b = mine.elems[j], mine.elems[j + 1]
-        acc = total[a:b]
-        for src in range(p):
-            if src == r:
-                own = x[lo_r + a : lo_r + b]
-                if src == 0:
-                    acc[...] = own
-                else:
-                    with np.errstate(invalid="ignore", over="ignore"):
-                        acc += own.astype(acc_t, copy=False)
-                continue
-            recvs[src][j].wait()
-            _add_contribution(acc, slot[src][mine.bytes[j] : mine.bytes[j + 1]], fmt, block, first=src == 0)
+        sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
+                          lambda src, j=j: arrived(src, j), fmt, block, codec)
     wait_all(sends)
     own_msg = encode_sliced(total, mine, fmt, block, ws.get("owner", mine.nbytes))
     return total, own_msg

@@ -27,7 +27,7 @@ from ..formats import Format, check_block, get_format, message_nbytes
 from ..partition import accumulation_dtype, chunk_bounds
 from ..transport.base import Transport, wait_all
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "codec_for"]
+__all__ = ["allreduce", "allreduce_flat", "reduce_scatter", "allgather", "codec_for"]
 
 
 def codec_for(x: Any) -> Any:
@@ -120,10 +120,24 @@ def allgather(t: Transport, own: Any, counts: np.ndarray, f: Format, block: int,
     return values
 
 
+def allreduce_flat(t: Transport, flat: Any, f: Format, block: int, codec: Any = None, scatter: Any = None) -> Any:
+    """The sum over the ranks of ``t`` of the contiguous 1-D ``flat`` (size > 0), decoded, as a new
+    (size,) array of the accumulation dtype (float64 for float64 input, else float32).
+
+    ``scatter``: the reduce-scatter, this module's ring by default; giftcomm.cuda.direct's takes
+    the same arguments. Then the ring allgather of the owners' messages.
+    """
+    acc_t = accumulation_dtype(flat.dtype)
+    bounds = chunk_bounds(flat.size, t.size, block)
+    _, own = (scatter or reduce_scatter)(t, flat, bounds, f, block, acc_t, codec)
+    return allgather(t, own, np.diff(bounds), f, block, codec).astype(acc_t, copy=False)
+
+
 def allreduce(t: Transport, x: Any, fmt: str | Format = "e4m3", block: int = 256, op: str = "sum",
-              codec: Any = None) -> Any:
+              codec: Any = None, scatter: Any = None) -> Any:
     """Sum (or average) ``x`` over the ranks of ``t``: an array of ``x``'s shape, dtype, backend,
-    equal bit for bit to ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs.
+    equal bit for bit to ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs
+    (algorithm "ring"; "direct" with ``scatter=giftcomm.cuda.direct.reduce_scatter``).
 
     No cross-rank argument check here (the public API's ``agree`` step does that): every rank
     must pass the same size, dtype, fmt, block and op.
@@ -132,15 +146,10 @@ def allreduce(t: Transport, x: Any, fmt: str | Format = "e4m3", block: int = 256
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     f, block = get_format(fmt), check_block(block)
     xp = _xp.array_module(x)
-    codec = codec or codec_for(x)
     flat = xp.ascontiguousarray(x).reshape(-1)
-    acc_t = accumulation_dtype(flat.dtype)
-    p = t.size
     if flat.size == 0:
         return x.copy()
-    bounds = chunk_bounds(flat.size, p, block)
-    _, own = reduce_scatter(t, flat, bounds, f, block, acc_t, codec)
-    values = allgather(t, own, np.diff(bounds), f, block, codec).astype(acc_t, copy=False)
+    values = allreduce_flat(t, flat, f, block, codec or codec_for(x), scatter)
     if op == "avg":
-        values = values / acc_t.type(p)
+        values = values / values.dtype.type(t.size)
     return values.astype(x.dtype).reshape(x.shape)
