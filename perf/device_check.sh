@@ -4,7 +4,9 @@
 # with pip install -e . --no-deps --no-build-isolation (builds the optional C extension).
 # Writes perf/results/device-<date>.md (and copies it and the logs to $OUT when OUT is set).
 # Steps: nvcc check of the .cu sources; tests/test_gpu.py; python -m giftcomm.cuda.device_check.
-# Each step runs under its own timeout; a failing step is reported and the next one still runs.
+# Each step runs under its own timeout, cut to what is left of an 8-minute budget (BUDGET_S,
+# default 465 s), so the whole script ends within 8 minutes; a failing step is reported and the
+# next one still runs; a step with no time left is reported as skipped (and fails the script).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -14,8 +16,14 @@ mkdir -p "$RES"
 LOG="$RES/device-$(date +%F).log"
 : > "$LOG"
 status=0
+BUDGET_S="${BUDGET_S:-465}"
 step() {  # step NAME SECONDS CMD...
     local name="$1" secs="$2"; shift 2
+    local left=$((BUDGET_S - SECONDS))
+    [ "$secs" -gt "$left" ] && secs=$left
+    if [ "$secs" -lt 10 ]; then
+        echo "=== $name: skipped, the 8-minute budget is spent ===" | tee -a "$LOG"; status=1; return
+    fi
     echo "=== $name (limit ${secs}s) ===" | tee -a "$LOG"
     timeout "$secs" "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
@@ -25,7 +33,7 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 step "pip install -e ." 90 "$PY" -m pip install -q -e . --no-deps --no-build-isolation
 step "nvcc check" 60 bash native/check_cuda.sh
-step "tests/test_gpu.py" 150 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
+step "tests/test_gpu.py" 180 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
 step "device_check" 240 "$PY" -m giftcomm.cuda.device_check --out "$RES" "$@"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$RES"/device-*.md "$LOG" "$OUT"/ 2>/dev/null; fi

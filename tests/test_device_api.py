@@ -15,11 +15,13 @@ import pytest
 
 import giftcomm as gc
 from giftcomm import api, device_api
+from giftcomm.cuda.collective_check import KFAC_LAYOUT, collective_checks, random_kfac_geometry
 from giftcomm.geometry import Geometry
 from giftcomm.reference import (simulate_allgather, simulate_allreduce, simulate_gift_allreduce,
                                 simulate_reduce_scatter)
 from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+from test_gpu_plumbing import FakeDeviceArray
 
 PS = [1, 2, 3, 4, 5, 8]
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -42,14 +44,14 @@ def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def outcomes(p, fn):
+def outcomes(p, fn, group=DeviceLoopbackGroup):
     """Every rank's result or exception (the loopback re-raises only the first)."""
     def body(t):
         try:
             return fn(t)
         except (TypeError, ValueError) as exc:
             return exc
-    return run(p, body)
+    return group(p).run(body)
 
 
 def assert_same_error(errors, cls, *fragments):
@@ -147,18 +149,7 @@ def test_empty_and_single_values(rng):
 
 
 # ------------------------------------------------------------------------ gift_allreduce
-LAYOUT = [("w1", (40, 32)), ("b1", (40,)), ("w2", (24, 40))]
-SIZE = 40 * 32 + 40 + 24 * 40
-
-
-def random_kfac_geometry(rng, rank):
-    """A low-rank KFAC geometry from random (ill-conditioned) SPD factors."""
-    def spd(n):
-        q, _ = np.linalg.qr(rng.standard_normal((n, n)))
-        return (q * np.geomspace(1, 1e-3, n)) @ q.T
-
-    factors = {"w1": (spd(32), spd(40)), "w2": (spd(40), spd(24))}
-    return Geometry.from_kfac(LAYOUT, factors, rank=rank)
+SIZE = sum(int(np.prod(shape)) for _, shape in KFAC_LAYOUT)
 
 
 @pytest.mark.parametrize("p", PS)
@@ -179,7 +170,7 @@ def test_gift_allreduce_geometry_matches_simulation(rng, p, algorithm):
 def test_identity_geometry_is_plain_allreduce(rng):
     p = 3
     xs = inputs(rng, p, SIZE, np.float32)
-    ident = Geometry.identity(LAYOUT)
+    ident = Geometry.identity(KFAC_LAYOUT)
     got = run(p, lambda t: device_api.device_allreduce(xs[t.rank], ident, t, "sum", "e4m3", 256, None, "ring"))
     assert all(same(g, w) for g, w in zip(got, simulate_allreduce(xs, "e4m3", 256, "sum", "ring")))
 
@@ -230,15 +221,7 @@ def test_bad_out_raises_on_every_rank(rng):
 
 # --------------------------------------------------- agreement: the host path's messages
 def _device_and_host_errors(p, device_fn, host_fn):
-    dev = outcomes(p, device_fn)
-    host = gc.LoopbackGroup(p)
-
-    def body(t):
-        try:
-            return host_fn(t)
-        except (TypeError, ValueError) as exc:
-            return exc
-    return dev, host.run(body)
+    return outcomes(p, device_fn), outcomes(p, host_fn, gc.LoopbackGroup)
 
 
 MISMATCHES = {
@@ -320,18 +303,6 @@ def test_host_only_algorithms_raise_naming_the_supported_ones(rng, algorithm):
 
 
 # -------------------------------------------------------------------- public API routing
-class FakeDeviceArray:
-    """A 'device' array over host memory: exposes only ``__cuda_array_interface__``."""
-
-    def __init__(self, host: np.ndarray) -> None:
-        self.host = host
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.host.shape, "typestr": self.host.dtype.str, "strides": None,
-                "data": (self.host.ctypes.data, False), "version": 3, "stream": None}
-
-
 def test_public_functions_route_device_arrays(monkeypatch):
     """reduce_scatter / allgather / allreduce hand device arrays to device_api with every argument."""
     calls = []
@@ -344,3 +315,12 @@ def test_public_functions_route_device_arrays(monkeypatch):
     assert calls[-1][1] == (x, "c", "bf16", 2, None, None)
     assert gc.allreduce(x, comm="c", algorithm="direct", local_size=2) == "device_allreduce"
     assert calls[-1][1] == (x, None, "c", "sum", "e4m3", 256, None, "direct", 2, None)
+
+
+# ------------------------------------------------------- the GPU machine's check, on NumPy
+def test_device_check_collective_section_passes_on_numpy():
+    """perf/device_check.sh's collective section (giftcomm.cuda.collective_check), run here with
+    NumPy arrays: every check passes, so on a GPU a failure is the device's, not the script's."""
+    results = collective_checks(np, np.asarray, quick=True)
+    assert len(results) >= 15
+    assert all(ok for _, ok, _ in results), [label for label, ok, _ in results if not ok]

@@ -1,5 +1,7 @@
 """The real GPU tests: CUDA kernels vs giftcomm.reference.codec bit for bit, the device ring on
-the GPU loopback vs the reference simulation, DLPack with torch CUDA, the transform plan.
+the GPU loopback vs the reference simulation, DLPack with torch CUDA, the transform plan, and
+the public collectives on CuPy / torch CUDA arrays (reduce_scatter, allgather, direct,
+gift_allreduce with a geometry) vs the simulations.
 
 They skip (reason "no CUDA GPU") only when no CUDA device is usable; everything else fails.
 """
@@ -218,3 +220,103 @@ def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
     finally:
         nvrtc.destroyProgram(prog)
     assert f"{tmp_path / 'bad.cuh'}(3)" in log
+
+
+# ------------------------------------------------- the device path of the public collectives
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_public_reduce_scatter_allgather_on_cupy(cp, p, algorithm, rng):
+    """reduce_scatter / allgather with CuPy input over the device loopback: CuPy out, equal to
+    the simulations; allgather(reduce_scatter(x)) == allreduce(x) for float32 sum."""
+    import giftcomm as gc
+    from giftcomm.reference import simulate_allgather, simulate_reduce_scatter
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    for n, block, dtype, op in ((100_003, 256, np.float32, "sum"), (4097, 32, np.float16, "avg"), (5, 1, np.float64, "avg")):
+        xs = [random_vector(rng, n, spread=8).astype(dtype) for _ in range(p)]
+
+        def body(t):
+            shard = gc.reduce_scatter(cp.asarray(xs[t.rank]), comm=t, op=op, block=block, algorithm=algorithm)
+            full = gc.allgather(shard, comm=t, block=block)
+            return cp.asnumpy(shard), cp.asnumpy(full), isinstance(shard, cp.ndarray) and isinstance(full, cp.ndarray)
+
+        got = DeviceLoopbackGroup(p).run(body)
+        shards = simulate_reduce_scatter(xs, "e4m3", block, op, algorithm)
+        gathered = simulate_allgather(shards, "e4m3", block)
+        for r in range(p):
+            assert got[r][2] and got[r][0].tobytes() == shards[r].tobytes(), (n, dtype, r)
+            assert got[r][1].tobytes() == gathered[r].tobytes(), (n, dtype, r)
+        if dtype == np.float32 and op == "sum":
+            want = simulate_allreduce(xs, "e4m3", block, "sum", algorithm=algorithm)
+            assert all(g[1].tobytes() == w.tobytes() for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("p", [3, 4, 8])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+def test_direct_on_cupy_matches_simulation(cp, p, fmt, rng):
+    import giftcomm as gc
+    from giftcomm.cuda import direct as ddirect
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    for n, block in ((100_003, 256), (4097, 32), (5, 1)):
+        xs = [random_vector(rng, n, spread=8) for _ in range(p)]
+        dev = [cp.asarray(x) for x in xs]
+        for op in ("sum", "avg"):
+            want = simulate_allreduce(xs, fmt, block, op, algorithm="direct")
+            got = DeviceLoopbackGroup(p).run(lambda t: cp.asnumpy(ddirect.allreduce(t, dev[t.rank], fmt, block, op)))
+            assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want)), (n, block, op)
+            got = DeviceLoopbackGroup(p).run(lambda t: cp.asnumpy(
+                gc.allreduce(dev[t.rank], comm=t, op=op, fmt=fmt, block=block, algorithm="direct")))
+            assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want)), (n, block, op)
+        assert all((d == cp.asarray(x)).all() for d, x in zip(dev, xs))  # inputs untouched
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_gift_allreduce_geometry_on_cupy(cp, p, rng):
+    """gift_allreduce with a low-rank KFAC geometry on CuPy: bit for bit the simulation with the
+    same (GPU) transforms, and close to the CPU simulation (GEMM rounding may differ)."""
+    import giftcomm as gc
+    from giftcomm.cuda.collective_check import OnBackend, random_kfac_geometry
+    from giftcomm.reference import simulate_gift_allreduce
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    geo = random_kfac_geometry(rng, rank=16)
+    xs = [rng.standard_normal(geo.size).astype(np.float32) for _ in range(p)]
+    for algorithm in ("ring", "direct"):
+        for op in ("sum", "avg"):
+            got = DeviceLoopbackGroup(p).run(lambda t: gc.gift_allreduce(cp.asarray(xs[t.rank]), geo, comm=t, op=op,
+                                                                         block=64, algorithm=algorithm))
+            assert all(isinstance(g, cp.ndarray) for g in got)
+            got = [cp.asnumpy(g) for g in got]
+            exact = simulate_gift_allreduce(xs, OnBackend(geo, cp, cp.asnumpy), "e4m3", 64, op, algorithm)
+            assert all(g.tobytes() == w.tobytes() for g, w in zip(got, exact)), (algorithm, op)
+            cpu = simulate_gift_allreduce(xs, geo, "e4m3", 64, op, algorithm)[0]
+            assert np.linalg.norm(got[0] - cpu) <= 0.02 * np.linalg.norm(cpu)
+
+
+def test_public_collectives_on_torch_cuda_bf16(cp):
+    """torch CUDA bfloat16 tensors in, torch bfloat16 tensors out (DLPack, uint16 bits inside)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.fail("CuPy sees a GPU but torch does not")
+    import ml_dtypes
+
+    import giftcomm as gc
+    from giftcomm.reference import simulate_reduce_scatter
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    p, rng = 3, np.random.default_rng(5)
+    xs = [rng.standard_normal(3001).astype(ml_dtypes.bfloat16) for _ in range(p)]
+    ts = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda() for x in xs]
+
+    def body(t):
+        shard = gc.reduce_scatter(ts[t.rank], comm=t, op="avg", algorithm="direct")
+        full = gc.allreduce(ts[t.rank], comm=t, algorithm="ring")
+        assert shard.dtype == torch.bfloat16 and shard.is_cuda and full.dtype == torch.bfloat16
+        return [v.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16) for v in (shard, full)]
+
+    got = DeviceLoopbackGroup(p).run(body)
+    shards = simulate_reduce_scatter(xs, "e4m3", 256, "avg", "direct")
+    full = simulate_allreduce(xs, "e4m3", 256, "sum", algorithm="ring")
+    for r in range(p):
+        assert got[r][0].tobytes() == shards[r].tobytes() and got[r][1].tobytes() == full[r].tobytes()

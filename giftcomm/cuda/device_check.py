@@ -10,7 +10,11 @@ Sections (each in its own try block; a failure is written down and the next sect
    (median of 20 after 5 warm-ups) and reported as a fraction of the copy roofline, counting
    5 bytes per value for encode/decode (9 for the fused hop, 9 for decode-accumulate);
 4. the GPU loopback ring at P = 4 and 8 against giftcomm.reference.simulate_allreduce;
-5. transform cost for Llama-300M / 600M-like layer shapes (hidden 1024 / 1536, MLP 2.7x)
+5. the device path of the public collectives on CuPy at P = 4 and 8 over the GPU loopback
+   (giftcomm.cuda.collective_check: reduce_scatter ring/direct, allgather of unequal shards,
+   allgather(reduce_scatter) == allreduce, direct allreduce, gift_allreduce with a low-rank KFAC
+   geometry) against the reference simulations, bit for bit;
+6. transform cost for Llama-300M / 600M-like layer shapes (hidden 1024 / 1536, MLP 2.7x)
    against the wire time FP8 saves over bf16 at 25, 100 and 400 Gbit/s per GPU.
 
 Usage: python -m giftcomm.cuda.device_check [--out perf/results] [--quick]
@@ -202,6 +206,19 @@ def sec_ring(rep: Report, quick: bool) -> None:
                 raise AssertionError("ring mismatch")
 
 
+def sec_collectives(rep: Report, quick: bool) -> None:
+    import cupy as cp
+
+    from .collective_check import collective_checks
+
+    results = collective_checks(cp, cp.asnumpy, quick=quick)
+    for label, ok, secs in results:
+        rep.add(f"- {label}: {'OK' if ok else 'FAIL'}" + (f" ({secs:.2f} s)" if secs else ""))
+    failed = [label for label, ok, _ in results if not ok]
+    if failed:
+        raise AssertionError(f"{len(failed)} device collective check(s) failed: {failed[:3]}")
+
+
 def sec_transform(rep: Report, quick: bool) -> None:
     import cupy as cp
 
@@ -250,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.section("Kernels vs giftcomm.reference.codec, bit for bit", lambda r: sec_exact(r, args.quick))
     rep.section("Kernel throughput vs the device-to-device copy roofline", lambda r: sec_throughput(r, args.quick))
     rep.section("GPU loopback ring vs giftcomm.reference.simulate_allreduce", lambda r: sec_ring(r, args.quick))
+    rep.section("Device collectives (public API path) vs the reference simulations",
+                lambda r: sec_collectives(r, args.quick))
     rep.section("Transform cost vs the time FP8 saves", lambda r: sec_transform(r, args.quick))
     rep.add(f"\n**{rep.failures} section(s) failed.** Report: {path}")
     return 1 if rep.failures else 0
