@@ -191,8 +191,8 @@ def test_budget_below_the_copy_cost_gives_the_identity(rng):
 def test_unbudgeted_policy_is_unchanged_by_the_new_fields(rng):
     layout = Layout([("w", (96, 128)), ("b", (96,))])
     factors = _factors(rng, layout)
-    a = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32))
-    b = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32, ranks=64, bandwidth=1.0))
+    a = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32, budget=None))
+    b = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32, budget=None, ranks=64, bandwidth=1.0))
     assert a == b and not a["w"].is_identity
     with pytest.raises(ValueError):
         SelectivePolicy(budget=-1.0)

@@ -261,7 +261,7 @@ def test_policy_identity_for_bias_small_and_isotropic(rng):
         "small": (random_spd(rng, 12, 1e4), random_spd(rng, 16, 1e4)),
         "flat": (np.eye(256) * 2.0, np.eye(192)),  # isotropic: nothing to gain
     }
-    geo = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32))
+    geo = select(layout, factors, SelectivePolicy(min_size=1024, max_rank=32, budget=None))  # per-segment rule
     kinds = {t.segment.name: t.kind for t in geo.transforms}
     assert kinds["bias"] == kinds["small"] == kinds["flat"] == kinds["nofac"] == "identity"
     assert kinds["big"] == "kfac-lowrank"
@@ -336,3 +336,155 @@ def test_bad_arguments_raise_clearly(rng):
         Layout([("a", (2,)), ("a", (3,))])
     with pytest.raises(ValueError, match="rank"):
         Geometry.from_kfac(layout, factors, rank=0)
+
+
+# ------------------------------------------------------------------ fused, batched application
+def _dense_side(side, d):
+    """The side's d x d operator (forward, inverse) in float64, from its own side-by-side ``left``."""
+    eye = np.eye(d, dtype=np.float32)
+    return side.left(eye).astype(np.float64), side.left(eye, inverse=True).astype(np.float64)
+
+
+def _mixed_geometry(rng, shapes, choices):
+    """A Geometry whose segment i gets the side choices ``choices[i]`` (identity for None pairs)."""
+    from giftcomm.geometry.transform import identity_transform, kfac_transform
+    from giftcomm.geometry.spectral import Spectrum
+
+    layout = Layout(shapes)
+    ts = []
+    for seg, ch in zip(layout, choices):
+        if ch is None:
+            ts.append(identity_transform(seg))
+            continue
+        m, n = seg.matrix_shape
+        sg = Spectrum.from_matrix(random_spd(rng, m, 1e3))
+        sa = Spectrum.from_matrix(random_spd(rng, n, 1e3))
+        ts.append(kfac_transform(seg, sg, sa, ch[0], ch[1], 1e-3))
+    return Geometry(layout, ts)
+
+
+MIXED_SHAPES = [("q", (40, 24)), ("k", (40, 24)), ("v", (40, 24)), ("bias", (24,)), ("w", (7, 300)),
+                ("o", (40, 24)), ("t", (300, 9)), ("tiny", (5, 5)), ("full", (12, 10)), ("diag", (9, 11)),
+                ("dense", (10, 12))]
+MIXED_CHOICES = [(3, 5), (3, 5), (None, 4), None, (2, 1), (3, 5), (1, None), (8, 8), ("full", 3), ("diag", 2), ("full", "full")]
+
+
+@pytest.mark.parametrize("tile", [1 << 16, 64])  # 64: many row/batch tiles per group
+def test_fused_application_equals_side_by_side_dense(rng, monkeypatch, tile):
+    """Geometry.forward/inverse (fused, batched, tiled) equal S_L X S_R^T built from each side's
+    straightforward application, for m != n, k >= dim, one-sided and mixed segments."""
+    import giftcomm.geometry.apply as ap
+
+    monkeypatch.setattr(ap, "TILE_ELEMENTS", tile)
+    geo = _mixed_geometry(rng, MIXED_SHAPES, MIXED_CHOICES)
+    assert geo["tiny"].left.rank == 5 and geo["t"].right.is_identity and geo["v"].left.is_identity
+    groups = ApplyPlanOf(geo)
+    assert any(g.kind == "lowrank" and len(g.items) == 2 for g in groups)  # q, k batched (adjacent)
+    assert {g.kind for g in groups} == {"lowrank", "dense", "sides"}
+    for dtype in (np.float32, np.float64):
+        x = rng.standard_normal(geo.size).astype(dtype)
+        y, z = geo.forward(x), None
+        z = geo.inverse(y)
+        assert y.dtype == z.dtype == np.float32
+        for t in geo.transforms:
+            seg = t.segment
+            m, n = seg.matrix_shape
+            lf, li = _dense_side(t.left, m)
+            rf, ri = _dense_side(t.right, n)
+            xs = x[seg.offset:seg.stop].astype(np.float64).reshape(m, n)
+            want = lf @ xs @ rf.T
+            got = y[seg.offset:seg.stop].reshape(m, n)
+            assert rel(got, want) < 3e-6, (seg.name, rel(got, want))
+            ys = y[seg.offset:seg.stop].astype(np.float64).reshape(m, n)
+            assert rel(z[seg.offset:seg.stop].reshape(m, n), li @ ys @ ri.T) < 3e-6, seg.name
+        assert rel(z, x.astype(np.float64)) < 1e-4
+
+
+def ApplyPlanOf(geo):
+    from giftcomm.geometry.apply import ApplyPlan
+
+    return ApplyPlan(geo.transforms, np).groups
+
+
+def test_fused_application_is_linear_and_in_place(rng, monkeypatch):
+    import giftcomm.geometry.apply as ap
+
+    monkeypatch.setattr(ap, "TILE_ELEMENTS", 100)
+    geo = _mixed_geometry(rng, MIXED_SHAPES, MIXED_CHOICES)
+    a, b = (rng.standard_normal(geo.size).astype(np.float32) for _ in range(2))
+    lhs = geo.forward(2.0 * a - 3.0 * b).astype(np.float64)
+    rhs = 2.0 * geo.forward(a).astype(np.float64) - 3.0 * geo.forward(b)
+    assert rel(lhs, rhs) < 1e-5
+    # out=: a reused buffer, or the input itself, gives the same result
+    y = geo.forward(a)
+    buf = np.full(geo.size, np.nan, np.float32)
+    assert geo.forward(a, out=buf) is buf
+    np.testing.assert_array_equal(buf, y)
+    c = a.copy()
+    assert geo.forward(c, out=c) is c
+    np.testing.assert_array_equal(c, y)
+    geo.inverse(c, out=c)
+    assert rel(c, a) < 1e-4
+    with pytest.raises(ValueError, match="out must be"):
+        geo.forward(a, out=a[::-1])  # overlapping but not the input itself
+    with pytest.raises(ValueError, match="out must be"):
+        geo.forward(a, out=np.empty(geo.size, np.float64))
+
+
+def test_fused_application_matches_the_straight_side_by_side_path(rng):
+    """Against SegmentTransform.forward (the sides' own left/right, one after the other)."""
+    geo = _mixed_geometry(rng, MIXED_SHAPES, MIXED_CHOICES)
+    x = rng.standard_normal(geo.size).astype(np.float32)
+    y = geo.forward(x)
+    for t in geo.transforms:
+        seg = t.segment
+        mat = x[seg.offset:seg.stop].reshape(seg.matrix_shape)
+        assert rel(y[seg.offset:seg.stop], t.forward(mat).reshape(-1).astype(np.float64)) < 3e-6, seg.name
+
+
+def test_generic_backend_path_gathers_groups(rng, monkeypatch):
+    """The non-NumPy path (gather all segments of a group with one index, one batch) on NumPy:
+    a stand-in backend module that is NumPy under another name."""
+    import types
+
+    import giftcomm.geometry.apply as ap
+    import giftcomm.geometry.geometry as gm
+
+    fake = types.ModuleType("fakexp")
+    for name in ("empty", "zeros", "zeros_like", "matmul", "multiply", "concatenate", "asarray",
+                 "ascontiguousarray", "stack", "empty_like"):
+        setattr(fake, name, getattr(np, name))
+    monkeypatch.setattr(gm, "array_module", lambda a: fake)
+    geo = _mixed_geometry(rng, MIXED_SHAPES, MIXED_CHOICES)
+    plan = ap.ApplyPlan(geo.transforms, fake)
+    qko = [g for g in plan.groups if g.kind == "lowrank" and geo.transforms[g.items[0]].segment.name == "q"]
+    assert len(qko[0].items) == 3  # q, k and o: one gathered batch although o is not adjacent
+    x = rng.standard_normal(geo.size).astype(np.float32)
+    y = geo.forward(x)
+    monkeypatch.undo()
+    np.testing.assert_allclose(y, geo.forward(x), rtol=2e-5, atol=2e-6)
+    assert rel(geo.inverse(y), x) < 1e-4
+
+
+def test_default_policy_respects_its_time_budget_and_skips_tiny_tensors(rng):
+    from giftcomm.geometry import TransformTimeModel, collective_seconds
+
+    layout = Layout([("big", (512, 384)), ("bias", (512,)), ("tiny", (16, 12)), ("mid", (384, 512))])
+    factors = {"big": (random_spd(rng, 384, 1e5), random_spd(rng, 512, 1e5)),
+               "tiny": (random_spd(rng, 12, 1e5), random_spd(rng, 16, 1e5)),
+               "mid": (random_spd(rng, 512, 1e5), random_spd(rng, 384, 1e5))}
+    pol = SelectivePolicy()
+    assert pol.budget == 0.1  # the default is the cost-aware policy
+    assert SelectivePolicy(flops_per_gain=100.0).budget is None  # an exchange rate: per-segment rule
+    tm = TransformTimeModel()
+    for frac in (0.1, 1.0, 10.0):
+        geo = select(layout, factors, SelectivePolicy(budget=frac))
+        assert tm.geometry_seconds(geo) <= frac * collective_seconds(layout.size, 4, 125e6) * (1 + 1e-9)
+        assert geo["tiny"].is_identity and geo["bias"].is_identity
+    rich = select(layout, factors, SelectivePolicy(budget=10.0))
+    assert not rich["big"].is_identity
+    # one-sided and two-sided low rank are both candidates
+    from giftcomm.geometry import Spectrum
+
+    opts = pol.side_options(Spectrum.from_matrix(random_spd(rng, 64, 1e4)), 1e-3)
+    assert opts[0][0] is None and any(isinstance(o[0], int) for o in opts)

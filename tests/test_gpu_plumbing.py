@@ -409,3 +409,22 @@ def test_transform_plan_matches_numpy(rng):
     assert len(plan.groups) == 3 and plan.flops() > 0
     with pytest.raises(ValueError):
         TransformPlan(10, [SegmentPair(5, 2, 3)])
+
+
+def test_transform_plan_shares_the_geometry_dense_kernel(rng):
+    """TransformPlan's batched product is giftcomm.geometry.apply.dense_apply, and a Geometry
+    with full (dense) sides gives the same buffer as a plan of the same operators."""
+    import giftcomm.cuda.transform as ct
+    from giftcomm.geometry import Geometry, Layout
+    from giftcomm.geometry.apply import dense_apply
+
+    assert ct.dense_apply is dense_apply
+    layout = Layout([("a", (24, 16)), ("b", (24, 16))])
+    spd = lambda d: (lambda q: (q * np.logspace(0, -2, d)) @ q.T)(np.linalg.qr(rng.standard_normal((d, d)))[0])  # noqa: E731
+    geo = Geometry.from_kfac(layout, {"a": (spd(16), spd(24)), "b": (spd(16), spd(24))})
+    pairs = [SegmentPair(t.segment.offset, 24, 16, t.left.fwd, t.right.fwd, t.left.inv, t.right.inv)
+             for t in geo.transforms]
+    plan = TransformPlan(layout.size, pairs)
+    x = rng.standard_normal(layout.size).astype(np.float32)
+    np.testing.assert_allclose(plan.forward(x), geo.forward(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.inverse(x), geo.inverse(x), rtol=1e-5, atol=1e-5)

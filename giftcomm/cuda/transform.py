@@ -15,12 +15,11 @@ Precision: float32 operands and results. CuPy uses plain fp32 GEMM unless the en
 ``CUPY_TF32=1`` (TF32 would change the transform's rounding, never the codec's bit-exactness,
 but keep it off for reproducible numbers). Works on NumPy too (the CPU tests use it).
 
-How giftcomm.geometry calls it (integration): for a ``SegmentTransform`` with dense sides, the
-geometry's ``Y = S_L X S_R^T`` is this module's ``T_L = S_L`` and ``T_R = S_R^T``; build the plan
-once per geometry (``TransformPlan.from_pairs(size, [(start, m, n, S_L, S_R.T, S_L^-1, S_R^-T)])``)
-and call ``plan.forward`` / ``plan.inverse`` on the device buffer where ``Geometry.forward`` /
-``inverse`` would run on the host. Diagonal and low-rank sides can be passed densified (exact)
-or stay on the host path.
+Relation to giftcomm.geometry: ``Geometry.forward`` / ``inverse`` take a CuPy array themselves
+(side parameters uploaded once per backend, segments of equal shape and side kinds batched;
+low-rank sides through the fused rank-(k_L + k_R) update, see ``giftcomm/geometry/apply.py``).
+This plan is for arbitrary dense operator pairs (not necessarily symmetric, inverses computed if
+not given); its batched product is the geometry's dense kernel, ``giftcomm.geometry.apply.dense_apply``.
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _xp
+from ..geometry.apply import dense_apply
 
 __all__ = ["SegmentPair", "TransformPlan"]
 
@@ -121,11 +121,7 @@ class TransformPlan:
         for g in self.groups:
             x = flat[g.index].reshape(-1, g.m, g.n)
             left, right = (g.left_inv, g.right_inv) if inverse else (g.left, g.right)
-            if left is not None:
-                x = xp.matmul(left, x)
-            if right is not None:
-                x = xp.matmul(x, right)
-            out[g.index] = x.reshape(len(g.starts), -1)
+            out[g.index] = dense_apply(xp, x, left, right).reshape(len(g.starts), -1)
         return out
 
     def forward(self, flat: Any) -> Any:

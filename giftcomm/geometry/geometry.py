@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .._xp import array_module
+from .apply import ApplyPlan
 from .layout import Layout, as_layout
 from .sides import HadamardSide, IdentitySide
 from .spectral import Spectrum
@@ -83,6 +85,12 @@ class Geometry:
         if [t.segment for t in self.transforms] != list(self.layout.segments):
             raise ValueError("one transform per layout segment, in layout order")
         self._fingerprint: int | None = None
+        self._plans: dict = {}  # backend name -> ApplyPlan (stacked parameters on that backend)
+
+    def __getstate__(self):  # the per-backend plans are rebuilt on demand, never pickled
+        state = dict(self.__dict__)
+        state["_plans"] = {}
+        return state
 
     # ---------------------------------------------------------------- the collective's interface
     @property
@@ -95,13 +103,19 @@ class Geometry:
         """True when every segment's transform is the identity (forward/inverse only cast)."""
         return all(t.is_identity for t in self.transforms)
 
-    def forward(self, flat: np.ndarray) -> np.ndarray:
-        """Flat (size,) array of any float dtype -> new float32 (size,) array in GIFT coordinates."""
-        return self._apply(flat, inverse=False)
+    def forward(self, flat, out=None):
+        """Flat (size,) array of any float dtype -> new float32 (size,) array in GIFT coordinates.
 
-    def inverse(self, flat: np.ndarray) -> np.ndarray:
-        """Flat (size,) array in GIFT coordinates -> new float32 (size,) array in the original ones."""
-        return self._apply(flat, inverse=True)
+        NumPy in, NumPy out; a CuPy (device) array in, a CuPy array out (the side parameters are
+        uploaded once per backend and kept). ``out``: optional float32 (size,) array of the same
+        backend to write into instead: ``flat`` itself (in place) or a buffer not overlapping it;
+        reusing one saves the page faults of a fresh buffer (perf/results/gift-cost.md)."""
+        return self._apply(flat, inverse=False, out=out)
+
+    def inverse(self, flat, out=None):
+        """Flat (size,) array in GIFT coordinates -> new float32 (size,) array in the original ones
+        (``out`` as for ``forward``)."""
+        return self._apply(flat, inverse=True, out=out)
 
     def fingerprint(self) -> int:
         """Signed 64-bit int (fits np.int64): BLAKE2b of the layout, kinds and parameter bytes."""
@@ -226,23 +240,21 @@ class Geometry:
         return cls(layout, ts)
 
     # ---------------------------------------------------------------- internals
-    def _apply(self, flat: np.ndarray, inverse: bool) -> np.ndarray:
-        x = np.asarray(flat)
+    def _apply(self, flat, inverse: bool, out=None):
+        xp = array_module(flat)
+        x = flat if xp is not np else np.asarray(flat)
         if x.ndim != 1 or x.size != self.size:
             raise ValueError(f"expected a 1-D buffer of {self.size} elements, got shape {x.shape}")
         if not np.issubdtype(x.dtype, np.floating) and x.dtype.kind != "V":
             raise ValueError(f"expected a float buffer, got dtype {x.dtype}")
-        out = np.empty(self.size, np.float32)
-        for t in self.transforms:
-            seg = t.segment
-            src = x[seg.offset : seg.stop]
-            if t.is_identity:
-                out[seg.offset : seg.stop] = src
-                continue
-            mat = np.ascontiguousarray(src, dtype=np.float32).reshape(seg.matrix_shape)
-            res = t.inverse(mat) if inverse else t.forward(mat)
-            out[seg.offset : seg.stop] = res.reshape(-1)
-        return out
+        if out is not None and (array_module(out) is not xp or out.shape != (self.size,) or out.dtype != np.float32
+                                or (xp is np and out is not x and np.shares_memory(out, x))):
+            raise ValueError(f"out must be a float32 ({self.size},) array of the input's backend: the input "
+                             "itself (in place) or not overlapping it")
+        plan = self._plans.get(xp.__name__)
+        if plan is None:
+            plan = self._plans[xp.__name__] = ApplyPlan(self.transforms, xp)
+        return plan.apply(x, inverse, out)
 
 
 def _fmt_pair(v, fmt: str) -> str:

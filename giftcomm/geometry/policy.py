@@ -41,29 +41,37 @@ __all__ = ["SelectivePolicy", "TransformTimeModel", "select", "collective_second
 class TransformTimeModel:
     """Predicted seconds of forward + inverse of segment transforms on some machine.
 
-    One segment of ``e`` elements: ``passes * e * s(e) + flops / flops_per_second``, where
-    ``s(e)`` is ``seconds_per_pass`` for segments of at most ``cache_elements`` and
-    ``seconds_per_pass_large`` above (memory-bound sweeps are several times slower once a
-    segment leaves the caches). ``passes`` counts the element-wise sweeps of the implementation
-    (``giftcomm/geometry/sides.py``, forward and inverse together): 2 per diagonal side, 12 per
-    low-rank side (the two skinny GEMMs read / write the segment, plus ``c x`` and the add), 4 per
-    full side, 16 per Hadamard side. A non-identity geometry also copies every segment into its
-    output buffer in forward and in inverse: ``copy_seconds``, charged for the whole buffer.
-    Defaults: fitted on the 2-core development VM, fp32, loaded (perf/results/gift-cost.md,
-    ``python -m giftcomm.perf fidelity cost``); refit for other machines (a GPU is 2-3 orders of
-    magnitude faster).
+    One transformed segment of ``e`` elements: ``passes * e * s(e) + flops / flops_per_second +
+    seconds_per_segment``, where ``s(e)`` is ``seconds_per_pass`` for segments of at most
+    ``cache_elements`` and ``seconds_per_pass_large`` above (memory-bound sweeps are slower
+    once a segment leaves the caches). ``passes`` counts the element-wise sweeps of the
+    implementation (``giftcomm/geometry/apply.py``), forward and inverse together, the write of
+    the output included: 6 for a low-rank transform (one- or two-sided, fused: per direction one
+    read for ``X U_R`` and ``U_L^T X``, one read and one write for the rank-(k_L + k_R) update);
+    for the side-by-side path (diagonal, Hadamard, dense, mixes) the per-side counts of
+    ``PASSES`` plus 2 for the output. A non-identity geometry also fills a fresh output buffer
+    with every identity segment in forward and in inverse (``copy_seconds``: 2 passes; the page
+    faults of a fresh buffer are in the per-pass rate). Defaults: fitted on the 2-core
+    development VM, fp32, one BLAS thread (perf/results/gift-cost.md, ``python -m
+    giftcomm.perf fidelity cost`` prints the fit); refit for other machines (a GPU is 2-3 orders
+    of magnitude faster).
     """
 
     seconds_per_pass: float = 0.25e-9
-    seconds_per_pass_large: float = 0.9e-9
+    seconds_per_pass_large: float = 0.35e-9
     cache_elements: int = 1 << 20
-    flops_per_second: float = 20e9
+    flops_per_second: float = 40e9
+    seconds_per_segment: float = 40e-6
 
     PASSES = {"identity": 0, "diagonal": 2, "lowrank": 12, "full": 4, "hadamard": 16}
+    FUSED_PASSES = 6
 
     def passes(self, left_kind: str, right_kind: str) -> int:
-        """Element passes of forward + inverse of one segment's sides (copies not included)."""
-        return self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4)
+        """Element passes of forward + inverse of one segment, the output write included."""
+        kinds = {left_kind, right_kind}
+        if kinds <= {"lowrank", "identity"} and "lowrank" in kinds:
+            return self.FUSED_PASSES
+        return self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4) + 2
 
     def pass_seconds(self, elements: int) -> float:
         """Seconds of one element-wise sweep over a segment of ``elements`` values."""
@@ -71,28 +79,32 @@ class TransformTimeModel:
         return elements * per
 
     def seconds(self, elements: int, flops: float, left_kind: str, right_kind: str) -> float:
-        """Seconds of the sides of a segment of ``elements`` values, ``flops`` of forward + inverse
-        (without the output copies)."""
-        return self.passes(left_kind, right_kind) * self.pass_seconds(elements) + flops / self.flops_per_second
+        """Seconds of forward + inverse of a transformed segment of ``elements`` values and
+        ``flops`` flops (output write included)."""
+        return (self.passes(left_kind, right_kind) * self.pass_seconds(elements) + flops / self.flops_per_second
+                + self.seconds_per_segment)
 
     def copy_seconds(self, elements: int) -> float:
-        """Seconds of copying a segment into the output buffer in forward and in inverse."""
+        """Seconds of copying an identity segment into the output buffer in forward and inverse."""
         return 2.0 * self.pass_seconds(elements)
 
     def transform_seconds(self, t: SegmentTransform) -> float:
-        """Predicted seconds of one built transform, its copies included (0 for the identity)."""
+        """Predicted seconds of one built transform in a non-identity geometry (the copy for an
+        identity segment)."""
         if t.is_identity:
-            return 0.0
-        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind) + self.copy_seconds(t.segment.size)
+            return self.copy_seconds(t.segment.size)
+        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
 
     def geometry_seconds(self, geo) -> float:
         """Predicted seconds of forward + inverse of a whole Geometry: 0 when it is the identity
-        (gift_allreduce then skips it), else every transform plus the copies of every segment."""
+        (gift_allreduce then skips it), else every transform plus the copies of the others."""
         if geo.is_identity:
             return 0.0
-        return sum(self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
-                   for t in geo.transforms if not t.is_identity) + \
-            sum(self.copy_seconds(t.segment.size) for t in geo.transforms)
+        return sum(self.transform_seconds(t) for t in geo.transforms)
+
+
+DEFAULT_BUDGET = 0.1            # fraction of the FP8 collective's predicted wire time (P = 4, 1 Gbit/s)
+DEFAULT_FLOPS_PER_GAIN = 4096.0  # the per-segment rule's exchange rate (flops per element for a gain of 1)
 
 
 def collective_seconds(n: int, ranks: int, bandwidth: float, bytes_per_value: float = 1.015625) -> float:
@@ -131,8 +143,8 @@ class SelectivePolicy:
     energy: float = 0.9
     max_rank: int | None = 128
     min_gain: float = 0.1
-    flops_per_gain: float = 4096.0
-    budget: float | None = None
+    flops_per_gain: float | None = None
+    budget: float | None | str = "auto"
     ranks: int = 4
     bandwidth: float = 125e6
     wire_bytes_per_value: float = 1.015625
@@ -149,6 +161,14 @@ class SelectivePolicy:
                    time_model=time_model or TransformTimeModel(), **kw)
 
     def __post_init__(self):
+        # "auto": the time budget DEFAULT_BUDGET, unless an exchange rate flops_per_gain is given
+        # (then the per-segment rule); flops_per_gain None means DEFAULT_FLOPS_PER_GAIN
+        if isinstance(self.budget, str):
+            if self.budget != "auto":
+                raise ValueError(f"budget must be None, a number >= 0 or 'auto', got {self.budget!r}")
+            object.__setattr__(self, "budget", None if self.flops_per_gain is not None else DEFAULT_BUDGET)
+        if self.flops_per_gain is None:
+            object.__setattr__(self, "flops_per_gain", DEFAULT_FLOPS_PER_GAIN)
         if not 0.0 < self.energy <= 1.0:
             raise ValueError(f"energy must be in (0, 1], got {self.energy}")
         if self.max_rank is not None and self.max_rank < 1:
@@ -284,7 +304,8 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
     tm = policy.time_model
     budget = policy.budget * collective_seconds(layout.size, policy.ranks, policy.bandwidth,
                                                 policy.wire_bytes_per_value)
-    # any transform makes forward/inverse copy the whole buffer: a fixed cost
+    # a non-identity geometry fills a fresh output buffer: the copy of every segment is a fixed
+    # cost; a transformed segment costs its transform instead of its copy
     fixed = sum(tm.copy_seconds(seg.size) for seg in layout)
     notes: dict[str, str] = {}
     hulls: dict[str, list] = {}
@@ -306,7 +327,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
                 r2 = eg * ea
                 if 1.0 - np.sqrt(r2) < policy.min_gain:
                     continue
-                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka)
+                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka) - tm.copy_seconds(seg.size)
                 cands.append((secs, weight * (1.0 - r2), (cg, ca)))
         hulls[seg.name] = _hull(cands)
         if len(hulls[seg.name]) == 1:

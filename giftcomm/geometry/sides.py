@@ -5,6 +5,9 @@ shape (d, c); ``right(x)`` computes ``x S^T`` for ``x`` of shape (r, d). ``inver
 ``S^-1`` instead. Results are float32 arrays (the identity side may return its input).
 Parameters are float32 arrays, built in float64 and rounded once.
 
+Sides work on any array backend (NumPy, CuPy): the parameters are uploaded to the backend of
+``x`` on first use and kept (``_on``); ``params()`` are always the host arrays.
+
 ``flops_per_column()`` counts the floating-point operations of one application per column of
 ``x`` (multiply and add counted separately), for the cost model of the selective policy.
 """
@@ -15,6 +18,7 @@ import math
 
 import numpy as np
 
+from .._xp import array_module
 from .spectral import Spectrum, damped, floor_value
 
 __all__ = ["Side", "IdentitySide", "DenseSide", "LowRankSide", "DiagonalSide", "HadamardSide"]
@@ -33,7 +37,21 @@ class Side:
 
     def right(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x S^T`` (or ``x S^-T``) for x of shape (r, d)."""
-        return np.ascontiguousarray(self.left(np.ascontiguousarray(x.T), inverse).T)
+        xp = array_module(x)
+        return xp.ascontiguousarray(self.left(xp.ascontiguousarray(x.T), inverse).T)
+
+    def _on(self, x, *names: str) -> tuple:
+        """The named parameter arrays on the backend of ``x`` (uploaded once, then cached)."""
+        xp = array_module(x)
+        if xp is np:
+            return tuple(getattr(self, n) for n in names)
+        cache = self.__dict__.setdefault("_device", {}).setdefault(xp.__name__, {})
+        return tuple(cache[n] if n in cache else cache.setdefault(n, xp.asarray(getattr(self, n))) for n in names)
+
+    def __getstate__(self):  # device copies are not pickled
+        state = dict(self.__dict__)
+        state.pop("_device", None)
+        return state
 
     def params(self) -> tuple[np.ndarray, ...]:
         """The arrays that define the operator (hashed into the geometry's fingerprint)."""
@@ -89,10 +107,10 @@ class DenseSide(Side):
         return cls(0.5 * (fwd + fwd.T), 0.5 * (inv + inv.T))
 
     def left(self, x, inverse=False):
-        return (self.inv if inverse else self.fwd) @ x
+        return self._on(x, "inv" if inverse else "fwd")[0] @ x
 
     def right(self, x, inverse=False):
-        return x @ (self.inv if inverse else self.fwd)  # symmetric: S^T = S
+        return x @ self._on(x, "inv" if inverse else "fwd")[0]  # symmetric: S^T = S
 
     def params(self):
         return (self.fwd, self.inv)
@@ -132,18 +150,22 @@ class LowRankSide(Side):
         return cls(spec.vectors[:, :k], top**-0.5, c**-0.5, top**0.5, c**0.5)
 
     def left(self, x, inverse=False):
-        c, delta = (self.c_inv, self.delta_inv) if inverse else (self.c_fwd, self.delta_fwd)
-        y = self.ut @ x
+        """The straightforward side-by-side application (``Geometry`` uses the fused batched
+        one of ``giftcomm.geometry.apply``; the tests compare the two)."""
+        c = self.c_inv if inverse else self.c_fwd
+        u, ut, delta = self._on(x, "u", "ut", "delta_inv" if inverse else "delta_fwd")
+        y = ut @ x
         y *= delta[:, None]
-        out = self.u @ y
+        out = u @ y
         out += c * x
         return out
 
     def right(self, x, inverse=False):
-        c, delta = (self.c_inv, self.delta_inv) if inverse else (self.c_fwd, self.delta_fwd)
-        y = x @ self.u
+        c = self.c_inv if inverse else self.c_fwd
+        u, ut, delta = self._on(x, "u", "ut", "delta_inv" if inverse else "delta_fwd")
+        y = x @ u
         y *= delta
-        out = y @ self.ut
+        out = y @ ut
         out += c * x
         return out
 
@@ -171,10 +193,10 @@ class DiagonalSide(Side):
         return cls(p**-0.5, p**0.5)
 
     def left(self, x, inverse=False):
-        return (self.s_inv if inverse else self.s_fwd)[:, None] * x
+        return self._on(x, "s_inv" if inverse else "s_fwd")[0][:, None] * x
 
     def right(self, x, inverse=False):
-        return x * (self.s_inv if inverse else self.s_fwd)
+        return x * self._on(x, "s_inv" if inverse else "s_fwd")[0]
 
     def params(self):
         return (self.s_fwd, self.s_inv)
@@ -185,12 +207,13 @@ class DiagonalSide(Side):
 
 def _fwht_rows(x: np.ndarray) -> np.ndarray:
     """Orthonormal Walsh-Hadamard transform along axis 0 of (h, c) float32, h a power of two."""
+    xp = array_module(x)
     h = x.shape[0]
     y = x
     s = 1
     while s < h:
         y = y.reshape(h // (2 * s), 2, s, -1)
-        y = np.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), axis=1)
+        y = xp.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), axis=1)
         s *= 2
     y = y.reshape(h, -1)
     return y * np.float32(1.0 / math.sqrt(h)) if h > 1 else y.copy()
@@ -222,7 +245,7 @@ class HadamardSide(Side):
         self.blocks = _power_of_two_blocks(self.dim)
 
     def _h(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty_like(x)
+        out = array_module(x).empty_like(x)
         lo = 0
         for b in self.blocks:
             out[lo : lo + b] = _fwht_rows(x[lo : lo + b])
@@ -230,9 +253,10 @@ class HadamardSide(Side):
         return out
 
     def left(self, x, inverse=False):
+        signs, perm, iperm = self._on(x, "signs", "perm", "iperm")
         if inverse:  # S^T = D P^T H
-            return self.signs[:, None] * self._h(x)[self.iperm]
-        return self._h((self.signs[:, None] * x)[self.perm])
+            return signs[:, None] * self._h(x)[iperm]
+        return self._h((signs[:, None] * x)[perm])
 
     def params(self):
         return (self.signs, self.perm)

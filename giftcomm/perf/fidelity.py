@@ -521,8 +521,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _policies(a) -> tuple[SelectivePolicy, dict]:
     extra = {}
+    extra["gift policy per-segment"] = SelectivePolicy(budget=None)  # the default before the time budget
     if a.energy_rule:
-        extra["gift policy energy-rule"] = SelectivePolicy(rank_rule="energy")
+        extra["gift policy energy-rule"] = SelectivePolicy(budget=None, rank_rule="energy")
     if a.budget is not None:
         extra[f"gift budget {a.budget:g}"] = SelectivePolicy.budgeted(fraction=a.budget)
     return SelectivePolicy(), extra
@@ -662,7 +663,7 @@ def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed:
     return out
 
 
-def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget: float,
+def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget: float | None,
                     bandwidth: float) -> dict:
     """label -> Geometry of the variants compared in the cost table."""
     from ..geometry import Spectrum
@@ -670,8 +671,10 @@ def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget:
     geos = {"gift full": Geometry.from_kfac(layout, spectra)}
     for k in ks:
         geos[f"gift k={k}"] = Geometry.from_kfac(layout, spectra, rank=k)
-    geos["gift policy (default)"] = select(layout, spectra, SelectivePolicy())
-    geos[f"gift policy budget {budget:g}"] = select(layout, spectra, SelectivePolicy.budgeted(budget, 4, bandwidth))
+    geos["gift policy (default)"] = select(layout, spectra, SelectivePolicy(bandwidth=bandwidth))
+    geos["gift policy per-segment"] = select(layout, spectra, SelectivePolicy(budget=None))
+    if budget is not None:
+        geos[f"gift policy budget {budget:g}"] = select(layout, spectra, SelectivePolicy.budgeted(budget, 4, bandwidth))
     diag = {}
     for k, (sa, sg) in spectra.items():
         diag[k] = tuple(Spectrum.from_diagonal(np.einsum("ij,j,ij->i", s.vectors, s.values, s.vectors)) for s in (sa, sg))
@@ -680,16 +683,8 @@ def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget:
     return geos
 
 
-def _time_segment(t, x: np.ndarray, repeats: int) -> float:
-    """Seconds of forward + inverse of one segment transform (as Geometry applies it): the
-    minimum of ``repeats`` runs after a warm-up (the least disturbed run on a shared machine)."""
-    def run():
-        y = t.forward(x)
-        out = np.empty(x.size, np.float32)
-        out[:] = y.reshape(-1)
-        z = t.inverse(out.reshape(x.shape))
-        out[:] = z.reshape(-1)
-
+def _min_time(run, repeats: int) -> float:
+    """The minimum of ``repeats`` timed runs after a warm-up (the least disturbed run)."""
     run()
     ts = []
     for _ in range(repeats):
@@ -697,6 +692,24 @@ def _time_segment(t, x: np.ndarray, repeats: int) -> float:
         run()
         ts.append(time.perf_counter() - t0)
     return float(np.min(ts))
+
+
+def time_geometry(geo: Geometry, x: np.ndarray, repeats: int, reuse: bool = False) -> float:
+    """Seconds of ``geo.inverse(geo.forward(x))`` as gift_allreduce calls them (fresh output
+    buffers), or with two reused ``out=`` buffers (``reuse``)."""
+    if not reuse:
+        return _min_time(lambda: geo.inverse(geo.forward(x)), repeats)
+    y, z = np.empty(geo.size, np.float32), np.empty(geo.size, np.float32)
+    return _min_time(lambda: geo.inverse(geo.forward(x, out=y), out=z), repeats)
+
+
+def _single(t) -> Geometry:
+    """A one-segment Geometry holding transform ``t`` (for timing a segment alone)."""
+    from ..geometry.transform import SegmentTransform
+
+    seg = t.segment
+    lay = Layout([(seg.name, seg.shape)])
+    return Geometry(lay, [SegmentTransform(lay[seg.name], t.left, t.right, t.info)])
 
 
 def cost_main(a) -> int:
@@ -707,7 +720,6 @@ def cost_main(a) -> int:
     from ..costmodel import Calibration, LinkCost, Topology, predict
     from ..geometry import TransformTimeModel, collective_seconds
 
-    budget = 0.1 if a.budget is None else a.budget
     rng = np.random.default_rng(a.seed)
     tm = TransformTimeModel()
     cal = Calibration(net=LinkCost(alpha=60e-6, beta=1.0 / a.bandwidth))
@@ -726,59 +738,57 @@ def cost_main(a) -> int:
         n_total = layout.size * rep
         t_pred = predict("ring", n_total, Topology(4, 4, 1), "e4m3", 256, cal)
         t_wire = collective_seconds(n_total, 4, a.bandwidth)
-        geos = cost_geometries(layout, mdl["spectra"], a.ks, budget, a.bandwidth)
+        geos = cost_geometries(layout, mdl["spectra"], a.ks, a.budget, a.bandwidth)
+        if a.methods:
+            keep = [m.strip() for m in a.methods.split(",")]
+            geos = {k: g for k, g in geos.items() if k in keep}
+        x = rng.standard_normal(layout.size).astype(np.float32)
         timed: dict = {}
         for label, geo in geos.items():
-            total = predicted = 0.0
             for t in geo.transforms:
                 seg = t.segment
-                if t.is_identity:
-                    key = ("identity", seg.shape)
-                else:
-                    key = (label, seg.shape, t.left.kind, t.right.kind, t.left.rank, t.right.rank)
-                if key not in timed:
-                    x = rng.standard_normal(seg.matrix_shape).astype(np.float32)
-                    if t.is_identity:
-                        secs = _time_segment_identity(x, a.repeats)
-                    else:
-                        secs = _time_segment(t, x, a.repeats)
-                    timed[key] = secs
-                    if not t.is_identity:
-                        ks = "/".join("-" if s.is_identity else str(s.rank) for s in (t.left, t.right))
-                        pred = tm.transform_seconds(t)
-                        seg_rows.append(f"| {mdl['model']} | {label} | {seg.name} | {'x'.join(map(str, seg.shape))} | "
-                                        f"{t.kind} | {ks} | {t.flops() / seg.size:.0f} | {secs * 1e3:.2f} | "
-                                        f"{pred * 1e3:.2f} | {secs / seg.size * 1e9:.2f} |")
-                        fit.append((seg.size, tm.passes(t.left.kind, t.right.kind) + 2, t.flops(), secs))
-                total += timed[key]
-            if geo.is_identity:  # gift_allreduce skips an identity geometry: no cost
-                total = 0.0
-            total *= rep
+                key = (seg.shape, t.left.kind, t.right.kind, t.left.rank, t.right.rank)
+                if t.is_identity or key in timed:
+                    continue
+                secs = timed[key] = time_geometry(_single(t), x[: seg.size], a.repeats)
+                ks = "/".join("-" if s.is_identity else str(s.rank) for s in (t.left, t.right))
+                pred = tm.transform_seconds(t)
+                seg_rows.append(f"| {mdl['model']} | {label} | {seg.name} | {'x'.join(map(str, seg.shape))} | "
+                                f"{t.kind} | {ks} | {t.flops() / seg.size:.0f} | {secs * 1e3:.2f} | "
+                                f"{pred * 1e3:.2f} | {secs / seg.size * 1e9:.2f} |")
+                fit.append((seg.size, tm.passes(t.left.kind, t.right.kind), t.flops(), secs))
+            # the whole geometry as gift_allreduce runs it (identity: skipped, no cost)
+            total = 0.0 if geo.is_identity else time_geometry(geo, x, a.repeats) * rep
+            reused = 0.0 if geo.is_identity else time_geometry(geo, x, a.repeats, reuse=True) * rep
             predicted = tm.geometry_seconds(geo) * rep
             frac = sum(t.segment.size for t in geo.transforms if not t.is_identity) / layout.size
             model_rows.append(f"| {mdl['model']} | {label} | {frac:.0%} | {geo.flops() * rep / 1e9:.3g} | "
-                              f"{total:.3f} | {predicted:.3f} | {t_pred:.3f} | {total / t_pred:.1%} |")
-            summary.setdefault(mdl["model"], {})[label] = {"transform_s": total, "predicted_s": predicted,
-                                                         "collective_s": t_pred, "wire_s": t_wire, "transformed": frac}
+                              f"{total:.3f} | {reused:.3f} | {predicted:.3f} | {t_pred:.3f} | {total / t_pred:.1%} |")
+            summary.setdefault(mdl["model"], {})[label] = {
+                "transform_s": total, "transform_out_reused_s": reused, "predicted_s": predicted,
+                "collective_s": t_pred, "wire_s": t_wire, "transformed": frac, "gflop": geo.flops() * rep / 1e9}
             if not a.quiet:
                 print(model_rows[-1], file=sys.stderr, flush=True)
         lines.append(f"- {mdl['model']}: {n_total / 1e6:.1f}M values in the timed matrices "
                      f"({mdl['factors']}); collective {t_pred * 1e3:.1f} ms predicted, {t_wire * 1e3:.1f} ms wire only")
-    lines += ["", "| model | geometry | transformed | GFLOP fwd+inv | measured s fwd+inv | time model s | "
-              "collective s (P=4) | measured / collective |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    lines += ["", "| model | geometry | transformed | GFLOP fwd+inv | measured s fwd+inv | same, out= reused | "
+              "time model s | collective s (P=4) | measured / collective |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
               *model_rows, "", "| model | geometry | segment | out x in | transform | k out/in | flop/elem | "
               "ms fwd+inv | time model ms | ns/elem |", "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
               *seg_rows]
-    if len(fit) >= 3:
+    if len(fit) >= 4:
         arr = np.array(fit)
         small = arr[:, 0] <= tm.cache_elements
-        cols = np.stack([arr[:, 1] * arr[:, 0] * small, arr[:, 1] * arr[:, 0] * ~small, arr[:, 2]], axis=1)
+        cols = np.stack([arr[:, 1] * arr[:, 0] * small, arr[:, 1] * arr[:, 0] * ~small, arr[:, 2],
+                         np.ones(len(fit))], axis=1)
         w = 1.0 / arr[:, 3]  # fit relative errors
         coef, *_ = np.linalg.lstsq(cols * w[:, None], np.ones(len(fit)), rcond=None)
-        lines += ["", f"time model fit (least squares on relative error, passes incl. the 2 copies): "
-                      f"seconds_per_pass {coef[0]:.3g}, seconds_per_pass_large {coef[1]:.3g}, flops_per_second "
-                      f"{1 / coef[2] if coef[2] > 0 else float('inf'):.3g} (in force: {tm.seconds_per_pass:.3g}, "
-                      f"{tm.seconds_per_pass_large:.3g}, {tm.flops_per_second:.3g})"]
+        lines += ["", f"time model fit (least squares on relative error over the segment rows; passes incl. the "
+                      f"output write): seconds_per_pass {coef[0]:.3g}, seconds_per_pass_large {coef[1]:.3g}, "
+                      f"flops_per_second {1 / coef[2] if coef[2] > 0 else float('inf'):.3g}, seconds_per_segment "
+                      f"{coef[3]:.3g} (in force: {tm.seconds_per_pass:.3g}, {tm.seconds_per_pass_large:.3g}, "
+                      f"{tm.flops_per_second:.3g}, {tm.seconds_per_segment:.3g})"]
     lines.append(f"loadavg at end {_load()}")
     text = "\n".join(lines)
     print(text)
@@ -789,25 +799,6 @@ def cost_main(a) -> int:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
     return 0
-
-
-def _time_segment_identity(x: np.ndarray, repeats: int) -> float:
-    """Seconds of the identity segment's forward + inverse (two copies): min of ``repeats``."""
-    out = np.empty(x.size, np.float32)
-    flat = x.reshape(-1)
-
-    def run():
-        out[:] = flat
-        flat2 = out.copy()
-        out[:] = flat2
-
-    run()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return float(np.min(ts))
 
 
 if __name__ == "__main__":
