@@ -5,7 +5,9 @@ The device functions are backend-generic, so NumPy arrays over the device loopba
 allreduce (ring, direct, auto) and gift_allreduce with a geometry, against the plain reference
 simulations bit for bit; out=; bad or mismatched arguments raise the same exception on every
 rank, with the host path's message; the caller's input is never modified. The public functions
-route device arrays (fake ``__cuda_array_interface__`` ones here) to this path.
+route device arrays (fake ``__cuda_array_interface__`` ones here) to this path. The direct
+reduce-scatter queues all its messages before its first wait (one NCCL group); under mpiexec
+(``-m mpi``) the device path runs over the CUDA-aware MPI transport with fake device buffers.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from giftcomm.geometry import Geometry
 from giftcomm.reference import (simulate_allgather, simulate_allreduce, simulate_gift_allreduce,
                                 simulate_reduce_scatter)
 from giftcomm.reference.simulate import resolve_algorithm
+from giftcomm.transport import Request, Transport
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 from test_gpu_plumbing import FakeDeviceArray
 
@@ -324,3 +327,90 @@ def test_device_check_collective_section_passes_on_numpy():
     results = collective_checks(np, np.asarray, quick=True)
     assert len(results) >= 15
     assert all(ok for _, ok, _ in results), [label for label, ok, _ in results if not ok]
+
+
+# --------------------------------------------------- the communication pattern; MPI plumbing
+class _LoggedRequest(Request):
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def wait(self):
+        self.log.append(("wait",))
+        self.inner.wait()
+
+
+class Recording(Transport):
+    """Wraps a transport, logging the point-to-point calls; with ``fake=True`` every buffer
+    reaches the inner transport as a FakeDeviceArray (CUDA-aware MPI plumbing)."""
+
+    def __init__(self, inner, fake=False):
+        self.inner, self.rank, self.size, self.fake, self.log = inner, inner.rank, inner.size, fake, []
+
+    def _pass(self, kind, buf, peer, tag):
+        self.log.append((kind, peer))
+        op = self.inner.isend if kind == "send" else self.inner.irecv
+        return _LoggedRequest(op(FakeDeviceArray(buf) if self.fake else buf, peer, tag), self.log)
+
+    def isend(self, buf, dest, tag=0):
+        return self._pass("send", buf, dest, tag)
+
+    def irecv(self, buf, source, tag=0):
+        return self._pass("recv", buf, source, tag)
+
+    def allgather_int64(self, vec):
+        return self.inner.allgather_int64(vec)
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+
+def test_direct_is_one_batch_of_queued_messages(rng):
+    """The device direct reduce-scatter queues every receive and send (one per peer) before its
+    first wait: one NCCL group. The ring queues one receive and one send per hop."""
+    p = 5
+    xs = inputs(rng, p, 1000, np.float32)
+    group = DeviceLoopbackGroup(p)
+    recs = [Recording(t) for t in group.transports]
+    for algorithm in ("direct", "ring"):
+        for rec in recs:
+            rec.log.clear()
+        group.run(lambda t: device_api.device_reduce_scatter(xs[t.rank], recs[t.rank], "sum", "e4m3", 32, None, algorithm))
+        for r, rec in enumerate(recs):
+            others = sorted(set(range(p)) - {r})
+            if algorithm == "direct":
+                queued = rec.log[: 2 * (p - 1)]
+                assert sorted(peer for kind, peer in queued if kind == "recv") == others
+                assert sorted(peer for kind, peer in queued if kind == "send") == others
+                assert rec.log[2 * (p - 1) :] == [("wait",)] * (2 * (p - 1))
+            else:
+                hop = [("recv", (r - 1) % p), ("send", (r + 1) % p), ("wait",), ("wait",)]
+                assert rec.log == hop * (p - 1)
+
+
+@pytest.mark.mpi
+def test_device_collectives_over_cuda_aware_mpi_plumbing():
+    """device_api over the CUDA-aware MPI transport with fake device buffers (MPICH reads the host
+    memory behind the pointers): reduce_scatter, allgather, direct and gift_allreduce with a
+    geometry equal the simulations on every rank."""
+    from mpi4py import MPI
+
+    from giftcomm.transport.device_mpi import DeviceMpiTransport
+
+    inner = DeviceMpiTransport(MPI.COMM_WORLD, require_cuda_aware=False)
+    t = Recording(inner, fake=True)
+    p, r = t.size, t.rank
+    rng = np.random.default_rng(4321)  # the same inputs on every rank
+    xs = inputs(rng, p, 3001, np.float32)
+    for algorithm in ("ring", "direct"):
+        shard = device_api.device_reduce_scatter(xs[r], t, "sum", "e4m3", 64, None, algorithm)
+        assert same(shard, simulate_reduce_scatter(xs, "e4m3", 64, "sum", algorithm)[r])
+        full = device_api.device_allgather(shard, t, "e4m3", 64, None)
+        assert same(full, simulate_allreduce(xs, "e4m3", 64, "sum", algorithm)[r])
+    geo = random_kfac_geometry(rng, rank=4)
+    gs = inputs(rng, p, geo.size, np.float32, spread=2)
+    got = device_api.device_allreduce(gs[r], geo, t, "avg", "e4m3", 64, None, "direct")
+    assert same(got, simulate_gift_allreduce(gs, geo, "e4m3", 64, "avg", "direct")[r])
+    if p > 1:
+        with pytest.raises(ValueError, match="ranks disagree on count"):
+            device_api.device_allreduce(xs[r][: 100 + r], None, t, "sum", "e4m3", 64, None, "ring")
+    inner.free()
