@@ -126,8 +126,12 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype, shape: tuple, 
 
 
 def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, algorithm: str,
-                    nodes: np.ndarray, slice_elems: int) -> np.ndarray:
-    """The sum of ``flat`` over all ranks, decoded (float32), by the chosen algorithm."""
+                    nodes: np.ndarray, slice_elems: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The sum of ``flat`` over all ranks, decoded (float32), by the chosen algorithm.
+
+    ``out``: an optional float32 (size,) array the ring and direct algorithms decode into
+    directly (no fresh result array: at 16 MiB its page faults cost more than the decode).
+    """
     acc_t = accumulation_dtype(flat.dtype)
     if algorithm == "doubling":
         return doubling.allreduce(t, flat, fmt, block, acc_t)
@@ -136,8 +140,16 @@ def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, alg
         return hierarchical.allreduce(t, flat, nodes, fmt, block, acc_t, slice_elems, inter=inter)
     bounds = chunk_bounds(flat.size, t.size, block)
     rs = direct.reduce_scatter if algorithm == "direct" else ring.reduce_scatter
-    _, own = rs(t, flat, bounds, fmt, block, acc_t, slice_elems)
-    return ring.allgather(t, own, np.diff(bounds), fmt, block, slice_elems)
+    _, own = rs(t, flat, bounds, fmt, block, acc_t, slice_elems, keep_sum=False)
+    return ring.allgather(t, own, np.diff(bounds), fmt, block, slice_elems, out=out)
+
+
+def _direct_out(out: np.ndarray | None, geometry_used: bool) -> np.ndarray | None:
+    """``out`` as a flat float32 view the collective can decode into, or None when it cannot
+    (no out, another dtype, not contiguous, or a geometry's inverse still to apply)."""
+    if out is None or geometry_used or out.dtype != np.float32 or not out.flags.c_contiguous:
+        return None
+    return out.reshape(-1)
 
 
 def gift_allreduce(
@@ -188,7 +200,12 @@ def gift_allreduce(
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
     slice_n = slice_elems or ring.auto_slice_elems(arr.size, p)
-    total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_n)
+    direct_out = _direct_out(out, geo is not None)
+    total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_n, direct_out)
+    if direct_out is not None and total is direct_out:
+        if op == "avg":
+            total /= np.float32(p)
+        return out
     if geo is not None:
         total = np.asarray(geo.inverse(total), dtype=np.float32)
     return _finish(total.astype(acc_t, copy=False), op, p, arr.dtype, arr.shape, out)

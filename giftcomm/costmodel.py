@@ -65,24 +65,31 @@ class Calibration:
 
 def calibration_path() -> Path:
     """Where the calibration file is read from (and written to by the calibrate command)."""
+    return Path(_calibration_file())
+
+
+def _calibration_file() -> str:
+    # plain strings: load_calibration runs on every "auto" call, and pathlib costs ~0.1 ms
     env = os.environ.get("GIFTCOMM_CALIBRATION")
-    return Path(env) if env else Path.home() / ".cache" / "giftcomm" / "calibration.json"
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "giftcomm", "calibration.json")
 
 
-_cached: tuple[Path, float, Calibration] | None = None
+_cached: tuple[str, float, Calibration] | None = None
+
 
 
 def load_calibration() -> Calibration:
-    """The calibration in force (re-read when the file changes)."""
+    """The calibration in force (re-read when the file changes; the built-in defaults without one)."""
     global _cached
-    path = calibration_path()
+    path = _calibration_file()
     try:
-        mtime = path.stat().st_mtime
+        mtime = os.stat(path).st_mtime
     except OSError:
         return Calibration()
     if _cached is None or _cached[0] != path or _cached[1] != mtime:
-        cal = Calibration.from_dict(json.loads(path.read_text()))
-        cal.source = str(path)
+        with open(path) as fh:
+            cal = Calibration.from_dict(json.load(fh))
+        cal.source = path
         _cached = (path, mtime, cal)
     return _cached[2]
 
@@ -219,6 +226,7 @@ def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration 
 
     (Until the error study, the tie-break was :func:`quantizations`, which misorders recursive
     doubling against the ring and the hierarchical ring: see docs/scaling.md.)"""
+    cal = cal or load_calibration()  # once per call, not once per candidate
     candidates = ["ring", "direct", "doubling"]
     if topo.nodes > 1 and topo.local_size > 1:
         candidates += ["hierarchical", "hierarchical_direct"]

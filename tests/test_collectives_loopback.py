@@ -67,17 +67,24 @@ def test_input_is_not_modified_and_non_contiguous_input_is_accepted(rng):
     assert all(np.array_equal(b, c) for b, c in zip(base, before))
 
 
-def test_out_argument_including_in_place(rng):
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("shape", [(1000,), (25, 40)])
+def test_out_argument_including_in_place(rng, algorithm, op, shape):
+    # ring and direct decode straight into a contiguous float32 out; the rest copy into it
     p = 3
-    xs = inputs(rng, p, (1000,), np.float32)
-    want = simulate_allreduce(xs, op="avg")
-    outs_buf = [np.empty(1000, np.float32) for _ in range(p)]
-    got = run(p, lambda t: gc.allreduce(xs[t.rank], comm=t, op="avg", out=outs_buf[t.rank]))
+    xs = inputs(rng, p, shape, np.float32)
+    want = simulate_allreduce(xs, op=op, algorithm=algorithm)
+    outs_buf = [np.empty(shape, np.float32) for _ in range(p)]
+    got = run(p, lambda t: gc.allreduce(xs[t.rank], comm=t, op=op, out=outs_buf[t.rank], algorithm=algorithm))
     assert all(g is o for g, o in zip(got, outs_buf))
     assert all(same_bytes(o, w) for o, w in zip(outs_buf, want))
     inplace = [x.copy() for x in xs]
-    run(p, lambda t: gc.allreduce(inplace[t.rank], comm=t, op="avg", out=inplace[t.rank]))
+    run(p, lambda t: gc.allreduce(inplace[t.rank], comm=t, op=op, out=inplace[t.rank], algorithm=algorithm))
     assert all(same_bytes(o, w) for o, w in zip(inplace, want))
+    fortran = [np.empty(shape, np.float32, order="F") for _ in range(p)]  # not C-contiguous
+    run(p, lambda t: gc.allreduce(xs[t.rank], comm=t, op=op, out=fortran[t.rank], algorithm=algorithm))
+    assert all(np.array_equal(f.view(np.uint32), w.view(np.uint32)) for f, w in zip(fortran, want))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])

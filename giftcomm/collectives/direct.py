@@ -21,9 +21,10 @@ from .workspace import workspace_of
 
 def reduce_scatter(
     t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Direct reduce-scatter of the flat vector ``x``; returns (sum, owner message) like the ring's."""
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """Direct reduce-scatter of the flat vector ``x``; returns (sum, owner message) like the ring's
+    (sum None when ``keep_sum`` is False: it is then summed in a reused workspace buffer)."""
     p, r = t.size, t.rank
     counts = np.diff(bounds)
     slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
@@ -51,7 +52,8 @@ def reduce_scatter(
             codec.encode(part, fmt, block, out=piece)
             sends.append(t.isend(piece, dest, tag=j))
     # Sum the contributions in rank order, slice by slice, as they arrive.
-    total = np.empty(int(counts[r]), acc_t)
+    n_r = int(counts[r])
+    total = np.empty(n_r, acc_t) if keep_sum else ws.get("direct_sum", n_r * acc_t.itemsize).view(acc_t)
     lo_r = int(bounds[r])
 
     def arrived(src: int, j: int) -> np.ndarray:
@@ -64,4 +66,4 @@ def reduce_scatter(
                           lambda src, j=j: arrived(src, j), fmt, block, codec)
     wait_all(sends)
     own_msg = encode_sliced(total, mine, fmt, block, ws.get("owner", mine.nbytes))
-    return total, own_msg
+    return (total if keep_sum else None), own_msg

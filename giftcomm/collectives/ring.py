@@ -17,6 +17,7 @@ message each, the owner's chunk message, and the allgather buffer of all P chunk
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,8 +59,12 @@ class SlicedMessage:
         return int(self.bytes[-1])
 
 
+@functools.lru_cache(maxsize=512)
 def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> SlicedMessage:
-    """Cut ``count`` values into slices of ``slice_elems`` rounded down to whole blocks (>= 1 block)."""
+    """Cut ``count`` values into slices of ``slice_elems`` rounded down to whole blocks (>= 1 block).
+
+    Cached: a training loop asks for the same few layouts on every call. The result is shared,
+    so its arrays are read-only."""
     step = max(slice_elems // block, 1) * block
     elems = np.append(np.arange(0, count, step, dtype=np.int64), np.int64(count))
     if count == 0:
@@ -67,6 +72,7 @@ def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> Sliced
     sizes = [message_nbytes(int(n), fmt, block) for n in np.diff(elems)]
     offs = np.zeros(len(elems), np.int64)
     np.cumsum(sizes, out=offs[1:])
+    elems.flags.writeable = offs.flags.writeable = False
     return SlicedMessage(elems, offs)
 
 
@@ -102,12 +108,13 @@ def _piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
 
 def reduce_scatter(
     t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS,
-) -> tuple[np.ndarray, np.ndarray]:
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray]:
     """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype).
 
-    Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array),
-    and that sum encoded once, slice by slice (a workspace view, valid until the next call).
+    Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array;
+    None when ``keep_sum`` is False, which an allreduce uses to skip writing it), and that sum
+    encoded once, slice by slice (a workspace view, valid until the next call).
     """
     p, r = t.size, t.rank
     counts = np.diff(bounds)
@@ -115,11 +122,11 @@ def reduce_scatter(
     ws = workspace_of(t)
     own_sl = slices[r]
     own = ws.get("owner", own_sl.nbytes)
-    total = np.empty(int(counts[r]), acc_t)
     lo_r = int(bounds[r])
     if p == 1:
-        total[...] = x[lo_r : lo_r + total.size]
-        return total, encode_sliced(total, own_sl, fmt, block, own)
+        total = x[lo_r : lo_r + int(counts[r])].astype(acc_t)
+        return (total if keep_sum else None), encode_sliced(total, own_sl, fmt, block, own)
+    total = np.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
     biggest = max(s.nbytes for s in slices)
     send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
@@ -155,7 +162,8 @@ def reduce_scatter(
             local = _local(x, lo + a, lo + b, acc_t)
             recv = _piece(recv_bufs[step % 2], sl, k)
             if last:
-                _hop(recv, local, fmt, block, out=_piece(own, sl, k), sum_out=total[a:b])
+                _hop(recv, local, fmt, block, out=_piece(own, sl, k),
+                     sum_out=None if total is None else total[a:b])
             else:
                 out = _piece(send_bufs[(step + 1) % 2], sl, k)
                 _hop(recv, local, fmt, block, out=out, sum_out=None)

@@ -98,6 +98,17 @@ TRANSPORTS: dict[str, dict[str, str]] = {
     },
 }
 
+# Set when the bed runs more ranks than the machine has cores (the usual case: 4 "hosts" on a
+# 2-core VM). MPICH's progress loop spins; spinning ranks then take the cores that the kernel
+# needs to move the bed's packets and that the other ranks need to compute, and a rank that has
+# data to forward waits a scheduler time slice (~ms) per hop. Yielding after every poll removes
+# that artefact of the bed (real hosts have their own cores). It applies to every job on the
+# bed alike, the MPI_Allreduce baseline included; the caller's own values win.
+OVERSUBSCRIBED_ENV: dict[str, str] = {
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+    "MPIR_CVAR_POLLS_BEFORE_YIELD": "1",
+}
+
 _bed_counter = 0
 _live_beds: "set[Netbed]" = set()
 
@@ -512,7 +523,10 @@ class Netbed:
                f"guaranteed" if kept else f"MPI over TCP via {self.transport}")
         lines = [f"bed {self.id}: {self.hosts} hosts x {self.ranks_per_host} rank(s), "
                  f"link rate {self.rate_spec} ({shaped}), mtu {self.mtu}, {how} "
-                 f"({' '.join(f'{k}={env[k]}' for k in tvars)})",
+                 f"({' '.join(f'{k}={env[k]}' for k in tvars)})"
+                 + (f"; {self.hosts * self.ranks_per_host} ranks on {os.cpu_count()} CPUs, so MPI "
+                    f"yields while it waits ({' '.join(f'{k}={env[k]}' for k in OVERSUBSCRIBED_ENV)})"
+                    if self.oversubscribed else ""),
                  f"  switch {self.switch_ns}: br0 {self.switch_addr}/24 (runs mpiexec)"]
         for i, (ns, a) in enumerate(zip(self.host_ns, self.addrs)):
             r0 = i * self.ranks_per_host
@@ -547,6 +561,11 @@ class Netbed:
             stats[i] = s
         return stats
 
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on the bed than CPUs on the machine (see OVERSUBSCRIBED_ENV)."""
+        return self.hosts * self.ranks_per_host > (os.cpu_count() or 1)
+
     def job_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The environment a job on this bed gets (mpiexec passes it to every rank)."""
         env = dict(os.environ if base is None else base)
@@ -556,6 +575,9 @@ class Netbed:
         for k, v in TRANSPORTS[self.transport].items():
             if not (self.keep_env and k in env):
                 env[k] = v
+        if self.oversubscribed:
+            for k, v in OVERSUBSCRIBED_ENV.items():
+                env.setdefault(k, v)
         env["GIFTCOMM_NETBED_RATE"] = self.rate_spec
         env["GIFTCOMM_NETBED_HOSTS"] = str(self.hosts)
         env["GIFTCOMM_NETBED_RANKS_PER_HOST"] = str(self.ranks_per_host)
