@@ -50,9 +50,7 @@ class _Call:
 
 
 def _check_array(x: Any, name: str) -> np.ndarray:
-    if is_device_input(x):
-        raise TypeError(f"{name}: device arrays go through allreduce/gift_allreduce only (docs/gpu.md)")
-    arr = np.asarray(x)
+    arr = np.asarray(x)  # device arrays never get here: each public function routes them first
     if arr.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got dtype {arr.dtype}")
     return arr
