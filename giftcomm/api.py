@@ -123,6 +123,12 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype, shape: tuple, 
         return values.astype(dtype, copy=False).reshape(shape)
 
 
+def _auto_slice(t: Transport, n: int) -> int:
+    """The pipelining slice for ``n`` values over ``t`` (ring.auto_slice_elems)."""
+    nodes = t.node_ids()
+    return ring.auto_slice_elems(n, t.size, one_node=bool(nodes.size) and bool(np.all(nodes == nodes[0])))
+
+
 def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, algorithm: str,
                     nodes: np.ndarray, slice_elems: int, out: np.ndarray | None = None) -> np.ndarray:
     """The sum of ``flat`` over all ranks, decoded (float32), by the chosen algorithm.
@@ -197,7 +203,7 @@ def gift_allreduce(
     acc_t = accumulation_dtype(flat.dtype)
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
-    slice_n = slice_elems or ring.auto_slice_elems(arr.size, p)
+    slice_n = slice_elems or _auto_slice(t, arr.size)
     direct_out = _direct_out(out, geo is not None)
     total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_n, direct_out)
     if direct_out is not None and total is direct_out:
@@ -272,7 +278,7 @@ def reduce_scatter(
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, t.size, arr.dtype, (0,), out)
     rs = direct.reduce_scatter if chosen == "direct" else ring.reduce_scatter
-    slice_n = slice_elems or ring.auto_slice_elems(arr.size, t.size)
+    slice_n = slice_elems or _auto_slice(t, arr.size)
     total, _ = rs(t, np.ascontiguousarray(arr).reshape(-1), bounds, call.fmt, call.block, acc_t, slice_n)
     return _finish(total, op, t.size, arr.dtype, (shard_n,), out)
 
@@ -313,7 +319,7 @@ def allgather(
     if wrong:  # every rank sees the same table, so every rank raises this
         raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
     flat = np.ascontiguousarray(call.arr).reshape(-1)
-    slice_n = slice_elems or ring.auto_slice_elems(total_n, t.size)
+    slice_n = slice_elems or _auto_slice(t, total_n)
     sl = ring.slice_chunk(flat.size, call.fmt, call.block, slice_n)
     own = ring.encode_sliced(flat, sl, call.fmt, call.block, np.empty(sl.nbytes, np.uint8))
     values = ring.allgather(t, own, counts, call.fmt, call.block, slice_n)

@@ -29,15 +29,19 @@ from .workspace import workspace_of
 
 DEFAULT_SLICE_ELEMS = 1 << 18  # 256K values: 1 MiB of float32, ~257 KiB of e4m3 per message
 MIN_AUTO_SLICE, MAX_AUTO_SLICE = 1 << 16, 1 << 20
+MIN_AUTO_SLICE_ONE_NODE = 1 << 18
 
 
-def auto_slice_elems(n: int, nranks: int) -> int:
-    """The default slice: about a quarter of a chunk, between 64K and 1M values.
+def auto_slice_elems(n: int, nranks: int, one_node: bool = False) -> int:
+    """The default slice: about a quarter of a chunk, between 64K and 1M values; when every rank
+    is on one node, half a chunk, between 256K and 1M values.
 
-    Measured on shaped TCP links (docs/performance.md): many small slices cost more in
-    per-message overhead than they gain in overlap, one slice per chunk overlaps nothing.
+    Measured (docs/performance.md): on shaped TCP links many small slices cost more in
+    per-message overhead than they gain in overlap, one slice per chunk overlaps nothing; over
+    shared memory a message costs little wire time to hide, so fewer, larger slices win.
     """
-    return int(min(max(n // max(nranks, 1) // 4, MIN_AUTO_SLICE), MAX_AUTO_SLICE))
+    share, least = (2, MIN_AUTO_SLICE_ONE_NODE) if one_node else (4, MIN_AUTO_SLICE)
+    return int(min(max(n // max(nranks, 1) // share, least), MAX_AUTO_SLICE))
 
 
 @dataclass(frozen=True)
