@@ -46,31 +46,34 @@ class TransformTimeModel:
     ``cache_elements`` and ``seconds_per_pass_large`` above (memory-bound sweeps are slower
     once a segment leaves the caches). ``passes`` counts the element-wise sweeps of the
     implementation (``giftcomm/geometry/apply.py``), forward and inverse together, the write of
-    the output included: 6 for a low-rank transform (one- or two-sided, fused: per direction one
-    read for ``X U_R`` and ``U_L^T X``, one read and one write for the rank-(k_L + k_R) update);
-    for the side-by-side path (diagonal, Hadamard, dense, mixes) the per-side counts of
-    ``PASSES`` plus 2 for the output. A non-identity geometry also fills a fresh output buffer
-    with every identity segment in forward and in inverse (``copy_seconds``: 2 passes; the page
-    faults of a fresh buffer are in the per-pass rate). Defaults: fitted on the 2-core
-    development VM, fp32, one BLAS thread (perf/results/gift-cost.md, ``python -m
-    giftcomm.perf fidelity cost`` prints the fit); refit for other machines (a GPU is 2-3 orders
-    of magnitude faster).
+    the output included: two-sided and left-only low rank 6 (per direction one read for
+    ``X U_R`` / ``U_L^T X``, one read and one write for the rank-(k_L + k_R) update), right-only
+    low rank 5 (one sweep per direction, nominally 4 passes; 5 fits the measurements); for the
+    side-by-side path (diagonal, Hadamard, dense, mixes) the per-side counts of ``PASSES`` plus 2
+    for the output. A non-identity geometry also fills a fresh output buffer with every identity
+    segment in forward and in inverse (``copy_seconds``: 2 passes; the page faults of a fresh
+    buffer are in the per-pass rate). ``seconds_per_segment``: the Python and call overhead of
+    one segment's forward + inverse. Defaults: least-squares fit on the 2-core development VM
+    (fp32, one BLAS thread, load ~2-4) times ~1.3 as a margin for load
+    (perf/results/gift-cost.md; ``python -m giftcomm.perf fidelity cost`` prints a fit); refit
+    for other machines (a GPU is 2-3 orders of magnitude faster).
     """
 
-    seconds_per_pass: float = 0.25e-9
-    seconds_per_pass_large: float = 0.35e-9
+    seconds_per_pass: float = 0.15e-9
+    seconds_per_pass_large: float = 0.38e-9
     cache_elements: int = 1 << 20
-    flops_per_second: float = 40e9
-    seconds_per_segment: float = 40e-6
+    flops_per_second: float = 50e9
+    seconds_per_segment: float = 25e-6
 
     PASSES = {"identity": 0, "diagonal": 2, "lowrank": 12, "full": 4, "hadamard": 16}
-    FUSED_PASSES = 6
+    FUSED_PASSES = 6        # two-sided or left-only low rank: two sweeps per direction
+    RIGHT_ONLY_PASSES = 5   # right-only low rank: one sweep per direction (nominally 4; fitted 5)
 
     def passes(self, left_kind: str, right_kind: str) -> int:
         """Element passes of forward + inverse of one segment, the output write included."""
         kinds = {left_kind, right_kind}
         if kinds <= {"lowrank", "identity"} and "lowrank" in kinds:
-            return self.FUSED_PASSES
+            return self.RIGHT_ONLY_PASSES if left_kind == "identity" else self.FUSED_PASSES
         return self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4) + 2
 
     def pass_seconds(self, elements: int) -> float:
