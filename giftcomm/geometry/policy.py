@@ -60,7 +60,7 @@ class TransformTimeModel:
     """
 
     seconds_per_pass: float = 0.15e-9
-    seconds_per_pass_large: float = 0.38e-9
+    seconds_per_pass_large: float = 0.42e-9
     cache_elements: int = 1 << 20
     flops_per_second: float = 50e9
     seconds_per_segment: float = 25e-6
@@ -87,15 +87,19 @@ class TransformTimeModel:
         return (self.passes(left_kind, right_kind) * self.pass_seconds(elements) + flops / self.flops_per_second
                 + self.seconds_per_segment)
 
-    def copy_seconds(self, elements: int) -> float:
-        """Seconds of copying an identity segment into the output buffer in forward and inverse."""
-        return 2.0 * self.pass_seconds(elements)
+    def copy_seconds(self, elements: int, buffer_elements: int = 0) -> float:
+        """Seconds of copying an identity segment into the output buffer in forward and inverse;
+        at the large-segment rate when the whole buffer (``buffer_elements``) exceeds the cache
+        (a streaming copy from memory into fresh pages)."""
+        per = self.seconds_per_pass_large if max(elements, buffer_elements) > self.cache_elements \
+            else self.seconds_per_pass
+        return 2.0 * elements * per
 
-    def transform_seconds(self, t: SegmentTransform) -> float:
+    def transform_seconds(self, t: SegmentTransform, buffer_elements: int = 0) -> float:
         """Predicted seconds of one built transform in a non-identity geometry (the copy for an
         identity segment)."""
         if t.is_identity:
-            return self.copy_seconds(t.segment.size)
+            return self.copy_seconds(t.segment.size, buffer_elements)
         return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
 
     def geometry_seconds(self, geo) -> float:
@@ -103,7 +107,7 @@ class TransformTimeModel:
         (gift_allreduce then skips it), else every transform plus the copies of the others."""
         if geo.is_identity:
             return 0.0
-        return sum(self.transform_seconds(t) for t in geo.transforms)
+        return sum(self.transform_seconds(t, geo.size) for t in geo.transforms)
 
 
 DEFAULT_BUDGET = 0.1            # fraction of the FP8 collective's predicted wire time (P = 4, 1 Gbit/s)
@@ -309,7 +313,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
                                                 policy.wire_bytes_per_value)
     # a non-identity geometry fills a fresh output buffer: the copy of every segment is a fixed
     # cost; a transformed segment costs its transform instead of its copy
-    fixed = sum(tm.copy_seconds(seg.size) for seg in layout)
+    fixed = sum(tm.copy_seconds(seg.size, layout.size) for seg in layout)
     notes: dict[str, str] = {}
     hulls: dict[str, list] = {}
     for seg in layout:
@@ -330,7 +334,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
                 r2 = eg * ea
                 if 1.0 - np.sqrt(r2) < policy.min_gain:
                     continue
-                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka) - tm.copy_seconds(seg.size)
+                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka) - tm.copy_seconds(seg.size, layout.size)
                 cands.append((secs, weight * (1.0 - r2), (cg, ca)))
         hulls[seg.name] = _hull(cands)
         if len(hulls[seg.name]) == 1:
