@@ -184,7 +184,8 @@ def test_budget_below_the_copy_cost_gives_the_identity(rng):
     assert geo.is_identity and tm.geometry_seconds(geo) == 0.0
     assert "buffer copies" in geo.summary()
     # a faster machine (time model) affords transforms under the same budget
-    fast = TransformTimeModel(seconds_per_pass=1e-13, seconds_per_pass_large=1e-13, flops_per_second=1e15)
+    fast = TransformTimeModel(seconds_per_pass=1e-13, seconds_per_pass_large=1e-13, flops_per_second=1e15,
+                              seconds_per_segment=1e-12)
     assert not select(layout, factors, SelectivePolicy.budgeted(frac, time_model=fast)).is_identity
 
 

@@ -43,38 +43,46 @@ class TransformTimeModel:
 
     One transformed segment of ``e`` elements: ``passes * e * s(e) + flops / flops_per_second +
     seconds_per_segment``, where ``s(e)`` is ``seconds_per_pass`` for segments of at most
-    ``cache_elements`` and ``seconds_per_pass_large`` above (memory-bound sweeps are slower
-    once a segment leaves the caches). ``passes`` counts the element-wise sweeps of the
-    implementation (``giftcomm/geometry/apply.py``), forward and inverse together, the write of
-    the output included: two-sided and left-only low rank 6 (per direction one read for
-    ``X U_R`` / ``U_L^T X``, one read and one write for the rank-(k_L + k_R) update), right-only
-    low rank 5 (one sweep per direction, nominally 4 passes; 5 fits the measurements); for the
-    side-by-side path (diagonal, Hadamard, dense, mixes) the per-side counts of ``PASSES`` plus 2
-    for the output. A non-identity geometry also fills a fresh output buffer with every identity
-    segment in forward and in inverse (``copy_seconds``: 2 passes; the page faults of a fresh
-    buffer are in the per-pass rate). ``seconds_per_segment``: the Python and call overhead of
-    one segment's forward + inverse. Defaults: least-squares fit on the 2-core development VM
-    (fp32, one BLAS thread, load ~2-4) times ~1.3 as a margin for load
+    ``cache_elements`` and ``seconds_per_pass_large`` above. A pass is one read or one write of
+    the segment at copy speed (a copy is 2 passes); ``passes`` is the cost of the implementation
+    (``giftcomm/geometry/apply.py``), forward and inverse together, output write included, in
+    those units, fitted to measurements rather than counted: two-sided and left-only low rank
+    ``FUSED_PASSES`` = 16 (nominal memory traffic 6: per direction one read for ``X U_R`` /
+    ``U_L^T X``, one read and one write for the rank-(k_L + k_R) update; the rest is the skinny
+    GEMMs running below memory bandwidth), right-only low rank ``RIGHT_ONLY_PASSES`` = 14 (one
+    sweep per direction, nominal 4); the side-by-side path (diagonal, Hadamard, dense, mixes)
+    the per-side ``PASSES`` plus ``SIDES_OUTPUT_PASSES``. A non-identity geometry also copies
+    every identity segment into its output (``copy_seconds``: 2 passes, at the large rate when
+    the whole buffer exceeds the cache). ``seconds_per_segment``: the call overhead of one
+    segment's forward + inverse. ``fresh_output_seconds``: per element of the buffer, the extra
+    cost of forward and inverse each writing a fresh output array (page faults: ~0.8e-9 on the
+    development VM, which has no transparent huge pages); the default 0 models the call pattern
+    ``forward(x, out=workspace)``, ``inverse(result, out=result)`` (a reused buffer, an in-place
+    inverse that skips the identity segments). Defaults: least-squares fit on the 2-core
+    development VM (fp32, one BLAS thread, that call pattern) with a margin of ~1.1-1.3
     (perf/results/gift-cost.md; ``python -m giftcomm.perf fidelity cost`` prints a fit); refit
     for other machines (a GPU is 2-3 orders of magnitude faster).
     """
 
-    seconds_per_pass: float = 0.15e-9
-    seconds_per_pass_large: float = 0.42e-9
+    seconds_per_pass: float = 0.05e-9
+    seconds_per_pass_large: float = 0.11e-9
     cache_elements: int = 1 << 20
-    flops_per_second: float = 50e9
-    seconds_per_segment: float = 25e-6
+    flops_per_second: float = 60e9
+    seconds_per_segment: float = 10e-6
+    fresh_output_seconds: float = 0.0
 
-    PASSES = {"identity": 0, "diagonal": 2, "lowrank": 12, "full": 4, "hadamard": 16}
-    FUSED_PASSES = 6        # two-sided or left-only low rank: two sweeps per direction
-    RIGHT_ONLY_PASSES = 5   # right-only low rank: one sweep per direction (nominally 4; fitted 5)
+    # side-by-side path, per side (a copy's read or write = 1 pass; fitted, not nominal)
+    PASSES = {"identity": 0, "diagonal": 6, "lowrank": 36, "full": 12, "hadamard": 48}
+    SIDES_OUTPUT_PASSES = 6
+    FUSED_PASSES = 16       # two-sided or left-only low rank (nominal memory traffic: 6)
+    RIGHT_ONLY_PASSES = 14  # right-only low rank, one sweep per direction (nominal: 4)
 
     def passes(self, left_kind: str, right_kind: str) -> int:
         """Element passes of forward + inverse of one segment, the output write included."""
         kinds = {left_kind, right_kind}
         if kinds <= {"lowrank", "identity"} and "lowrank" in kinds:
             return self.RIGHT_ONLY_PASSES if left_kind == "identity" else self.FUSED_PASSES
-        return self.PASSES.get(left_kind, 4) + self.PASSES.get(right_kind, 4) + 2
+        return self.PASSES.get(left_kind, 12) + self.PASSES.get(right_kind, 12) + self.SIDES_OUTPUT_PASSES
 
     def pass_seconds(self, elements: int) -> float:
         """Seconds of one element-wise sweep over a segment of ``elements`` values."""
@@ -107,7 +115,7 @@ class TransformTimeModel:
         (gift_allreduce then skips it), else every transform plus the copies of the others."""
         if geo.is_identity:
             return 0.0
-        return sum(self.transform_seconds(t, geo.size) for t in geo.transforms)
+        return self.fresh_output_seconds * geo.size + sum(self.transform_seconds(t, geo.size) for t in geo.transforms)
 
 
 DEFAULT_BUDGET = 0.1            # fraction of the FP8 collective's predicted wire time (P = 4, 1 Gbit/s)
@@ -313,7 +321,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
                                                 policy.wire_bytes_per_value)
     # a non-identity geometry fills a fresh output buffer: the copy of every segment is a fixed
     # cost; a transformed segment costs its transform instead of its copy
-    fixed = sum(tm.copy_seconds(seg.size, layout.size) for seg in layout)
+    fixed = tm.fresh_output_seconds * layout.size + sum(tm.copy_seconds(seg.size, layout.size) for seg in layout)
     notes: dict[str, str] = {}
     hulls: dict[str, list] = {}
     for seg in layout:

@@ -752,7 +752,7 @@ def cost_main(a) -> int:
                 key = (seg.shape, t.left.kind, t.right.kind, t.left.rank, t.right.rank)
                 if t.is_identity or key in timed:
                     continue
-                secs = timed[key] = time_geometry(_single(t), x[: seg.size], a.repeats)
+                secs = timed[key] = time_geometry(_single(t), x[: seg.size], a.repeats, reuse=True)
                 ks = "/".join("-" if s.is_identity else str(s.rank) for s in (t.left, t.right))
                 pred = tm.transform_seconds(t)
                 seg_rows.append(f"| {mdl['model']} | {label} | {seg.name} | {'x'.join(map(str, seg.shape))} | "
