@@ -52,11 +52,13 @@ class TransformTimeModel:
     GEMMs running below memory bandwidth), right-only low rank ``RIGHT_ONLY_PASSES`` = 14 (one
     sweep per direction, nominal 4); the side-by-side path (diagonal, Hadamard, dense, mixes)
     the per-side ``PASSES`` plus ``SIDES_OUTPUT_PASSES``. A non-identity geometry also copies
-    every identity segment into its output (``copy_seconds``: 2 passes, at the large rate when
-    the whole buffer exceeds the cache). ``seconds_per_segment``: the call overhead of one
+    every identity segment into its output (``copy_seconds``: ``COPY_PASSES`` = 3, nominally 2).
+    Every rate is the large one when the whole buffer exceeds ``cache_elements`` (its segments
+    come from memory, however small). ``seconds_per_segment``: the call overhead of one
     segment's forward + inverse. ``fresh_output_seconds``: per element of the buffer, the extra
-    cost of forward and inverse each writing a fresh output array (page faults: ~0.8e-9 on the
-    development VM, which has no transparent huge pages); the default 0 models the call pattern
+    cost of forward and inverse each writing a fresh output array (page faults, and the inverse's
+    copies of identity segments: ~1.2e-9 on the development VM, which has no transparent huge
+    pages); the default 0 models the call pattern
     ``forward(x, out=workspace)``, ``inverse(result, out=result)`` (a reused buffer, an in-place
     inverse that skips the identity segments). Defaults: least-squares fit on the 2-core
     development VM (fp32, one BLAS thread, that call pattern) with a margin of ~1.1-1.3
@@ -74,6 +76,7 @@ class TransformTimeModel:
     # side-by-side path, per side (a copy's read or write = 1 pass; fitted, not nominal)
     PASSES = {"identity": 0, "diagonal": 6, "lowrank": 36, "full": 12, "hadamard": 48}
     SIDES_OUTPUT_PASSES = 6
+    COPY_PASSES = 3         # an identity segment's copy from memory (nominal 2: read + write)
     FUSED_PASSES = 16       # two-sided or left-only low rank (nominal memory traffic: 6)
     RIGHT_ONLY_PASSES = 14  # right-only low rank, one sweep per direction (nominal: 4)
 
@@ -84,31 +87,31 @@ class TransformTimeModel:
             return self.RIGHT_ONLY_PASSES if left_kind == "identity" else self.FUSED_PASSES
         return self.PASSES.get(left_kind, 12) + self.PASSES.get(right_kind, 12) + self.SIDES_OUTPUT_PASSES
 
-    def pass_seconds(self, elements: int) -> float:
-        """Seconds of one element-wise sweep over a segment of ``elements`` values."""
-        per = self.seconds_per_pass if elements <= self.cache_elements else self.seconds_per_pass_large
-        return elements * per
+    def pass_seconds(self, elements: int, buffer_elements: int = 0) -> float:
+        """Seconds of one element-wise sweep over a segment of ``elements`` values in a buffer of
+        ``buffer_elements``: at the large rate when either exceeds the cache (a segment of a
+        large buffer comes from memory however small it is)."""
+        big = max(elements, buffer_elements) > self.cache_elements
+        return elements * (self.seconds_per_pass_large if big else self.seconds_per_pass)
 
-    def seconds(self, elements: int, flops: float, left_kind: str, right_kind: str) -> float:
+    def seconds(self, elements: int, flops: float, left_kind: str, right_kind: str,
+                buffer_elements: int = 0) -> float:
         """Seconds of forward + inverse of a transformed segment of ``elements`` values and
-        ``flops`` flops (output write included)."""
-        return (self.passes(left_kind, right_kind) * self.pass_seconds(elements) + flops / self.flops_per_second
-                + self.seconds_per_segment)
+        ``flops`` flops (output write included) in a buffer of ``buffer_elements``."""
+        return (self.passes(left_kind, right_kind) * self.pass_seconds(elements, buffer_elements)
+                + flops / self.flops_per_second + self.seconds_per_segment)
 
     def copy_seconds(self, elements: int, buffer_elements: int = 0) -> float:
-        """Seconds of copying an identity segment into the output buffer in forward and inverse;
-        at the large-segment rate when the whole buffer (``buffer_elements``) exceeds the cache
-        (a streaming copy from memory into fresh pages)."""
-        per = self.seconds_per_pass_large if max(elements, buffer_elements) > self.cache_elements \
-            else self.seconds_per_pass
-        return 2.0 * elements * per
+        """Seconds of copying an identity segment into the output (forward; the in-place inverse
+        skips it): ``COPY_PASSES`` passes."""
+        return self.COPY_PASSES * self.pass_seconds(elements, buffer_elements)
 
     def transform_seconds(self, t: SegmentTransform, buffer_elements: int = 0) -> float:
         """Predicted seconds of one built transform in a non-identity geometry (the copy for an
         identity segment)."""
         if t.is_identity:
             return self.copy_seconds(t.segment.size, buffer_elements)
-        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind)
+        return self.seconds(t.segment.size, t.flops(), t.left.kind, t.right.kind, buffer_elements)
 
     def geometry_seconds(self, geo) -> float:
         """Predicted seconds of forward + inverse of a whole Geometry: 0 when it is the identity
@@ -342,7 +345,8 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
                 r2 = eg * ea
                 if 1.0 - np.sqrt(r2) < policy.min_gain:
                     continue
-                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka) - tm.copy_seconds(seg.size, layout.size)
+                secs = tm.seconds(seg.size, 2.0 * (fg * n + fa * m), kg, ka, layout.size) \
+                    - tm.copy_seconds(seg.size, layout.size)
                 cands.append((secs, weight * (1.0 - r2), (cg, ca)))
         hulls[seg.name] = _hull(cands)
         if len(hulls[seg.name]) == 1:
@@ -375,7 +379,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
         cg, ca = hulls[name][level[name]][2]
         spec_g, spec_a = spectra[name]
         t = kfac_transform(seg, spec_g, spec_a, cg, ca, damping)
-        t.info["note"] = (f"gain {1 - t.info['predicted']:.2f}, {tm.transform_seconds(t) * 1e3:.3g} ms "
+        t.info["note"] = (f"gain {1 - t.info['predicted']:.2f}, {tm.transform_seconds(t, layout.size) * 1e3:.3g} ms "
                           f"of the {budget * 1e3:.3g} ms budget")
         out.append(t)
     return out

@@ -521,6 +521,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _policies(a) -> tuple[SelectivePolicy, dict]:
     extra = {}
+    extra["gift policy fresh buffers"] = fresh_buffer_policy()
     extra["gift policy per-segment"] = SelectivePolicy(budget=None)  # the default before the time budget
     if a.energy_rule:
         extra["gift policy energy-rule"] = SelectivePolicy(budget=None, rank_rule="energy")
@@ -663,6 +664,20 @@ def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed:
     return out
 
 
+# extra seconds per element of forward + inverse writing fresh output arrays on the development
+# VM: the page faults of two fresh buffers (~0.4 ns/value each, no transparent huge pages) plus
+# the inverse's copies of the identity segments (perf/results/gift-cost.md)
+FRESH_OUTPUT_SECONDS_DEV_VM = 1.2e-9
+
+
+def fresh_buffer_policy(bandwidth: float = 125e6) -> SelectivePolicy:
+    """The default policy with the time model charging fresh output buffers (how gift_allreduce
+    called the geometry when this was written: ``forward(x)``, ``inverse(result)``)."""
+    from ..geometry import TransformTimeModel
+
+    return SelectivePolicy(bandwidth=bandwidth, time_model=TransformTimeModel(fresh_output_seconds=FRESH_OUTPUT_SECONDS_DEV_VM))
+
+
 def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget: float | None,
                     bandwidth: float) -> dict:
     """label -> Geometry of the variants compared in the cost table."""
@@ -672,6 +687,7 @@ def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget:
     for k in ks:
         geos[f"gift k={k}"] = Geometry.from_kfac(layout, spectra, rank=k)
     geos["gift policy (default)"] = select(layout, spectra, SelectivePolicy(bandwidth=bandwidth))
+    geos["gift policy fresh buffers"] = select(layout, spectra, fresh_buffer_policy(bandwidth))
     geos["gift policy per-segment"] = select(layout, spectra, SelectivePolicy(budget=None))
     if budget is not None:
         geos[f"gift policy budget {budget:g}"] = select(layout, spectra, SelectivePolicy.budgeted(budget, 4, bandwidth))
