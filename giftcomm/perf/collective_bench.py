@@ -4,8 +4,10 @@ Run under mpiexec, e.g. ``mpiexec -n 4 python -m giftcomm.perf allreduce -b 1K -
 --fmt e4m3,bf16,fp32``. For every size, every format runs through one shared timing-and-checking
 loop, and the MPI library's own MPI_Allreduce in fp32 runs as the baseline row (fmt ``mpi``).
 
-Columns: size (input bytes), count (elements), type, fmt, redop, time (us, mean per call, the
-slowest rank), algbw (GB/s = size / time), busbw (GB/s = algbw * 2(P-1)/P), #wrong (with
+Every row writes into one preallocated result buffer, as the MPI row's recvbuf is.
+
+Columns: size (input bytes), count (elements), type, fmt, redop, time (us per call: the median
+over the timed calls of the slowest rank's time, each call after a barrier), algbw (GB/s = size / time), busbw (GB/s = algbw * 2(P-1)/P), #wrong (with
 --check: elements that differ from the reference simulation, bit for bit, plus ranks whose
 result differs from rank 0's), relerr (||y - s||_2 / ||s||_2 against the float64 sum s), maxabs
 (max |y - s|).
@@ -55,17 +57,25 @@ def _rank_input(seed: int, rank: int, count: int, dtype) -> np.ndarray:
 
 
 def _timed(comm, fn: Callable[[], np.ndarray], iters: int, warmup: int) -> tuple[float, np.ndarray]:
-    """Mean seconds per call on the slowest rank, and the last result."""
+    """Seconds per call and the last result: the median over ``iters`` calls of the slowest
+    rank's time for that call (each call starts after a barrier).
+
+    The median, not the mean, because other processes on a small shared machine add rare long
+    stalls to single calls; every row, the MPI baseline included, is timed the same way.
+    """
     from mpi4py import MPI
 
     for _ in range(warmup):
         fn()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    times = np.empty(max(iters, 1))
+    for i in range(times.size):
+        comm.Barrier()
+        t0 = time.perf_counter()
         y = fn()
-    dt = (time.perf_counter() - t0) / iters
-    return comm.allreduce(dt, op=MPI.MAX), y
+        times[i] = time.perf_counter() - t0
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return float(np.median(slowest)), y
 
 
 def _fidelity(comm, y: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
@@ -164,7 +174,8 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     ap.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="input dtype")
     ap.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     ap.add_argument("--block", type=int, default=256, help="elements per FP8 scale")
-    ap.add_argument("-n", "--iters", type=int, default=10, help="timed calls per row")
+    ap.add_argument("-n", "--iters", type=int, default=10,
+                    help="timed calls per row (time = median over them of the slowest rank)")
     ap.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per row")
     ap.add_argument("-c", "--check", action="store_true",
                     help="count elements differing from the reference simulation (slow at large sizes)")
@@ -193,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
         print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} slice={args.slice_elems} "
               f"dtype={args.dtype} op={args.op} block={args.block} "
-              f"iters={args.iters} warmup={args.warmup} check={args.check}")
+              f"iters={args.iters} (median of the slowest rank) warmup={args.warmup} check={args.check}")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
               f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}")
         tuning = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "FI_", "UCX_")))
