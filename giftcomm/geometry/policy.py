@@ -1,6 +1,8 @@
 """Selective policy: which segments to transform, and with which ranks.
 
-Per segment, in order (docs/method.md gives the reasons):
+Two rules. The default (``budget="auto"`` -> 0.1) is the time budget described last; the
+per-segment rule (``budget=None``, or an explicit ``flops_per_gain``) goes per segment, in order
+(docs/method.md gives the reasons):
 
 1. identity when the segment has no factors, is not a matrix (1-D: biases, norm scales) or has
    fewer than ``min_size`` elements;
@@ -13,8 +15,8 @@ Per segment, in order (docs/method.md gives the reasons):
    (the predicted error reduction pays for the flops at the stated exchange rate); otherwise
    identity.
 
-With a time budget (``budget``, a fraction of the FP8 collective's predicted time; see
-``SelectivePolicy.budgeted``) steps 3-4 are replaced by a choice over the whole buffer: every
+With a time budget (``budget``, a fraction of the FP8 collective's predicted time, 0.1 by
+default; see ``SelectivePolicy.budgeted``) steps 2-4 are replaced by a choice over the whole buffer: every
 eligible segment offers candidates (the step-2 choice, smaller ranks, one-sided variants), each
 with a predicted gain ``w_s (1 - r^2)`` (``w_s`` = elements x anisotropy out x anisotropy in,
 the segment's predicted Euclidean whitened squared error) and a predicted time
@@ -143,9 +145,11 @@ class SelectivePolicy:
     min_gain: least predicted relative error reduction ``1 - r`` worth a transform.
     flops_per_gain: flops per element one is willing to spend for a gain of 1.0 (all error
       removed); the transform is kept when its flops per element <= gain * flops_per_gain.
-      Not used when ``budget`` is set.
-    budget: None (per-segment rule above), or the fraction of the collective's predicted wire
-      time (``collective_seconds(layout.size, ranks, bandwidth, wire_bytes_per_value)``) that
+      None: 4096. Not used when ``budget`` is set; giving it explicitly selects the per-segment
+      rule when ``budget`` is "auto".
+    budget: "auto" (the default: 0.1, or None when ``flops_per_gain`` is given), None
+      (per-segment rule above), or the fraction of the collective's predicted wire time
+      (``collective_seconds(layout.size, ranks, bandwidth, wire_bytes_per_value)``) that
       forward + inverse of all segments together may take, by ``time_model``.
     ranks, bandwidth (bytes/s per link), wire_bytes_per_value: the collective the budget is
       relative to (defaults: P = 4 at 1 Gbit/s, E4M3 with 256-value blocks).
