@@ -251,9 +251,10 @@ class Geometry:
                                 or (xp is np and out is not x and np.shares_memory(out, x))):
             raise ValueError(f"out must be a float32 ({self.size},) array of the input's backend: the input "
                              "itself (in place) or not overlapping it")
-        plan = self._plans.get(xp.__name__)
+        plans = self.__dict__.setdefault("_plans", {})  # also for geometries pickled before plans existed
+        plan = plans.get(xp.__name__)
         if plan is None:
-            plan = self._plans[xp.__name__] = ApplyPlan(self.transforms, xp)
+            plan = plans[xp.__name__] = ApplyPlan(self.transforms, xp)
         return plan.apply(x, inverse, out)
 
 
