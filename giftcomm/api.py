@@ -17,6 +17,7 @@ from .costmodel import Topology, choose
 from .device_api import device_allgather, device_allreduce, device_reduce_scatter, is_device_input
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format
 from .partition import accumulation_dtype, chunk_bounds
+from .collectives.workspace import workspace_of
 from .transport import Transport, resolve
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
@@ -148,12 +149,35 @@ def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, alg
     return ring.allgather(t, own, np.diff(bounds), fmt, block, slice_elems, out=out)
 
 
-def _direct_out(out: np.ndarray | None, geometry_used: bool) -> np.ndarray | None:
+def _direct_out(out: np.ndarray | None) -> np.ndarray | None:
     """``out`` as a flat float32 view the collective can decode into, or None when it cannot
-    (no out, another dtype, not contiguous, or a geometry's inverse still to apply)."""
-    if out is None or geometry_used or out.dtype != np.float32 or not out.flags.c_contiguous:
+    (no out, another dtype, not contiguous)."""
+    if out is None or out.dtype != np.float32 or not out.flags.c_contiguous:
         return None
     return out.reshape(-1)
+
+
+def _is_giftcomm_geometry(geo: GeometryLike) -> bool:
+    from .geometry import Geometry  # lazy: the geometry package is optional for plain allreduce
+
+    return isinstance(geo, Geometry)
+
+
+def _geometry_forward(t: Transport, geo: GeometryLike, flat: np.ndarray) -> np.ndarray:
+    """``geo.forward(flat)`` as float32; a giftcomm Geometry writes into a workspace buffer that
+    is reused across calls (a fresh one costs page faults comparable to the transform itself,
+    perf/results/gift-cost.md)."""
+    if _is_giftcomm_geometry(geo):
+        return geo.forward(flat, out=workspace_of(t).get("gift_forward", 4 * flat.size).view(np.float32))
+    return np.ascontiguousarray(geo.forward(flat), dtype=np.float32)
+
+
+def _geometry_inverse(geo: GeometryLike, total: np.ndarray) -> np.ndarray:
+    """``geo.inverse(total)``; in place for a giftcomm Geometry (``total`` belongs to this call:
+    the caller's ``out`` or a fresh result)."""
+    if _is_giftcomm_geometry(geo):
+        return geo.inverse(total, out=total)
+    return np.asarray(geo.inverse(total), dtype=np.float32)
 
 
 def gift_allreduce(
@@ -199,19 +223,19 @@ def gift_allreduce(
     arr, p = call.arr, t.size
     flat = np.ascontiguousarray(arr).reshape(-1)
     if geo is not None:
-        flat = np.ascontiguousarray(geo.forward(flat), dtype=np.float32)
+        flat = _geometry_forward(t, geo, flat)
     acc_t = accumulation_dtype(flat.dtype)
     if arr.size == 0:
         return _finish(np.zeros(0, acc_t), op, p, arr.dtype, arr.shape, out)
     slice_n = slice_elems or _auto_slice(t, arr.size)
-    direct_out = _direct_out(out, geo is not None)
+    direct_out = _direct_out(out)
     total = _allreduce_flat(t, flat, call.fmt, call.block, chosen, nodes_box[0], slice_n, direct_out)
+    if geo is not None:
+        total = _geometry_inverse(geo, total)
     if direct_out is not None and total is direct_out:
         if op == "avg":
             total /= np.float32(p)
         return out
-    if geo is not None:
-        total = np.asarray(geo.inverse(total), dtype=np.float32)
     return _finish(total.astype(acc_t, copy=False), op, p, arr.dtype, arr.shape, out)
 
 

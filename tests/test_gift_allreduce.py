@@ -60,6 +60,27 @@ def test_gift_allreduce_equals_simulation_of_the_same_steps(rng, p, rank, op):
     assert all(same(o, w) for o, w in zip(outs, want))
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gift_allreduce_out_and_in_place_equal_the_simulation(rng, algorithm, dtype):
+    # the collective decodes into out and inverts there in place; x must stay untouched
+    p = 3
+    geo, factors = kfac_geometry(rng, 8)
+    xs = [x.astype(dtype) for x in anisotropic_gradients(rng, factors, p)]
+    before = [x.copy() for x in xs]
+    want = simulate_gift_allreduce(xs, geo, op="avg", algorithm=algorithm)
+    bufs = [np.empty(SIZE, dtype) for _ in range(p)]
+    outs = run(p, lambda t: gc.gift_allreduce(xs[t.rank], geo, comm=t, op="avg", algorithm=algorithm,
+                                               out=bufs[t.rank]))
+    assert all(o is b for o, b in zip(outs, bufs)) and all(same(b, w) for b, w in zip(bufs, want))
+    assert all(same(x, b) for x, b in zip(xs, before))
+    for _ in range(2):  # twice: the forward workspace is reused across calls
+        inplace = [x.copy() for x in xs]
+        run(p, lambda t: gc.gift_allreduce(inplace[t.rank], geo, comm=t, op="avg", algorithm=algorithm,
+                                           out=inplace[t.rank]))
+        assert all(same(i, w) for i, w in zip(inplace, want))
+
+
 def test_identity_geometry_is_allreduce_bit_for_bit(rng):
     xs = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
     ident = Geometry.identity(LAYOUT)
