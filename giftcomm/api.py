@@ -94,17 +94,26 @@ def _node_layout(t: Transport, local_size: int | None) -> np.ndarray:
     return hierarchical.contiguous_nodes(t.size, _positive_int(local_size, "local_size"))
 
 
+def _topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology]:
+    """The node of every rank and the Topology (local_size 0: uneven nodes); kept on the
+    transport per ``local_size``, since the layout of a communicator does not change."""
+    cache = t.__dict__.setdefault("_giftcomm_topology", {})
+    if local_size not in cache:
+        nodes = _node_layout(t, local_size)
+        groups = hierarchical.node_groups(nodes)
+        uniform = len({len(g) for g in groups}) == 1
+        cache[local_size] = nodes, Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
+    return cache[local_size]
+
+
 def _plan_algorithm(t: Transport, call: _Call, algorithm: str, local_size: int | None,
                     allowed: tuple[str, ...]) -> np.ndarray:
     """Validate ``algorithm``/``local_size``, record the choice in the signature; the node layout."""
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
-    nodes = _node_layout(t, local_size)
-    groups = hierarchical.node_groups(nodes)
-    uniform = len({len(g) for g in groups}) == 1
-    if algorithm.startswith("hierarchical") and not uniform:
+    nodes, topo = _topology(t, local_size)
+    if algorithm.startswith("hierarchical") and topo.local_size == 0:
         hierarchical.check_uniform(nodes)  # raises, naming the node sizes
-    topo = Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
     chosen = algorithm
     if algorithm == "auto":
         chosen = choose(call.arr.size, topo, call.fmt.name, call.block)

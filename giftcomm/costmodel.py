@@ -75,17 +75,20 @@ def _calibration_file() -> str:
 
 
 _cached: tuple[str, float, Calibration] | None = None
+_BUILT_IN = Calibration()  # returned while no file exists; shared, so never modify what you get
 
 
 
 def load_calibration() -> Calibration:
-    """The calibration in force (re-read when the file changes; the built-in defaults without one)."""
+    """The calibration in force (re-read when the file changes; the built-in defaults without one).
+
+    The object is shared by every caller: copy it (``build_calibration``) before changing it."""
     global _cached
     path = _calibration_file()
     try:
         mtime = os.stat(path).st_mtime
     except OSError:
-        return Calibration()
+        return _BUILT_IN
     if _cached is None or _cached[0] != path or _cached[1] != mtime:
         with open(path) as fh:
             cal = Calibration.from_dict(json.load(fh))
@@ -217,6 +220,7 @@ def error_growth(algorithm: str, topo: Topology) -> float:
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
+_choices: dict[tuple, str] = {}  # choose() memo for the loaded calibration (key holds its id)
 FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantizations
 
 
@@ -226,7 +230,14 @@ def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration 
 
     (Until the error study, the tie-break was :func:`quantizations`, which misorders recursive
     doubling against the ring and the hierarchical ring: see docs/scaling.md.)"""
-    cal = cal or load_calibration()  # once per call, not once per candidate
+    if cal is None:  # the calibration in force: remember the answers it gave
+        cal = load_calibration()
+        key = (n, topo, fmt, block, id(cal))
+        if key not in _choices:
+            if len(_choices) > 4096:
+                _choices.clear()
+            _choices[key] = choose(n, topo, fmt, block, cal)
+        return _choices[key]
     candidates = ["ring", "direct", "doubling"]
     if topo.nodes > 1 and topo.local_size > 1:
         candidates += ["hierarchical", "hierarchical_direct"]
