@@ -20,7 +20,7 @@ for p in 2 4; do
         yield_env=(env MPIR_CVAR_ENABLE_HEAVY_YIELD=1 MPIR_CVAR_POLLS_BEFORE_YIELD=1)
     fi
     run $R/shm-p$p.txt "${yield_env[@]}" mpiexec -n $p python -m giftcomm.perf allreduce -b 64K -e 256M -f 2 \
-        --fmt e4m3,bf16,fp32 -n 5 -w 1 --no-progress --json $R/shm-p$p.json --label "shared memory P=$p"
+        --fmt e4m3,bf16,fp32 -n 10 -w 2 --no-progress --json $R/shm-p$p.json --label "shared memory P=$p"
 done
 for rate in 1gbit 10gbit; do
     run $R/netbed-$rate-p4.txt perf/netbed run --hosts 4 --rate $rate --timeout 900 -- \
