@@ -81,6 +81,21 @@ def test_gift_allreduce_out_and_in_place_equal_the_simulation(rng, algorithm, dt
         assert all(same(i, w) for i, w in zip(inplace, want))
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_reduce_scatter_allgather_in_gift_coordinates(rng, p):
+    # docs/method.md section 7: the sharded route equals gift_allreduce bit for bit
+    geo, factors = kfac_geometry(rng, 8)
+    xs = anisotropic_gradients(rng, factors, p)
+
+    def sharded(t):
+        shard = gc.reduce_scatter(geo.forward(xs[t.rank]), comm=t, algorithm="ring")
+        return geo.inverse(gc.allgather(shard, comm=t))
+
+    got = run(p, sharded)
+    want = run(p, lambda t: gc.gift_allreduce(xs[t.rank], geo, comm=t, algorithm="ring"))
+    assert all(same(g, w) for g, w in zip(got, want))
+
+
 def test_identity_geometry_is_allreduce_bit_for_bit(rng):
     xs = [rng.standard_normal(SIZE).astype(np.float32) for _ in range(3)]
     ident = Geometry.identity(LAYOUT)

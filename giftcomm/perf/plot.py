@@ -33,7 +33,7 @@ def plot(files: list[str], out: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes of float32 input)")
         ax.set_ylabel("busbw (GB/s of float32 input)")
-        ax.set_title(f"{label} (P={data['P']})")
+        ax.set_title(label if f"P={data['P']}" in label else f"{label} (P={data['P']})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
