@@ -97,6 +97,8 @@ def _node_layout(t: Transport, local_size: int | None) -> np.ndarray:
 def _topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology]:
     """The node of every rank and the Topology (local_size 0: uneven nodes); kept on the
     transport per ``local_size``, since the layout of a communicator does not change."""
+    if local_size is not None:
+        local_size = _positive_int(local_size, "local_size")
     cache = t.__dict__.setdefault("_giftcomm_topology", {})
     if local_size not in cache:
         nodes = _node_layout(t, local_size)
