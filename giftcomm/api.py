@@ -136,9 +136,9 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype, shape: tuple, 
 
 
 def _auto_slice(t: Transport, n: int) -> int:
-    """The pipelining slice for ``n`` values over ``t`` (ring.auto_slice_elems)."""
-    nodes = t.node_ids()
-    return ring.auto_slice_elems(n, t.size, one_node=bool(nodes.size) and bool(np.all(nodes == nodes[0])))
+    """The pipelining slice for ``n`` values over ``t`` (ring.auto_slice_elems; one node per the
+    transport's own node layout, kept by :func:`_topology`)."""
+    return ring.auto_slice_elems(n, t.size, one_node=_topology(t, None)[1].nodes == 1)
 
 
 def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, algorithm: str,
@@ -318,6 +318,22 @@ def reduce_scatter(
     return _finish(total, op, t.size, arr.dtype, (shard_n,), out)
 
 
+_GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "out")  # allgather's agreed signature
+_GATHER_MATCH = ("dtype", "fmt", "block", "slice")
+
+
+def _gathered_counts(table: np.ndarray) -> tuple[np.ndarray, int]:
+    """Every rank's shard length and their total, from allgather's agreed table (host and device
+    path). Raises ValueError when a rank's ``out`` does not hold the total: every rank sees the
+    same table, so every rank raises it."""
+    counts = table[:, 0]
+    total_n = int(counts.sum())
+    wrong = [r for r, m in enumerate(table[:, _GATHER_FIELDS.index("out")]) if m not in (-1, total_n)]
+    if wrong:
+        raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
+    return counts, total_n
+
+
 def allgather(
     shard: Any,
     *,
@@ -336,23 +352,18 @@ def allgather(
     if is_device_input(shard):
         return device_allgather(shard, comm, fmt, block, out, slice_elems)
     t = resolve(comm)
-    fields = ("count", "dtype", "fmt", "block", "slice", "out")
 
     def prepare():
         call = _validate(shard, "shard", fmt, block, None, slice_elems)
         _check_out(out, None, call.arr.dtype)
         if out is not None and out.ndim != 1:
             raise ValueError(f"out must be 1-D, got shape {out.shape}")
-        sig = {k: call.sig.get(k, 0) for k in fields}
+        sig = {k: call.sig.get(k, 0) for k in _GATHER_FIELDS}
         sig["out"] = -1 if out is None else out.size
         return call, sig
 
-    call, table = agree(t, "giftcomm.allgather", prepare, fields, ("dtype", "fmt", "block", "slice"))
-    counts = table[:, 0]
-    total_n = int(counts.sum())
-    wrong = [r for r, m in enumerate(table[:, fields.index("out")]) if m not in (-1, total_n)]
-    if wrong:  # every rank sees the same table, so every rank raises this
-        raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
+    call, table = agree(t, "giftcomm.allgather", prepare, _GATHER_FIELDS, _GATHER_MATCH)
+    counts, total_n = _gathered_counts(table)
     flat = np.ascontiguousarray(call.arr).reshape(-1)
     slice_n = slice_elems or _auto_slice(t, total_n)
     sl = ring.slice_chunk(flat.size, call.fmt, call.block, slice_n)

@@ -46,8 +46,6 @@ __all__ = ["DEVICE_ALGORITHMS", "device_transport", "device_allreduce", "device_
            "device_allgather", "is_device_input"]
 
 DEVICE_ALGORITHMS = ("auto", "ring", "direct")
-_GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "out")
-_GATHER_MATCH = ("dtype", "fmt", "block", "slice")
 _nccl_cache: dict[int, Transport] = {}
 
 
@@ -273,22 +271,19 @@ def device_allgather(shard: Any, comm: Any, fmt: Any, block: int, out: Any, slic
     from .cuda import ring
 
     t = device_transport(comm)
+    api = _host_api()
 
     def prepare():
         call = _validate(shard, "shard", fmt, block, None, slice_elems)
         call.out = _import_out(out, call, None)
         if call.out is not None and call.out.ndim != 1:
             raise ValueError(f"out must be 1-D, got shape {tuple(call.out.shape)}")
-        sig = {k: call.sig[k] for k in _GATHER_FIELDS if k != "out"}
+        sig = {k: call.sig[k] for k in api._GATHER_FIELDS if k != "out"}
         sig["out"] = -1 if call.out is None else int(call.out.size)
         return call, sig
 
-    call, table = agree(t, "giftcomm.allgather", prepare, _GATHER_FIELDS, _GATHER_MATCH)
-    counts = table[:, 0]
-    total_n = int(counts.sum())
-    wrong = [r for r, m in enumerate(table[:, _GATHER_FIELDS.index("out")]) if m not in (-1, total_n)]
-    if wrong:  # every rank sees the same table, so every rank raises this
-        raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
+    call, table = agree(t, "giftcomm.allgather", prepare, api._GATHER_FIELDS, api._GATHER_MATCH)
+    counts, total_n = api._gathered_counts(table)
     flat = _flat_values(call)
     codec = ring.codec_for(flat)
     own = codec.encode(flat.astype(np.float32, copy=False), call.fmt, call.block)

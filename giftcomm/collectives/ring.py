@@ -128,8 +128,8 @@ def reduce_scatter(
     own = ws.get("owner", own_sl.nbytes)
     lo_r = int(bounds[r])
     if p == 1:
-        total = x[lo_r : lo_r + int(counts[r])].astype(acc_t)
-        return (total if keep_sum else None), encode_sliced(total, own_sl, fmt, block, own)
+        part = x[lo_r : lo_r + int(counts[r])]
+        return (part.astype(acc_t) if keep_sum else None), encode_sliced(part, own_sl, fmt, block, own)
     total = np.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
     biggest = max(s.nbytes for s in slices)
