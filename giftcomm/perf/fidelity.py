@@ -68,7 +68,19 @@ __all__ = [
 MAX_BLOCK = 1 << 20  # the largest block the codec allows (values per scale)
 
 
+def _emit(text: str, md_path: str | None, json_path: str | None, payload: object) -> None:
+    """Print a report; also write it as markdown and its data as JSON where asked."""
+    print(text)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(text + "\n")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
 # ----------------------------------------------------------------------------------- metrics
+
 def relative_l2(approx: np.ndarray, exact: np.ndarray) -> float:
     """``||approx - exact||_2 / ||exact||_2`` in float64 (0 when both are 0; inf when only exact is)."""
     a = np.asarray(approx, np.float64).ravel()
@@ -583,14 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     md.append("")
     md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
-    text = "\n".join(md)
-    print(text)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"header": header, "results": results}, f, indent=1)
+    _emit("\n".join(md), a.md, a.json, {"header": header, "results": results})
     if a.plot:
         if a.what == "synthetic":
             plot_synthetic(results, a.plot)
@@ -809,14 +814,7 @@ def cost_main(a) -> int:
                       f"{coef[3]:.3g} (in force: {tm.seconds_per_pass:.3g}, {tm.seconds_per_pass_large:.3g}, "
                       f"{tm.flops_per_second:.3g}, {tm.seconds_per_segment:.3g})"]
     lines.append(f"loadavg at end {_load()}")
-    text = "\n".join(lines)
-    print(text)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    _emit("\n".join(lines), a.md, a.json, summary)
     return 0
 
 
