@@ -16,13 +16,14 @@ from .collectives.agree import DTYPE_CODES, OP_CODES, agree
 from .costmodel import Topology, choose
 from .device_api import device_allgather, device_allreduce, device_reduce_scatter, is_device_input
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format
-from .partition import accumulation_dtype, chunk_bounds
+from .partition import accumulation_dtype, shared_chunk_bounds
 from .collectives.workspace import workspace_of
 from .transport import Transport, resolve
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
 
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
+_DTYPE_CODE = {d: DTYPE_CODES[d.name] for d in _FLOAT_DTYPES}  # by dtype: dtype.name costs ~5 us a call
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 _FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "chosen")
@@ -81,7 +82,7 @@ def _validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_ele
     f, b = get_format(fmt), check_block(block)
     if op is not None and op not in OP_CODES:
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    sig = dict(count=arr.size, dtype=DTYPE_CODES[arr.dtype.name], fmt=f.code, block=b,
+    sig = dict(count=arr.size, dtype=_DTYPE_CODE[arr.dtype], fmt=f.code, block=b,
                op=OP_CODES.get(op, 0),
                slice=0 if slice_elems is None else _positive_int(slice_elems, "slice_elems"),
                geometry=0, algorithm=0, local_size=0, chosen=0)
@@ -154,10 +155,9 @@ def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, alg
     if algorithm.startswith("hierarchical"):
         inter = "direct" if algorithm == "hierarchical_direct" else "ring"
         return hierarchical.allreduce(t, flat, nodes, fmt, block, acc_t, slice_elems, inter=inter)
-    bounds = chunk_bounds(flat.size, t.size, block)
+    bounds = shared_chunk_bounds(flat.size, t.size, block)
     rs = direct.reduce_scatter if algorithm == "direct" else ring.reduce_scatter
-    _, own = rs(t, flat, bounds, fmt, block, acc_t, slice_elems, keep_sum=False)
-    return ring.allgather(t, own, np.diff(bounds), fmt, block, slice_elems, out=out)
+    return ring.allreduce(t, flat, bounds, fmt, block, acc_t, slice_elems, out=out, scatter=rs)
 
 
 def _direct_out(out: np.ndarray | None) -> np.ndarray | None:
@@ -300,7 +300,7 @@ def reduce_scatter(
 
     def prepare():
         call = _validate(x, "x", fmt, block, op, slice_elems)
-        bounds = chunk_bounds(call.arr.size, t.size, call.block)
+        bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
         _check_out(out, (int(bounds[t.rank + 1] - bounds[t.rank]),), call.arr.dtype)
         _plan_algorithm(t, call, algorithm, None, ("auto", "ring", "direct"))
         return (call, bounds), call.sig

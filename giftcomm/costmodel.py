@@ -11,6 +11,7 @@ codec time), plus (1 - overlap) times the smaller of the two (docs/scaling.md ha
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -71,7 +72,14 @@ def calibration_path() -> Path:
 def _calibration_file() -> str:
     # plain strings: load_calibration runs on every "auto" call, and pathlib costs ~0.1 ms
     env = os.environ.get("GIFTCOMM_CALIBRATION")
-    return env or os.path.join(os.path.expanduser("~"), ".cache", "giftcomm", "calibration.json")
+    return env or _default_calibration_file(os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _default_calibration_file(home: str | None) -> str:
+    """~/.cache/giftcomm/calibration.json under ``home`` ($HOME; the password entry's home when
+    unset, as expanduser). Cached: expanduser costs ~10 us a call."""
+    return os.path.join(home or os.path.expanduser("~"), ".cache", "giftcomm", "calibration.json")
 
 
 _cached: tuple[str, float, Calibration] | None = None

@@ -39,7 +39,7 @@ import numpy as np
 from . import _xp
 from .collectives.agree import DTYPE_CODES, OP_CODES, agree
 from .formats import Format, check_block, get_format
-from .partition import accumulation_dtype, chunk_bounds
+from .partition import accumulation_dtype, shared_chunk_bounds
 from .transport import Transport
 
 __all__ = ["DEVICE_ALGORITHMS", "device_transport", "device_allreduce", "device_reduce_scatter",
@@ -249,7 +249,7 @@ def device_reduce_scatter(x: Any, comm: Any, op: str, fmt: Any, block: int, out:
 
     def prepare():
         call = _validate(x, "x", fmt, block, op, slice_elems)
-        bounds = chunk_bounds(call.arr.size, t.size, call.block)
+        bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
         call.out = _import_out(out, call, (int(bounds[t.rank + 1] - bounds[t.rank]),))
         _plan(t, call, algorithm, None)
         return (call, bounds), call.sig

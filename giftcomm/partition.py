@@ -8,6 +8,8 @@ reduce_scatter shard is chunk ``r``. Chunks may be empty (fewer blocks than rank
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .formats import num_blocks
@@ -15,13 +17,21 @@ from .formats import num_blocks
 
 def chunk_bounds(n: int, nranks: int, block: int) -> np.ndarray:
     """Element offsets of the ``nranks`` chunks: int64 array of ``nranks + 1`` increasing values."""
+    return shared_chunk_bounds(n, nranks, block).copy()
+
+
+@functools.lru_cache(maxsize=1024)
+def shared_chunk_bounds(n: int, nranks: int, block: int) -> np.ndarray:
+    """:func:`chunk_bounds`, cached for the collectives' hot path: shared, so read-only."""
     nb = num_blocks(n, block)
     base, extra = divmod(nb, nranks)
     blocks = np.full(nranks, base, np.int64)
     blocks[:extra] += 1
     bounds = np.zeros(nranks + 1, np.int64)
     np.cumsum(blocks * block, out=bounds[1:])
-    return np.minimum(bounds, n)
+    np.minimum(bounds, n, out=bounds)
+    bounds.flags.writeable = False
+    return bounds
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:

@@ -107,3 +107,26 @@ def test_cost_model_shapes():
     # bytes matter: e4m3 is predicted faster than fp32 on a slow link
     assert predict("ring", 1 << 24, two_nodes, "e4m3", cal=cal) < predict("ring", 1 << 24, two_nodes, "fp32", cal=cal) / 3
     assert quantizations("direct", one_node) < quantizations("ring", one_node)
+
+
+def test_chunk_bounds_is_a_fresh_array_and_the_cached_copy_is_read_only():
+    from giftcomm.partition import shared_chunk_bounds
+
+    mine = gc.chunk_bounds(1000, 3, 256)
+    mine[0] = 7  # the public function hands out the caller's own array
+    shared = shared_chunk_bounds(1000, 3, 256)
+    assert shared[0] == 0 and not shared.flags.writeable
+    assert np.array_equal(gc.chunk_bounds(1000, 3, 256), shared)
+
+
+@pytest.mark.parametrize("counts", [[512, 512], [768, 512, 0, 3], [1]])
+def test_ring_layout_is_cached_and_agrees_with_slice_chunk(counts):
+    from giftcomm.collectives import ring
+    from giftcomm.formats import get_format
+
+    f = get_format("e4m3")
+    layout = ring.layout_of(np.array(counts), f, 256, 256)
+    assert ring.layout_of(np.array(counts, np.int32), f, 256, 256) is layout  # same key whatever the int dtype
+    sizes = [ring.slice_chunk(n, f, 256, 256).nbytes for n in counts]
+    assert list(np.diff(layout.msg_offs)) == sizes and list(np.diff(layout.elem_offs)) == counts
+    assert not layout.msg_offs.flags.writeable and not layout.elem_offs.flags.writeable

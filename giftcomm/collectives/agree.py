@@ -8,6 +8,7 @@ and the communicator stays usable.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -56,13 +57,24 @@ def agree(
         cls = _ERROR_TYPES.get(int(table[failed[0], 0]), ValueError)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise cls(f"{what}: bad input on rank(s) {', '.join(map(str, failed))} -- {detail}")
-    for key in must_match:
-        column = table[:, 1 + fields.index(key)]
-        if np.any(column != column[0]):
-            values = ", ".join(f"rank {r}: {_describe(key, int(v))}" for r, v in enumerate(column))
-            raise ValueError(f"{what}: ranks disagree on {key} ({values})")
+    cols = _match_columns(fields, must_match)
+    if (table[1:, cols] != table[0, cols]).any():  # one vectorized test; name the field only then
+        for key, col in zip(must_match, cols):
+            column = table[:, col]
+            if np.any(column != column[0]):
+                values = ", ".join(f"rank {r}: {_describe(key, int(v))}" for r, v in enumerate(column))
+                raise ValueError(f"{what}: ranks disagree on {key} ({values})")
     assert plan is not None
     return plan, table[:, 1:]
+
+
+@functools.lru_cache(maxsize=64)
+def _match_columns(fields: tuple[str, ...], must_match: tuple[str, ...]) -> np.ndarray:
+    """Columns of the agreed table (error code first) that every rank must have alike (shared,
+    so read-only)."""
+    cols = np.array([1 + fields.index(key) for key in must_match], np.intp)
+    cols.flags.writeable = False
+    return cols
 
 
 def _describe(key: str, value: int) -> str:

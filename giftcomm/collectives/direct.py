@@ -15,19 +15,20 @@ from .. import codec
 from ..formats import Format
 from ..transport import Request, Transport, wait_all
 from .rank_order import sum_in_rank_order
-from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, slice_chunk
+from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, layout_of
 from .workspace import workspace_of
 
 
 def reduce_scatter(
     t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Direct reduce-scatter of the flat vector ``x``; returns (sum, owner message) like the ring's
-    (sum None when ``keep_sum`` is False: it is then summed in a reused workspace buffer)."""
+    (sum None when ``keep_sum`` is False: it is then summed in a reused workspace buffer; the
+    message goes to ``own_out`` when given)."""
     p, r = t.size, t.rank
     counts = np.diff(bounds)
-    slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
+    slices = layout_of(counts, fmt, block, slice_elems).slices
     mine = slices[r]
     ws = workspace_of(t)
     inbox = ws.get("direct_in", mine.nbytes * max(p - 1, 1))
@@ -65,5 +66,5 @@ def reduce_scatter(
         sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
                           lambda src, j=j: arrived(src, j), fmt, block, codec)
     wait_all(sends)
-    own_msg = encode_sliced(total, mine, fmt, block, ws.get("owner", mine.nbytes))
+    own_msg = encode_sliced(total, mine, fmt, block, ws.get("owner", mine.nbytes) if own_out is None else own_out)
     return (total if keep_sum else None), own_msg

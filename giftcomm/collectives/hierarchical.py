@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import Format, get_format
-from ..partition import chunk_bounds
+from ..partition import shared_chunk_bounds
 from ..transport import Transport
 from . import direct, ring
 
@@ -55,9 +55,9 @@ def allreduce(
     cross = t.split([g[l] for g in groups], "hier-cross")
     lf = get_format(local_fmt)
     n = x.size
-    local_bounds = chunk_bounds(n, local_size, block)
+    local_bounds = shared_chunk_bounds(n, local_size, block)
     node_sum, _ = ring.reduce_scatter(local, x, local_bounds, lf, block, acc_t, slice_elems)
-    cross_bounds = chunk_bounds(node_sum.size, cross.size, block)
+    cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, block)
     rs = direct.reduce_scatter if inter == "direct" else ring.reduce_scatter
     _, own = rs(cross, node_sum, cross_bounds, fmt, block, acc_t, slice_elems)
     chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), fmt, block, slice_elems)

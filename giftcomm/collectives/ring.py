@@ -13,12 +13,14 @@ slices are whole blocks of the buffer, the bytes of every block, and so the resu
 on the slice size.
 
 Workspace (reused across calls, per transport): two receive and two send buffers of one chunk
-message each, the owner's chunk message, and the allgather buffer of all P chunk messages.
-"""
+message each, the owner's chunk message, and the allgather buffer of all P chunk messages. An
+allreduce (:func:`allreduce`) has the reduce-scatter write the owner's message straight into its
+allgather slot. Slicing plans are cached per layout (:func:`layout_of`)."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -80,6 +82,45 @@ def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> Sliced
     return SlicedMessage(elems, offs)
 
 
+@dataclass(frozen=True)
+class RingLayout:
+    """Every rank's chunk cut into slices, and where each chunk's message and values sit.
+
+    ``slices[c]``: chunk c's :class:`SlicedMessage`; ``msg_offs[c]:msg_offs[c+1]``: chunk c's
+    message in the allgather buffer (bytes); ``elem_offs[c]:elem_offs[c+1]``: its values in the
+    gathered vector. Arrays are read-only (the layout is cached and shared)."""
+
+    slices: tuple[SlicedMessage, ...]
+    msg_offs: np.ndarray
+    elem_offs: np.ndarray
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_layout(counts_key: bytes, fmt: Format, block: int, slice_elems: int) -> RingLayout:
+    counts = np.frombuffer(counts_key, np.int64)
+    slices = tuple(slice_chunk(int(n), fmt, block, slice_elems) for n in counts)
+    msg_offs = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum([s.nbytes for s in slices], out=msg_offs[1:])
+    elem_offs = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=elem_offs[1:])
+    msg_offs.flags.writeable = elem_offs.flags.writeable = False
+    return RingLayout(slices, msg_offs, elem_offs)
+
+
+def layout_of(counts: np.ndarray, fmt: Format, block: int, slice_elems: int) -> RingLayout:
+    """The layout of chunks of ``counts`` values (int array, one length per rank). Cached, keyed
+    by the counts' bytes: a training loop repeats a few layouts, and a tuple key costs more."""
+    return _ring_layout(np.asarray(counts, np.int64).tobytes(), fmt, block, slice_elems)
+
+
+def gather_slot(t: Transport, layout: RingLayout) -> np.ndarray:
+    """This rank's chunk message in the allgather workspace buffer, so that a reduce-scatter can
+    write it in place (``own_out``) and :func:`allgather` need not copy it."""
+    r = t.rank
+    buf = workspace_of(t).get("gather", int(layout.msg_offs[-1]))
+    return buf[layout.msg_offs[r] : layout.msg_offs[r + 1]]
+
+
 def encode_sliced(values: np.ndarray, sl: SlicedMessage, fmt: Format, block: int, out: np.ndarray) -> np.ndarray:
     """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``."""
     for k in range(sl.nslices):
@@ -112,20 +153,21 @@ def _piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
 
 def reduce_scatter(
     t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype).
 
     Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array;
     None when ``keep_sum`` is False, which an allreduce uses to skip writing it), and that sum
-    encoded once, slice by slice (a workspace view, valid until the next call).
+    encoded once, slice by slice, into ``own_out`` (uint8, the message's size; by default a
+    workspace view, valid until the next call).
     """
     p, r = t.size, t.rank
-    counts = np.diff(bounds)
-    slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
+    counts = bounds[1:] - bounds[:-1]
+    slices = layout_of(counts, fmt, block, slice_elems).slices
     ws = workspace_of(t)
     own_sl = slices[r]
-    own = ws.get("owner", own_sl.nbytes)
+    own = ws.get("owner", own_sl.nbytes) if own_out is None else own_out
     lo_r = int(bounds[r])
     if p == 1:
         part = x[lo_r : lo_r + int(counts[r])]
@@ -188,11 +230,8 @@ def allgather(
     float32 vector of all ``sum(counts)`` values in rank order (``out`` if given).
     """
     p, r = t.size, t.rank
-    slices = [slice_chunk(int(n), fmt, block, slice_elems) for n in counts]
-    offs = np.zeros(p + 1, np.int64)
-    np.cumsum([s.nbytes for s in slices], out=offs[1:])
-    elem_offs = np.zeros(p + 1, np.int64)
-    np.cumsum(counts, out=elem_offs[1:])
+    layout = layout_of(counts, fmt, block, slice_elems)
+    slices, offs, elem_offs = layout.slices, layout.msg_offs, layout.elem_offs
     buf = workspace_of(t).get("gather", int(offs[-1]))
     slots = [buf[offs[c] : offs[c + 1]] for c in range(p)]
     values = np.empty(int(elem_offs[-1]), np.float32) if out is None else out
@@ -203,7 +242,8 @@ def allgather(
         codec.decode(_piece(slots[c], sl, k), int(b - a), fmt, block, out=values[a:b])
 
     right, left = (r + 1) % p, (r - 1) % p
-    slots[r][...] = own
+    if own.ctypes.data != slots[r].ctypes.data:  # not written in place (gather_slot)
+        slots[r][...] = own
     sends: list[Request] = []
     if p > 1:
         sends = [t.isend(_piece(slots[r], slices[r], k), right, tag=0) for k in range(slices[r].nslices)]
@@ -220,3 +260,18 @@ def allgather(
             decode_slice(c, k)
     wait_all(sends)
     return values
+
+
+def allreduce(
+    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, out: np.ndarray | None = None,
+    scatter: Callable[..., tuple[np.ndarray | None, np.ndarray]] | None = None,
+) -> np.ndarray:
+    """Reduce-scatter (``scatter``: this module's :func:`reduce_scatter` by default, or the direct
+    one) then :func:`allgather`: the decoded float32 sum of ``x`` (``out`` if given). The owner's
+    message is written straight into its allgather slot, and its high-precision sum is not kept."""
+    scatter = reduce_scatter if scatter is None else scatter
+    counts = bounds[1:] - bounds[:-1]
+    slot = gather_slot(t, layout_of(counts, fmt, block, slice_elems))
+    _, own = scatter(t, x, bounds, fmt, block, acc_t, slice_elems, keep_sum=False, own_out=slot)
+    return allgather(t, own, counts, fmt, block, slice_elems, out=out)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _xp
 from ..formats import Format, check_block, get_format, message_nbytes
-from ..partition import accumulation_dtype, chunk_bounds
+from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport.base import Transport, wait_all
 
 __all__ = ["allreduce", "allreduce_flat", "reduce_scatter", "allgather", "codec_for"]
@@ -128,7 +128,7 @@ def allreduce_flat(t: Transport, flat: Any, f: Format, block: int, codec: Any = 
     the same arguments. Then the ring allgather of the owners' messages.
     """
     acc_t = accumulation_dtype(flat.dtype)
-    bounds = chunk_bounds(flat.size, t.size, block)
+    bounds = shared_chunk_bounds(flat.size, t.size, block)
     _, own = (scatter or reduce_scatter)(t, flat, bounds, f, block, acc_t, codec)
     return allgather(t, own, np.diff(bounds), f, block, codec).astype(acc_t, copy=False)
 
