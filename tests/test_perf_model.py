@@ -211,3 +211,16 @@ def test_fit_overlap_inverts_the_prediction():
         measured = predict("ring", n, topo, "e4m3", cal=replace(cal, overlap=ov))
         assert calibrate.fit_overlap(measured, full, none) == pytest.approx(ov)
     assert calibrate.fit_overlap(10 * none, full, none) == 0.0 and calibrate.fit_overlap(0.0, full, none) == 1.0
+
+
+def test_phase_breakdown_script_accounts_for_every_part_of_a_call():
+    """perf/phase_breakdown.py (the 4 MiB P = 2 diagnostic in docs/performance.md), one rank."""
+    script = Path(__file__).resolve().parent.parent / "perf" / "phase_breakdown.py"
+    res = subprocess.run([sys.executable, str(script), "--count", "5000", "--iters", "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("rank 0:"))
+    parts = dict(zip(line.split()[2::2], map(float, line.split()[3::2])))
+    # the timers really sit on the calls the collective makes (one encode and one decode per call at P = 1)
+    for key in ("agreement", "encode", "decode"):
+        assert 0 < parts.get(key, 0) < parts["total"], line
