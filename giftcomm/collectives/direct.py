@@ -15,7 +15,7 @@ from .. import codec
 from ..formats import Format
 from ..transport import Request, Transport, wait_all
 from .rank_order import sum_in_rank_order
-from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, layout_of
+from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, layout_of, owner_buffer
 from .workspace import workspace_of
 
 
@@ -66,5 +66,5 @@ def reduce_scatter(
         sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
                           lambda src, j=j: arrived(src, j), fmt, block, codec)
     wait_all(sends)
-    own_msg = encode_sliced(total, mine, fmt, block, ws.get("owner", mine.nbytes) if own_out is None else own_out)
+    own_msg = encode_sliced(total, mine, fmt, block, owner_buffer(t, mine.nbytes, own_out))
     return (total if keep_sum else None), own_msg

@@ -121,6 +121,12 @@ def gather_slot(t: Transport, layout: RingLayout) -> np.ndarray:
     return buf[layout.msg_offs[r] : layout.msg_offs[r + 1]]
 
 
+def owner_buffer(t: Transport, nbytes: int, own_out: np.ndarray | None) -> np.ndarray:
+    """Where a reduce-scatter writes the owner's message: ``own_out`` when given, else the
+    workspace buffer "owner" (valid until the next call)."""
+    return workspace_of(t).get("owner", nbytes) if own_out is None else own_out
+
+
 def encode_sliced(values: np.ndarray, sl: SlicedMessage, fmt: Format, block: int, out: np.ndarray) -> np.ndarray:
     """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``."""
     for k in range(sl.nslices):
@@ -167,7 +173,7 @@ def reduce_scatter(
     slices = layout_of(counts, fmt, block, slice_elems).slices
     ws = workspace_of(t)
     own_sl = slices[r]
-    own = ws.get("owner", own_sl.nbytes) if own_out is None else own_out
+    own = owner_buffer(t, own_sl.nbytes, own_out)
     lo_r = int(bounds[r])
     if p == 1:
         part = x[lo_r : lo_r + int(counts[r])]
