@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import ml_dtypes
 import numpy as np
 
-from .collectives import direct, doubling, hierarchical, ring
+from .collectives import direct, doubling, hierarchical, ring, shared
 from .collectives.agree import DTYPE_CODES, OP_CODES, agree
 from .costmodel import Topology, choose
 from .device_api import device_allgather, device_allreduce, device_reduce_scatter, is_device_input
@@ -26,7 +26,8 @@ _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16
 _DTYPE_CODE = {d: DTYPE_CODES[d.name] for d in _FLOAT_DTYPES}  # by dtype: dtype.name costs ~5 us a call
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
-_FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "chosen")
+_FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
+           "chosen")
 _MATCH = _FIELDS[:-1]  # "chosen" may differ (auto on different calibrations): rank 0's choice wins
 
 
@@ -85,7 +86,7 @@ def _validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_ele
     sig = dict(count=arr.size, dtype=_DTYPE_CODE[arr.dtype], fmt=f.code, block=b,
                op=OP_CODES.get(op, 0),
                slice=0 if slice_elems is None else _positive_int(slice_elems, "slice_elems"),
-               geometry=0, algorithm=0, local_size=0, chosen=0)
+               geometry=0, algorithm=0, local_size=0, shared_memory=0, chosen=0)
     return _Call(arr, f, b, sig)
 
 
@@ -150,12 +151,14 @@ def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, alg
     directly (no fresh result array: at 16 MiB its page faults cost more than the decode).
     """
     acc_t = accumulation_dtype(flat.dtype)
+    bounds = shared_chunk_bounds(flat.size, t.size, block)
+    if t.shared_memory and algorithm in ("ring", "direct"):
+        return shared.allreduce(t, flat, bounds, fmt, block, acc_t, slice_elems, direct=algorithm == "direct", out=out)
     if algorithm == "doubling":
         return doubling.allreduce(t, flat, fmt, block, acc_t)
     if algorithm.startswith("hierarchical"):
         inter = "direct" if algorithm == "hierarchical_direct" else "ring"
         return hierarchical.allreduce(t, flat, nodes, fmt, block, acc_t, slice_elems, inter=inter)
-    bounds = shared_chunk_bounds(flat.size, t.size, block)
     rs = direct.reduce_scatter if algorithm == "direct" else ring.reduce_scatter
     return ring.allreduce(t, flat, bounds, fmt, block, acc_t, slice_elems, out=out, scatter=rs)
 
@@ -227,6 +230,7 @@ def gift_allreduce(
                 raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
             call.sig["geometry"] = int(geo.fingerprint())
         nodes_box.append(_plan_algorithm(t, call, algorithm, local_size, ALGORITHMS))
+        call.sig["shared_memory"] = int(t.shared_memory)
         return (call, geo), call.sig
 
     (call, geo), table = agree(t, "giftcomm.allreduce", prepare, _FIELDS, _MATCH)

@@ -394,9 +394,11 @@ def test_fused_application_equals_side_by_side_dense(rng, monkeypatch, tile):
             xs = x[seg.offset:seg.stop].astype(np.float64).reshape(m, n)
             want = lf @ xs @ rf.T
             got = y[seg.offset:seg.stop].reshape(m, n)
-            assert rel(got, want) < 3e-6, (seg.name, rel(got, want))
+            # float32 products (inner dimension up to 64) against float64: random low-rank sides
+            # are ill-conditioned enough to reach 4e-6 on some seeds; a wrong transform is O(1)
+            assert rel(got, want) < 2e-5, (seg.name, rel(got, want))
             ys = y[seg.offset:seg.stop].astype(np.float64).reshape(m, n)
-            assert rel(z[seg.offset:seg.stop].reshape(m, n), li @ ys @ ri.T) < 3e-6, seg.name
+            assert rel(z[seg.offset:seg.stop].reshape(m, n), li @ ys @ ri.T) < 2e-5, seg.name
         assert rel(z, x.astype(np.float64)) < 1e-4
 
 

@@ -133,3 +133,56 @@ def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
         y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
         assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), kw
         assert_identical_everywhere(comm, y)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("n", [5, 4099, 300001])
+def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm, n):
+    """MpiTransport uses an MPI shared window on one node (the default) or MPI messages
+    (shared_memory=False); both must give the simulation's bytes, over repeated calls."""
+    from giftcomm.transport.mpi import MpiTransport
+
+    on, off = MpiTransport(comm), MpiTransport(comm, shared_memory=False)
+    assert on.shared_memory == bool((on.node_ids() == 0).all()) and not off.shared_memory
+    for _ in range(2):
+        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+        want = digest(simulate_allreduce(xs, algorithm=algorithm)[comm.rank])
+        for t in (on, off):
+            y = gc.allreduce(xs[comm.rank], comm=t, algorithm=algorithm, slice_elems=65536)
+            assert digest(y) == want, t.shared_memory
+    if on.shared_memory:
+        assert on.shared_window(0).nbytes >= n // comm.size  # e4m3: >= 1 byte a value; kept for the next call
+    on.free()
+    off.free()
+
+
+def test_shared_memory_switches(comm, monkeypatch):
+    from giftcomm.transport.mpi import MpiTransport
+
+    monkeypatch.setenv("GIFTCOMM_SHARED_MEMORY", "0")
+    assert not MpiTransport(comm).shared_memory
+    monkeypatch.setenv("GIFTCOMM_SHARED_MEMORY", "1")
+    assert MpiTransport(comm).shared_memory and MpiTransport(comm, shared_memory=True).shared_memory
+
+    class TwoNodes(MpiTransport):
+        def _find_nodes(self):
+            return np.arange(self.size) % 2
+
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="needs every rank on one node"):
+            TwoNodes(comm, shared_memory=True)
+        assert not TwoNodes(comm).shared_memory
+
+
+def test_ranks_that_disagree_on_shared_memory_raise_on_every_rank(comm, shared_rng):
+    from giftcomm.transport.mpi import MpiTransport
+
+    t = MpiTransport(comm, shared_memory=comm.rank == 0)
+    x = shared_rng.standard_normal(1000).astype(np.float32)
+    if comm.size == 1:  # nobody to disagree with: the call goes through
+        assert digest(gc.allreduce(x, comm=t)) == digest(simulate_allreduce([x])[0])
+    else:
+        with pytest.raises(ValueError, match="disagree on shared_memory") as info:
+            gc.allreduce(x, comm=t)
+        assert len(set(comm.allgather(str(info.value)))) == 1
+    t.free()

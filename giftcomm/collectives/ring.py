@@ -135,12 +135,13 @@ def encode_sliced(values: np.ndarray, sl: SlicedMessage, fmt: Format, block: int
     return out
 
 
-def _local(x: np.ndarray, lo: int, hi: int, acc_t: np.dtype) -> np.ndarray:
+def local_part(x: np.ndarray, lo: int, hi: int, acc_t: np.dtype) -> np.ndarray:
+    """``x[lo:hi]`` in the accumulation dtype (a view when it already is)."""
     part = x[lo:hi]
     return part if part.dtype == acc_t else part.astype(acc_t)
 
 
-def _hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.ndarray,
+def hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.ndarray,
          sum_out: np.ndarray | None) -> None:
     """Decode ``recv``, add ``local`` (accumulation dtype), encode into ``out``; keep the sum if asked."""
     if local.dtype == np.float32:
@@ -153,7 +154,8 @@ def _hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.n
         sum_out[...] = total
 
 
-def _piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
+def message_piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
+    """Slice ``k``'s wire message within the chunk message ``buf`` (a view)."""
     return buf[sl.bytes[k] : sl.bytes[k + 1]]
 
 
@@ -188,7 +190,7 @@ def reduce_scatter(
     def post_receives(step: int) -> list[Request]:
         c = (r - step - 2) % p
         buf = recv_bufs[step % 2]
-        return [t.irecv(_piece(buf, slices[c], k), left, tag=step) for k in range(slices[c].nslices)]
+        return [t.irecv(message_piece(buf, slices[c], k), left, tag=step) for k in range(slices[c].nslices)]
 
     # Hop 0: encode our own values of chunk r-1 slice by slice, sending each as soon as it is ready.
     recvs = post_receives(0)
@@ -196,8 +198,8 @@ def reduce_scatter(
     lo = int(bounds[c0])
     for k in range(slices[c0].nslices):
         a, b = slices[c0].elems[k], slices[c0].elems[k + 1]
-        piece = _piece(send_bufs[0], slices[c0], k)
-        codec.encode(_local(x, lo + a, lo + b, acc_t).astype(np.float32, copy=False), fmt, block, out=piece)
+        piece = message_piece(send_bufs[0], slices[c0], k)
+        codec.encode(local_part(x, lo + a, lo + b, acc_t).astype(np.float32, copy=False), fmt, block, out=piece)
         sends[0].append(t.isend(piece, right, tag=0))
     for step in range(p - 1):
         c = (r - step - 2) % p
@@ -211,14 +213,14 @@ def reduce_scatter(
         for k in range(sl.nslices):
             recvs[k].wait()
             a, b = sl.elems[k], sl.elems[k + 1]
-            local = _local(x, lo + a, lo + b, acc_t)
-            recv = _piece(recv_bufs[step % 2], sl, k)
+            local = local_part(x, lo + a, lo + b, acc_t)
+            recv = message_piece(recv_bufs[step % 2], sl, k)
             if last:
-                _hop(recv, local, fmt, block, out=_piece(own, sl, k),
+                hop(recv, local, fmt, block, out=message_piece(own, sl, k),
                      sum_out=None if total is None else total[a:b])
             else:
-                out = _piece(send_bufs[(step + 1) % 2], sl, k)
-                _hop(recv, local, fmt, block, out=out, sum_out=None)
+                out = message_piece(send_bufs[(step + 1) % 2], sl, k)
+                hop(recv, local, fmt, block, out=out, sum_out=None)
                 sends[(step + 1) % 2].append(t.isend(out, right, tag=step + 1))
         recvs = nxt
     wait_all(sends[0] + sends[1])
@@ -245,24 +247,24 @@ def allgather(
     def decode_slice(c: int, k: int) -> None:
         sl, base = slices[c], int(elem_offs[c])
         a, b = base + sl.elems[k], base + sl.elems[k + 1]
-        codec.decode(_piece(slots[c], sl, k), int(b - a), fmt, block, out=values[a:b])
+        codec.decode(message_piece(slots[c], sl, k), int(b - a), fmt, block, out=values[a:b])
 
     right, left = (r + 1) % p, (r - 1) % p
     if own.ctypes.data != slots[r].ctypes.data:  # not written in place (gather_slot)
         slots[r][...] = own
     sends: list[Request] = []
     if p > 1:
-        sends = [t.isend(_piece(slots[r], slices[r], k), right, tag=0) for k in range(slices[r].nslices)]
+        sends = [t.isend(message_piece(slots[r], slices[r], k), right, tag=0) for k in range(slices[r].nslices)]
     for k in range(slices[r].nslices):
         decode_slice(r, k)
     for step in range(p - 1):
         c = (r - step - 1) % p
         sl = slices[c]
-        recvs = [t.irecv(_piece(slots[c], sl, k), left, tag=step) for k in range(sl.nslices)]
+        recvs = [t.irecv(message_piece(slots[c], sl, k), left, tag=step) for k in range(sl.nslices)]
         for k in range(sl.nslices):
             recvs[k].wait()
             if step < p - 2:
-                sends.append(t.isend(_piece(slots[c], sl, k), right, tag=step + 1))
+                sends.append(t.isend(message_piece(slots[c], sl, k), right, tag=step + 1))
             decode_slice(c, k)
     wait_all(sends)
     return values

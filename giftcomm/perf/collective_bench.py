@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -31,6 +31,7 @@ from ..formats import FORMATS, bytes_per_value
 from ..reference import simulate_allreduce
 from .sizes import format_size, parse_size, size_range
 
+SHARED_MEMORY = {"auto": None, "on": True, "off": False}  # --shared-memory -> MpiTransport(shared_memory=)
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
@@ -99,10 +100,14 @@ def _count_wrong(comm, y: np.ndarray, want: np.ndarray) -> int:
 def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
-                        slice_elems: int | None = None) -> list[Row]:
-    """Time and check allreduce for every size and format, plus the MPI fp32 baseline."""
+                        slice_elems: int | None = None, transport: Any = None) -> list[Row]:
+    """Time and check allreduce for every size and format, plus the MPI fp32 baseline.
+
+    ``transport``: what giftcomm's calls get as ``comm=`` (default ``comm`` itself), e.g. an
+    MpiTransport with the shared window switched off."""
     from mpi4py import MPI
 
+    transport = comm if transport is None else transport
     dtype = DTYPES[dtype_name]
     p = comm.size
     rows: list[Row] = []
@@ -120,7 +125,7 @@ def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str
         # than the decode itself.
         result_buf = np.empty_like(x)
         cases: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (fmt, lambda fmt=fmt: api.allreduce(x, comm=comm, op=op, fmt=fmt, block=block, algorithm=algorithm,
+            (fmt, lambda fmt=fmt: api.allreduce(x, comm=transport, op=op, fmt=fmt, block=block, algorithm=algorithm,
                                                  slice_elems=slice_elems, out=result_buf))
             for fmt in fmts
         ]
@@ -185,6 +190,9 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     ap.add_argument("--algorithm", default="auto", help="allreduce algorithm (auto, ring, direct, ...)")
     ap.add_argument("--slice-elems", type=int, default=None,
                     help="pipelining slice in values (default: automatic; changes speed, never results)")
+    ap.add_argument("--shared-memory", default="auto", choices=list(SHARED_MEMORY),
+                    help="zero-copy shared window when every rank is on one node (auto: yes unless "
+                         "$GIFTCOMM_SHARED_MEMORY=0); changes speed, never results")
     ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return ap
 
@@ -199,14 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     sizes = size_range(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     from mpi4py import MPI
 
+    from ..transport.mpi import MpiTransport
+
     comm = MPI.COMM_WORLD
+    transport = MpiTransport(comm, shared_memory=SHARED_MEMORY[args.shared_memory])
     if comm.rank == 0:
         link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
         print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} slice={args.slice_elems} "
               f"dtype={args.dtype} op={args.op} block={args.block} "
               f"iters={args.iters} (median of the slowest rank) warmup={args.warmup} check={args.check}")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
-              f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}")
+              f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}; shared window: "
+              f"{'yes (zero-copy ring/direct)' if transport.shared_memory else 'no (MPI messages)'}")
         tuning = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "FI_", "UCX_")))
         if tuning:
             print("# MPI settings from the environment (every row alike): " + " ".join(tuning))
@@ -222,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
                                args.check, args.seed, not args.no_progress, on_row, args.algorithm,
-                               args.slice_elems)
+                               args.slice_elems, transport)
+    transport.free()
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
         if args.check:

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .shared_window import SharedWindow, cached_window
+
 
 class Request(ABC):
     """A pending nonblocking send or receive."""
@@ -25,6 +27,9 @@ class Transport(ABC):
 
     rank: int
     size: int
+    shared_memory: bool = False
+    """True when every rank can map every other rank's memory, so that :meth:`shared_window`
+    gives a window (the same on every rank)."""
 
     @abstractmethod
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
@@ -53,6 +58,20 @@ class Transport(ABC):
         The default is one node for all ranks; MPI transports ask the MPI library.
         """
         return np.zeros(self.size, np.int64)
+
+    def shared_window(self, nbytes: int) -> SharedWindow | None:
+        """A window of at least ``nbytes`` bytes per rank that every rank maps, or None when the
+        ranks do not share memory (``shared_memory`` False; the default).
+
+        Collective, with the same ``nbytes`` on every rank. The window is kept and reused by
+        later calls; it is reallocated (and earlier views become invalid) only to grow. A
+        transport that can share memory sets ``shared_memory`` and defines
+        ``_allocate_window(nbytes) -> SharedWindow`` (collective).
+        """
+        allocate = getattr(self, "_allocate_window", None)
+        if not self.shared_memory or allocate is None:
+            return None
+        return cached_window(self, nbytes, allocate)
 
     def split(self, members: Sequence[int], name: str) -> "Transport":
         """A transport over the parent ranks ``members`` (which include this rank), cached by name.

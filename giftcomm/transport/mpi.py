@@ -7,6 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .base import Request, Transport
+from .shared_window import SharedWindow, enabled_by_env
 
 
 class _MpiRequest(Request):
@@ -20,14 +21,24 @@ class _MpiRequest(Request):
 
 
 class MpiTransport(Transport):
-    """Point-to-point over a private duplicate of ``comm``, so our tags never meet the caller's."""
+    """Point-to-point over a private duplicate of ``comm``, so our tags never meet the caller's.
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    shared_memory: use a node-shared MPI window (MPI_Win_allocate_shared) for zero-copy
+    allreduces when every rank is on one node. None (default): yes unless $GIFTCOMM_SHARED_MEMORY
+    is 0; False: never; True: always (ValueError when the ranks span nodes). Pass the same value
+    on every rank. Creating a transport is collective.
+    """
+
+    def __init__(self, comm: MPI.Comm, shared_memory: bool | None = None) -> None:
         self.user_comm = comm
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._nodes = self._find_nodes()
+        one_node = bool((self._nodes == 0).all())
+        if shared_memory and not one_node:
+            raise ValueError(f"shared_memory=True needs every rank on one node; these span {self._nodes.max() + 1}")
+        self.shared_memory = one_node and (enabled_by_env() if shared_memory is None else bool(shared_memory))
 
     def _find_nodes(self) -> np.ndarray:
         """Node index per rank from MPI_COMM_TYPE_SHARED (collective; done once, at creation)."""
@@ -53,6 +64,26 @@ class MpiTransport(Transport):
             cache[key] = t
         return cache[key]
 
+    def _allocate_window(self, nbytes: int) -> SharedWindow:
+        """MPI_Win_allocate_shared of ``nbytes`` per rank, in one passive-target epoch for its life
+        (MPI_Win_lock_all): the fence is MPI_Win_sync, a barrier, MPI_Win_sync, the separate-memory
+        -model-safe way to order plain loads and stores across ranks."""
+        win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
+        views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]
+        win.Lock_all(MPI.MODE_NOCHECK)
+        comm = self.comm
+
+        def fence() -> None:
+            win.Sync()
+            comm.Barrier()
+            win.Sync()
+
+        def release() -> None:
+            win.Unlock_all()
+            win.Free()
+
+        return SharedWindow(views, fence, release)
+
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
         return _MpiRequest(self.comm.Isend([buf, MPI.BYTE], dest, tag))
 
@@ -72,7 +103,11 @@ class MpiTransport(Transport):
         return self.comm.allgather(obj)
 
     def free(self) -> None:
-        """Release the private communicator (optional; MPI frees it at finalize)."""
+        """Release the shared window and the private communicator (collective; optional: MPI frees
+        them at finalize)."""
+        win = self.__dict__.pop("_giftcomm_window", None)
+        if win is not None:
+            win.release()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
