@@ -14,6 +14,7 @@ One wire message for ``count`` values (see docs/wire-format.md)::
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -102,6 +103,17 @@ def scales_offset(count: int, fmt: str | Format) -> int:
 
 def message_nbytes(count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> int:
     """Exact size in bytes of one wire message carrying ``count`` values."""
+    try:
+        return _message_nbytes(count, fmt, block)
+    except TypeError:  # an unhashable argument: let the checks name it if it is fmt or block
+        get_format(fmt)
+        check_block(block)
+        raise
+
+
+@functools.lru_cache(maxsize=4096)
+def _message_nbytes(count: int, fmt: str | Format, block: int) -> int:
+    # cached: every codec call asks, with the few sizes a training loop repeats
     f = get_format(fmt)
     if not f.scaled:
         return payload_nbytes(count, f)

@@ -48,6 +48,14 @@ extern const gc_kernels gc_kernels_generic;
 #if defined(GC_HAVE_X86_VARIANTS)
 extern const gc_kernels gc_kernels_avx2;
 extern const gc_kernels gc_kernels_avx512;
+extern const gc_kernels gc_kernels_avx512vbmi;
+
+/* Lookup tables of the avx512vbmi decode (gc_kernels.c), filled by gc_lut8_init() before any
+ * kernel runs: for FP8 magnitude codes m = 0..127 of e4m3 ([0]) and e5m2 ([1]), bytes 3 and 2 of
+ * the decoded float32 (its low two bytes are always zero); and the byte order that makes the
+ * in-lane unpacks emit values in order (see dec8_lut in gc_kernels.h). */
+extern uint8_t gc_lut8_hi[2][128], gc_lut8_lo[2][128], gc_lut8_order[64];
+void gc_lut8_init(void);
 #endif
 
 /* Bytes of the payload padded to 4 (scaled formats), i.e. the offset of the scales. */

@@ -45,6 +45,39 @@ GC_INLINE void K(enc8_block)(const float *restrict x, size_t len, uint8_t *restr
     gc_store_f32(scale_p, scale);
 }
 
+#if defined(GC_LUT8)
+#include <immintrin.h>
+/* Decode the first len - len % 64 codes of a block with a finite scale; returns that count.
+ * Every FP8 value's float32 bits have zero low 16 bits, so a value is two looked-up bytes
+ * (vpermi2b over the 128-entry tables, indexed by the code's low 7 bits) with the code's sign bit
+ * ORed into the top one, then multiplied by the scale: bit-identical to gc_d8(code) * scale.
+ * The codes are first put in gc_lut8_order, so the in-lane unpacks emit the values in order. */
+GC_INLINE size_t K(dec8_lut)(const uint8_t *restrict codes, size_t len, float scale,
+                             float *restrict out, const int e5)
+{
+    size_t whole = len & ~(size_t)63;
+    const __m512i lo0 = _mm512_load_si512(gc_lut8_lo[e5]), lo1 = _mm512_load_si512(gc_lut8_lo[e5] + 64);
+    const __m512i hi0 = _mm512_load_si512(gc_lut8_hi[e5]), hi1 = _mm512_load_si512(gc_lut8_hi[e5] + 64);
+    const __m512i order = _mm512_load_si512(gc_lut8_order), sign = _mm512_set1_epi8((char)0x80);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 s = _mm512_set1_ps(scale);
+    for (size_t i = 0; i < whole; i += 64) {
+        __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+        __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0xF8); /* a|b&c */
+        __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), s));
+        _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), s));
+        _mm512_storeu_ps(out + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), s));
+        _mm512_storeu_ps(out + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), s));
+    }
+    return whole;
+}
+#define GC_LUT8_DECODE 1
+#else
+#define GC_LUT8_DECODE 0
+#endif
+
 /* Decode one block: out[i] = float(code) * scale (numpy's operand order for NaN results). */
 GC_INLINE void K(dec8_block)(const uint8_t *restrict codes, size_t len, float scale,
                              float *restrict out, const int e5)
@@ -57,7 +90,11 @@ GC_INLINE void K(dec8_block)(const uint8_t *restrict codes, size_t len, float sc
         }
         return;
     }
-    for (size_t i = 0; i < len; i++)
+    size_t i0 = 0;
+#if defined(GC_LUT8)
+    i0 = K(dec8_lut)(codes, len, scale, out, e5);
+#endif
+    for (size_t i = i0; i < len; i++)
         out[i] = gc_d8(codes[i], e5) * scale;
 }
 
@@ -112,7 +149,7 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
         float *dst = sum_out ? sum_out + i0 : tmp;
         uint32_t m = 0;
         GC_PREFETCH_AHEAD(l, len, n - i0);
-        if (gc_isnan(scale)) { /* non-finite input block: rare, decode separately */
+        if (GC_LUT8_DECODE || gc_isnan(scale)) { /* decode first: table lookups, or a NaN scale */
             K(dec8_block)(c, len, scale, tmp, e5);
             for (size_t i = 0; i < len; i++) {
                 float s = gc_addf(tmp[i], l[i]);
@@ -153,6 +190,14 @@ GC_INLINE void K(acc8)(const uint8_t *msg, size_t n, float *acc, size_t block, c
             for (size_t i = 0; i < len; i++) {
                 float v = gc_d8(c[i], e5);
                 a[i] = gc_addf(a[i], gc_isnan(v) ? v : q);
+            }
+        } else if (GC_LUT8_DECODE) { /* table decode into L1 scratch, then add */
+            float buf[256];
+            for (size_t j0 = 0; j0 < len; j0 += 256) {
+                size_t m = len - j0 < 256 ? len - j0 : 256;
+                K(dec8_block)(c + j0, m, scale, buf, e5);
+                for (size_t i = 0; i < m; i++)
+                    a[j0 + i] = gc_addf(a[j0 + i], buf[i]);
             }
         } else {
             for (size_t i = 0; i < len; i++)
@@ -280,3 +325,4 @@ const gc_kernels GC_CAT(gc_kernels, GC_SUFFIX) = {
 #undef K
 #undef GC_CAT
 #undef GC_CAT2
+#undef GC_LUT8_DECODE

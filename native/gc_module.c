@@ -17,7 +17,7 @@
  * msg_out, or sum_out is local) is allowed; partial overlap is not.
  *
  * Private helpers for tests and benchmarks: _isa() -> the kernel variant in use ("generic",
- * "avx2", "avx512"); _isas() -> the variants this CPU can run; _set_isa(name). The variant is
+ * "avx2", "avx512", "avx512vbmi"); _isas() -> the variants this CPU can run; _set_isa(name). The variant is
  * chosen at import: the best one the CPU supports, or GIFTCOMM_NATIVE_ISA if set (an unknown or
  * unsupported name warns and is ignored).
  */
@@ -39,16 +39,19 @@ static int isa_supported(const gc_kernels *k)
     __builtin_cpu_init();
     if (k == &gc_kernels_avx2)
         return __builtin_cpu_supports("avx2");
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     if (k == &gc_kernels_avx512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        return avx512;
+    if (k == &gc_kernels_avx512vbmi)
+        return avx512 && __builtin_cpu_supports("avx512vbmi");
 #endif
     return 0;
 }
 
 static const gc_kernels *const g_all[] = {
 #if defined(GC_HAVE_X86_VARIANTS)
-    &gc_kernels_avx512, &gc_kernels_avx2,
+    &gc_kernels_avx512vbmi, &gc_kernels_avx512, &gc_kernels_avx2,
 #endif
     &gc_kernels_generic,
 };
@@ -360,6 +363,9 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__codec_native(void)
 {
+#if defined(GC_HAVE_X86_VARIANTS)
+    gc_lut8_init();
+#endif
     for (size_t i = 0; i < N_ISAS; i++) { /* best supported variant first */
         if (isa_supported(g_all[i])) {
             g_kernels = g_all[i];
@@ -371,7 +377,7 @@ PyMODINIT_FUNC PyInit__codec_native(void)
     if (mod && env && *env) {
         int r = set_isa(env);
         if (r < 0 && PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "GIFTCOMM_NATIVE_ISA=%s ignored: %s; using %s", env,
-                                      r == -1 ? "unknown kernel variant (generic, avx2, avx512)"
+                                      r == -1 ? "unknown kernel variant (generic, avx2, avx512, avx512vbmi)"
                                               : "not supported by this CPU",
                                       g_kernels->name) < 0) {
             Py_DECREF(mod);

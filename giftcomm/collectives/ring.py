@@ -88,11 +88,13 @@ class RingLayout:
 
     ``slices[c]``: chunk c's :class:`SlicedMessage`; ``msg_offs[c]:msg_offs[c+1]``: chunk c's
     message in the allgather buffer (bytes); ``elem_offs[c]:elem_offs[c+1]``: its values in the
-    gathered vector. Arrays are read-only (the layout is cached and shared)."""
+    gathered vector; ``biggest``: the largest chunk message (bytes), the size of a hop buffer.
+    Arrays are read-only (the layout is cached and shared)."""
 
     slices: tuple[SlicedMessage, ...]
     msg_offs: np.ndarray
     elem_offs: np.ndarray
+    biggest: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,7 +106,7 @@ def _ring_layout(counts_key: bytes, fmt: Format, block: int, slice_elems: int) -
     elem_offs = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=elem_offs[1:])
     msg_offs.flags.writeable = elem_offs.flags.writeable = False
-    return RingLayout(slices, msg_offs, elem_offs)
+    return RingLayout(slices, msg_offs, elem_offs, max(s.nbytes for s in slices))
 
 
 def layout_of(counts: np.ndarray, fmt: Format, block: int, slice_elems: int) -> RingLayout:
@@ -172,7 +174,8 @@ def reduce_scatter(
     """
     p, r = t.size, t.rank
     counts = bounds[1:] - bounds[:-1]
-    slices = layout_of(counts, fmt, block, slice_elems).slices
+    layout = layout_of(counts, fmt, block, slice_elems)
+    slices, biggest = layout.slices, layout.biggest
     ws = workspace_of(t)
     own_sl = slices[r]
     own = owner_buffer(t, own_sl.nbytes, own_out)
@@ -182,7 +185,6 @@ def reduce_scatter(
         return (part.astype(acc_t) if keep_sum else None), encode_sliced(part, own_sl, fmt, block, own)
     total = np.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
-    biggest = max(s.nbytes for s in slices)
     send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
     recv_bufs = [ws.get("recv0", biggest), ws.get("recv1", biggest)]
     sends: list[list[Request]] = [[], []]

@@ -37,7 +37,7 @@ def window_nbytes(layout: RingLayout, direct: bool) -> int:
     """Bytes per rank of the window for one allreduce (the same on every rank)."""
     if direct:
         return int(layout.msg_offs[-1])
-    return 3 * max(s.nbytes for s in layout.slices)
+    return 3 * layout.biggest
 
 
 def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.ndarray, layout: RingLayout,
@@ -45,7 +45,7 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
     """The ring reduce-scatter into the window; returns every rank's owner message (views)."""
     p, r = t.size, t.rank
     slices, views = layout.slices, win.views
-    step = max(s.nbytes for s in slices)
+    step = layout.biggest
 
     def part(q: int, i: int, c: int) -> np.ndarray:  # rank q's slot i, holding a message of chunk c
         return views[q][i * step : i * step + slices[c].nbytes]
