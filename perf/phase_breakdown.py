@@ -1,9 +1,10 @@
 """Where the time of one host allreduce goes, per rank: codec calls, waits, agreement, the rest.
 
 Usage: mpiexec -n P python perf/phase_breakdown.py [--count N] [--iters K] [--fmt e4m3]
+                                                    [--shared-memory auto|off]
 
-Wraps giftcomm.codec's encode/decode/decode_add_encode and the MPI transport's request waits,
-isend/irecv and agreement allgather with timers, then times K calls of
+Wraps giftcomm.codec's encode/decode/decode_add_encode, the MPI transport's request waits,
+isend/irecv and agreement allgather, and the shared window's fence with timers, then times K calls of
 ``giftcomm.allreduce(x, out=out)`` (each after a barrier) on N float32 values. Prints, per rank,
 the mean microseconds per call in each part; "other" is the rest (Python, slicing, the result).
 A diagnostic, not a benchmark: the timers add about a microsecond per wrapped call.
@@ -21,6 +22,7 @@ from mpi4py import MPI
 import giftcomm
 from giftcomm import codec
 from giftcomm.transport import mpi as mpi_transport
+from giftcomm.transport.shared_window import SharedWindow
 
 _spent: collections.Counter[str] = collections.Counter()
 
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=1 << 20, help="float32 values per rank (default 1M = 4 MiB)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--fmt", default="e4m3")
+    ap.add_argument("--shared-memory", default="auto", choices=["auto", "off"],
+                    help="zero-copy shared window on one node (auto) or MPI messages (off)")
     args = ap.parse_args()
     for name in ("encode", "decode", "decode_add_encode"):
         _timed(codec, name, name)
@@ -50,26 +54,29 @@ def main() -> None:
     for name in ("isend", "irecv"):
         _timed(mpi_transport.MpiTransport, name, name)
     _timed(mpi_transport.MpiTransport, "allgather_int64", "agreement")
-    comm = MPI.COMM_WORLD
+    _timed(SharedWindow, "fence", "fence")
+    comm = mpi_transport.MpiTransport(MPI.COMM_WORLD, shared_memory=None if args.shared_memory == "auto" else False)
     x = np.random.default_rng(comm.rank).standard_normal(args.count).astype(np.float32)
     out = np.empty_like(x)
     for _ in range(5):
-        giftcomm.allreduce(x, out=out, fmt=args.fmt)
+        giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt)
     _spent.clear()
     total = 0.0
     for _ in range(args.iters):
-        comm.Barrier()
+        comm.comm.Barrier()
         t0 = time.perf_counter()
-        giftcomm.allreduce(x, out=out, fmt=args.fmt)
+        giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt)
         total += time.perf_counter() - t0
-    rows = comm.gather((total, dict(_spent)))
+    rows = comm.comm.gather((total, dict(_spent)))
     if comm.rank == 0:
-        print(f"# P={comm.size} count={args.count} fmt={args.fmt} iters={args.iters}: mean us per call")
+        print(f"# P={comm.size} count={args.count} fmt={args.fmt} iters={args.iters} shared window: "
+              f"{'yes' if comm.shared_memory else 'no'}: mean us per call")
         for r, (t, parts) in enumerate(rows):
             us = {k: v / args.iters * 1e6 for k, v in sorted(parts.items())}
             other = t / args.iters * 1e6 - sum(us.values())
             print(f"rank {r}: total {t / args.iters * 1e6:.0f}  " + "  ".join(f"{k} {v:.0f}" for k, v in us.items())
                   + f"  other {other:.0f}")
+    comm.free()
 
 
 if __name__ == "__main__":
