@@ -15,20 +15,24 @@
 #define GC_CAT(a, b) GC_CAT2(a, b)
 #define K(name) GC_CAT(name, GC_SUFFIX)
 
-/* max |bits| of len float32 values */
-GC_INLINE uint32_t K(amax_bits)(const float *restrict x, size_t len)
+/* max |bits| of len float32 values, and the min at *least */
+GC_INLINE uint32_t K(amax_bits)(const float *restrict x, size_t len, uint32_t *least)
 {
-    uint32_t m = 0;
+    uint32_t m = 0, lo = 0xffffffffu;
     for (size_t i = 0; i < len; i++) {
         uint32_t a = gc_bits(x[i]) & 0x7fffffffu;
         m = a > m ? a : m;
+        lo = a < lo ? a : lo;
     }
+    *least = lo;
     return m;
 }
 
-/* Encode one block of len values whose amax bits are m: codes[len] and the scale at scale_p. */
+/* Encode one block of len values whose max and min |bits| are m and lo: codes[len] and the scale
+ * at scale_p. When even the smallest scaled value is a normal FP8 value (the usual case: no zero,
+ * no value 2^6 times below the block's amax), the subnormal path is left out of the loop. */
 GC_INLINE void K(enc8_block)(const float *restrict x, size_t len, uint8_t *restrict codes,
-                             uint8_t *scale_p, uint32_t m, const int e5)
+                             uint8_t *scale_p, uint32_t m, uint32_t lo, const int e5)
 {
     if (m >= 0x7f800000u) { /* NaN or Inf in the block */
         memset(codes, 0x7f, len);
@@ -40,8 +44,13 @@ GC_INLINE void K(enc8_block)(const float *restrict x, size_t len, uint8_t *restr
         scale = amax / GC8_FMAX(e5);
         inv = GC8_FMAX(e5) / amax;
     }
-    for (size_t i = 0; i < len; i++)
-        codes[i] = (uint8_t)gc_q8(gc_bits(x[i] * inv), e5);
+    if ((gc_bits(gc_float(lo) * inv) & 0x7fffffffu) >= GC8_MINNORM(e5)) { /* |x| * inv rounds as x * inv */
+        for (size_t i = 0; i < len; i++)
+            codes[i] = (uint8_t)gc_q8_normal(gc_bits(x[i] * inv), e5);
+    } else {
+        for (size_t i = 0; i < len; i++)
+            codes[i] = (uint8_t)gc_q8(gc_bits(x[i] * inv), e5);
+    }
     gc_store_f32(scale_p, scale);
 }
 
@@ -120,8 +129,8 @@ GC_INLINE void K(encode8)(const float *x, size_t n, uint8_t *msg, size_t block, 
     memset(msg + n, 0, off - n);
     for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
         size_t len = n - i0 < block ? n - i0 : block;
-        uint32_t m = K(amax_bits)(x + i0, len);
-        K(enc8_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, e5);
+        uint32_t lo, m = K(amax_bits)(x + i0, len, &lo);
+        K(enc8_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, lo, e5);
     }
 }
 
@@ -144,10 +153,10 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
         const uint8_t *c = msg_in + i0;
         const float *l = local + i0;
         float scale = gc_load_f32(msg_in + off + 4 * b);
-        /* pass 1: sum into block-local scratch (or sum_out) and its amax; everything of this
+        /* pass 1: sum into block-local scratch (or sum_out) and its max and min |bits|; everything of this
          * block is read from msg_in before msg_out is written (they may be the same buffer) */
         float *dst = sum_out ? sum_out + i0 : tmp;
-        uint32_t m = 0;
+        uint32_t m = 0, lo = 0xffffffffu;
         GC_PREFETCH_AHEAD(l, len, n - i0);
         if (GC_LUT8_DECODE || gc_isnan(scale)) { /* decode first: table lookups, or a NaN scale */
             K(dec8_block)(c, len, scale, tmp, e5);
@@ -156,6 +165,7 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
                 dst[i] = s;
                 uint32_t a = gc_bits(s) & 0x7fffffffu;
                 m = a > m ? a : m;
+                lo = a < lo ? a : lo;
             }
         } else if (sum_out) {
             for (size_t i = 0; i < len; i++) {
@@ -163,6 +173,7 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
                 dst[i] = s;
                 uint32_t a = gc_bits(s) & 0x7fffffffu;
                 m = a > m ? a : m;
+                lo = a < lo ? a : lo;
             }
         } else {
             for (size_t i = 0; i < len; i++) {
@@ -170,10 +181,11 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
                 tmp[i] = s;
                 uint32_t a = gc_bits(s) & 0x7fffffffu;
                 m = a > m ? a : m;
+                lo = a < lo ? a : lo;
             }
         }
         /* pass 2: encode the block from L1 */
-        K(enc8_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, e5);
+        K(enc8_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, lo, e5);
     }
 }
 

@@ -6,6 +6,7 @@
  *
  *   gc_q8      float32 bits (finite, already scaled) -> FP8 code: clip to +-max, round to nearest
  *              even (subnormal FP8 results included), keep the sign of zero.
+ *   gc_q8_normal  the same for |value| >= the smallest normal FP8 value only (no subnormal path).
  *   gc_d8      FP8 code -> float32 (exact; NaN codes give ml_dtypes' +-0x7FC00000, e5m2 Inf codes Inf).
  *   gc_ebf16   float32 bits -> bfloat16 bits: round to nearest even; NaN -> sign|0x7FC0 (as ml_dtypes).
  *   gc_dbf16   bfloat16 bits -> float32 (shift).
@@ -40,14 +41,27 @@ GC_INLINE float gc_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 #define GC8_FMAX(e5) ((e5) ? 57344.0f : 448.0f)
 #define GC8_TINY(e5) ((e5) ? 0x1.cp-111f : 0x1.cp-118f)       /* max * 2^-126, exact */
 
+/* the normal-result path of gc_q8 alone: right for |y| >= the smallest normal FP8 value */
+GC_INLINE uint32_t gc_q8_rn(uint32_t a, const int e5)
+{
+    /* round the fp32 mantissa to 3 (2) bits, nearest even, then rebias */
+    return ((a + ((1u << (GC8_SHIFT(e5) - 1u)) - 1u) + ((a >> GC8_SHIFT(e5)) & 1u)) >> GC8_SHIFT(e5))
+           - GC8_EBIAS(e5);
+}
+
+GC_INLINE uint32_t gc_q8_normal(uint32_t u, const int e5)
+{
+    uint32_t a = u & 0x7fffffffu;
+    a = a < GC8_MAXBITS(e5) ? a : GC8_MAXBITS(e5);
+    return gc_q8_rn(a, e5) | ((u >> 24) & 0x80u);
+}
+
 GC_INLINE uint32_t gc_q8(uint32_t u, const int e5)
 {
     uint32_t s = (u >> 24) & 0x80u;
     uint32_t a = u & 0x7fffffffu;
     a = a < GC8_MAXBITS(e5) ? a : GC8_MAXBITS(e5); /* clip(-max, max); no NaN reaches here */
-    /* normal FP8 result: round the fp32 mantissa to 3 (2) bits, nearest even, then rebias */
-    uint32_t rn = ((a + ((1u << (GC8_SHIFT(e5) - 1u)) - 1u) + ((a >> GC8_SHIFT(e5)) & 1u)) >> GC8_SHIFT(e5))
-                  - GC8_EBIAS(e5);
+    uint32_t rn = gc_q8_rn(a, e5);
     /* subnormal FP8 result: adding 2^23 * step rounds a to a multiple of the subnormal step (RNE,
      * done by the FPU); the low bits are then the code. Reaching 2^-6 (2^-14) gives the smallest
      * normal code, so the two paths meet exactly. */
