@@ -19,13 +19,13 @@ for p in 2 4; do
     if [ "$p" -gt "$(nproc)" ]; then
         yield_env=(env MPIR_CVAR_ENABLE_HEAVY_YIELD=1 MPIR_CVAR_POLLS_BEFORE_YIELD=1)
     fi
-    run $R/shm-p$p.txt "${yield_env[@]}" mpiexec -n $p python -m giftcomm.perf allreduce -b 64K -e 256M -f 2 \
-        --fmt e4m3,bf16,fp32 -n 10 -w 2 --no-progress --json $R/shm-p$p.json --label "shared memory P=$p"
+    run $R/shm-window-p$p-run1.txt "${yield_env[@]}" mpiexec -n $p python -m giftcomm.perf allreduce -b 64K -e 256M -f 2 \
+        --fmt e4m3,bf16,fp32 -n 10 -w 2 --no-progress --json $R/shm-window-p$p.json --label "shared memory P=$p"
 done
 for rate in 1gbit 10gbit; do
     run $R/netbed-$rate-p4.txt perf/netbed run --hosts 4 --rate $rate --timeout 900 -- \
         python -m giftcomm.perf allreduce -b 16M -e 256M -f 2 --fmt e4m3,bf16,fp32 -n 3 -w 1 \
         --no-progress --json $R/netbed-$rate-p4.json --label "netbed $rate"
 done
-python -m giftcomm.perf plot $R/shm-p2.json $R/shm-p4.json $R/netbed-1gbit-p4.json $R/netbed-10gbit-p4.json \
+python -m giftcomm.perf plot $R/shm-window-p2.json $R/shm-window-p4.json $R/netbed-1gbit-p4.json $R/netbed-10gbit-p4.json \
     -o docs/busbw.png
