@@ -153,7 +153,9 @@ def _allreduce_flat(t: Transport, flat: np.ndarray, fmt: Format, block: int, alg
     acc_t = accumulation_dtype(flat.dtype)
     bounds = shared_chunk_bounds(flat.size, t.size, block)
     if t.shared_memory and algorithm in ("ring", "direct"):
-        return shared.allreduce(t, flat, bounds, fmt, block, acc_t, slice_elems, direct=algorithm == "direct", out=out)
+        total = shared.allreduce(t, flat, bounds, fmt, block, acc_t, slice_elems, direct=algorithm == "direct", out=out)
+        if total is not None:  # None: no room for the window (every rank alike); send messages
+            return total
     if algorithm == "doubling":
         return doubling.allreduce(t, flat, fmt, block, acc_t)
     if algorithm.startswith("hierarchical"):

@@ -50,13 +50,24 @@ def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, n, fmt):
     assert_identical_everywhere(comm, y)
 
 
+@pytest.fixture(params=["window", "messages"])
+def transport(request, comm):
+    """An MpiTransport with the shared window (when every rank is on one node) or without it."""
+    from giftcomm.transport.mpi import MpiTransport
+
+    t = MpiTransport(comm, shared_memory=None if request.param == "window" else False)
+    yield t
+    t.free()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("op", ["sum", "avg"])
-def test_dtypes_and_ops(comm, shared_rng, dtype, op):
-    xs = [shared_rng.standard_normal((33, 17)).astype(dtype) for _ in range(comm.size)]
-    y = gc.allreduce(xs[comm.rank], comm=comm, op=op, block=64)
-    assert digest(y) == digest(simulate_allreduce(xs, block=64, op=op)[comm.rank])
-    assert_identical_everywhere(comm, y)
+def test_dtypes_and_ops(transport, shared_rng, dtype, op):
+    xs = [shared_rng.standard_normal((33, 17)).astype(dtype) for _ in range(transport.size)]
+    for algorithm in ("ring", "direct"):
+        y = gc.allreduce(xs[transport.rank], comm=transport, op=op, block=64, algorithm=algorithm)
+        assert digest(y) == digest(simulate_allreduce(xs, block=64, op=op, algorithm=algorithm)[transport.rank])
+        assert_identical_everywhere(transport.comm, y)
 
 
 def test_reduce_scatter_then_allgather(comm, shared_rng):
@@ -117,11 +128,11 @@ def test_hundred_million_elements(comm):
 
 
 @pytest.mark.parametrize("slice_elems", [256, 256 * 7, 1 << 18])
-def test_pipelined_slices_over_mpi(comm, shared_rng, slice_elems):
-    xs = [shared_rng.standard_normal(256 * 61 + 17).astype(np.float32) for _ in range(comm.size)]
-    y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=slice_elems)
-    assert digest(y) == digest(simulate_allreduce(xs)[comm.rank])
-    assert_identical_everywhere(comm, y)
+def test_pipelined_slices_over_mpi(transport, shared_rng, slice_elems):
+    xs = [shared_rng.standard_normal(256 * 61 + 17).astype(np.float32) for _ in range(transport.size)]
+    y = gc.allreduce(xs[transport.rank], comm=transport, slice_elems=slice_elems, algorithm="ring")
+    assert digest(y) == digest(simulate_allreduce(xs, algorithm="ring")[transport.rank])
+    assert_identical_everywhere(transport.comm, y)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "auto"])
@@ -185,4 +196,27 @@ def test_ranks_that_disagree_on_shared_memory_raise_on_every_rank(comm, shared_r
         with pytest.raises(ValueError, match="disagree on shared_memory") as info:
             gc.allreduce(x, comm=t)
         assert len(set(comm.allgather(str(info.value)))) == 1
+    t.free()
+
+
+def test_no_room_for_the_window_falls_back_to_messages_on_every_rank(comm, shared_rng, monkeypatch):
+    """A /dev/shm too small for the window (rank 0 checks): every rank warns nothing but rank 0,
+    switches the window off, and the result is still the simulation's bytes."""
+    import warnings
+
+    import giftcomm.transport.mpi as mpi_mod
+
+    monkeypatch.setattr(mpi_mod, "shm_room", lambda total: (False, 1 << 20))
+    t = mpi_mod.MpiTransport(comm)
+    shared_before = t.shared_memory
+    xs = [shared_rng.standard_normal(70001).astype(np.float32) for _ in range(comm.size)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = gc.allreduce(xs[comm.rank], comm=t, algorithm="ring")
+    assert digest(y) == digest(simulate_allreduce(xs, algorithm="ring")[comm.rank])
+    assert t.shared_memory is False
+    said = [str(w.message) for w in caught if "shared window needs" in str(w.message)]
+    assert len(said) == (1 if comm.rank == 0 and shared_before else 0), said
+    y2 = gc.allreduce(xs[comm.rank], comm=t, algorithm="direct")  # later calls: messages, agreed everywhere
+    assert digest(y2) == digest(simulate_allreduce(xs, algorithm="direct")[comm.rank])
     t.free()

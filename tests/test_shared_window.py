@@ -15,7 +15,7 @@ from giftcomm import api
 from giftcomm.collectives import shared
 from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce
-from giftcomm.transport.shared_window import ENV_SWITCH, enabled_by_env, grown_size
+from giftcomm.transport.shared_window import ENV_SWITCH, enabled_by_env, grown_size, shm_room
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -148,9 +148,15 @@ def test_ranks_that_disagree_on_shared_memory_raise_alike(rng):
 def test_message_only_transports_have_no_window():
     t = gc.LoopbackGroup(1).transports[0]
     assert t.shared_memory is False and t.shared_window(100) is None
-    with pytest.raises(ValueError, match="no shared window"):
-        shared.allreduce(t, np.zeros(4, np.float32), np.array([0, 4]), get_format("e4m3"), 256,
-                         np.dtype(np.float32), 256)
+    assert shared.allreduce(t, np.zeros(4, np.float32), np.array([0, 4]), get_format("e4m3"), 256,
+                            np.dtype(np.float32), 256) is None
+
+
+def test_shm_room(tmp_path):
+    ok, free = shm_room(1, str(tmp_path))
+    assert ok and free > 0
+    assert not shm_room(free + (1 << 40), str(tmp_path))[0]
+    assert shm_room(1 << 60, str(tmp_path / "missing"))[0]  # no such file system: not our check to make
 
 
 def test_env_switch_and_window_rounding(monkeypatch):

@@ -102,15 +102,16 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
 def allreduce(
     t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
     slice_elems: int, direct: bool = False, out: np.ndarray | None = None,
-) -> np.ndarray:
+) -> np.ndarray | None:
     """The decoded float32 sum of ``x`` (1-D, contiguous, any float dtype) over all ranks, by the
     ring (or, ``direct``, the direct) algorithm through ``t``'s shared window; ``out`` (float32,
-    ``x.size``) if given. Requires ``t.shared_memory``; collective."""
+    ``x.size``) if given. Collective. None, on every rank, when ``t`` has no window to give
+    (``shared_memory`` off, or no room for the window): the caller then sends messages."""
     counts = bounds[1:] - bounds[:-1]
     layout = layout_of(counts, fmt, block, slice_elems)
     win = t.shared_window(window_nbytes(layout, direct))
     if win is None:
-        raise ValueError(f"{type(t).__name__} has no shared window (its ranks do not share memory)")
+        return None
     scatter = _direct_scatter if direct else _ring_scatter
     owners = scatter(t, win, x, bounds, layout, fmt, block, acc_t)
     values = np.empty(int(layout.elem_offs[-1]), np.float32) if out is None else out

@@ -1,13 +1,14 @@
 """Transport over an mpi4py communicator (host memory buffers)."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .base import Request, Transport
-from .shared_window import SharedWindow, enabled_by_env
+from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, shm_room
 
 
 class _MpiRequest(Request):
@@ -64,10 +65,22 @@ class MpiTransport(Transport):
             cache[key] = t
         return cache[key]
 
-    def _allocate_window(self, nbytes: int) -> SharedWindow:
+    def _allocate_window(self, nbytes: int) -> SharedWindow | None:
         """MPI_Win_allocate_shared of ``nbytes`` per rank, in one passive-target epoch for its life
         (MPI_Win_lock_all): the fence is MPI_Win_sync, a barrier, MPI_Win_sync, the separate-memory
-        -model-safe way to order plain loads and stores across ranks."""
+        -model-safe way to order plain loads and stores across ranks.
+
+        None, with a warning and ``shared_memory`` switched off on every rank, when /dev/shm
+        cannot hold the window (rank 0 checks and tells the others: one decision everywhere)."""
+        room, free = self.comm.bcast(shm_room(nbytes * self.size) if self.rank == 0 else None)
+        if not room:
+            self.shared_memory = False
+            if self.rank == 0:
+                warnings.warn(f"giftcomm: {SHM_DIR} has {free >> 20} MiB free but the shared window needs "
+                              f"{nbytes * self.size >> 20} MiB; allreduces use MPI messages from now on "
+                              f"(enlarge {SHM_DIR}, e.g. docker run --shm-size, or set GIFTCOMM_SHARED_MEMORY=0)",
+                              RuntimeWarning, stacklevel=2)
+            return None
         win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
         views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]
         win.Lock_all(MPI.MODE_NOCHECK)

@@ -51,13 +51,30 @@ def grown_size(nbytes: int) -> int:
     return max(step, -(-int(nbytes) // step) * step)
 
 
-def cached_window(owner: object, nbytes: int, allocate: Callable[[int], SharedWindow]) -> SharedWindow:
+def cached_window(owner: object, nbytes: int, allocate: Callable[[int], SharedWindow | None]) -> SharedWindow | None:
     """The window kept on ``owner`` (a transport), reallocated with ``allocate(size)`` when it is
     smaller than ``nbytes``. Collective when it reallocates; since every rank asks for the same
-    ``nbytes``, every rank reallocates at the same call."""
+    ``nbytes``, every rank reallocates at the same call. None when ``allocate`` gives none (it
+    must then do so on every rank)."""
     win = owner.__dict__.get("_giftcomm_window")
     if win is None or win.nbytes < nbytes:
         if win is not None:
             win.release()
         win = owner.__dict__["_giftcomm_window"] = allocate(grown_size(nbytes))
     return win
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_room(total_bytes: int, where: str = SHM_DIR) -> tuple[bool, int]:
+    """Whether the shared-memory file system ``where`` has ``total_bytes`` free (a window there is
+    only backed by pages when touched: a full one kills the process with SIGBUS instead of failing
+    the allocation), and how many bytes it has. True when ``where`` does not exist (the MPI
+    library then uses other memory)."""
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return True, -1
+    free = st.f_bavail * st.f_frsize
+    return free >= total_bytes, free
