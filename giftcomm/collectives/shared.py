@@ -50,13 +50,12 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
     def part(q: int, i: int, c: int) -> np.ndarray:  # rank q's slot i, holding a message of chunk c
         return views[q][i * step : i * step + slices[c].nbytes]
 
+    # encode_sliced casts slice by slice to float32 (no chunk-sized copy for 16-bit input)
     if p == 1:
-        lo = int(bounds[0])
-        encode_sliced(local_part(x, lo, int(bounds[1]), acc_t), slices[0], fmt, block, part(0, 2, 0))
+        encode_sliced(x[int(bounds[0]) : int(bounds[1])], slices[0], fmt, block, part(0, 2, 0))
         return [part(0, 2, 0)]
     left = (r - 1) % p
-    c0, lo0 = left, int(bounds[left])
-    encode_sliced(local_part(x, lo0, int(bounds[left + 1]), acc_t), slices[c0], fmt, block, part(r, 0, c0))
+    encode_sliced(x[int(bounds[left]) : int(bounds[left + 1])], slices[left], fmt, block, part(r, 0, left))
     win.fence()
     for s in range(p - 1):
         c = (r - s - 2) % p
