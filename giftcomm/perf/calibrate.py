@@ -131,8 +131,6 @@ def _pingpong(comm, me: int, a: int, b: int, sizes: list[int], reps_small: int, 
 
     Called by a and b only. Each size runs at least 3 round trips, at most ``reps_small``, and for
     about ``budget_s`` seconds."""
-    from mpi4py import MPI
-
     peer = b if me == a else a
     out = []
     for size in sizes:
@@ -141,28 +139,28 @@ def _pingpong(comm, me: int, a: int, b: int, sizes: list[int], reps_small: int, 
         # the repetition count and tells b
         trial = 0.0
         for _ in range(3):
-            t0 = time.perf_counter()
-            if me == a:
-                comm.Send([buf, MPI.BYTE], peer, 7)
-                comm.Recv([buf, MPI.BYTE], peer, 7)
-            else:
-                comm.Recv([buf, MPI.BYTE], peer, 7)
-                comm.Send([buf, MPI.BYTE], peer, 7)
-            trial = time.perf_counter() - t0
+            trial = _round_trip(comm, me, a, peer, buf)
         reps = int(min(reps_small, max(3, budget_s / max(trial, 1e-7)))) if me == a else None
         reps = _exchange_int(comm, me, a, peer, reps)
         times = []
         for _ in range(reps):
-            t0 = time.perf_counter()
-            if me == a:
-                comm.Send([buf, MPI.BYTE], peer, 7)
-                comm.Recv([buf, MPI.BYTE], peer, 7)
-            else:
-                comm.Recv([buf, MPI.BYTE], peer, 7)
-                comm.Send([buf, MPI.BYTE], peer, 7)
-            times.append(time.perf_counter() - t0)
+            times.append(_round_trip(comm, me, a, peer, buf))
         out.append(STAT[0](times) / 2)
     return out
+
+
+def _round_trip(comm, me: int, a: int, peer: int, buf: np.ndarray) -> float:
+    """One ping-pong of ``buf`` between a (sends first) and its peer; seconds it took here."""
+    from mpi4py import MPI  # lazily, as everywhere in the perf tools
+
+    t0 = time.perf_counter()
+    if me == a:
+        comm.Send([buf, MPI.BYTE], peer, 7)
+        comm.Recv([buf, MPI.BYTE], peer, 7)
+    else:
+        comm.Recv([buf, MPI.BYTE], peer, 7)
+        comm.Send([buf, MPI.BYTE], peer, 7)
+    return time.perf_counter() - t0
 
 
 def _exchange_int(comm, me: int, a: int, peer: int, value: int | None) -> int:

@@ -49,16 +49,15 @@ class _TimedGeometry:
         return self.g.fingerprint()
 
     def forward(self, flat: np.ndarray) -> np.ndarray:
-        t0 = time.perf_counter()
-        try:
-            return self.g.forward(flat)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        return self._timed(self.g.forward, flat)
 
     def inverse(self, flat: np.ndarray) -> np.ndarray:
+        return self._timed(self.g.inverse, flat)
+
+    def _timed(self, apply, flat: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         try:
-            return self.g.inverse(flat)
+            return apply(flat)
         finally:
             self.seconds += time.perf_counter() - t0
 
