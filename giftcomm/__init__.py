@@ -9,7 +9,13 @@ from .geometry import Geometry
 from .partition import chunk_bounds
 from .transport import LoopbackGroup, Transport
 
-__version__ = "0.1.0"
+try:  # one place for the version: pyproject.toml, read back from the installed package's metadata
+    from importlib.metadata import PackageNotFoundError as _NotInstalled
+    from importlib.metadata import version as _version
+
+    __version__ = _version("giftcomm")
+except _NotInstalled:  # a source tree on sys.path that pip has not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "allreduce",

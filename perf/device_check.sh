@@ -3,7 +3,7 @@
 # nothing from a registry: CuPy, NCCL, torch and nvcc are expected there; this repo is installed
 # with pip install -e . --no-deps --no-build-isolation (builds the optional C extension).
 # Writes perf/results/device-<date>.md (and copies it and the logs to $OUT when OUT is set).
-# Steps: nvcc check of the .cu sources; tests/test_gpu.py; python -m giftcomm.cuda.device_check.
+# Steps: nvcc check of the .cu sources; tests/test_gpu.py; python -m studies device-check (studies/device/check.py).
 # Each step runs under its own timeout, cut to what is left of an 8-minute budget (BUDGET_S,
 # default 465 s), so the whole script ends within 8 minutes; a failing step is reported and the
 # next one still runs; a step with no time left is reported as skipped (and fails the script).
@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 step "pip install -e ." 90 "$PY" -m pip install -q -e . --no-deps --no-build-isolation
 step "nvcc check" 60 bash native/check_cuda.sh
 step "tests/test_gpu.py" 180 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
-step "device_check" 240 "$PY" -m giftcomm.cuda.device_check --out "$RES" "$@"
+step "device_check" 240 "$PY" -m studies device-check --out "$RES" "$@"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$RES"/device-*.md "$LOG" "$OUT"/ 2>/dev/null; fi
 echo "device_check.sh: overall exit $status"

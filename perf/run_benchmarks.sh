@@ -27,5 +27,5 @@ for rate in 1gbit 10gbit; do
         python -m giftcomm.perf allreduce -b 16M -e 256M -f 2 --fmt e4m3,bf16,fp32 -n 3 -w 1 \
         --no-progress --json $R/netbed-$rate-p4.json --label "netbed $rate"
 done
-python -m giftcomm.perf plot $R/shm-window-p2.json $R/shm-window-p4.json $R/netbed-1gbit-p4.json $R/netbed-10gbit-p4.json \
+python -m studies plot $R/shm-window-p2.json $R/shm-window-p4.json $R/netbed-1gbit-p4.json $R/netbed-10gbit-p4.json \
     -o docs/busbw.png

@@ -1,4 +1,4 @@
-"""The fidelity study (giftcomm.perf.fidelity): metrics on constructed cases, the synthetic mode
+"""The fidelity study (studies.fidelity): metrics on constructed cases, the synthetic mode
 at small size, the budget-aware selective policy, and MPI == simulator (pytest -m mpi)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from giftcomm.geometry import Layout, SelectivePolicy, TransformTimeModel, collective_seconds, select
-from giftcomm.perf import fidelity as fid
+from studies import fidelity as fid
 
 
 def _seed(rng) -> int:
@@ -124,8 +124,8 @@ def test_synthetic_study_gift_beats_euclidean_in_the_whitened_norm(rng):
 def test_main_synthetic_writes_json_and_markdown(tmp_path, rng):
     out, md = tmp_path / "f.json", tmp_path / "f.md"
     rc = fid.main(["synthetic", "--conds", "1e3", "--spectra", "exp", "--shapes", "32x48", "--steps", "1",
-                   "--ranks", "2", "--ks", "4", "--seed", str(_seed(rng)), "--json", str(out), "--md", str(md),
-                   "--budget", "0.1", "--quiet"])
+                   "--ranks", "2", "--ks", "4", "--seed", str(_seed(rng)), "--json", str(out), "--out", str(md),
+                   "--budget", "0.1", "--no-progress"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = data["results"][0]["rows"]

@@ -1,4 +1,4 @@
-"""Tests for netbed, the multi-host MPI testbed (giftcomm/perf/netbed.py).
+"""Tests for netbed, the multi-host MPI testbed (studies/netbed.py).
 
 These need root and iproute2 (they create network namespaces); on a machine where that is
 impossible they FAIL with the reason, they do not skip. No timing assertions: speed is measured
@@ -18,14 +18,10 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    from giftcomm.perf import netbed
-except ImportError:  # plain `pytest` without an installed giftcomm
-    sys.path.insert(0, ROOT)
-    from giftcomm.perf import netbed
+from studies import netbed  # the checkout's studies/ (pyproject's pytest pythonpath)
+from studies.netbed import Netbed, NetbedError, parse_rate
 
-from giftcomm.perf.netbed import Netbed, NetbedError, parse_rate
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 N_FLOATS = 1 << 20  # 4 MiB of fp32 per rank
 
@@ -201,7 +197,7 @@ def test_cli_signal_cleans_up(sig):
 
 
 def test_cleanup_removes_beds_of_dead_owners():
-    code = ("import sys, time; sys.path.insert(0, %r); from giftcomm.perf.netbed import Netbed;"
+    code = ("import sys, time; sys.path.insert(0, %r); from studies.netbed import Netbed;"
             "nb = Netbed(hosts=2, rate='1gbit', log=None).up(); print(nb.id, flush=True);"
             "time.sleep(120)" % ROOT)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from giftcomm.perf import codec_bench
 
 @pytest.mark.parametrize("data", ["wide", "normal"])
 def test_table_has_every_op_and_names_its_input(capsys, data):
-    rc = codec_bench.main(["--sizes", "1K", "--formats", "e4m3,bf16", "--repeats", "1", "--min-time", "0",
+    rc = codec_bench.main(["--sizes", "1K", "--fmt", "e4m3,bf16", "--repeats", "1", "--min-time", "0",
                            "--no-pin", "--data", data])
     out = capsys.readouterr().out
     assert rc == 0 and f"data {data};" in out

@@ -12,7 +12,8 @@ import pytest
 
 from giftcomm import costmodel
 from giftcomm.costmodel import Calibration, LinkCost, Topology, load_calibration, predict
-from giftcomm.perf import calibrate, errors, model
+from giftcomm.perf import calibrate
+from studies import errors, model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,8 @@ def test_build_calibration_keeps_what_was_not_measured():
 
 
 def test_calibrate_command_under_mpiexec_writes_a_loadable_file(tmp_path):
-    """The real command at P = 2 (nodes of 1 rank: both link classes measured), tiny sizes."""
+    """The real command at P = 2, tiny sizes; nodes of 1 rank: the net class is measured, the shm
+    class (no two ranks on one node) keeps its previous value."""
     out = tmp_path / "cal.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "giftcomm.perf.calibrate", "--out", str(out),
@@ -90,8 +92,16 @@ def test_calibrate_command_under_mpiexec_writes_a_loadable_file(tmp_path):
     assert json.loads(out.read_text()) == printed
     assert printed["measured"]["P"] == 2 and printed["measured"]["nodes"] == [0, 1]
     env_cal = Calibration.from_dict(printed)
+    # The net class was measured: its raw one-way times are there and positive. The fitted
+    # constants are only required to be finite and non-negative: on a loaded 2-core machine the
+    # least-squares slope through a few tiny messages can come out flat (beta clamped to 0).
+    raw = printed["measured"]["net"]
+    assert raw["pair"] == [0, 1] and raw["sizes"] == [8, 64, 65536, 131072, 262144]
+    assert len(raw["one_way_s"]) == len(raw["sizes"])
+    assert all(t > 0 for t in raw["one_way_s"])
+    assert "shm" not in printed["measured"] and any(n.startswith("shm:") for n in printed["measured"]["notes"])
     for link in (env_cal.shm, env_cal.net):
-        assert link.alpha > 0 and link.beta > 0
+        assert np.isfinite([link.alpha, link.beta]).all() and link.alpha >= 0 and link.beta >= 0
     assert min(env_cal.encode_rate, env_cal.decode_rate, env_cal.fused_rate, env_cal.accumulate_rate) > 0
 
 

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 
-from giftcomm.perf.train import COLUMNS
+from studies.train import COLUMNS
 
 
 def test_train_quick_loss_goes_down(tmp_path):
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "giftcomm.perf.train", "--quick", "--steps", "30",
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "studies.train", "--quick", "--steps", "30",
            "--comm", "fp8-euclid,gift", "--out", str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,

@@ -1,14 +1,13 @@
-"""``python -m giftcomm.perf <command> ...``: the perf tools, one subcommand each.
+"""``python -m giftcomm.perf <command> ...`` (or ``giftcomm-perf <command> ...``): the benchmarks
+that ship with giftcomm, one subcommand each, like mpi4py.bench.
 
-allreduce  nccl-tests-style sweep with fidelity columns (run under mpiexec)
-codec      codec throughput, native vs NumPy vs memory copy
-netbed     multi-host testbed: shaped links in network namespaces (root)
-calibrate  measure the cost model's constants (under mpiexec)
-model      validate the cost model against measurements; project to cluster scale
-errors     error growth against P for every algorithm
-fidelity   GIFT vs Euclidean FP8 on synthetic and real gradients
-train      end-to-end data-parallel Llama training comparison (under mpiexec)
-plot       busbw-vs-size plots from allreduce --json files
+allreduce  nccl-tests all_reduce_perf-style sweep with fidelity columns (run under mpiexec)
+codec      codec kernel throughput: native vs NumPy reference vs a memory copy
+calibrate  measure the cost model's constants (run under mpiexec, >= 2 ranks)
+
+``python -m giftcomm.perf <command> -h`` lists a command's options. The studies (training,
+fidelity, error growth, the cost-model validation and projection, the netbed, plots) live in the
+source tree's studies/ package: ``python -m studies --help`` from a checkout.
 """
 from __future__ import annotations
 
@@ -16,25 +15,46 @@ import importlib
 import sys
 
 COMMANDS = {
-    "allreduce": "giftcomm.perf.collective_bench",
-    "codec": "giftcomm.perf.codec_bench",
-    "netbed": "giftcomm.perf.netbed",
-    "calibrate": "giftcomm.perf.calibrate",
-    "model": "giftcomm.perf.model",
-    "errors": "giftcomm.perf.errors",
-    "fidelity": "giftcomm.perf.fidelity",
-    "train": "giftcomm.perf.train",
-    "plot": "giftcomm.perf.plot",
+    "allreduce": ("giftcomm.perf.collective_bench", "nccl-tests-style allreduce sweep with fidelity columns"),
+    "codec": ("giftcomm.perf.codec_bench", "codec kernel throughput"),
+    "calibrate": ("giftcomm.perf.calibrate", "measure the cost model's constants"),
 }
+# Commands that moved to the studies/ tree of a source checkout (python -m studies <command>).
+MOVED = ("netbed", "model", "errors", "fidelity", "train", "plot", "gradients")
+
+
+def _version() -> str:
+    from giftcomm import __version__
+
+    return __version__
+
+
+def _usage() -> str:
+    lines = ["usage: python -m giftcomm.perf [--version] <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", f"moved to studies/ (python -m studies <command>, from a source checkout): {', '.join(MOVED)}"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(COMMANDS[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "--version":
+        print(f"giftcomm {_version()}")
+        return 0
+    if cmd in COMMANDS:
+        module = importlib.import_module(COMMANDS[cmd][0])
+        return int(module.main(rest) or 0)
+    if cmd in MOVED:
+        print(f"giftcomm.perf: the '{cmd}' command moved out of the installed package into the source "
+              f"tree's studies/ package; from a checkout run:\n    python -m studies {cmd} "
+              + " ".join(rest) + "\n(its extra dependencies: pip install -e '.[studies]')", file=sys.stderr)
+        return 2
+    print(f"giftcomm.perf: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -42,11 +42,13 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .. import codec
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
+from .common import time_calls, topology
 from .sizes import parse_size, size_range
 
 __all__ = ["fit_line", "fit_link", "measure_codec_rates", "build_calibration", "calibration_json",
@@ -117,6 +119,7 @@ def fit_overlap(measured: float, t_full: float, t_none: float) -> float:
 #: less sensitive to other jobs on a busy machine)
 STATS = {"median": lambda v: float(np.median(v)), "min": lambda v: float(np.min(v))}
 STAT = [STATS["median"]]
+STAT_NAME = ["median"]  # the same choice by name, for common.time_calls
 
 
 def _idle(comm) -> None:
@@ -167,7 +170,7 @@ def _exchange_int(comm, me: int, a: int, peer: int, value: int | None) -> int:
     """a sends ``value`` to its peer; both return it."""
     if me == a:
         comm.send(value, dest=peer, tag=8)
-        return int(value)
+        return int(value or 0)
     return int(comm.recv(source=peer, tag=8))
 
 
@@ -199,23 +202,14 @@ def measure_link(comm, pair: tuple[int, int], small: list[int], large: list[int]
 def measure_overheads(comm, alpha: float, reps: int = 200, n: int = 256) -> tuple[float, float, dict]:
     """Collective: time tiny giftcomm.allreduce calls (n values, e4m3) with ring, direct and
     doubling; median over calls of the slowest rank. Returns (call, step, raw data)."""
-    from mpi4py import MPI
-
-    from .. import api
+    import giftcomm
 
     x = np.ones(n, np.float32)
     algos = ["ring", "direct", "doubling"]
     times = []
     for algo in algos:
-        for _ in range(5):
-            api.allreduce(x, comm=comm, algorithm=algo)
-        ts = []
-        for _ in range(reps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            api.allreduce(x, comm=comm, algorithm=algo)
-            ts.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        times.append(STAT[0](ts))
+        times.append(time_calls(lambda: giftcomm.allreduce(x, comm=comm, algorithm=algo), reps, warmup=5,
+                                comm=comm, stat=STAT_NAME[0])[0])
     steps = [steps_of(a, comm.size) for a in algos]
     if len(set(steps)) < 2:  # e.g. P = 2 has ring = direct = 2 steps, doubling 1: always distinct
         return 0.0, 0.0, {}
@@ -228,21 +222,14 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
     slowest rank) and fit the calibration's overlap to it. Returns (overlap, raw data)."""
     from dataclasses import replace
 
-    from mpi4py import MPI
+    import giftcomm
 
-    from .. import api
     from ..costmodel import predict
 
     n = nbytes // 4
     x = np.random.default_rng(comm.rank).standard_normal(n, dtype=np.float32)
-    api.allreduce(x, comm=comm, algorithm="ring")
-    ts = []
-    for _ in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        api.allreduce(x, comm=comm, algorithm="ring")
-        ts.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    measured = STAT[0](ts)
+    measured = time_calls(lambda: giftcomm.allreduce(x, comm=comm, algorithm="ring"), reps, warmup=1,
+                          comm=comm, stat=STAT_NAME[0])[0]
     t_full = predict("ring", n, topo, "e4m3", 256, replace(cal, overlap=1.0))
     t_none = predict("ring", n, topo, "e4m3", 256, replace(cal, overlap=0.0))
     ov = fit_overlap(measured, t_full, t_none)
@@ -253,7 +240,7 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
 def _rate(fn, n: int, budget_s: float) -> float:
     """Values per second of ``fn`` (which processes n values): median of repeated calls."""
     fn()
-    ts = []
+    ts: list[float] = []
     t_end = time.perf_counter() + budget_s
     while len(ts) < 5 or (time.perf_counter() < t_end and len(ts) < 200):
         t0 = time.perf_counter()
@@ -342,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     STAT[0] = STATS[args.stat]
+    STAT_NAME[0] = args.stat
     from mpi4py import MPI
 
     from ..transport.mpi import MpiTransport
@@ -375,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     load_before = _loadavg()
     links: dict[str, LinkCost] = {}
-    raw: dict[str, dict] = {}
+    raw: dict[str, Any] = {}
     notes = []
     for name, same in (("shm", True), ("net", False)):
         pair = _pair(nodes, same)
@@ -404,11 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nics_per_node is not None:
         cal.nics_per_node = args.nics_per_node
     if args.overlap_bytes and parse_size(args.overlap_bytes) > 0:
-        from ..collectives.hierarchical import node_groups
-        from ..costmodel import Topology
-
-        groups = node_groups(np.asarray(nodes))
-        topo = Topology(world.size, len(groups), len(groups[0]))
+        topo = topology(t, args.local_size)[1]
         cal.overlap, raw["overlap"] = measure_overlap(comm, cal, topo, parse_size(args.overlap_bytes))
     if comm.rank == 0:
         raw.update(stat=args.stat, P=world.size, nodes=nodes.tolist(), layout=layout, host=platform.node(),

@@ -19,15 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 from ..formats import get_format, message_nbytes
 from ..reference import codec as ref
+from .common import Progress, add_fmt, add_json, add_out, parent_parser, split_list, time_calls
+from .sizes import parse_size
 
 __all__ = ["main", "run"]
 
@@ -45,16 +45,7 @@ def _native():
 def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float) -> float:
     """Median wall time in seconds of ``fn()`` over at least ``repeats`` calls (after one warm-up),
     adding calls until ``min_time`` seconds have been spent in total (at most 10x repeats)."""
-    fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < repeats or (spent < min_time and len(times) < 10 * repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
-    return statistics.median(times)
+    return time_calls(fn, 10 * repeats, warmup=1, budget_s=min_time, min_iters=repeats)[0]
 
 
 def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) -> dict[str, Callable[[], object]]:
@@ -102,7 +93,7 @@ DATA = {
 
 
 def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time: float, seed: int,
-        with_numpy: bool = True, data: str = "wide") -> list[dict]:
+        with_numpy: bool = True, data: str = "wide", progress: bool = False) -> list[dict]:
     """Measure every (format, size, op); return rows of dicts with Melem/s per implementation.
 
     Keys: fmt, n, op, native (or None when the extension is missing), numpy (or None), copy.
@@ -110,6 +101,7 @@ def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time
     """
     rng = np.random.default_rng(seed)
     rows = []
+    bar = Progress(len(sizes) * len(formats) * len(OPS), enabled=progress)
     for n in sizes:
         x = DATA[data](rng, n).astype(np.float32)
         local = rng.standard_normal(n).astype(np.float32)
@@ -122,11 +114,13 @@ def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time
             if with_numpy:
                 impls["numpy"] = _kernels("numpy", fmt, block, x, local)
             for op in OPS:
+                bar.update(f"{fmt} n={n} {op}")
                 row = {"fmt": fmt, "n": n, "op": op, "native": None, "numpy": None, "copy": copy}
                 for impl, fns in impls.items():
                     reps = repeats if impl == "native" else max(3, repeats // 3)
                     row[impl] = n / _median_seconds(fns[op], reps, min_time) / 1e6
                 rows.append(row)
+    bar.close()
     return rows
 
 
@@ -151,17 +145,12 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status (0)."""
-    p = argparse.ArgumentParser(prog="giftcomm.perf codec", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="giftcomm.perf codec", description=__doc__.split("\n\n")[0],
+                                parents=[parent_parser(seed=0)])
     p.add_argument("--sizes", default="64K,16M", help="comma-separated element counts (K/M suffixes), default 64K,16M")
-    p.add_argument("--formats", default="e4m3,bf16", help="comma-separated formats, default e4m3,bf16")
+    add_fmt(p, "e4m3,bf16", "comma-separated formats")
     p.add_argument("--block", type=int, default=256, help="elements per scale, default 256")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median), default 15")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per cell to aim for, default 0.3")
@@ -171,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the default) or normal (Gaussian)")
     p.add_argument("--no-numpy", action="store_true", help="skip the NumPy reference codec (it is slow)")
     p.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="also write the result as Markdown to this file")
+    add_out(p, help="also write the result as Markdown to this file")
+    add_json(p, help="also write the rows as JSON to this file")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
 
@@ -187,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {cpus[-1]})
         pinned = cpus[-1]
 
-    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    formats = [get_format(s.strip()).name for s in args.formats.split(",") if s.strip()]
+    sizes = [parse_size(s) for s in split_list(args.sizes)]
+    formats = [get_format(s).name for s in split_list(args.fmt)]
     try:
-        rows = run(sizes, formats, args.block, args.repeats, args.min_time, args.seed, not args.no_numpy, args.data)
+        rows = run(sizes, formats, args.block, args.repeats, args.min_time, args.seed, not args.no_numpy, args.data,
+                   progress=not args.no_progress)
     finally:
         if pinned is not None:
             os.sched_setaffinity(0, set(cpus))
@@ -201,11 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = header + "\n\n" + format_table(rows)
     print(text)
-    if args.output:
+    if args.out:
         cmd = "python -m giftcomm.perf codec" + "".join(" " + shlex.quote(a) for a in argv
-                                                       if a != "--output" and a != args.output)
-        with open(args.output, "w") as fh:
+                                                       if a not in ("--out", args.out))
+        with open(args.out, "w") as fh:
             fh.write(f"# Codec kernel throughput\n\n```\n{cmd}\n```\n\n{text}\n")
+    if args.json:
+        import json
+
+        import giftcomm
+
+        with open(args.json, "w") as fh:
+            json.dump({"tool": "giftcomm.perf codec", "giftcomm_version": giftcomm.__version__,
+                       "native_isa": nat._isa() if nat else None, "block": args.block, "data": args.data,
+                       "units": "Melem/s", "rows": rows}, fh, indent=1)
     return 0
 
 

@@ -1,85 +1,96 @@
-"""nccl-tests-style sweeps of the collectives, with fidelity columns.
+"""``python -m giftcomm.perf allreduce``: an nccl-tests ``all_reduce_perf``-style sweep with
+fidelity columns.
 
 Run under mpiexec, e.g. ``mpiexec -n 4 python -m giftcomm.perf allreduce -b 1K -e 64M -f 4
 --fmt e4m3,bf16,fp32``. For every size, every format runs through one shared timing-and-checking
-loop, and the MPI library's own MPI_Allreduce in fp32 runs as the baseline row (fmt ``mpi``).
+loop, then the MPI library's own MPI_Allreduce on float32 runs as the baseline row (fmt ``mpi``).
 
-Every row writes into one preallocated result buffer, as the MPI row's recvbuf is.
+The output follows nccl-tests so that the tools which read all_reduce_perf logs read it too:
+a ``#`` header with one placement line per rank, then the columns of all_reduce_perf's
+out-of-place half, in its order and units, then giftcomm's own columns, then the footer
+(``# Out of bounds values : N OK|FAILED`` and ``# Avg bus bandwidth : X``). Every call is
+out-of-place (the result goes to a buffer allocated once per size); in-place is not measured.
 
-Columns: size (input bytes), count (elements), type, fmt, redop, time (us per call: the median
-over the timed calls of the slowest rank's time, each call after a barrier), algbw (GB/s = size / time), busbw (GB/s = algbw * 2(P-1)/P), #wrong (with
---check: elements that differ from the reference simulation, bit for bit, plus ranks whose
-result differs from rank 0's), relerr (||y - s||_2 / ||s||_2 against the float64 sum s), maxabs
-(max |y - s|).
+=========  ===================================================================================
+size       input bytes per rank (B)
+count      input elements per rank
+type       input element type, nccl-tests' names (float, half, bfloat16, double)
+redop      sum or avg
+root       -1 (no root in an allreduce)
+time       us per call: the median over the timed calls of the slowest rank's time, each call
+           after a barrier
+algbw      GB/s (1e9 bytes/s) = size / time
+busbw      GB/s = algbw * 2(P-1)/P, as nccl-tests defines it for allreduce: in bytes of *input*,
+           so an FP8 format can show more than the link's rate
+#wrong     elements of rank 0's result that differ, bit for bit, from the single-process
+           reference simulation of the same algorithm, plus ranks whose result is not identical
+           to rank 0's (``-c 0``: N/A). MPI row: elements farther from the float64 sum than fp32
+           rounding allows (P * 2^-23 * sum |x_i|), plus ranks that disagree
+fmt        the wire format (mpi: MPI_Allreduce on float32)
+algo       the algorithm the call used (``auto``: the cost model's choice, the one the API makes)
+wirebw     GB/s = busbw * wire bytes per value / input bytes per value: the bus bandwidth in bytes
+           actually sent (FP8 payload plus scales), comparable with the link's rate
+relerr     ||y - s||_2 / ||s||_2 against the float64 sum s (worst rank)
+maxabs     max |y - s| (worst rank)
+=========  ===================================================================================
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
+import platform
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from .. import api, codec
-from ..formats import FORMATS, bytes_per_value
-from ..reference import simulate_allreduce
+import giftcomm
+from giftcomm import codec
+from giftcomm.costmodel import choose
+from giftcomm.formats import FORMATS, bytes_per_value
+from giftcomm.reference import simulate_allreduce
+
+from .common import Progress, add_fmt, add_json, parent_parser, split_list, time_calls, topology
 from .sizes import format_size, parse_size, size_range
 
 SHARED_MEMORY = {"auto": None, "on": True, "off": False}  # --shared-memory -> MpiTransport(shared_memory=)
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+NCCL_TYPE = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16"}
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
 
 
 @dataclass
 class Row:
-    """One line of the table."""
+    """One line of the table (the JSON keeps these names; times in us, bandwidths in GB/s)."""
 
     size: int
     count: int
     type: str
-    fmt: str
     redop: str
+    root: int
     time_us: float
     algbw: float
     busbw: float
     wrong: int | None
+    fmt: str
+    algorithm: str
+    wirebw: float
     relerr: float
     maxabs: float
 
 
-def _rank_input(seed: int, rank: int, count: int, dtype) -> np.ndarray:
+def _rank_input(seed: int, rank: int, count: int, dtype: Any) -> np.ndarray:
     rng = np.random.default_rng([seed, rank, count])
     return rng.standard_normal(count, dtype=np.float32).astype(dtype)
 
 
-def _timed(comm, fn: Callable[[], np.ndarray], iters: int, warmup: int) -> tuple[float, np.ndarray]:
-    """Seconds per call and the last result: the median over ``iters`` calls of the slowest
-    rank's time for that call (each call starts after a barrier).
-
-    The median, not the mean, because other processes on a small shared machine add rare long
-    stalls to single calls; every row, the MPI baseline included, is timed the same way.
-    """
-    from mpi4py import MPI
-
-    for _ in range(warmup):
-        fn()
-    times = np.empty(max(iters, 1))
-    for i in range(times.size):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        y = fn()
-        times[i] = time.perf_counter() - t0
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return float(np.median(slowest)), y
-
-
-def _fidelity(comm, y: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
+def _fidelity(comm: Any, y: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     from mpi4py import MPI
 
     d = y.astype(np.float64) - exact
@@ -88,47 +99,55 @@ def _fidelity(comm, y: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
         den = float(np.dot(exact, exact)) if d.size else 0.0
         maxabs = float(np.max(np.abs(d))) if d.size else 0.0
     num, maxabs = comm.allreduce(num, op=MPI.MAX), comm.allreduce(maxabs, op=MPI.MAX)
-    return (np.sqrt(num / den) if den > 0 else 0.0), maxabs
+    return (float(np.sqrt(num / den)) if den > 0 else 0.0), maxabs
 
 
-def _count_wrong(comm, y: np.ndarray, want: np.ndarray) -> int:
-    mine = int(np.count_nonzero(y.reshape(-1).view(np.uint8) != want.reshape(-1).view(np.uint8)))
-    digests = comm.allgather(hashlib.sha256(y.tobytes()).hexdigest())
-    return comm.allreduce(mine) + sum(d != digests[0] for d in digests)
+def _disagreeing_ranks(comm: Any, y: np.ndarray) -> int:
+    digests = comm.allgather(hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest())
+    return sum(d != digests[0] for d in digests)
 
 
-def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
+def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
+    """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
+    (giftcomm.costmodel.choose on the transport's node layout, as the API asks it)."""
+    if algorithm != "auto":
+        return algorithm
+    return choose(count, topology(transport)[1], fmt, block)
+
+
+def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
                         slice_elems: int | None = None, transport: Any = None) -> list[Row]:
     """Time and check allreduce for every size and format, plus the MPI fp32 baseline.
 
-    ``transport``: what giftcomm's calls get as ``comm=`` (default ``comm`` itself), e.g. an
-    MpiTransport with the shared window switched off."""
+    ``comm``: the mpi4py communicator (barriers, the baseline, the checks); ``transport``: what
+    giftcomm's calls get as ``comm=`` (default ``comm`` itself), e.g. an MpiTransport with the
+    shared window switched off. Collective: every rank gets the same rows."""
     from mpi4py import MPI
 
     transport = comm if transport is None else transport
+    t = giftcomm.transport.resolve(transport)
     dtype = DTYPES[dtype_name]
     p = comm.size
     rows: list[Row] = []
-    total = len(sizes) * (len(fmts) + 1)
-    done = 0
+    bar = Progress(len(sizes) * (len(fmts) + 1), enabled=progress and comm.rank == 0)
     for size in sizes:
         count = max(size // np.dtype(dtype).itemsize, 0)
         x = _rank_input(seed, comm.rank, count, dtype)
+        x64 = x.astype(np.float64)
         exact = np.empty(count, np.float64)
-        comm.Allreduce(x.astype(np.float64), exact, op=MPI.SUM)
+        comm.Allreduce(x64, exact, op=MPI.SUM)
+        abs_sum = np.empty(count, np.float64)
+        comm.Allreduce(np.abs(x64), abs_sum, op=MPI.SUM)
+        del x64
         if op == "avg":
             exact /= p
+            abs_sum /= p
         # Every row writes into a result buffer allocated once, as the MPI row's recvbuf is
         # (nccl-tests does the same): a fresh 64 MiB array per call costs more in page faults
         # than the decode itself.
         result_buf = np.empty_like(x)
-        cases: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (fmt, lambda fmt=fmt: api.allreduce(x, comm=transport, op=op, fmt=fmt, block=block, algorithm=algorithm,
-                                                 slice_elems=slice_elems, out=result_buf))
-            for fmt in fmts
-        ]
         x32 = x.astype(np.float32)
         y32 = np.empty_like(x32)
 
@@ -138,68 +157,150 @@ def run_allreduce_sweep(comm, sizes: list[int], fmts: list[str], dtype_name: str
                 np.divide(y32, np.float32(p), out=y32)
             return y32
 
+        def ours(fmt: str) -> Callable[[], np.ndarray]:
+            return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=block, algorithm=algorithm,
+                                              slice_elems=slice_elems, out=result_buf)
+
+        cases = [(fmt, ours(fmt)) for fmt in fmts]
         cases.append(("mpi", mpi_baseline))
         for name, fn in cases:
-            if progress and comm.rank == 0:
-                done += 1
-                print(f"\r[{done}/{total}] {format_size(size)} {name}    ", end="", file=sys.stderr, flush=True)
-            seconds, y = _timed(comm, fn, iters, warmup)
-            relerr, maxabs = _fidelity(comm, y.reshape(-1), exact)
-            wrong = None
-            if check and name != "mpi":
-                inputs = [_rank_input(seed, r, count, dtype) for r in range(p)]
-                want = simulate_allreduce(inputs, fmt=name, block=block, op=op, algorithm=algorithm)[comm.rank]
-                wrong = _count_wrong(comm, y, want)
+            bar.update(f"{format_size(size)} {name}")
+            seconds, y = time_calls(fn, iters, warmup=warmup, comm=comm)
+            y = y.reshape(-1)
+            relerr, maxabs = _fidelity(comm, y, exact)
+            wrong: int | None = None
+            if name == "mpi":
+                algo = "mpi"
+                wire = 4.0
+                if check:
+                    tol = p * 2.0 ** -23 * abs_sum
+                    mine = int(np.count_nonzero(~(np.abs(y.astype(np.float64) - exact) <= tol))) if comm.rank == 0 else 0
+                    wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
+            else:
+                algo = chosen_algorithm(t, algorithm, count, name, block)
+                wire = bytes_per_value(name, block)
+                if check:
+                    # Every rank's result must equal rank 0's (checked by digest), so only rank 0
+                    # runs the single-process simulation: P times less work on a shared machine.
+                    mine = 0
+                    if comm.rank == 0:
+                        inputs = [_rank_input(seed, r, count, dtype) for r in range(p)]
+                        want = simulate_allreduce(inputs, fmt=name, block=block, op=op, algorithm=algo)[0]
+                        mine = int(np.count_nonzero(_differs(y, want)))
+                        del inputs, want
+                    wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
             algbw = size / seconds / 1e9 if seconds > 0 else 0.0
-            row = Row(size, count, "float32" if name == "mpi" else dtype_name, name, op, seconds * 1e6,
-                      algbw, algbw * 2 * (p - 1) / p, wrong, relerr, maxabs)
+            busbw = algbw * 2 * (p - 1) / p
+            in_bytes = np.dtype(np.float32 if name == "mpi" else dtype).itemsize
+            row = Row(size, count, NCCL_TYPE["float32" if name == "mpi" else dtype_name], op, -1, seconds * 1e6,
+                      algbw, busbw, wrong, name, algo, busbw * wire / in_bytes, relerr, maxabs)
             rows.append(row)
+            bar.clear()
             on_row(row)
-    if progress and comm.rank == 0:
-        print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+    bar.close()
     return rows
 
 
-HEADER = (f"{'size':>12} {'count':>12} {'type':>9} {'fmt':>5} {'redop':>5} {'time(us)':>11} "
-          f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'relerr':>9} {'maxabs':>9}")
+def _differs(y: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per element: do ``y`` and ``want`` differ bit for bit (NaNs with equal bits are equal)."""
+    itemsize = y.dtype.itemsize
+    a = np.ascontiguousarray(y).view(np.uint8).reshape(-1, itemsize)
+    b = np.ascontiguousarray(want.astype(y.dtype, copy=False)).view(np.uint8).reshape(-1, itemsize)
+    return (a != b).any(axis=1)
+
+
+COLUMNS = [  # (header, unit, width)
+    ("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6), ("root", "", 6),
+    ("time", "(us)", 10), ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("#wrong", "", 7),
+    ("fmt", "", 6), ("algo", "", 19), ("wirebw", "(GB/s)", 8), ("relerr", "", 9), ("maxabs", "", 9),
+]
+HEADER = ("#" + " ".join(f"{h:>{w}}" for h, _, w in COLUMNS)[1:] + "\n"
+          + "#" + " ".join(f"{u:>{w}}" for _, u, w in COLUMNS)[1:])
 
 
 def format_row(r: Row) -> str:
-    wrong = "-" if r.wrong is None else str(r.wrong)
-    return (f"{r.size:>12} {r.count:>12} {r.type:>9} {r.fmt:>5} {r.redop:>5} {r.time_us:>11.1f} "
-            f"{r.algbw:>11.3f} {r.busbw:>11.3f} {wrong:>7} {r.relerr:>9.2e} {r.maxabs:>9.2e}")
+    wrong = "N/A" if r.wrong is None else str(r.wrong)
+    cells = [f"{r.size:>12}", f"{r.count:>12}", f"{r.type:>8}", f"{r.redop:>6}", f"{r.root:>6}",
+             f"{r.time_us:>10.2f}", f"{r.algbw:>8.3f}", f"{r.busbw:>8.3f}", f"{wrong:>7}",
+             f"{r.fmt:>6}", f"{r.algorithm:>19}", f"{r.wirebw:>8.3f}", f"{r.relerr:>9.2e}", f"{r.maxabs:>9.2e}"]
+    return " ".join(cells)
+
+
+def footer(rows: list[Row], checked: bool) -> list[str]:
+    """nccl-tests' footer: out-of-bounds count and the average busbw (over the giftcomm rows; the
+    MPI baseline's and each format's own average follow as comments)."""
+    bad = sum(r.wrong or 0 for r in rows)
+    ours = [r.busbw for r in rows if r.fmt != "mpi"]
+    lines = [f"# Out of bounds values : {bad if checked else 'N/A'} {'OK' if bad == 0 else 'FAILED'}",
+             f"# Avg bus bandwidth    : {float(np.mean(ours)) if ours else 0.0:.6g} ",
+             "#"]
+    fmts = list(dict.fromkeys(r.fmt for r in rows))
+    lines.append("# Avg bus bandwidth (GB/s) per fmt: "
+                 + ", ".join(f"{f} {float(np.mean([r.busbw for r in rows if r.fmt == f])):.6g}" for f in fmts))
+    return lines
+
+
+def mpi_library_version() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def placement(comm: Any, t: Any) -> list[dict[str, Any]]:
+    """Every rank's pid, host, node (as the transport sees it) and CPU affinity (collective)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = []
+    nodes = t.node_ids() if comm.size > 1 else np.zeros(1, int)
+    mine = {"rank": comm.rank, "pid": os.getpid(), "host": platform.node(), "node": int(nodes[comm.rank]),
+            "cpus": _ranges(cpus)}
+    return list(comm.allgather(mine))
+
+
+def _ranges(cpus: list[int]) -> str:
+    out: list[str] = []
+    for c in cpus:
+        if out and "-" not in out[-1].split(",")[-1] and int(out[-1]) == c - 1:
+            out[-1] = f"{out[-1]}-{c}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out) or "?"
 
 
 def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="nccl-tests-style allreduce sweep with fidelity columns")
-    ap.add_argument("-b", "--minbytes", default="1K", help="smallest input size in bytes (1K, 4M...)")
+    ap = argparse.ArgumentParser(prog=prog, parents=[parent_parser(seed=1234)],
+                                 description="nccl-tests-style allreduce sweep with fidelity columns",
+                                 epilog="Columns and units: see `pydoc giftcomm.perf.collective_bench`.")
+    ap.add_argument("-b", "--minbytes", default="1K", help="smallest input size in bytes (1K, 4M, 16MiB...)")
     ap.add_argument("-e", "--maxbytes", default="64M", help="largest input size in bytes")
     ap.add_argument("-f", "--stepfactor", type=float, default=4, help="size multiplier between rows")
-    ap.add_argument("--fmt", default="e4m3,bf16,fp32", help="comma-separated wire formats")
+    add_fmt(ap, "e4m3,bf16,fp32")
     ap.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="input dtype")
     ap.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     ap.add_argument("--block", type=int, default=256, help="elements per FP8 scale")
     ap.add_argument("-n", "--iters", type=int, default=10,
                     help="timed calls per row (time = median over them of the slowest rank)")
     ap.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per row")
-    ap.add_argument("-c", "--check", action="store_true",
-                    help="count elements differing from the reference simulation (slow at large sizes)")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    ap.add_argument("--label", default="", help="a title for this run in the JSON (used by perf plot)")
-    ap.add_argument("--algorithm", default="auto", help="allreduce algorithm (auto, ring, direct, ...)")
+    ap.add_argument("-c", "--check", type=int, default=1, choices=[0, 1],
+                    help="1 (default): count results that differ from the reference simulation, bit "
+                         "for bit, and ranks that disagree; 0: skip (the check is slow at large sizes)")
+    add_json(ap)
+    ap.add_argument("--label", default="", help="a title for this run in the JSON (used by studies' plot)")
+    ap.add_argument("--algorithm", default="auto", choices=ALGORITHMS, help="allreduce algorithm (default auto)")
     ap.add_argument("--slice-elems", type=int, default=None,
                     help="pipelining slice in values (default: automatic; changes speed, never results)")
     ap.add_argument("--shared-memory", default="auto", choices=list(SHARED_MEMORY),
                     help="zero-copy shared window when every rank is on one node (auto: yes unless "
                          "$GIFTCOMM_SHARED_MEMORY=0); changes speed, never results")
-    ap.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    fmts = [f.strip() for f in args.fmt.split(",") if f.strip()]
+    fmts = split_list(args.fmt)
     unknown = [f for f in fmts if f not in FORMATS]
     if unknown:
         print(f"unknown format(s) {unknown}; known: {list(FORMATS)}", file=sys.stderr)
@@ -207,41 +308,62 @@ def main(argv: list[str] | None = None) -> int:
     sizes = size_range(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     from mpi4py import MPI
 
-    from ..transport.mpi import MpiTransport
+    from giftcomm.transport.mpi import MpiTransport
 
     comm = MPI.COMM_WORLD
     transport = MpiTransport(comm, shared_memory=SHARED_MEMORY[args.shared_memory])
+    places = placement(comm, transport)
+    link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if comm.rank == 0:
-        link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
-        print(f"# giftcomm allreduce: P={comm.size} algorithm={args.algorithm} slice={args.slice_elems} "
-              f"dtype={args.dtype} op={args.op} block={args.block} "
-              f"iters={args.iters} (median of the slowest rank) warmup={args.warmup} check={args.check}")
+        print(f"# giftcomm {giftcomm.__version__} allreduce: nRanks {comm.size} minBytes {sizes[0]} "
+              f"maxBytes {sizes[-1]} step: {args.stepfactor:g}(factor) warmup iters: {args.warmup} "
+              f"iters: {args.iters} validation: {args.check} date: {date}")
+        print(f"# algorithm={args.algorithm} slice={args.slice_elems} dtype={args.dtype} op={args.op} "
+              f"block={args.block}; time = median over the iters of the slowest rank; out-of-place only")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
-              f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; link: {link}; shared window: "
+              f"MPI: {mpi_library_version()}; link: {link}; shared window: "
               f"{'yes (zero-copy ring/direct)' if transport.shared_memory else 'no (MPI messages)'}")
         tuning = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "FI_", "UCX_")))
         if tuning:
             print("# MPI settings from the environment (every row alike): " + " ".join(tuning))
         print("# wire bytes/value: " + ", ".join(f"{f}={bytes_per_value(f, args.block):.4f}" for f in fmts)
               + "; mpi = MPI_Allreduce on float32 input (baseline)")
+        print("# algbw = size/time, busbw = algbw*2(P-1)/P (nccl-tests), both GB/s (1e9 B/s) of input "
+              "bytes; wirebw = busbw in bytes sent")
+        print("#")
+        print("# Using ranks")
+        for pl in places:
+            print(f"#  Rank {pl['rank']:2d} Group  0 Pid {pl['pid']:6d} on {pl['host']:>10} "
+                  f"node {pl['node']:2d} cpus {pl['cpus']}")
+        print("#")
         print(HEADER, flush=True)
 
     def on_row(r: Row) -> None:
         if comm.rank == 0:
-            if sys.stderr.isatty() and not args.no_progress:
-                print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
             print(format_row(r), flush=True)
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
-                               args.check, args.seed, not args.no_progress, on_row, args.algorithm,
+                               bool(args.check), args.seed, not args.no_progress, on_row, args.algorithm,
                                args.slice_elems, transport)
     transport.free()
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
-        if args.check:
-            print(f"# check: {bad} wrong elements in total ({'OK' if bad == 0 else 'FAILED'})")
+        for line in footer(rows, bool(args.check)):
+            print(line)
         if args.json:
+            doc = {"tool": "giftcomm.perf allreduce", "giftcomm_version": giftcomm.__version__,
+                   "mpi_library": mpi_library_version(), "date": date, "P": comm.size,
+                   "hosts": sorted({pl["host"] for pl in places}), "placement": places, "label": args.label,
+                   "link": os.environ.get("GIFTCOMM_NETBED_RATE", "host"), "args": vars(args),
+                   "units": {"size": "B", "time_us": "us", "algbw": "GB/s", "busbw": "GB/s", "wirebw": "GB/s"},
+                   "out_of_bounds": bad if args.check else None,
+                   "avg_busbw": float(np.mean([r.busbw for r in rows if r.fmt != "mpi"] or [0.0])),
+                   "rows": [asdict(r) for r in rows]}
             with open(args.json, "w") as fh:
-                json.dump({"P": comm.size, "label": args.label, "link": os.environ.get("GIFTCOMM_NETBED_RATE", "host"),
-                           "args": vars(args), "rows": [asdict(r) for r in rows]}, fh, indent=1)
+                json.dump(doc, fh, indent=1)
     return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,8 @@ def size_range(begin: int, end: int, factor: float) -> list[int]:
     """begin, begin*factor, ... up to end inclusive (nccl-tests' -b/-e/-f)."""
     if begin <= 0 or end < begin or factor <= 1:
         raise ValueError("need 0 < begin <= end and factor > 1")
-    sizes, s = [], begin
+    sizes: list[int] = []
+    s = float(begin)
     while s <= end:
         sizes.append(int(s))
         s *= factor

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m giftcomm.perf errors [--ps 2,3,4,6,8,12,16,24,32,48,64] [--mpi-ps 2,3,4] [--n 32768]
+    python -m studies errors [--ps 2,3,4,6,8,12,16,24,32,48,64] [--mpi-ps 2,3,4] [--n 32768]
                                    [--trials 3] [--out perf/results/errors-study.md]
 
 For every value distribution (``gaussian``: independent N(0,1) per rank; ``heavy``: Student-t
@@ -37,8 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..costmodel import Topology, error_growth, quantizations
-from ..reference import simulate_allreduce
+from giftcomm.costmodel import Topology, error_growth, quantizations
+from giftcomm.perf.common import Progress, add_fmt, parent_parser
+from giftcomm.reference import simulate_allreduce
 
 __all__ = ["make_inputs", "relative_error", "sim_error", "study", "ErrorRow", "DISTS", "ALGOS", "main"]
 
@@ -104,19 +105,14 @@ def study(ps, fmts=("e4m3", "e5m2"), dists=DISTS, algos=ALGOS, n: int = 1 << 15,
           progress: bool = False) -> list[ErrorRow]:
     """The simulated error table (ErrorRow per distribution, format, P, applicable algorithm)."""
     rows = []
-    for dist in dists:
-        for fmt in fmts:
-            for p in ps:
-                for algo in algos:
-                    k = local_size_for(algo, p)
-                    if algo == "hierarchical" and k is None:
-                        continue
-                    err = float(np.mean([sim_error(dist, fmt, p, algo, n, seed, k) for seed in range(trials)]))
-                    rows.append(ErrorRow(dist, fmt, p, algo, k, err))
-                    if progress:
-                        print(f"\r{dist} {fmt} P={p} {algo}: {err:.3e}      ", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+    cells = [(dist, fmt, p, algo, local_size_for(algo, p)) for dist in dists for fmt in fmts for p in ps
+             for algo in algos]
+    cells = [c for c in cells if not (c[3] == "hierarchical" and c[4] is None)]
+    with Progress(len(cells), enabled=progress) as bar:
+        for dist, fmt, p, algo, k in cells:
+            bar.update(f"{dist} {fmt} P={p} {algo}")
+            err = float(np.mean([sim_error(dist, fmt, p, algo, n, seed, k) for seed in range(trials)]))
+            rows.append(ErrorRow(dist, fmt, p, algo, k, err))
     return rows
 
 
@@ -136,7 +132,7 @@ def mpi_worker(out_json: str, fmts, dists, algos, n: int, seed: int) -> int:
     """Under mpiexec: real allreduce of the study's inputs; rank 0 writes rows to ``out_json``."""
     from mpi4py import MPI
 
-    from .. import api
+    import giftcomm
 
     comm = MPI.COMM_WORLD
     p, r = comm.size, comm.rank
@@ -148,7 +144,7 @@ def mpi_worker(out_json: str, fmts, dists, algos, n: int, seed: int) -> int:
                 k = mpi_local_size(algo, p)
                 if algo == "hierarchical" and k is None:
                     continue
-                y = api.allreduce(xs[r], comm=comm, fmt=fmt, algorithm=algo, local_size=k)
+                y = giftcomm.allreduce(xs[r], comm=comm, fmt=fmt, algorithm=algo, local_size=k)
                 want = simulate_allreduce(xs, fmt=fmt, algorithm=algo, local_size=k)[r]
                 ok = comm.allreduce(int(y.tobytes() == want.tobytes()), op=MPI.MIN)
                 digests = comm.allgather(hashlib.sha256(y.tobytes()).hexdigest())
@@ -162,14 +158,14 @@ def mpi_worker(out_json: str, fmts, dists, algos, n: int, seed: int) -> int:
 def run_mpi(ps, fmts, dists, algos, n: int, seed: int, timeout: int = 900) -> list[ErrorRow]:
     """Spawn ``mpiexec -n P`` workers for each P; their rows."""
     rows = []
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    from studies import ROOT, subprocess_env
+
+    env, root = subprocess_env(), str(ROOT)
     for p in ps:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            cmd = ["mpiexec", "-n", str(p), sys.executable, "-m", "giftcomm.perf.errors", "--worker", out,
-                   "--fmts", ",".join(fmts), "--dists", ",".join(dists), "--algos", ",".join(algos),
+            cmd = ["mpiexec", "-n", str(p), sys.executable, "-m", "studies.errors", "--worker", out,
+                   "--fmt", ",".join(fmts), "--dists", ",".join(dists), "--algos", ",".join(algos),
                    "--n", str(n), "--seed", str(seed)]
             subprocess.run(cmd, check=True, env=env, timeout=timeout, cwd=root)
             rows += [ErrorRow(**d) for d in json.loads(Path(out).read_text())]
@@ -242,10 +238,9 @@ def mpi_table(rows: list[ErrorRow]) -> str:
 
 def plot(rows: list[ErrorRow], path: Path) -> None:
     """PNG: one panel per (distribution, format); relative error against P, one line per algorithm."""
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sims = [r for r in rows if r.source == "sim"]
     dists = [d for d in DISTS if any(r.dist == d for r in sims)]
@@ -279,13 +274,11 @@ def plot(rows: list[ErrorRow], path: Path) -> None:
     axes[0][0].plot([], [], "x", color="k", label="real MPI run (P<=4)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Allreduce error growth with P (reference simulation; x = MPI)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def report(rows: list[ErrorRow], args, seconds: float) -> str:
-    lines = ["# Error growth with the rank count", "", "```", "python -m giftcomm.perf errors "
+    lines = ["# Error growth with the rank count", "", "```", "python -m studies errors "
              + " ".join(args.argv), "```", "",
              f"n = {args.n} values per rank, mean over {args.trials} seeds (simulation); block 256; "
              f"hierarchical = nodes of {LOCAL_SIZE} consecutive ranks, fp32 inside a node. "
@@ -316,15 +309,15 @@ def report(rows: list[ErrorRow], args, seconds: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="giftcomm.perf errors", description="allreduce error growth with P")
+    ap = argparse.ArgumentParser(prog="python -m studies errors", description="allreduce error growth with P",
+                                 parents=[parent_parser(seed=0)])
     ap.add_argument("--ps", default="2,3,4,6,8,12,16,24,32,48,64", help="rank counts (simulation)")
     ap.add_argument("--mpi-ps", default="2,3,4", help="rank counts for real MPI runs ('' to skip)")
-    ap.add_argument("--fmts", default="e4m3,e5m2")
+    add_fmt(ap, "e4m3,e5m2", "comma-separated FP8 formats")
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--n", type=int, default=1 << 15, help="values per rank")
     ap.add_argument("--trials", type=int, default=3, help="seeds averaged in the simulation")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the MPI runs (and their simulation)")
     ap.add_argument("--out", default="perf/results/errors-study.md", help="markdown report (.png, .json beside)")
     ap.add_argument("--from-json", metavar="JSON", help="only re-render the report from a previous run's rows")
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -336,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     split = lambda s: [x for x in s.split(",") if x]
-    fmts, dists, algos = split(args.fmts), split(args.dists), split(args.algos)
+    fmts, dists, algos = split(args.fmt), split(args.dists), split(args.algos)
     if args.worker:
         return mpi_worker(args.worker, fmts, dists, algos, args.n, args.seed)
     t0 = time.time()
@@ -349,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             again.argv, again.from_json, again.out = first, args.from_json, args.out
             args = again
         return _write(rows, args, 0.0)
-    rows = study([int(p) for p in split(args.ps)], fmts, dists, algos, args.n, args.trials, progress=sys.stderr.isatty())
+    rows = study([int(p) for p in split(args.ps)], fmts, dists, algos, args.n, args.trials, progress=not args.no_progress)
     mpi_ps = [int(p) for p in split(args.mpi_ps)]
     if mpi_ps:
         mpi_rows = run_mpi(mpi_ps, fmts, dists, algos, args.n, args.seed)

@@ -27,7 +27,7 @@ Cleanup is guaranteed on normal exit, job failure, exceptions, SIGINT/SIGTERM/SI
 processes inside the bed's namespaces are killed and the namespaces (with their links) deleted.
 After a SIGKILL of netbed itself, ``netbed cleanup`` removes the leftovers.
 
-CLI (``python -m giftcomm.perf.netbed`` or ``perf/netbed``)::
+CLI (``python -m studies.netbed`` or ``perf/netbed``)::
 
     netbed run --hosts 4 --rate 1gbit [--ranks-per-host 1] [--transport ofi|ucx] -- CMD ...
     netbed probe [--sizes 16MiB,64MiB]          # an mpi4py bandwidth probe, run inside a bed
@@ -57,7 +57,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from collections.abc import Sequence
+from typing import IO
+
+from giftcomm.perf.sizes import parse_size
+from studies import subprocess_env
 
 __all__ = [
     "Netbed",
@@ -110,7 +114,7 @@ OVERSUBSCRIBED_ENV: dict[str, str] = {
 }
 
 _bed_counter = 0
-_live_beds: "set[Netbed]" = set()
+_live_beds: set[Netbed] = set()
 
 
 class NetbedError(RuntimeError):
@@ -184,16 +188,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000.0
     return str(n)
-
-
-def _parse_size(s: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]+)\s*([kmg]i?b?|b)?\s*", s.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {s!r} (use e.g. 16MiB)")
-    mult = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "ki": 1 << 10,
-            "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20, "mi": 1 << 20,
-            "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "gi": 1 << 30}[m.group(2) or ""]
-    return int(m.group(1)) * mult
 
 
 # --------------------------------------------------------------------------- helpers
@@ -397,7 +391,7 @@ class Netbed:
             raise NetbedError("netbed needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) to create "
                               "network namespaces; run it as root or in a privileged container")
 
-    def up(self) -> "Netbed":
+    def up(self) -> Netbed:
         """Create namespaces, bridge, links, addresses and shapers. Cleans up if it fails."""
         if self._is_up:
             return self
@@ -484,7 +478,7 @@ class Netbed:
                     pass
         self._procs = [p for p in self._procs if p.poll() is None]
 
-    def __enter__(self) -> "Netbed":
+    def __enter__(self) -> Netbed:
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGHUP):
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
@@ -818,7 +812,7 @@ def bench(hosts: int, rates: Sequence[str], sizes: Sequence[int], iters: int,
     non-zero probe exit code, else 0.
     """
     mtu = int(bed_kwargs.get("mtu", 1500))
-    report = [f"# netbed probe\n", f"```\n{argv_line}\n```\n",
+    report = ["# netbed probe\n", f"```\n{argv_line}\n```\n",
               f"Machine: {os.cpu_count()} CPUs, kernel {os.uname().release}; "
               f"{hosts} hosts x {ranks_per_host} rank(s), transport {transport}.\n"]
     worst = 0
@@ -828,12 +822,12 @@ def bench(hosts: int, rates: Sequence[str], sizes: Sequence[int], iters: int,
                "|---" * (7 + len(sizes)) + "|"]
     for rate in rates:
         buf = io.StringIO()
-        cmd = [sys.executable, "-m", "giftcomm.perf.netbed", "probe", "--iters", str(iters),
+        cmd = [sys.executable, "-m", "studies.netbed", "probe", "--iters", str(iters),
                "--sizes", ",".join(str(s) for s in sizes)]
         with Netbed(hosts=hosts, rate=rate, transport=transport,
                     ranks_per_host=ranks_per_host, **bed_kwargs) as nb:
             before = nb.link_stats()
-            rc = nb.run(cmd, stdout=_Tee(buf, sys.stdout))
+            rc = nb.run(cmd, stdout=_Tee(buf, sys.stdout), env=subprocess_env())
             after = nb.link_stats()
             desc = nb.describe()
         worst = worst or rc
@@ -921,7 +915,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("probe", help="mpi4py bandwidth probe (run inside a bed)")
     pr.add_argument("--sizes", default="16MiB,64MiB", help="allreduce sizes, comma separated")
-    pr.add_argument("--p2p-size", type=_parse_size, default=16 << 20)
+    pr.add_argument("--p2p-size", type=parse_size, default=16 << 20)
     pr.add_argument("--iters", type=int, default=3)
 
     b = sub.add_parser("bench", help="run the probe on a fresh bed per rate")
@@ -942,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.cmd == "probe":
-            return _abort_on_error(probe, [_parse_size(s) for s in args.sizes.split(",") if s],
+            return _abort_on_error(probe, [parse_size(s) for s in args.sizes.split(",") if s],
                                    iters=args.iters, p2p_size=args.p2p_size)
         if args.cmd == "list":
             for bed_id, names in sorted(list_beds().items()):
@@ -958,14 +952,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench":
             line = "perf/netbed " + shlex.join(argv if argv is not None else sys.argv[1:])
             return bench(args.hosts, [r for r in args.rates.split(",") if r],
-                         [_parse_size(s) for s in args.sizes.split(",") if s], args.iters,
+                         [parse_size(s) for s in args.sizes.split(",") if s], args.iters,
                          args.transport, args.ranks_per_host, args.out, line, mtu=args.mtu,
                          burst=args.burst, queue_ms=args.queue_ms, subnet=args.subnet)
         # run
         job = args.job[1:] if args.job[:1] == ["--"] else args.job
         if not job:
             print("netbed run: give the job after --, e.g. netbed run --hosts 4 -- "
-                  "python -m giftcomm.perf.netbed probe", file=sys.stderr)
+                  "python -m studies.netbed probe", file=sys.stderr)
             return 2
         with Netbed(hosts=args.hosts, rate=args.rate, ranks_per_host=args.ranks_per_host,
                     transport=args.transport, subnet=args.subnet, mtu=args.mtu,

@@ -1,11 +1,11 @@
 """GIFT fidelity study: GIFT vs Euclidean FP8 (and BF16) allreduce on the same gradients.
 
-``python -m giftcomm.perf fidelity [synthetic|real|cost] [options]``
+``python -m studies fidelity [synthetic|real|cost] [options]``
 
 - ``synthetic``: per-rank gradients ``G^1/2 Z A^1/2`` (Z iid normal) of Kronecker-structured
   covariance, factor spectra power-law or exponential (log-spaced) with chosen condition numbers.
 - ``real``: per-rank gradients of 4 data-parallel shards of a batch, and KFAC factors, captured
-  from the small Llama-style model by ``giftcomm.perf.gradients`` (a ``.npz`` file).
+  from the small Llama-style model by ``studies.gradients`` (a ``.npz`` file).
 - ``cost``: forward + inverse time of the geometries against the predicted time of the FP8
   collective (see ``cost_main``).
 
@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import api
-from ..formats import bytes_per_value, check_block, message_nbytes
-from ..geometry import Geometry, Layout, SelectivePolicy, select
-from ..reference import simulate_allreduce, simulate_gift_allreduce
+import giftcomm
+from giftcomm.formats import bytes_per_value, check_block, message_nbytes
+from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
+from giftcomm.perf.common import add_json, add_out, parent_parser
+from giftcomm.reference import simulate_allreduce, simulate_gift_allreduce
 
 __all__ = [
     "MAX_BLOCK",
@@ -285,7 +286,7 @@ class Method:
 
 
 def _spectra(factors: Mapping) -> dict:
-    from ..geometry import Spectrum
+    from giftcomm.geometry import Spectrum
 
     return {k: (Spectrum.from_matrix(a), Spectrum.from_matrix(g)) for k, (a, g) in factors.items()}
 
@@ -345,10 +346,10 @@ def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, alg
         out = np.empty(layout.size, np.float32)
         for s in layout:
             blk = min(max(s.size, 1), MAX_BLOCK)
-            out[s.offset:s.stop] = api.allreduce(mine[s.offset:s.stop], comm=comm, op="avg", fmt=method.fmt,
+            out[s.offset:s.stop] = giftcomm.allreduce(mine[s.offset:s.stop], comm=comm, op="avg", fmt=method.fmt,
                                                  block=blk, algorithm=algorithm)
         return out
-    return api.gift_allreduce(mine, geo, comm=comm, op="avg", fmt=method.fmt, block=method.block,
+    return giftcomm.gift_allreduce(mine, geo, comm=comm, op="avg", fmt=method.fmt, block=method.block,
                               algorithm=algorithm)
 
 
@@ -435,10 +436,9 @@ def format_table(rows: Sequence[dict], reference: str = "e4m3 block256") -> str:
 # ----------------------------------------------------------------------------------- plots
 def plot_synthetic(results: Sequence[dict], path: str) -> None:
     """Whitened-norm error against condition number, one panel per spectrum, one line per method."""
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     spectra = sorted({r["case"]["spectrum"] for r in results})
     fig, axes = plt.subplots(1, len(spectra), figsize=(6 * len(spectra), 4.5), squeeze=False)
@@ -457,17 +457,14 @@ def plot_synthetic(results: Sequence[dict], path: str) -> None:
         ax.set_title(f"synthetic Kronecker gradients, {sp} spectrum, P={sel[0]['ranks']}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_rows(rows: Sequence[dict], title: str, path: str) -> None:
     """Bars of the whitened and the plain relative L2 error per method (log scale)."""
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["method"] for r in rows]
     x = np.arange(len(names))
@@ -479,9 +476,7 @@ def plot_rows(rows: Sequence[dict], title: str, path: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -498,7 +493,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m giftcomm.perf fidelity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies fidelity", description=__doc__.split("\n")[0],
+                                parents=[parent_parser(seed=0)])
     p.add_argument("what", nargs="?", default="synthetic", choices=["synthetic", "real", "cost"])
     p.add_argument("--mpi", action="store_true", help="reduce over MPI.COMM_WORLD and check against the simulator")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (synthetic, without --mpi)")
@@ -507,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spectra", nargs="+", default=["power", "exp"], choices=["power", "exp"])
     p.add_argument("--shapes", type=_shapes, default=[(256, 512), (512, 256)], help="e.g. 256x512,512x256")
     p.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128], help="low-rank k of the GIFT rows")
-    p.add_argument("--data", default=None, help="real: the .npz from `python -m giftcomm.perf.gradients`")
+    p.add_argument("--data", default=None, help="real: the .npz from `python -m studies.gradients`")
     p.add_argument("--metric-damping", type=float, default=1e-3)
     p.add_argument("--damping", type=float, default=1e-3, help="damping of the geometries")
     p.add_argument("--geometry-factors", default="ema", choices=["ema", "capture"],
@@ -515,10 +511,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the capture batches' own factors (the metric's: an oracle)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--algorithm", default="ring")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--md", default=None, help="write the markdown tables here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    add_json(p, help="write the results here")
+    add_out(p, help="write the markdown tables here")
+    p.add_argument("--png", metavar="FILE", default=None, help="write a PNG plot here")
     p.add_argument("--budget", type=float, default=None,
                    help="also run the budget-aware policy with this fraction of the collective time")
     p.add_argument("--models", nargs="+", default=["llama-small", "llama-300m", "llama-600m"],
@@ -527,7 +522,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=125e6, help="cost: link bytes/s (1 Gbit/s = 125e6)")
     p.add_argument("--energy-rule", action="store_true",
                    help="also run the selective policy with the old energy rank rule")
-    p.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -559,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.methods:
         keep = [x.strip() for x in a.methods.split(",")]
         methods = [m for m in methods if m.label in keep]
-    header = [f"$ {'mpiexec -n %d ' % ranks if comm is not None else ''}python -m giftcomm.perf fidelity "
+    header = [f"$ {'mpiexec -n %d ' % ranks if comm is not None else ''}python -m studies fidelity "
               + " ".join(sys.argv[1:] if argv is None else argv),
               f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; P = {ranks}; "
               f"{'MPI (checked against the simulator)' if comm is not None else 'reference simulator'}; "
@@ -570,24 +564,24 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(sp, c) for sp in a.spectra for c in a.conds]
         for sp, cond in cases:
             case = synthetic_case(a.shapes, cond, sp, ranks, a.steps, a.seed)
-            if root and not a.quiet:
+            if root and not a.no_progress:
                 print(f"[{case.name}]", file=sys.stderr, flush=True)
-            rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.quiet)
+            rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.no_progress)
             if root:
                 results.append({"case": case.info | {"name": case.name}, "ranks": ranks, "rows": rows})
                 md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps} steps)", "", format_table(rows)]
     else:
-        from .gradients import load_case
+        from studies.gradients import load_case
 
         if not a.data:
-            raise SystemExit("real: give --data PATH (capture it with `python -m giftcomm.perf.gradients`)")
+            raise SystemExit("real: give --data PATH (capture it with `python -m studies.gradients`)")
         case = load_case(a.data)
         if a.geometry_factors == "capture":
             case.factors = case.metric
             case.name += " [geometry from the capture batches' factors]"
         if comm is None and case.ranks != a.ranks and root:
             print(f"note: the data has {case.ranks} ranks' gradients; simulating P = {case.ranks}", file=sys.stderr)
-        rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.quiet)
+        rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.no_progress)
         if root:
             results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "rows": rows})
             md += ["", f"### {case.name}", "", format_table(rows)]
@@ -595,12 +589,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     md.append("")
     md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
-    _emit("\n".join(md), a.md, a.json, {"header": header, "results": results})
-    if a.plot:
+    _emit("\n".join(md), a.out, a.json, {"header": header, "results": results})
+    if a.png:
         if a.what == "synthetic":
-            plot_synthetic(results, a.plot)
+            plot_synthetic(results, a.png)
         else:
-            plot_rows(results[0]["rows"], f"{results[0]['case']['name']}, P={results[0]['ranks']}", a.plot)
+            plot_rows(results[0]["rows"], f"{results[0]['case']['name']}, P={results[0]['ranks']}", a.png)
     if comm is not None and not all(r["mpi_equals_sim"] for res in results for r in res["rows"]):
         print("MPI result differs from the simulator", file=sys.stderr)
         return 1
@@ -615,7 +609,7 @@ def _orthonormal(rng, d: int, cache: dict) -> np.ndarray:
 
 
 def _synthetic_spectrum(rng, d: int, cond: float, cache: dict):
-    from ..geometry import Spectrum
+    from giftcomm.geometry import Spectrum
 
     vals = np.arange(1, d + 1, dtype=np.float64) ** -(math.log(cond) / math.log(d))
     return Spectrum(vals / vals.mean(), _orthonormal(rng, d, cache), 1.0)
@@ -627,8 +621,8 @@ def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed:
     llama-300m / llama-600m: one transformer block (giftcomm.geometry.cost.block_shapes),
     synthetic power-law spectra of condition number ``cond``, x blocks. llama-small: the whole
     workload model, with the captured EMA factors from ``data`` when given (else synthetic)."""
-    from ..geometry import Spectrum
-    from ..geometry.cost import MODELS, block_shapes
+    from giftcomm.geometry import Spectrum
+    from giftcomm.geometry.cost import MODELS, block_shapes
 
     rng = np.random.default_rng(seed)
     cache: dict = {}
@@ -636,16 +630,16 @@ def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed:
     for name in names:
         if name == "llama-small":
             if data:
-                from .gradients import load_case
+                from studies.gradients import load_case
 
                 case = load_case(data)
                 spectra = {k: (Spectrum.from_matrix(a), Spectrum.from_matrix(g)) for k, (a, g) in case.factors.items()}
                 out.append({"model": name, "layout": case.layout, "spectra": spectra, "repeat": 1,
                             "factors": "captured KFAC (EMA)"})
                 continue
-            from ..workloads.llama import CONFIGS, Llama
-
             import torch
+
+            from studies.workloads.llama import CONFIGS, Llama
 
             model = Llama(CONFIGS["small"])
             entries = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -678,7 +672,7 @@ FRESH_OUTPUT_SECONDS_DEV_VM = 1.2e-9
 def fresh_buffer_policy(bandwidth: float = 125e6) -> SelectivePolicy:
     """The default policy with the time model charging fresh output buffers (how gift_allreduce
     called the geometry when this was written: ``forward(x)``, ``inverse(result)``)."""
-    from ..geometry import TransformTimeModel
+    from giftcomm.geometry import TransformTimeModel
 
     return SelectivePolicy(bandwidth=bandwidth, time_model=TransformTimeModel(fresh_output_seconds=FRESH_OUTPUT_SECONDS_DEV_VM))
 
@@ -686,7 +680,7 @@ def fresh_buffer_policy(bandwidth: float = 125e6) -> SelectivePolicy:
 def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget: float | None,
                     bandwidth: float) -> dict:
     """label -> Geometry of the variants compared in the cost table."""
-    from ..geometry import Spectrum
+    from giftcomm.geometry import Spectrum
 
     geos = {"gift full": Geometry.from_kfac(layout, spectra)}
     for k in ks:
@@ -728,7 +722,7 @@ def time_geometry(geo: Geometry, x: np.ndarray, repeats: int, reuse: bool = Fals
 
 def _single(t) -> Geometry:
     """A one-segment Geometry holding transform ``t`` (for timing a segment alone)."""
-    from ..geometry.transform import SegmentTransform
+    from giftcomm.geometry.transform import SegmentTransform
 
     seg = t.segment
     lay = Layout([(seg.name, seg.shape)])
@@ -740,14 +734,14 @@ def cost_main(a) -> int:
     geometry variant, against the FP8 ring allreduce's predicted time at P = 4 on a
     ``--bandwidth`` link (giftcomm.costmodel.predict, and the wire-only formula); fits the
     policy's TransformTimeModel to the measurements."""
-    from ..costmodel import Calibration, LinkCost, Topology, predict
-    from ..geometry import TransformTimeModel, collective_seconds
+    from giftcomm.costmodel import Calibration, LinkCost, Topology, predict
+    from giftcomm.geometry import TransformTimeModel, collective_seconds
 
     rng = np.random.default_rng(a.seed)
     tm = TransformTimeModel()
     cal = Calibration(net=LinkCost(alpha=60e-6, beta=1.0 / a.bandwidth))
     lines = [f"$ {os.environ.get('OPENBLAS_NUM_THREADS') and 'OPENBLAS_NUM_THREADS=' + os.environ['OPENBLAS_NUM_THREADS'] + ' ' or ''}"
-             f"python -m giftcomm.perf fidelity {' '.join(getattr(a, 'argv', ['cost']))}",
+             f"python -m studies fidelity {' '.join(getattr(a, 'argv', ['cost']))}",
              f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}, BLAS threads "
              f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}; times: min of {a.repeats} after a warm-up; "
              f"loadavg at start {_load()}",
@@ -791,7 +785,7 @@ def cost_main(a) -> int:
             summary.setdefault(mdl["model"], {})[label] = {
                 "transform_s": total, "transform_out_reused_s": reused, "predicted_s": predicted,
                 "collective_s": t_pred, "wire_s": t_wire, "transformed": frac, "gflop": geo.flops() * rep / 1e9}
-            if not a.quiet:
+            if not a.no_progress:
                 print(model_rows[-1], file=sys.stderr, flush=True)
         lines.append(f"- {mdl['model']}: {n_total / 1e6:.1f}M values in the timed matrices "
                      f"({mdl['factors']}); collective {t_pred * 1e3:.1f} ms predicted, {t_wire * 1e3:.1f} ms wire only")
@@ -814,7 +808,7 @@ def cost_main(a) -> int:
                       f"{coef[3]:.3g} (in force: {tm.seconds_per_pass:.3g}, {tm.seconds_per_pass_large:.3g}, "
                       f"{tm.flops_per_second:.3g}, {tm.seconds_per_segment:.3g})"]
     lines.append(f"loadavg at end {_load()}")
-    _emit("\n".join(lines), a.md, a.json, summary)
+    _emit("\n".join(lines), a.out, a.json, summary)
     return 0
 
 

@@ -11,13 +11,13 @@ Sections (each in its own try block; a failure is written down and the next sect
    5 bytes per value for encode/decode (9 for the fused hop, 9 for decode-accumulate);
 4. the GPU loopback ring at P = 4 and 8 against giftcomm.reference.simulate_allreduce;
 5. the device path of the public collectives on CuPy at P = 4 and 8 over the GPU loopback
-   (giftcomm.cuda.collective_check: reduce_scatter ring/direct, allgather of unequal shards,
+   (studies.device.collective_check: reduce_scatter ring/direct, allgather of unequal shards,
    allgather(reduce_scatter) == allreduce, direct allreduce, gift_allreduce with a low-rank KFAC
    geometry) against the reference simulations, bit for bit;
 6. transform cost for Llama-300M / 600M-like layer shapes (hidden 1024 / 1536, MLP 2.7x)
    against the wire time FP8 saves over bf16 at 25, 100 and 400 Gbit/s per GPU.
 
-Usage: python -m giftcomm.cuda.device_check [--out perf/results] [--quick]
+Usage: python -m studies device-check [--out perf/results] [--quick] (from the checkout's root)
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..reference import codec as ref
-from ..reference import simulate_allreduce
-from .edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
+from giftcomm.reference import codec as ref
+from giftcomm.reference import simulate_allreduce
+from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
 
 class Report:
@@ -73,7 +73,7 @@ def _events_ms(cp, fn, warmup: int = 5, reps: int = 20) -> float:
 def sec_device(rep: Report) -> None:
     import cupy as cp
 
-    from . import _loader
+    from giftcomm.cuda import _loader
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     rep.add(f"- device: {props['name'].decode()}, cc {props['major']}.{props['minor']}, "
@@ -88,7 +88,7 @@ def sec_device(rep: Report) -> None:
 def sec_exact(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from . import codec as gc
+    from giftcomm.cuda import codec as gc
 
     rng = np.random.default_rng(20261129)
 
@@ -151,7 +151,7 @@ def sec_exact(rep: Report, quick: bool) -> None:
 def sec_throughput(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from . import codec as gc
+    from giftcomm.cuda import codec as gc
 
     n = (1 << 26) if quick else (1 << 28)
     src = cp.random.standard_normal(n, dtype=cp.float32)
@@ -186,8 +186,8 @@ def sec_throughput(rep: Report, quick: bool) -> None:
 def sec_ring(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from ..transport.device_loopback import DeviceLoopbackGroup
-    from . import ring as dring
+    import giftcomm
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
     rng = np.random.default_rng(7)
     for p in (4, 8):
@@ -195,7 +195,8 @@ def sec_ring(rep: Report, quick: bool) -> None:
             xs = [random_vector(rng, n, 8) for _ in range(p)]
             dev = [cp.asarray(x) for x in xs]
             t0 = time.time()
-            got = DeviceLoopbackGroup(p).run(lambda t: cp.asnumpy(dring.allreduce(t, dev[t.rank], fmt, block, "sum")))
+            got = DeviceLoopbackGroup(p).run(lambda t: cp.asnumpy(giftcomm.allreduce(
+                dev[t.rank], comm=t, op="sum", fmt=fmt, block=block, algorithm="ring")))
             dt = time.time() - t0
             want = simulate_allreduce(xs, fmt, block, "sum", algorithm="ring")
             ok = all(floats_equal(g, w).all() for g, w in zip(got, want))
@@ -209,7 +210,7 @@ def sec_ring(rep: Report, quick: bool) -> None:
 def sec_collectives(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from .collective_check import collective_checks
+    from studies.device.collective_check import collective_checks
 
     results = collective_checks(cp, cp.asnumpy, quick=quick)
     for label, ok, secs in results:
@@ -222,7 +223,7 @@ def sec_collectives(rep: Report, quick: bool) -> None:
 def sec_transform(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from .transform import SegmentPair, TransformPlan
+    from giftcomm.cuda.transform import SegmentPair, TransformPlan
 
     rng = np.random.default_rng(3)
     rep.add("| model | layers | params/layer (M) | transform fwd+inv ms | bytes saved (MB) | "
@@ -252,7 +253,7 @@ def sec_transform(rep: Report, quick: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m studies device-check", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     args = ap.parse_args(argv)

@@ -1,11 +1,11 @@
 """Capture real data-parallel gradients and KFAC factors from the small Llama-style model.
 
-``python -m giftcomm.perf.gradients [--config small] [--train-steps 120] [--capture-steps 3]
+``python -m studies.gradients [--config small] [--train-steps 120] [--capture-steps 3]
 [--ranks 4] [--batch 16] [--out PATH]``
 
-1. Train ``giftcomm.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
+1. Train ``studies.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
    SwiGLU 688, tied embedding, ~5.3M parameters) with AdamW (lr 3e-3, warm-up 20 steps, weight
-   decay 0.1 on matrices) on the byte-level stdlib corpus (``giftcomm.workloads.corpus``),
+   decay 0.1 on matrices) on the byte-level stdlib corpus (``studies.workloads.corpus``),
    ``batch`` sequences of the config's ``seq_len`` tokens per step, float32, one thread.
    Forward/backward hooks on every ``nn.Linear`` feed running KFAC factors
    ``A = E[a a^T]`` (inputs, in x in) and ``G = E[d d^T]`` (gradients w.r.t. the outputs,
@@ -21,7 +21,7 @@
 The ``.npz`` holds: names, shapes (JSON), grads, and per Linear weight ``A/<name>``,
 ``G/<name>`` (EMA, float32) and ``MA/<name>``, ``MG/<name>`` (capture batches, float32),
 plus ``info`` (JSON: config, losses, timings). ``load_case(path)`` turns it into a
-``giftcomm.perf.fidelity.Case``.
+``studies.fidelity.Case``.
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path."""
     import torch
 
-    from ..workloads.corpus import load_corpus
-    from ..workloads.llama import CONFIGS, Llama
+    from studies.workloads.corpus import load_corpus
+    from studies.workloads.llama import CONFIGS, Llama
 
     if batch % ranks:
         raise ValueError(f"batch {batch} must be a multiple of ranks {ranks}")
@@ -193,8 +193,8 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
 def load_case(path: str):
     """The captured file as a fidelity ``Case``: layout of every parameter; grads steps x ranks;
     ``factors`` the EMA KFAC factors (geometry), ``metric`` the capture batches' factors."""
-    from ..geometry import Layout
-    from .fidelity import Case
+    from giftcomm.geometry import Layout
+    from studies.fidelity import Case
 
     z = np.load(path)
     names = [str(x) for x in z["names"]]
@@ -213,7 +213,7 @@ def load_case(path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m giftcomm.perf.gradients", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.gradients", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="small")
     p.add_argument("--train-steps", type=int, default=120)
     p.add_argument("--capture-steps", type=int, default=3)

@@ -2,8 +2,8 @@
 
 Two subcommands::
 
-    mpiexec -n 4 python -m giftcomm.perf model validate [-b 64K -e 64M] [--local-size K] [--out FILE.md]
-    python -m giftcomm.perf model project [--out perf/results/model-projection.md]
+    mpiexec -n 4 python -m studies model validate [-b 64K -e 64M] [--local-size K] [--out FILE.md]
+    python -m studies model project [--out perf/results/model-projection.md]
 
 ``validate`` (under mpiexec) times real ``giftcomm.allreduce`` calls for every algorithm that
 applies to the rank layout and every format, at input sizes (float32 bytes) from ``-b`` to
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..costmodel import Calibration, LinkCost, Topology, choose, load_calibration, predict
-from .sizes import format_size, parse_size, size_range
+from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, load_calibration, predict
+from giftcomm.perf.common import time_calls, topology
+from giftcomm.perf.sizes import format_size, parse_size, size_range
 
 __all__ = ["ValidationRow", "validate_rows", "project_rows", "ProjectionRow", "gpu_calibration",
            "model_params", "gift_transform_seconds", "GPU_ASSUMPTIONS", "main"]
@@ -67,38 +68,19 @@ def _idle_barrier(comm) -> None:
 def _time_call(comm, fn, iters: int, warmup: int, budget_s: float, stat: str = "median") -> float:
     """Median (or min) over calls of the slowest rank's seconds; each call starts after a barrier.
 
-    At least 3 calls, at most ``iters``, about ``budget_s`` seconds in all (decided on rank 0)."""
-    from mpi4py import MPI
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    t_start = time.perf_counter()
-    while True:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        times.append(dt)
-        more = len(times) < 3 or (len(times) < iters and time.perf_counter() - t_start < budget_s)
-        if not comm.bcast(more, root=0):
-            break
-    return float(np.min(times) if stat == "min" else np.median(times))
+    At least 3 calls, at most ``iters``, about ``budget_s`` seconds of timed calls in all."""
+    return time_calls(fn, iters, warmup=warmup, comm=comm, stat=stat, budget_s=budget_s)[0]
 
 
 def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], local_size: int | None,
                   cal: Calibration, iters: int, warmup: int, budget_s: float, on_row=None,
                   stat: str = "median") -> tuple[list[ValidationRow], Topology]:
     """Collective over the mpi4py ``comm``: time and predict every (size, format, algorithm)."""
-    from .. import api
-    from ..collectives import hierarchical
-    from ..transport import resolve
+    import giftcomm
+    from giftcomm.transport import resolve
 
     t = resolve(comm)
-    nodes = hierarchical.contiguous_nodes(t.size, local_size) if local_size else t.node_ids()
-    groups = hierarchical.node_groups(nodes)
-    uniform = len({len(g) for g in groups}) == 1
-    topo = Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
+    _, topo = topology(t, local_size)
     rows = []
     for size in sizes:
         n = size // 4
@@ -108,7 +90,7 @@ def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], loc
                 pred = predict(algo, n, topo, fmt, 256, cal)
                 if not math.isfinite(pred):
                     continue
-                fn = lambda: api.allreduce(x, comm=comm, fmt=fmt, algorithm=algo, local_size=local_size)
+                fn = lambda: giftcomm.allreduce(x, comm=comm, fmt=fmt, algorithm=algo, local_size=local_size)
                 meas = _time_call(comm, fn, iters, warmup, budget_s, stat)
                 row = ValidationRow(algo, fmt, size, n, pred, meas)
                 rows.append(row)
@@ -134,7 +116,7 @@ def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration
             cells.append(f"{np.median(errs) * 100:.0f}%" if errs else "-")
         out.append(f"| {algo} | " + " | ".join(cells) + " |")
     allerr = [abs(r.error) for r in rows]
-    out.append(f"| **all** | " + " | ".join(
+    out.append("| **all** | " + " | ".join(
         f"{np.median([abs(r.error) for r in rows if r.fmt == f]) * 100:.0f}%" for f in fmts)
         + f" | **{np.median(allerr) * 100:.0f}%** |")
     out += ["", "Median |error| per algorithm and format (above). `auto` (costmodel.choose) against the "
@@ -167,7 +149,7 @@ def _loadavg() -> str:
 def cmd_validate(args) -> int:
     from mpi4py import MPI
 
-    from .. import codec
+    from giftcomm import codec
 
     comm = MPI.COMM_WORLD
     cal = load_calibration()
@@ -200,7 +182,7 @@ def cmd_validate(args) -> int:
         print(table)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            cmdline = " ".join(["python -m giftcomm.perf model validate"] + (args.argv or []))
+            cmdline = " ".join(["python -m studies model validate"] + (args.argv or []))
             Path(args.out).write_text(f"# Cost model validation\n\n```\nmpiexec -n {comm.size} {cmdline}\n```\n\n"
                                       f"{head}\n\n{table}\n")
     return 0
@@ -226,7 +208,7 @@ def model_params(model: str) -> dict[str, int]:
 
     Returns {"matrices": transformed linear-layer elements, "embedding": vocab x hidden (tied),
     "total": all gradient values communicated}. Norm weights are ignored (< 0.1%)."""
-    from ..geometry.cost import MODELS
+    from giftcomm.geometry.cost import MODELS
 
     m = MODELS[model]
     h, i, blocks = m["hidden"], m["intermediate"], m["blocks"]
@@ -258,7 +240,7 @@ def gift_transform_seconds(model: str, cost_file: Path = Path("perf/results/geom
     gflop = _geometry_cost_gflop(model, k, cost_file)
     source = f"{cost_file} (GFLOP per model, low-rank k={k})"
     if gflop is None:
-        from ..geometry.cost import MODELS, block_shapes
+        from giftcomm.geometry.cost import MODELS, block_shapes
 
         fl = 0.0
         for _, (mo, mi), count in block_shapes(model):
@@ -372,10 +354,9 @@ def auto_table(cal: Calibration, gpus=(8, 64, 1024), local=4, sizes=None, fmt: s
 
 def plot_projection(rows: list[ProjectionRow], path: Path) -> None:
     """PNG: one panel per (model, rate); GPUs on x (log), ms per step on y (log)."""
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = sorted({r.model for r in rows})
     rates = sorted({r.rate_gbit for r in rows})
@@ -403,9 +384,7 @@ def plot_projection(rows: list[ProjectionRow], path: Path) -> None:
                 ax.set_ylabel("gradient allreduce, ms per step")
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle("Projected gradient-communication time per step (giftcomm cost model, GPU assumptions)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def cmd_project(args) -> int:
@@ -415,7 +394,7 @@ def cmd_project(args) -> int:
     rows = project_rows(gpus=tuple(gpus), rates=tuple(rates), cost_file=cost_file)
     a = GPU_ASSUMPTIONS
     lines = ["# Projected gradient-communication time per step", "",
-             "```", "python -m giftcomm.perf model project " + " ".join(args.argv or []), "```", "",
+             "```", "python -m studies model project " + " ".join(args.argv or []), "```", "",
              "Formulas: giftcomm.costmodel.predict (docs/scaling.md), with these constants (assumptions, "
              "not measurements):", ""]
     lines += [f"- {k}: {v}" for k, v in a.items()]
@@ -453,7 +432,7 @@ def cmd_project(args) -> int:
 # =============================================================================== CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="giftcomm.perf model", description="cost-model validation and projection")
+    ap = argparse.ArgumentParser(prog="python -m studies model", description="cost-model validation and projection")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="predicted vs measured allreduce time (run under mpiexec)")
     v.add_argument("-b", "--minbytes", default="64K")

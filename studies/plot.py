@@ -1,6 +1,6 @@
 """Plot busbw against message size from the JSON files of ``giftcomm.perf allreduce --json``.
 
-``python -m giftcomm.perf plot A.json B.json ... -o busbw.png``: one panel per file (its title
+``python -m studies plot A.json B.json ... -o busbw.png``: one panel per file (its title
 is the file's ``--label`` or name), one line per format plus the MPI fp32 baseline.
 """
 from __future__ import annotations
@@ -16,10 +16,9 @@ def load_rows(path: str) -> tuple[str, dict]:
 
 
 def plot(files: list[str], out: str) -> None:
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
     for ax, path in zip(axes[0], files):
@@ -36,12 +35,11 @@ def plot(files: list[str], out: str) -> None:
         ax.set_title(label if f"P={data['P']}" in label else f"{label} (P={data['P']})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="giftcomm.perf plot", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m studies plot", description=__doc__)
     ap.add_argument("files", nargs="+", help="JSON files from giftcomm.perf allreduce --json")
     ap.add_argument("-o", "--out", required=True, help="PNG file to write")
     args = ap.parse_args(argv)

@@ -34,7 +34,7 @@ class LlamaConfig:
 
 
 CONFIGS = {
-    # ~5.3M parameters: the end-to-end comparison (python -m giftcomm.perf train)
+    # ~5.3M parameters: the end-to-end comparison (python -m studies train)
     "small": LlamaConfig(dim=256, layers=7, heads=8, ffn=688, seq_len=128),
     # a few 10^4 parameters: CI (--quick)
     "tiny": LlamaConfig(dim=64, layers=2, heads=4, ffn=160, seq_len=64),

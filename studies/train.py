@@ -2,8 +2,8 @@
 
 Run under mpiexec (one process per rank, CPU)::
 
-    OMP_NUM_THREADS=1 mpiexec -n 4 python -m giftcomm.perf train --comm fp32,bf16,fp8-euclid,gift --steps 200
-    mpiexec -n 2 python -m giftcomm.perf train --quick          # CI: tiny model, < 60 s
+    OMP_NUM_THREADS=1 mpiexec -n 4 python -m studies train --comm fp32,bf16,fp8-euclid,gift --steps 200
+    mpiexec -n 2 python -m studies train --quick          # CI: tiny model, < 60 s
 
 Modes (all through ``giftcomm.adapters.torch.GradSync``, op="avg"):
   fp32        giftcomm ring allreduce with raw fp32 on the wire (plus MPI_Allreduce timed for reference)
@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from giftcomm.perf.common import Progress
 
 MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp8-euclid": ("e4m3", False), "gift": ("e4m3", True)}
 COLUMNS = ["mode", "step", "train_loss", "val_loss", "lr", "grad_rel_err", "t_step", "t_compute", "t_transform",
@@ -60,7 +62,7 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(prog="python -m giftcomm.perf train", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m studies train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--comm", default="fp32,bf16,fp8-euclid,gift", help="comma-separated modes: " + ",".join(MODES))
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200; 40 with --quick)")
@@ -110,30 +112,6 @@ def parse_args(argv: list[str] | None):
     return modes, cfg, a
 
 
-class Progress:
-    """A one-line progress bar on stderr (only where ``enabled``)."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled, self.t0 = total, label, enabled, time.perf_counter()
-        self.tty = sys.stderr.isatty()  # not a terminal: one line per 10% instead of redrawing
-
-    def update(self, done: int, info: str) -> None:
-        if not self.enabled or (not self.tty and done % max(self.total // 10, 1) and done != self.total):
-            return
-        frac = done / max(self.total, 1)
-        el = time.perf_counter() - self.t0
-        eta = el / max(done, 1) * (self.total - done)
-        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        end = "" if self.tty else "\n"
-        sys.stderr.write(f"\r{self.label:>10} [{bar}] {done}/{self.total} {info} {el:5.0f}s<{eta:4.0f}s {end}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warm-up to cfg.lr, then cosine decay to 10% of it at the last step."""
     if step < cfg.warmup:
@@ -153,9 +131,9 @@ def run_mode(mode: str, cfg: RunConfig, corpus, comm, out_dir: str) -> list[dict
     import torch
     from mpi4py import MPI
 
-    from ..adapters.torch import GradSync, KfacCapture, build_geometries
-    from ..geometry import SelectivePolicy
-    from ..workloads.llama import CONFIGS, Llama
+    from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries
+    from giftcomm.geometry import SelectivePolicy
+    from studies.workloads.llama import CONFIGS, Llama
 
     rank, size = comm.Get_rank(), comm.Get_size()
     fmt, use_geometry = MODES[mode]
@@ -184,7 +162,7 @@ def run_mode(mode: str, cfg: RunConfig, corpus, comm, out_dir: str) -> list[dict
         return comm.allreduce(total, op=MPI.SUM) / len(val_starts)
 
     rows = []
-    bar = Progress(cfg.steps, mode, rank == 0)
+    bar = Progress(cfg.steps, f"{mode} ", rank == 0)
     for step in range(cfg.steps):
         t_start = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -241,7 +219,7 @@ def run_mode(mode: str, cfg: RunConfig, corpus, comm, out_dir: str) -> list[dict
         row = dict(mode=mode, step=step, train_loss=train_loss, val_loss=val_loss, lr=lr, grad_rel_err=rel_err)
         row.update(zip(COLUMNS[6:], worst.tolist()))
         rows.append(row)
-        bar.update(step + 1, f"loss {train_loss:.3f}" + (f" val {val_loss:.3f}" if measure else ""))
+        bar.update(f"loss {train_loss:.3f}" + (f" val {val_loss:.3f}" if measure else ""))
     bar.close()
     if capture is not None:
         capture.remove()
@@ -291,10 +269,9 @@ def summary_table(runs: dict[str, list[dict]]) -> str:
 
 def plot(runs: dict[str, list[dict]], path: str) -> None:
     """Three panels: training loss (EMA-smoothed), validation loss, mean step-time split."""
-    import matplotlib
+    from studies.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode, rows in runs.items():
@@ -318,19 +295,17 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     for a in ax:
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``python -m giftcomm.perf train``); returns the exit status."""
+    """Entry point (``python -m studies train``); returns the exit status."""
     modes, cfg, args = parse_args(argv)
     import torch
     from mpi4py import MPI
 
-    from ..workloads.corpus import load_corpus
-    from ..workloads.llama import CONFIGS, Llama
+    from studies.workloads.corpus import load_corpus
+    from studies.workloads.llama import CONFIGS, Llama
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -356,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         table = summary_table(runs)
         with open(os.path.join(out_dir, "train-summary.md"), "w") as f:
             f.write(f"# giftcomm train: {size} ranks, model {cfg.model}, {cfg.steps} steps, seed {cfg.seed}\n\n")
-            f.write(f"Command: `mpiexec -n {size} python -m giftcomm.perf train {' '.join(argv or sys.argv[1:])}`\n\n")
+            f.write(f"Command: `mpiexec -n {size} python -m studies train {' '.join(argv or sys.argv[1:])}`\n\n")
             f.write(table + "\n")
         print(table)
         if not args.no_plot:

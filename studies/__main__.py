@@ -1,0 +1,50 @@
+"""``python -m studies <command> ...``: the studies about giftcomm (from a source checkout).
+
+train         end-to-end data-parallel Llama training comparison (under mpiexec; torch)
+fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
+gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
+errors        allreduce error growth against P for every algorithm
+model         validate the cost model against measurements; project to cluster scale
+netbed        multi-host testbed: rate-shaped links in network namespaces (root)
+plot          busbw-vs-size plots from ``giftcomm.perf allreduce --json`` files
+device-check  the one-shot GPU check (perf/device_check.sh runs it)
+
+The benchmarks a user runs stay in the package: ``python -m giftcomm.perf allreduce | codec |
+calibrate``. ``python -m studies <command> -h`` lists a command's options.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "studies.train",
+    "fidelity": "studies.fidelity",
+    "gradients": "studies.gradients",
+    "errors": "studies.errors",
+    "model": "studies.model",
+    "netbed": "studies.netbed",
+    "plot": "studies.plot",
+    "device-check": "studies.device.check",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print((__doc__ or "").strip())
+        return 0
+    if argv[0] == "--version":
+        from giftcomm import __version__
+
+        print(f"giftcomm {__version__} (studies)")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"studies: unknown command '{argv[0]}'\n\n{(__doc__ or '').strip()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The command line of ``python -m giftcomm.perf`` and the helpers every perf tool and study
+shares (giftcomm.perf.common, giftcomm.perf.sizes)."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import giftcomm
+from giftcomm.perf import __main__ as cli
+from giftcomm.perf.common import Progress, split_list, time_calls, topology
+from giftcomm.perf.sizes import format_size, parse_size, size_range
+
+
+def test_unknown_command_names_it_lists_the_commands_and_exits_2(capsys):
+    assert cli.main(["foo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'foo'" in err
+    assert all(name in err for name in ("allreduce", "codec", "calibrate"))
+
+
+@pytest.mark.parametrize("cmd", ["train", "fidelity", "errors", "model", "netbed", "plot"])
+def test_a_moved_command_says_where_it_went(cmd, capsys):
+    assert cli.main([cmd, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m studies {cmd} --quick" in err and "moved" in err
+
+
+def test_help_and_version(capsys):
+    assert cli.main([]) == 0 and "allreduce" in capsys.readouterr().out
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"giftcomm {giftcomm.__version__}"
+
+
+def test_module_entry_point_exit_status():
+    res = subprocess.run([sys.executable, "-m", "giftcomm.perf", "nope"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "unknown command 'nope'" in res.stderr
+
+
+def test_version_comes_from_the_package_metadata():
+    from importlib.metadata import version
+
+    assert giftcomm.__version__ == version("giftcomm")
+
+
+@pytest.mark.parametrize("text,nbytes", [("64M", 64 << 20), ("16MiB", 16 << 20), ("16MB", 16 << 20), ("1K", 1024),
+                                         ("1kib", 1024), ("512", 512), ("8B", 8), ("1G", 1 << 30)])
+def test_one_size_grammar(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+def test_size_helpers():
+    assert format_size(64 << 20) == "64M" and format_size(1000) == "1000"
+    assert size_range(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert split_list(" e4m3, bf16,,") == ["e4m3", "bf16"]
+
+
+def test_progress_draws_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log = io.StringIO()  # a redirected stderr: nothing at all, no carriage returns
+    with Progress(3, "x ", stream=log) as bar:
+        for _ in range(3):
+            bar.update("step")
+    assert log.getvalue() == ""
+    tty = Tty()
+    with Progress(2, "x ", stream=tty) as bar:
+        bar.update("a")
+    assert "\r" in tty.getvalue() and "[1/2]" in tty.getvalue()
+    off = Tty()
+    Progress(2, stream=off, enabled=False).update("a")
+    assert off.getvalue() == ""
+
+
+def test_time_calls_counts_and_returns_the_last_result():
+    calls = []
+    seconds, last = time_calls(lambda: calls.append(1) or len(calls), 4, warmup=2)
+    assert len(calls) == 6 and last == 6 and seconds >= 0
+    calls.clear()
+    _, last = time_calls(lambda: calls.append(1) or len(calls), 50, warmup=0, budget_s=0.0, min_iters=3)
+    assert last == 3  # stops at the budget once min_iters ran
+    with pytest.raises(ValueError):
+        time_calls(lambda: None, 1, stat="mode")
+
+
+def test_topology_of_a_loopback_group_and_of_runs_of_ranks():
+    class Fake:
+        size = 6
+
+        def node_ids(self):
+            return np.array([0, 0, 0, 1, 1, 1])
+
+    nodes, topo = topology(Fake())
+    assert nodes.tolist() == [0, 0, 0, 1, 1, 1] and (topo.ranks, topo.nodes, topo.local_size) == (6, 2, 3)
+    _, topo = topology(Fake(), local_size=2)
+    assert (topo.nodes, topo.local_size) == (3, 2)
+    _, topo = topology(Fake(), local_size=4)  # uneven: 4 + 2
+    assert (topo.nodes, topo.local_size) == (2, 0)
