@@ -22,7 +22,7 @@ import numpy as np
 
 __all__ = [
     "DTYPES", "DtypeInfo", "Imported", "array_module", "is_device_array", "import_array", "export_like",
-    "to_float32", "from_float32", "bf16_bits_from_float32", "dtype_info", "synchronize", "device_pointer", "DLPACK_CPU", "DLPACK_CUDA",
+    "to_float32", "from_float32", "bf16_bits_from_float32", "dtype_info", "synchronize", "device_pointer", "data_pointer", "DLPACK_CPU", "DLPACK_CUDA",
 ]
 
 DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST, DLPACK_CUDA_MANAGED = 1, 2, 3, 13
@@ -235,6 +235,13 @@ def synchronize(x: Any) -> None:
     host arrays and foreign ``__cuda_array_interface__`` objects without CuPy loaded."""
     if _cupy_loaded_array(x):
         sys.modules["cupy"].cuda.get_current_stream().synchronize()
+
+
+def data_pointer(x: Any) -> int:
+    """The address of an array's first byte: host (NumPy) or device (CuPy, CUDA interface)."""
+    if isinstance(x, np.ndarray):
+        return int(x.ctypes.data)
+    return device_pointer(x)
 
 
 def device_pointer(x: Any) -> int:

@@ -1,19 +1,28 @@
-"""The FP8 block codec: encode, decode, and the fused hops of the ring.
+"""The wire codec: encode, decode, and the fused hops of the ring, on any array backend.
 
-Definitions live in :mod:`giftcomm.reference.codec` (plain NumPy, the ground truth). This module
-runs the same operations through the native C kernels (``giftcomm._codec_native``, built by
-``pip install``) when they are present, and through the reference otherwise (with a warning,
-once). Both give bit-identical bytes.
+Two layers:
 
-All functions take 1-D float32 vectors and uint8 wire messages (see docs/wire-format.md).
+- the public functions here (:func:`encode`, :func:`decode`, :func:`decode_add_encode`,
+  :func:`decode_accumulate`) check their arguments (format, block, dtypes, sizes, backends) and
+  run the kernels of the input's backend;
+- :func:`kernels_for` gives a backend's *trusted* kernels, which check nothing: the collectives
+  validate a call once and then run the per-slice hot loop on them. Host arrays get the native C
+  kernels (``giftcomm._codec_native``, built by ``pip install``) or, without them, the NumPy
+  reference (with a warning, once); CuPy arrays get the CUDA kernels (giftcomm.cuda.codec).
+
+Every backend equals :mod:`giftcomm.reference.codec` bit for bit. Values are 1-D float32 vectors;
+messages are 1-D uint8 arrays of ``message_nbytes(count, fmt, block)`` bytes
+(docs/wire-format.md).
 """
 from __future__ import annotations
 
-import os
 import warnings
+from typing import Any, Protocol
 
 import numpy as np
 
+from . import config
+from ._xp import array_module, data_pointer
 from .formats import DEFAULT_BLOCK, Format, check_block, get_format, message_nbytes
 from .reference import codec as _ref
 
@@ -22,121 +31,198 @@ try:  # the extension is optional: a missing compiler must not break the package
 except ImportError:  # pragma: no cover - exercised only on a broken install
     _native = None
 
-__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "message_nbytes"]
+__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "message_nbytes",
+           "Kernels", "kernels_for"]
+
+
+class Kernels(Protocol):
+    """One backend's trusted codec kernels. Arguments are already checked: 1-D contiguous arrays
+    of the backend, float32 values, uint8 messages and outputs of the right sizes."""
+
+    name: str
+
+    def encode(self, x: Any, f: Format, block: int, out: Any) -> Any: ...
+    def decode(self, message: Any, count: int, f: Format, block: int, out: Any) -> Any: ...
+    def decode_add_encode(self, message: Any, local: Any, f: Format, block: int, out: Any,
+                          sum_out: Any) -> Any: ...
+    def decode_accumulate(self, message: Any, acc: Any, f: Format, block: int) -> Any: ...
+
+
+class NativeKernels:
+    """The C kernels (AVX-512 / AVX2 / portable variants, chosen at import)."""
+
+    name = "native"
+
+    @staticmethod
+    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray) -> np.ndarray:
+        _native.encode(x, out, f.code, block)
+        return out
+
+    @staticmethod
+    def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
+        _native.decode(message, out, f.code, block)
+        return out
+
+    @staticmethod
+    def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
+                          sum_out: np.ndarray | None) -> np.ndarray:
+        _native.decode_add_encode(message, local, out, sum_out, f.code, block)
+        return out
+
+    @staticmethod
+    def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
+        _native.decode_accumulate(message, acc, f.code, block)
+        return acc
+
+
+class ReferenceKernels:
+    """The NumPy reference (giftcomm.reference.codec), for hosts without the C extension."""
+
+    name = "reference"
+
+    @staticmethod
+    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray) -> np.ndarray:
+        return _ref.encode(x, f, block, out=out)
+
+    @staticmethod
+    def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
+        out[...] = _ref.decode(message, count, f, block)
+        return out
+
+    @staticmethod
+    def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
+                          sum_out: np.ndarray | None) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = _ref.decode(message, local.size, f, block) + local
+        if sum_out is not None:
+            sum_out[...] = total
+        return _ref.encode(total, f, block, out=out)
+
+    @staticmethod
+    def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            acc += _ref.decode(message, acc.size, f, block)
+        return acc
+
 
 _warned = False
 
 
 def native_available() -> bool:
     """True when the native C kernels are loaded (and not disabled by GIFTCOMM_NATIVE=0)."""
-    return _native is not None and os.environ.get("GIFTCOMM_NATIVE", "1") != "0"
+    return _native is not None and config.flag("GIFTCOMM_NATIVE")
 
 
-def _use_native() -> bool:
+def kernels_for(xp: Any) -> Kernels:
+    """The trusted kernels for arrays of backend ``xp`` (``numpy`` or ``cupy``). Reads
+    GIFTCOMM_NATIVE once per call: a collective asks once and keeps the answer."""
     global _warned
+    if xp is not np:
+        from .cuda.codec import CudaKernels
+
+        return CudaKernels
     if native_available():
-        return True
+        return NativeKernels
     if _native is None and not _warned:
         _warned = True
-        warnings.warn(
-            "giftcomm: native codec extension not built; using the NumPy reference codec (slow). "
-            "Reinstall with a C compiler available: pip install -e .",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return False
+        warnings.warn("giftcomm: native codec extension not built; using the NumPy reference codec (slow). "
+                      "Reinstall with a C compiler available: pip install -e .", RuntimeWarning, stacklevel=3)
+    return ReferenceKernels
 
 
-def _as_f32(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+# ------------------------------------------------------------------------- argument checks
+def _values(xp: Any, x: Any, name: str) -> Any:
+    """``x`` as a contiguous 1-D float32 array of backend ``xp`` (a view when it already is)."""
+    return xp.ascontiguousarray(xp.asarray(x), dtype=np.float32).reshape(-1)
 
 
-def _message_out(out: np.ndarray | None, nbytes: int) -> np.ndarray:
+def _same_backend(xp: Any, a: Any, name: str) -> Any:
+    if a is not None and array_module(a) is not xp:
+        raise TypeError(f"{name} must be an array of the input's backend ({xp.__name__}), got {type(a).__name__}")
+    return a
+
+
+def _message_out(xp: Any, out: Any, nbytes: int) -> Any:
     if out is None:
-        return np.empty(nbytes, np.uint8)
+        return xp.empty(nbytes, np.uint8)
+    _same_backend(xp, out, "out")
     if out.dtype != np.uint8 or out.size != nbytes or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint8 array of {nbytes} bytes")
-    return out
+    return out.reshape(-1)
 
 
-def _check_message(message: np.ndarray, count: int, f: Format, block: int) -> np.ndarray:
-    message = np.ascontiguousarray(message).reshape(-1).view(np.uint8)
+def _values_out(xp: Any, out: Any, count: int, name: str) -> Any:
+    _same_backend(xp, out, name)
+    if out.dtype != np.float32 or out.size != count or not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 array of {count} values")
+    return out.reshape(-1)
+
+
+def _check_message(xp: Any, message: Any, count: int, f: Format, block: int) -> Any:
+    _same_backend(xp, message, "message")
+    message = xp.ascontiguousarray(message).reshape(-1).view(np.uint8)
     nbytes = message_nbytes(count, f, block)
     if message.size != nbytes:
         raise ValueError(f"a {f.name} message of {count} values has {nbytes} bytes, got {message.size}")
     return message
 
 
-def encode(
-    x: np.ndarray, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: np.ndarray | None = None
-) -> np.ndarray:
-    """Encode float32 values (any shape, read flat) into one wire message (uint8, 1-D).
+def _overlap(a: Any, b: Any) -> bool:
+    if a.nbytes == 0 or b.nbytes == 0:
+        return False
+    pa, pb = data_pointer(a), data_pointer(b)
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
 
-    Values of other float dtypes are first cast to float32.
-    """
+
+# ------------------------------------------------------------------------- public functions
+def encode(x: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
+    """Encode values (any shape, read flat; other float dtypes are cast to float32) into one
+    wire message (uint8, 1-D, the input's backend; ``out`` if given)."""
     f, block = get_format(fmt), check_block(block)
-    x = _as_f32(x)
-    msg = _message_out(out, message_nbytes(x.size, f, block))
-    if _use_native():
-        _native.encode(x, msg, f.code, block)
-        return msg
-    return _ref.encode(x, f, block, out=msg)
+    xp = array_module(x)
+    x = _values(xp, x, "x")
+    msg = _message_out(xp, out, message_nbytes(x.size, f, block))
+    kernels_for(xp).encode(x, f, block, msg)
+    return msg
 
 
-def decode(
-    message: np.ndarray, count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
+def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
     """Decode one wire message of ``count`` values into a float32 vector (``out`` if given)."""
     f, block = get_format(fmt), check_block(block)
-    message = _check_message(message, count, f, block)
-    if out is not None and (out.dtype != np.float32 or out.size != count or not out.flags.c_contiguous):
-        raise ValueError(f"out must be a contiguous float32 array of {count} values")
-    if _use_native():
-        res = np.empty(count, np.float32) if out is None else out
-        _native.decode(message, res, f.code, block)
-        return res
-    values = _ref.decode(message, count, f, block)
-    if out is None:
-        return values
-    out[...] = values
-    return out
+    xp = array_module(message)
+    message = _check_message(xp, message, count, f, block)
+    res = xp.empty(count, np.float32) if out is None else _values_out(xp, out, count, "out")
+    kernels_for(xp).decode(message, count, f, block, res)
+    return res if out is None else out
 
 
-def decode_add_encode(
-    message: np.ndarray, local: np.ndarray, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
-    out: np.ndarray | None = None, sum_out: np.ndarray | None = None,
-) -> np.ndarray:
+def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
+                      out: Any = None, sum_out: Any = None) -> Any:
     """One ring hop: ``encode(decode(message) + local)`` with the sum in float32.
 
     ``local``: float32 vector of the message's count. ``sum_out``: optional float32 vector that
-    receives the float32 sum itself (the owner keeps it after the last hop).
+    receives the float32 sum itself (the owner keeps it after the last hop). ``out`` must not
+    overlap ``message``.
     """
     f, block = get_format(fmt), check_block(block)
-    local = _as_f32(local)
-    message = _check_message(message, local.size, f, block)
-    msg = _message_out(out, message_nbytes(local.size, f, block))
-    if _use_native():
-        _native.decode_add_encode(message, local, msg, sum_out, f.code, block)
-        return msg
-    with np.errstate(invalid="ignore", over="ignore"):
-        total = _ref.decode(message, local.size, f, block) + local
+    xp = array_module(local)
+    local = _values(xp, local, "local")
+    message = _check_message(xp, message, local.size, f, block)
+    msg = _message_out(xp, out, message_nbytes(local.size, f, block))
     if sum_out is not None:
-        sum_out[...] = total
-    return _ref.encode(total, f, block, out=msg)
+        sum_out = _values_out(xp, sum_out, local.size, "sum_out")
+    if _overlap(msg, message):
+        raise ValueError("out must not overlap message")
+    kernels_for(xp).decode_add_encode(message, local, f, block, msg, sum_out)
+    return msg
 
 
-def decode_accumulate(
-    message: np.ndarray, acc: np.ndarray, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK
-) -> np.ndarray:
+def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> Any:
     """``acc += decode(message)`` in place; ``acc`` is a contiguous float32 vector."""
     f, block = get_format(fmt), check_block(block)
+    xp = array_module(acc)
     if acc.dtype != np.float32 or not acc.flags.c_contiguous:
         raise ValueError("acc must be a contiguous float32 array")
-    message = _check_message(message, acc.size, f, block)
-    if _use_native():
-        _native.decode_accumulate(message, acc.reshape(-1), f.code, block)
-        return acc
-    with np.errstate(invalid="ignore", over="ignore"):
-        acc += _ref.decode(message, acc.size, f, block).reshape(acc.shape)
+    message = _check_message(xp, message, acc.size, f, block)
+    kernels_for(xp).decode_accumulate(message, acc.reshape(-1), f, block)
     return acc

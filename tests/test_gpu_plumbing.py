@@ -6,8 +6,8 @@
   against giftcomm.reference.codec on the edge tables and random data, and the portable
   float32 -> FP8 conversion exhaustively over every float32 in [0, max].
 - The loader: include inlining and #line directives; NVRTC compile (when CuPy's NVRTC loads).
-- The device ring (giftcomm.cuda.ring) over the device loopback with NumPy arrays and over
-  CUDA-aware-MPI plumbing with fake device arrays (MPI test), against simulate_allreduce.
+- CUDA-aware-MPI plumbing with fake device arrays (MPI test); the collectives on every backend
+  and schedule are tests/test_collectives.py.
 - The NCCL transport's queue / group logic with a recording fake NCCL.
 - The batched transform plan against per-segment NumPy.
 """
@@ -25,13 +25,10 @@ import pytest
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
-from giftcomm.cuda import ring as dring
-from giftcomm.cuda.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
+from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, message_nbytes
 from giftcomm.reference import codec as ref
-from giftcomm.reference import simulate_allreduce
-from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("e4m3", "e5m2")
@@ -241,44 +238,11 @@ def test_check_cuda_script_passes():
     assert "FAIL" not in res.stdout
 
 
-# ------------------------------------------------------------- device ring on the CPU
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16", "fp32"])
-def test_device_ring_loopback_numpy_matches_simulation(p, fmt, rng):
-    for n, block, dtype in ((1000, 32, np.float32), (12345, 256, np.float32), (7, 3, np.float64), (513, 256, np.float16)):
-        xs = [random_vector(rng, n, spread=8).astype(dtype) for _ in range(p)]
-        for op in ("sum", "avg"):
-            got = DeviceLoopbackGroup(p).run(lambda t: dring.allreduce(t, xs[t.rank], fmt, block, op))
-            with np.errstate(all="ignore"):
-                want = simulate_allreduce(xs, fmt, block, op, algorithm="ring")
-            for r in range(p):
-                assert got[r].dtype == dtype and got[r].shape == xs[r].shape
-                assert floats_equal(got[r].astype(np.float32), want[r].astype(np.float32)).all(), (p, fmt, n, block, op, r)
-
-
-class FakeDeviceView:
-    """Wraps a transport so that every buffer it is handed reaches it as a FakeDeviceArray."""
-
-    def __init__(self, inner):
-        self.inner, self.rank, self.size = inner, inner.rank, inner.size
-
-    def isend(self, buf, dest, tag=0):
-        return self.inner.isend(FakeDeviceArray(buf), dest, tag)
-
-    def irecv(self, buf, source, tag=0):
-        return self.inner.irecv(FakeDeviceArray(buf), source, tag)
-
-    def allgather_int64(self, vec):
-        return self.inner.allgather_int64(vec)
-
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
-
-
+# ------------------------------------------------------------- CUDA-aware MPI plumbing
 @pytest.mark.mpi
 def test_device_mpi_transport_fake_device_buffers():
     """CUDA-aware MPI plumbing with fake device arrays (MPICH reads the host memory behind the
-    pointer): raw messages, then the whole device ring against the simulation."""
+    pointer): raw messages (the collectives over it: tests/test_collectives.py)."""
     from mpi4py import MPI
 
     from giftcomm.transport.device_mpi import CudaSupport, DeviceMpiTransport, cuda_support
@@ -296,13 +260,6 @@ def test_device_mpi_transport_fake_device_buffers():
     assert (recv == (r - 1) % p).all()
     with pytest.raises(TypeError, match="device array"):
         t.isend(send, (r + 1) % p)
-    rng = np.random.default_rng(1234)  # same inputs on every rank
-    xs = [random_vector(rng, 5000, spread=10) for _ in range(p)]
-    got = dring.allreduce(FakeDeviceView(t), xs[r], "e4m3", 256, "sum")
-    want = simulate_allreduce(xs, "e4m3", 256, "sum", algorithm="ring")[r]
-    assert floats_equal(got, want).all()
-    digests = comm.allgather(got.tobytes())
-    assert all(d == digests[0] for d in digests)
     t.free()
 
 

@@ -13,6 +13,7 @@ import pytest
 import giftcomm as gc
 from giftcomm import api
 from giftcomm.collectives import shared
+from giftcomm.collectives.wire import Wire
 from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce
 from giftcomm.transport.shared_window import ENV_SWITCH, enabled_by_env, grown_size, shm_room
@@ -148,8 +149,8 @@ def test_ranks_that_disagree_on_shared_memory_raise_alike(rng):
 def test_message_only_transports_have_no_window():
     t = gc.LoopbackGroup(1).transports[0]
     assert t.shared_memory is False and t.shared_window(100) is None
-    assert shared.allreduce(t, np.zeros(4, np.float32), np.array([0, 4]), get_format("e4m3"), 256,
-                            np.dtype(np.float32), 256) is None
+    wire = Wire.of(get_format("e4m3"), 256)
+    assert shared.allreduce(t, np.zeros(4, np.float32), np.array([0, 4]), wire, np.dtype(np.float32), 256) is None
 
 
 def test_shm_room(tmp_path):

@@ -18,7 +18,7 @@ from ..transport import Transport
 
 T = TypeVar("T")
 
-_ERROR_TYPES: dict[int, type[Exception]] = {1: TypeError, 2: ValueError}
+_ERROR_TYPES: dict[int, type[Exception]] = {1: TypeError, 2: ValueError, 3: RuntimeError}
 _ERROR_CODES = {cls: code for code, cls in _ERROR_TYPES.items()}
 
 DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
@@ -35,7 +35,8 @@ def agree(
     """Run ``prepare()`` locally, then check on all ranks that it succeeded everywhere and agrees.
 
     ``prepare`` returns (plan, signature) where signature maps each name in ``fields`` to an int;
-    a TypeError/ValueError it raises is caught and reported by every rank. Returns (plan, table):
+    any exception it raises is caught and reported by every rank (TypeError and ValueError as
+    themselves, anything else as RuntimeError naming the original type). Returns (plan, table):
     table is the (size, len(fields)) int64 array of every rank's fields, so callers can read
     fields that may differ (e.g. shard lengths). Raises, on every rank alike, TypeError or
     ValueError naming the ranks and fields at fault.
@@ -46,15 +47,15 @@ def agree(
     try:
         plan, sig = prepare()
         vec[1:] = [sig[k] for k in fields]
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # every failure joins the agreement, so no rank is left waiting
         error = exc
         vec[:] = 0
-        vec[0] = _ERROR_CODES.get(type(exc), 2)
+        vec[0] = _ERROR_CODES.get(type(exc), 3)
     table = transport.allgather_int64(vec)
     failed = np.flatnonzero(table[:, 0])
     if failed.size:
         messages = transport.allgather_object(None if error is None else f"{type(error).__name__}: {error}")
-        cls = _ERROR_TYPES.get(int(table[failed[0], 0]), ValueError)
+        cls = _ERROR_TYPES.get(int(table[failed[0], 0]), RuntimeError)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise cls(f"{what}: bad input on rank(s) {', '.join(map(str, failed))} -- {detail}")
     cols = _match_columns(fields, must_match)

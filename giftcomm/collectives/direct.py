@@ -2,35 +2,40 @@
 
 Each rank encodes its values of every other rank's chunk once and sends them straight to that
 chunk's owner (an all-to-all of FP8 messages, in slices). The owner sums the P contributions in
-rank order in the accumulation dtype (collectives/rank_order.py, shared with giftcomm.cuda.direct);
-its own values enter unquantized. One quantization per value instead of the ring's P-1
+rank order in the accumulation dtype (collectives/rank_order.py, shared with the shared-window
+path); its own values enter unquantized. One quantization per value instead of the ring's P-1
 requantizations, for the same bytes on the wire. The allgather that follows is the ring's
 (collectives/ring.py).
+
+Schedules: every receive is posted first, then every slice is encoded and sent; the owner sums
+slice by slice as contributions arrive. On a GROUPED transport the first wait issues all of it as
+one group (an all-to-all), and the sums follow in stream order. NumPy or CuPy arrays.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from .. import codec
-from ..formats import Format
 from ..transport import Request, Transport, wait_all
 from .rank_order import sum_in_rank_order
 from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, layout_of, owner_buffer
+from .wire import Wire
 from .workspace import workspace_of
 
 
 def reduce_scatter(
-    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: np.ndarray | None = None,
-) -> tuple[np.ndarray | None, np.ndarray]:
+    t: Transport, x: Any, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None,
+) -> tuple[Any, Any]:
     """Direct reduce-scatter of the flat vector ``x``; returns (sum, owner message) like the ring's
     (sum None when ``keep_sum`` is False: it is then summed in a reused workspace buffer; the
     message goes to ``own_out`` when given)."""
-    p, r = t.size, t.rank
+    p, r, xp = t.size, t.rank, wire.xp
     counts = np.diff(bounds)
-    slices = layout_of(counts, fmt, block, slice_elems).slices
+    slices = layout_of(counts, wire.fmt, wire.block, slice_elems).slices
     mine = slices[r]
-    ws = workspace_of(t)
+    ws = workspace_of(t, xp)
     inbox = ws.get("direct_in", mine.nbytes * max(p - 1, 1))
     outbox = ws.get("direct_out", sum(s.nbytes for c, s in enumerate(slices) if c != r))
     # Post every receive first: contributions to our chunk from each other rank, in slices.
@@ -48,23 +53,22 @@ def reduce_scatter(
         off += sl.nbytes
         for j in range(sl.nslices):
             a, b = sl.elems[j], sl.elems[j + 1]
-            part = x[lo + a : lo + b].astype(np.float32, copy=False)
             piece = msg[sl.bytes[j] : sl.bytes[j + 1]]
-            codec.encode(part, fmt, block, out=piece)
+            wire.encode(x[lo + a : lo + b], piece)
             sends.append(t.isend(piece, dest, tag=j))
     # Sum the contributions in rank order, slice by slice, as they arrive.
     n_r = int(counts[r])
-    total = np.empty(n_r, acc_t) if keep_sum else ws.get("direct_sum", n_r * acc_t.itemsize).view(acc_t)
+    total = xp.empty(n_r, acc_t) if keep_sum else ws.get("direct_sum", n_r * acc_t.itemsize).view(acc_t)
     lo_r = int(bounds[r])
 
-    def arrived(src: int, j: int) -> np.ndarray:
+    def arrived(src: int, j: int) -> Any:
         recvs[src][j].wait()
         return slot[src][mine.bytes[j] : mine.bytes[j + 1]]
 
     for j in range(mine.nslices):
         a, b = mine.elems[j], mine.elems[j + 1]
         sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
-                          lambda src, j=j: arrived(src, j), fmt, block, codec)
+                          lambda src, j=j: arrived(src, j), wire)
     wait_all(sends)
-    own_msg = encode_sliced(total, mine, fmt, block, owner_buffer(t, mine.nbytes, own_out))
+    own_msg = encode_sliced(wire, total, mine, owner_buffer(t, wire, mine.nbytes, own_out))
     return (total if keep_sum else None), own_msg

@@ -7,16 +7,21 @@ With L ranks per node and N nodes (every node the same size):
    reduce-scatter plus the ring allgather: each of them then holds the same decoded bytes;
 3. inside each node, a ring allgather of those float32 values in fp32 (exact), so every rank of
    every node ends with the same result.
-Only step 2 crosses the network, with 1/L of the buffer per rank.
+Only step 2 crosses the network, with 1/L of the buffer per rank. The steps are the ring and
+direct algorithms of this package over sub-transports, so any schedule and backend they run on
+works here too.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ..formats import Format, get_format
+from ..formats import get_format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
 from . import direct, ring
+from .wire import Wire
 
 
 def node_groups(node_of: np.ndarray) -> list[list[int]]:
@@ -43,25 +48,24 @@ def contiguous_nodes(p: int, local_size: int) -> np.ndarray:
 
 
 def allreduce(
-    t: Transport, x: np.ndarray, node_of: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
+    t: Transport, x: Any, node_of: np.ndarray, wire: Wire, acc_t: np.dtype,
     slice_elems: int, local_fmt: str = "fp32", inter: str = "ring",
-) -> np.ndarray:
+) -> Any:
     """Sum of the flat vector ``x`` over all ranks (float32, identical on every rank)."""
     groups = node_groups(node_of)
     local_size = check_uniform(node_of)
     mine = next(g for g in groups if t.rank in g)
-    l = mine.index(t.rank)
+    lr = mine.index(t.rank)
     local = t.split(mine, "hier-local")
-    cross = t.split([g[l] for g in groups], "hier-cross")
-    lf = get_format(local_fmt)
-    n = x.size
-    local_bounds = shared_chunk_bounds(n, local_size, block)
-    node_sum, _ = ring.reduce_scatter(local, x, local_bounds, lf, block, acc_t, slice_elems)
-    cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, block)
+    cross = t.split([g[lr] for g in groups], "hier-cross")
+    local_wire = wire.with_format(get_format(local_fmt))
+    local_bounds = shared_chunk_bounds(x.size, local_size, wire.block)
+    node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems)
+    cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, wire.block)
     rs = direct.reduce_scatter if inter == "direct" else ring.reduce_scatter
-    _, own = rs(cross, node_sum, cross_bounds, fmt, block, acc_t, slice_elems)
-    chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), fmt, block, slice_elems)
-    f32 = get_format("fp32")
-    sliced = ring.slice_chunk(chunk_values.size, f32, block, slice_elems)
-    msg = ring.encode_sliced(chunk_values, sliced, f32, block, np.empty(sliced.nbytes, np.uint8))
-    return ring.allgather(local, msg, np.diff(local_bounds), f32, block, slice_elems)
+    _, own = rs(cross, node_sum, cross_bounds, wire, acc_t, slice_elems)
+    chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), wire, slice_elems)
+    f32 = wire.with_format(get_format("fp32"))
+    sliced = ring.slice_chunk(chunk_values.size, f32.fmt, wire.block, slice_elems)
+    msg = ring.encode_sliced(f32, chunk_values, sliced, f32.empty(sliced.nbytes))
+    return ring.allgather(local, msg, np.diff(local_bounds), f32, slice_elems)

@@ -12,10 +12,19 @@ at once, while the next slices are still in flight (nonblocking sends and receiv
 slices are whole blocks of the buffer, the bytes of every block, and so the result, do not depend
 on the slice size.
 
-Workspace (reused across calls, per transport): two receive and two send buffers of one chunk
-message each, the owner's chunk message, and the allgather buffer of all P chunk messages. An
-allreduce (:func:`allreduce`) has the reduce-scatter write the owner's message straight into its
-allgather slot. Slicing plans are cached per layout (:func:`layout_of`)."""
+Schedules: over a PIPELINED transport (MPI, loopback, torch gloo) the receives of hop s+1 are
+posted before hop s is worked on, and every slice is sent on as soon as it is encoded. Over a
+GROUPED transport (NCCL, CUDA-aware MPI, the device loopback) operations only queue and a wait
+issues the queue as one group, so each hop queues its receives and its sends and the first wait
+issues them together; the hop's codec work then follows in stream order. The bytes, and so the
+result, are the same either way.
+
+Arrays: NumPy or CuPy (the :class:`~giftcomm.collectives.wire.Wire` of the call says which, and
+brings that backend's codec kernels). Workspace (reused across calls, per transport and
+backend): two receive and two send buffers of one chunk message each, the owner's chunk message,
+and the allgather buffer of all P chunk messages. An allreduce (:func:`allreduce`) has the
+reduce-scatter write the owner's message straight into its allgather slot. Slicing plans are
+cached per layout (:func:`layout_of`)."""
 from __future__ import annotations
 
 import functools
@@ -24,9 +33,13 @@ from typing import Callable
 
 import numpy as np
 
-from .. import codec
+from typing import Any
+
 from ..formats import Format, message_nbytes
 from ..transport import Request, Transport, wait_all
+from .._xp import data_pointer
+from ..transport.base import GROUPED
+from .wire import Wire
 from .workspace import workspace_of
 
 DEFAULT_SLICE_ELEMS = 1 << 18  # 256K values: 1 MiB of float32, ~257 KiB of e4m3 per message
@@ -115,75 +128,64 @@ def layout_of(counts: np.ndarray, fmt: Format, block: int, slice_elems: int) -> 
     return _ring_layout(np.asarray(counts, np.int64).tobytes(), fmt, block, slice_elems)
 
 
-def gather_slot(t: Transport, layout: RingLayout) -> np.ndarray:
+def gather_slot(t: Transport, wire: Wire, layout: RingLayout) -> Any:
     """This rank's chunk message in the allgather workspace buffer, so that a reduce-scatter can
     write it in place (``own_out``) and :func:`allgather` need not copy it."""
     r = t.rank
-    buf = workspace_of(t).get("gather", int(layout.msg_offs[-1]))
+    buf = workspace_of(t, wire.xp).get("gather", int(layout.msg_offs[-1]))
     return buf[layout.msg_offs[r] : layout.msg_offs[r + 1]]
 
 
-def owner_buffer(t: Transport, nbytes: int, own_out: np.ndarray | None) -> np.ndarray:
+def owner_buffer(t: Transport, wire: Wire, nbytes: int, own_out: Any) -> Any:
     """Where a reduce-scatter writes the owner's message: ``own_out`` when given, else the
     workspace buffer "owner" (valid until the next call)."""
-    return workspace_of(t).get("owner", nbytes) if own_out is None else own_out
+    return workspace_of(t, wire.xp).get("owner", nbytes) if own_out is None else own_out
 
 
-def encode_sliced(values: np.ndarray, sl: SlicedMessage, fmt: Format, block: int, out: np.ndarray) -> np.ndarray:
-    """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``."""
+def encode_sliced(wire: Wire, values: Any, sl: SlicedMessage, out: Any) -> Any:
+    """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``
+    (each slice cast to float32 on its own: no chunk-sized copy)."""
     for k in range(sl.nslices):
-        part = values[sl.elems[k] : sl.elems[k + 1]]
-        codec.encode(part.astype(np.float32, copy=False), fmt, block, out=out[sl.bytes[k] : sl.bytes[k + 1]])
+        wire.encode(values[sl.elems[k] : sl.elems[k + 1]], out[sl.bytes[k] : sl.bytes[k + 1]])
     return out
 
 
-def local_part(x: np.ndarray, lo: int, hi: int, acc_t: np.dtype) -> np.ndarray:
+def local_part(x: Any, lo: int, hi: int, acc_t: np.dtype) -> Any:
     """``x[lo:hi]`` in the accumulation dtype (a view when it already is)."""
     part = x[lo:hi]
     return part if part.dtype == acc_t else part.astype(acc_t)
 
 
-def hop(recv: np.ndarray, local: np.ndarray, fmt: Format, block: int, out: np.ndarray,
-         sum_out: np.ndarray | None) -> None:
-    """Decode ``recv``, add ``local`` (accumulation dtype), encode into ``out``; keep the sum if asked."""
-    if local.dtype == np.float32:
-        codec.decode_add_encode(recv, local, fmt, block, out=out, sum_out=sum_out)
-        return
-    with np.errstate(invalid="ignore", over="ignore"):
-        total = codec.decode(recv, local.size, fmt, block).astype(local.dtype) + local
-    codec.encode(total.astype(np.float32), fmt, block, out=out)
-    if sum_out is not None:
-        sum_out[...] = total
-
-
-def message_piece(buf: np.ndarray, sl: SlicedMessage, k: int) -> np.ndarray:
+def message_piece(buf: Any, sl: SlicedMessage, k: int) -> Any:
     """Slice ``k``'s wire message within the chunk message ``buf`` (a view)."""
     return buf[sl.bytes[k] : sl.bytes[k + 1]]
 
 
 def reduce_scatter(
-    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: np.ndarray | None = None,
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype).
+    t: Transport, x: Any, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None,
+) -> tuple[Any, Any]:
+    """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype,
+    ``wire.xp``'s backend).
 
     Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array;
     None when ``keep_sum`` is False, which an allreduce uses to skip writing it), and that sum
     encoded once, slice by slice, into ``own_out`` (uint8, the message's size; by default a
     workspace view, valid until the next call).
     """
-    p, r = t.size, t.rank
+    p, r, xp = t.size, t.rank, wire.xp
+    grouped = t.schedule == GROUPED
     counts = bounds[1:] - bounds[:-1]
-    layout = layout_of(counts, fmt, block, slice_elems)
+    layout = layout_of(counts, wire.fmt, wire.block, slice_elems)
     slices, biggest = layout.slices, layout.biggest
-    ws = workspace_of(t)
+    ws = workspace_of(t, xp)
     own_sl = slices[r]
-    own = owner_buffer(t, own_sl.nbytes, own_out)
+    own = owner_buffer(t, wire, own_sl.nbytes, own_out)
     lo_r = int(bounds[r])
     if p == 1:
         part = x[lo_r : lo_r + int(counts[r])]
-        return (part.astype(acc_t) if keep_sum else None), encode_sliced(part, own_sl, fmt, block, own)
-    total = np.empty(int(counts[r]), acc_t) if keep_sum else None
+        return (part.astype(acc_t) if keep_sum else None), encode_sliced(wire, part, own_sl, own)
+    total = xp.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
     send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
     recv_bufs = [ws.get("recv0", biggest), ws.get("recv1", biggest)]
@@ -201,14 +203,15 @@ def reduce_scatter(
     for k in range(slices[c0].nslices):
         a, b = slices[c0].elems[k], slices[c0].elems[k + 1]
         piece = message_piece(send_bufs[0], slices[c0], k)
-        codec.encode(local_part(x, lo + a, lo + b, acc_t).astype(np.float32, copy=False), fmt, block, out=piece)
+        wire.encode(local_part(x, lo + a, lo + b, acc_t), piece)
         sends[0].append(t.isend(piece, right, tag=0))
     for step in range(p - 1):
         c = (r - step - 2) % p
         last = step == p - 2
-        nxt = recvs if last else None
+        if grouped and step > 0:
+            recvs = post_receives(step)  # queued beside this hop's sends; the first wait issues both
+        nxt = None if grouped or last else post_receives(step + 1)
         if not last:
-            nxt = post_receives(step + 1)
             wait_all(sends[(step + 1) % 2])  # that send buffer was last used two hops ago
             sends[(step + 1) % 2] = []
         sl, lo = slices[c], int(bounds[c])
@@ -218,11 +221,10 @@ def reduce_scatter(
             local = local_part(x, lo + a, lo + b, acc_t)
             recv = message_piece(recv_bufs[step % 2], sl, k)
             if last:
-                hop(recv, local, fmt, block, out=message_piece(own, sl, k),
-                     sum_out=None if total is None else total[a:b])
+                wire.hop(recv, local, out=message_piece(own, sl, k), sum_out=None if total is None else total[a:b])
             else:
                 out = message_piece(send_bufs[(step + 1) % 2], sl, k)
-                hop(recv, local, fmt, block, out=out, sum_out=None)
+                wire.hop(recv, local, out=out)
                 sends[(step + 1) % 2].append(t.isend(out, right, tag=step + 1))
         recvs = nxt
     wait_all(sends[0] + sends[1])
@@ -230,29 +232,30 @@ def reduce_scatter(
 
 
 def allgather(
-    t: Transport, own: np.ndarray, counts: np.ndarray, fmt: Format, block: int,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, out: np.ndarray | None = None,
-) -> np.ndarray:
+    t: Transport, own: Any, counts: np.ndarray, wire: Wire,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, out: Any = None,
+) -> Any:
     """Pipelined ring allgather of one sliced chunk message per rank, decoded into float32.
 
     ``own``: this rank's chunk message, sliced as :func:`slice_chunk` of ``counts[rank]``.
-    Each received slice is forwarded at once and decoded while the next ones travel. Returns the
-    float32 vector of all ``sum(counts)`` values in rank order (``out`` if given).
+    Each received slice is forwarded at once and decoded while the next ones travel (on a GROUPED
+    transport the forwards of a hop are issued with the next hop's receives). Returns the float32
+    vector of all ``sum(counts)`` values in rank order (``out`` if given).
     """
     p, r = t.size, t.rank
-    layout = layout_of(counts, fmt, block, slice_elems)
+    layout = layout_of(counts, wire.fmt, wire.block, slice_elems)
     slices, offs, elem_offs = layout.slices, layout.msg_offs, layout.elem_offs
-    buf = workspace_of(t).get("gather", int(offs[-1]))
+    buf = workspace_of(t, wire.xp).get("gather", int(offs[-1]))
     slots = [buf[offs[c] : offs[c + 1]] for c in range(p)]
-    values = np.empty(int(elem_offs[-1]), np.float32) if out is None else out
+    values = wire.xp.empty(int(elem_offs[-1]), np.float32) if out is None else out
 
     def decode_slice(c: int, k: int) -> None:
         sl, base = slices[c], int(elem_offs[c])
         a, b = base + sl.elems[k], base + sl.elems[k + 1]
-        codec.decode(message_piece(slots[c], sl, k), int(b - a), fmt, block, out=values[a:b])
+        wire.decode(message_piece(slots[c], sl, k), int(b - a), out=values[a:b])
 
     right, left = (r + 1) % p, (r - 1) % p
-    if own.ctypes.data != slots[r].ctypes.data:  # not written in place (gather_slot)
+    if own.nbytes and data_pointer(own) != data_pointer(slots[r]):  # not written in place (gather_slot)
         slots[r][...] = own
     sends: list[Request] = []
     if p > 1:
@@ -273,15 +276,15 @@ def allgather(
 
 
 def allreduce(
-    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, out: np.ndarray | None = None,
-    scatter: Callable[..., tuple[np.ndarray | None, np.ndarray]] | None = None,
-) -> np.ndarray:
+    t: Transport, x: Any, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, out: Any = None,
+    scatter: Callable[..., tuple[Any, Any]] | None = None,
+) -> Any:
     """Reduce-scatter (``scatter``: this module's :func:`reduce_scatter` by default, or the direct
     one) then :func:`allgather`: the decoded float32 sum of ``x`` (``out`` if given). The owner's
     message is written straight into its allgather slot, and its high-precision sum is not kept."""
     scatter = reduce_scatter if scatter is None else scatter
     counts = bounds[1:] - bounds[:-1]
-    slot = gather_slot(t, layout_of(counts, fmt, block, slice_elems))
-    _, own = scatter(t, x, bounds, fmt, block, acc_t, slice_elems, keep_sum=False, own_out=slot)
-    return allgather(t, own, counts, fmt, block, slice_elems, out=out)
+    slot = gather_slot(t, wire, layout_of(counts, wire.fmt, wire.block, slice_elems))
+    _, own = scatter(t, x, bounds, wire, acc_t, slice_elems, keep_sum=False, own_out=slot)
+    return allgather(t, own, counts, wire, slice_elems, out=out)

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import codec
-from ..formats import Format
 from ..transport import Transport
 from ..transport.shared_window import SharedWindow
 from .rank_order import sum_in_rank_order
-from .ring import RingLayout, encode_sliced, hop, layout_of, local_part, message_piece
+from .ring import RingLayout, encode_sliced, layout_of, local_part, message_piece
+from .wire import Wire
 from .workspace import workspace_of
 
 
@@ -41,7 +40,7 @@ def window_nbytes(layout: RingLayout, direct: bool) -> int:
 
 
 def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.ndarray, layout: RingLayout,
-                  fmt: Format, block: int, acc_t: np.dtype) -> list[np.ndarray]:
+                  wire: Wire, acc_t: np.dtype) -> list[np.ndarray]:
     """The ring reduce-scatter into the window; returns every rank's owner message (views)."""
     p, r = t.size, t.rank
     slices, views = layout.slices, win.views
@@ -52,10 +51,10 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
 
     # encode_sliced casts slice by slice to float32 (no chunk-sized copy for 16-bit input)
     if p == 1:
-        encode_sliced(x[int(bounds[0]) : int(bounds[1])], slices[0], fmt, block, part(0, 2, 0))
+        encode_sliced(wire, x[int(bounds[0]) : int(bounds[1])], slices[0], part(0, 2, 0))
         return [part(0, 2, 0)]
     left = (r - 1) % p
-    encode_sliced(x[int(bounds[left]) : int(bounds[left + 1])], slices[left], fmt, block, part(r, 0, left))
+    encode_sliced(wire, x[int(bounds[left]) : int(bounds[left + 1])], slices[left], part(r, 0, left))
     win.fence()
     for s in range(p - 1):
         c = (r - s - 2) % p
@@ -64,14 +63,13 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
         dest = part(r, 2 if s == p - 2 else (s + 1) % 2, c)
         for k in range(sl.nslices):
             a, b = sl.elems[k], sl.elems[k + 1]
-            hop(message_piece(recv, sl, k), local_part(x, lo + a, lo + b, acc_t), fmt, block,
-                out=message_piece(dest, sl, k), sum_out=None)
+            wire.hop(message_piece(recv, sl, k), local_part(x, lo + a, lo + b, acc_t), out=message_piece(dest, sl, k))
         win.fence()
     return [part(q, 2, q) for q in range(p)]
 
 
 def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.ndarray, layout: RingLayout,
-                    fmt: Format, block: int, acc_t: np.dtype) -> list[np.ndarray]:
+                    wire: Wire, acc_t: np.dtype) -> list[np.ndarray]:
     """The direct reduce-scatter into the window; returns every rank's owner message (views)."""
     p, r = t.size, t.rank
     slices, offs, views = layout.slices, layout.msg_offs, win.views
@@ -81,7 +79,7 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
 
     for k in range(1, p):
         c = (r + k) % p
-        encode_sliced(x[int(bounds[c]) : int(bounds[c + 1])], slices[c], fmt, block, part(r, c))
+        encode_sliced(wire, x[int(bounds[c]) : int(bounds[c + 1])], slices[c], part(r, c))
     if p > 1:
         win.fence()
     mine, lo = slices[r], int(bounds[r])
@@ -92,14 +90,14 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
         a, b = mine.elems[j], mine.elems[j + 1]
         total = acc[: b - a]
         sum_in_rank_order(total, p, r, x[lo + a : lo + b],
-                          lambda src, j=j: message_piece(part(src, r), mine, j), fmt, block, codec)
-        codec.encode(total.astype(np.float32, copy=False), fmt, block, out=message_piece(own, mine, j))
+                          lambda src, j=j: message_piece(part(src, r), mine, j), wire)
+        wire.encode(total, message_piece(own, mine, j))
     win.fence()
     return [part(q, q) for q in range(p)]
 
 
 def allreduce(
-    t: Transport, x: np.ndarray, bounds: np.ndarray, fmt: Format, block: int, acc_t: np.dtype,
+    t: Transport, x: np.ndarray, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
     slice_elems: int, direct: bool = False, out: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """The decoded float32 sum of ``x`` (1-D, contiguous, any float dtype) over all ranks, by the
@@ -107,17 +105,17 @@ def allreduce(
     ``x.size``) if given. Collective. None, on every rank, when ``t`` has no window to give
     (``shared_memory`` off, or no room for the window): the caller then sends messages."""
     counts = bounds[1:] - bounds[:-1]
-    layout = layout_of(counts, fmt, block, slice_elems)
+    layout = layout_of(counts, wire.fmt, wire.block, slice_elems)
     win = t.shared_window(window_nbytes(layout, direct))
     if win is None:
         return None
     scatter = _direct_scatter if direct else _ring_scatter
-    owners = scatter(t, win, x, bounds, layout, fmt, block, acc_t)
+    owners = scatter(t, win, x, bounds, layout, wire, acc_t)
     values = np.empty(int(layout.elem_offs[-1]), np.float32) if out is None else out
     order = [(t.rank + i) % t.size for i in range(t.size)]  # own chunk first: it is still in cache
     for c in order:
         sl, base = layout.slices[c], int(layout.elem_offs[c])
         for k in range(sl.nslices):
             a, b = base + sl.elems[k], base + sl.elems[k + 1]
-            codec.decode(message_piece(owners[c], sl, k), int(b - a), fmt, block, out=values[a:b])
+            wire.decode(message_piece(owners[c], sl, k), int(b - a), out=values[a:b])
     return values

@@ -1,13 +1,12 @@
-"""The GPU path: CUDA kernels of the wire codec (CuPy RawModule), device transforms, a device ring.
+"""The GPU pieces: CUDA kernels of the wire codec (CuPy RawModule) and device transforms.
 
 Importing this package needs nothing beyond NumPy; CuPy is imported when a device function is
 first called. ``available()`` says whether CuPy and a CUDA device are usable here.
 
-- :mod:`giftcomm.cuda.codec`: encode / decode / decode_add_encode / decode_accumulate on CuPy
-  arrays, the signatures of :mod:`giftcomm.codec`, bit-identical to giftcomm.reference.codec.
+- :mod:`giftcomm.cuda.codec`: the trusted CUDA kernels behind :mod:`giftcomm.codec` for CuPy
+  arrays, bit-identical to giftcomm.reference.codec.
 - :mod:`giftcomm.cuda.transform`: batched dense per-segment transforms (T_L @ X @ T_R) on the GPU.
-- :mod:`giftcomm.cuda.ring`: the ring reduce-scatter / allgather over stream-ordered transports
-  (NCCL, CUDA-aware MPI, the GPU loopback), on any array backend.
+The collectives themselves are giftcomm.collectives, one implementation for host and device.
 - :mod:`giftcomm.cuda._loader`: finds and compiles the CUDA sources (kernels/*.cu).
 """
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The wire codec on the GPU: :mod:`giftcomm.codec`'s four functions on CuPy arrays.
+"""The wire codec's CUDA kernels: :class:`CudaKernels`, the trusted kernels giftcomm.codec uses
+for CuPy arrays (giftcomm.codec checks the arguments; nothing here does).
 
-Same signatures, same bytes: every function here equals :mod:`giftcomm.reference.codec` bit for
-bit (NaN payload bits aside: a NaN stays a NaN). Kernels: ``kernels/gc_codec.cu``; they run on
-CuPy's *current stream* and return without synchronizing, so results are stream-ordered like
-any CuPy operation.
+Same bytes as :mod:`giftcomm.reference.codec` bit for bit (NaN payload bits aside: a NaN stays a
+NaN). Kernels: ``kernels/gc_codec.cu``; they run on CuPy's *current stream* and return without
+synchronizing, so results are stream-ordered like any CuPy operation.
 
-Arrays: ``x``, ``local``, ``acc``, ``sum_out``: float32 CuPy arrays (read flat; other float dtypes
-are first cast to float32, as in giftcomm.codec); ``message``/``out``: contiguous 1-D uint8 CuPy
-arrays of ``giftcomm.message_nbytes(count, fmt, block)`` bytes (docs/wire-format.md).
+Arrays: ``x``, ``local``, ``acc``, ``sum_out``: contiguous 1-D float32 CuPy arrays;
+``message``/``out``: contiguous 1-D uint8 CuPy arrays of ``giftcomm.message_nbytes(count, fmt,
+block)`` bytes (docs/wire-format.md).
 
 Kernel choice (all give the same bytes): block <= 256: a team of 1..32 lanes of one warp per
 scale block, values in registers (x read once: 5 bytes of traffic per value for e4m3/e5m2);
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import DEFAULT_BLOCK, Format, check_block, get_format, message_nbytes, num_blocks, scales_offset
+from ..formats import Format, num_blocks, scales_offset
 from . import _loader
 
-__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "message_nbytes"]
+__all__ = ["CudaKernels"]
 
 _THREADS = 256
 _MAX_GRID = 1 << 20
@@ -44,40 +44,6 @@ def _ptr(a: Any) -> int:
     return int(a.data.ptr)
 
 
-def _as_f32(x: Any, name: str = "x") -> Any:
-    cp = _cp()
-    if not isinstance(x, cp.ndarray):
-        raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
-    return cp.ascontiguousarray(x, dtype=cp.float32).reshape(-1)
-
-
-def _check_f32_out(a: Any, count: int, name: str) -> Any:
-    cp = _cp()
-    if not isinstance(a, cp.ndarray) or a.dtype != cp.float32 or a.size != count or not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be a contiguous float32 CuPy array of {count} values")
-    return a.reshape(-1)
-
-
-def _message_out(out: Any, nbytes: int) -> Any:
-    cp = _cp()
-    if out is None:
-        return cp.empty(nbytes, cp.uint8)
-    if not isinstance(out, cp.ndarray) or out.dtype != cp.uint8 or out.size != nbytes or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous uint8 CuPy array of {nbytes} bytes")
-    return out.reshape(-1)
-
-
-def _check_message(message: Any, count: int, f: Format, block: int) -> Any:
-    cp = _cp()
-    if not isinstance(message, cp.ndarray):
-        raise TypeError(f"message must be a CuPy array, got {type(message).__name__}")
-    message = cp.ascontiguousarray(message).reshape(-1).view(cp.uint8)
-    nbytes = message_nbytes(count, f, block)
-    if message.size != nbytes:
-        raise ValueError(f"a {f.name} message of {count} values has {nbytes} bytes, got {message.size}")
-    return message
-
-
 def _parts(msg: Any, count: int, f: Format, block: int) -> tuple[Any, Any]:
     """(payload uint8 view, scales float32 view) of a block-scaled message; checks alignment."""
     cp = _cp()
@@ -85,12 +51,6 @@ def _parts(msg: Any, count: int, f: Format, block: int) -> tuple[Any, Any]:
     if (_ptr(msg) + off) % 4:
         raise ValueError("the scales of a wire message must be 4-byte aligned (message start % 4 == 0)")
     return msg[:count], msg[off : off + 4 * num_blocks(count, block)].view(cp.float32)
-
-
-def _overlap(a: Any, b: Any) -> bool:
-    if a is None or b is None or a.nbytes == 0 or b.nbytes == 0:
-        return False
-    return _ptr(a) < _ptr(b) + b.nbytes and _ptr(b) < _ptr(a) + a.nbytes
 
 
 def _grid(items: int, per_cta: int = 1) -> int:
@@ -152,98 +112,76 @@ def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, w
     _loader.get_function(f"gc_pt_{f.name}")((_grid(count, _THREADS),), (_THREADS,), (np.int32(op),) + args + (np.int64(count),))
 
 
-def encode(x: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
-    """Encode float32 values (CuPy, any shape, read flat) into one wire message (uint8 CuPy, 1-D)."""
-    f, block = get_format(fmt), check_block(block)
-    x = _as_f32(x)
-    n = x.size
-    msg = _message_out(out, message_nbytes(n, f, block))
-    if n == 0:
-        return msg
-    if not f.scaled:
-        if f.name == "fp32":
-            msg.view(_cp().float32)[...] = x
-        else:
-            _pt_launch(f, 0, n, x=x, wout=msg)
-        return msg
-    payload, scales = _parts(msg, n, f, block)
-    _scaled_launch("enc", f, block, n, payload, scales, x, pad=scales_offset(n, f) - n)
-    return msg
+class CudaKernels:
+    """The four codec operations on CuPy arrays (checked by the caller)."""
 
+    name = "cuda"
 
-def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
-    """Decode one wire message of ``count`` values into a float32 CuPy vector (``out`` if given)."""
-    cp = _cp()
-    f, block = get_format(fmt), check_block(block)
-    message = _check_message(message, count, f, block)
-    res = cp.empty(count, cp.float32) if out is None else _check_f32_out(out, count, "out")
-    if count == 0:
-        return res if out is None else out
-    if not f.scaled:
-        if f.name == "fp32":
-            res[...] = message.view(cp.float32)
-        else:
-            _pt_launch(f, 1, count, win=message, out=res)
-        return res if out is None else out
-    payload, scales = _parts(message, count, f, block)
-    vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(res) % 16 == 0)
-    _loader.get_function(f"gc_dec_{f.name}")(
-        (_grid(-(-count // 4), _THREADS),), (_THREADS,), (payload, scales, res, np.int64(count), np.int32(block), vec))
-    return res if out is None else out
+    @staticmethod
+    def encode(x: Any, f: Format, block: int, out: Any) -> Any:
+        n = x.size
+        if n == 0:
+            return out
+        if not f.scaled:
+            if f.name == "fp32":
+                out.view(_cp().float32)[...] = x
+            else:
+                _pt_launch(f, 0, n, x=x, wout=out)
+            return out
+        payload, scales = _parts(out, n, f, block)
+        _scaled_launch("enc", f, block, n, payload, scales, x, pad=scales_offset(n, f) - n)
+        return out
 
+    @staticmethod
+    def decode(message: Any, count: int, f: Format, block: int, out: Any) -> Any:
+        cp = _cp()
+        if count == 0:
+            return out
+        if not f.scaled:
+            if f.name == "fp32":
+                out[...] = message.view(cp.float32)
+            else:
+                _pt_launch(f, 1, count, win=message, out=out)
+            return out
+        payload, scales = _parts(message, count, f, block)
+        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(out) % 16 == 0)
+        _loader.get_function(f"gc_dec_{f.name}")(
+            (_grid(-(-count // 4), _THREADS),), (_THREADS,), (payload, scales, out, np.int64(count), np.int32(block), vec))
+        return out
 
-def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
-                      out: Any = None, sum_out: Any = None) -> Any:
-    """One ring hop: ``encode(decode(message) + local)`` with the sum in float32.
+    @staticmethod
+    def decode_add_encode(message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any) -> Any:
+        cp = _cp()
+        n = local.size
+        if n == 0:
+            return out
+        if not f.scaled:
+            if f.name == "fp32":
+                total = cp.add(message.view(cp.float32), local, out=sum_out)
+                out.view(cp.float32)[...] = total
+            else:
+                _pt_launch(f, 3, n, x=local, win=message, wout=out, out=sum_out)
+            return out
+        pin, sin = _parts(message, n, f, block)
+        payload, scales = _parts(out, n, f, block)
+        _scaled_launch("dae", f, block, n, payload, scales, local, pin=pin, sin=sin, sum_out=sum_out,
+                       pad=scales_offset(n, f) - n)
+        return out
 
-    ``local``: float32 CuPy vector of the message's count. ``sum_out``: optional float32 CuPy
-    vector that receives the float32 sum. ``out`` must not overlap ``message``.
-    """
-    cp = _cp()
-    f, block = get_format(fmt), check_block(block)
-    local = _as_f32(local, "local")
-    n = local.size
-    message = _check_message(message, n, f, block)
-    msg = _message_out(out, message_nbytes(n, f, block))
-    if sum_out is not None:
-        sum_out = _check_f32_out(sum_out, n, "sum_out")
-    if _overlap(msg, message):
-        raise ValueError("out must not overlap message")
-    if n == 0:
-        return msg
-    if not f.scaled:
-        if f.name == "fp32":
-            total = cp.add(message.view(cp.float32), local, out=sum_out)
-            msg.view(cp.float32)[...] = total
-        else:
-            _pt_launch(f, 3, n, x=local, win=message, wout=msg, out=sum_out)
-        return msg
-    pin, sin = _parts(message, n, f, block)
-    payload, scales = _parts(msg, n, f, block)
-    _scaled_launch("dae", f, block, n, payload, scales, local, pin=pin, sin=sin, sum_out=sum_out,
-                   pad=scales_offset(n, f) - n)
-    return msg
-
-
-def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> Any:
-    """``acc += decode(message)`` in place; ``acc`` is a contiguous float32 CuPy array."""
-    cp = _cp()
-    f, block = get_format(fmt), check_block(block)
-    if not isinstance(acc, cp.ndarray) or acc.dtype != cp.float32 or not acc.flags.c_contiguous:
-        raise ValueError("acc must be a contiguous float32 CuPy array")
-    message = _check_message(message, acc.size, f, block)
-    n = acc.size
-    if n == 0:
+    @staticmethod
+    def decode_accumulate(message: Any, acc: Any, f: Format, block: int) -> Any:
+        cp = _cp()
+        n = acc.size
+        if n == 0:
+            return acc
+        if not f.scaled:
+            if f.name == "fp32":
+                cp.add(acc, message.view(cp.float32), out=acc)
+            else:
+                _pt_launch(f, 2, n, win=message, out=acc)
+            return acc
+        payload, scales = _parts(message, n, f, block)
+        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(acc) % 16 == 0)
+        _loader.get_function(f"gc_acc_{f.name}")(
+            (_grid(-(-n // 4), _THREADS),), (_THREADS,), (payload, scales, acc, np.int64(n), np.int32(block), vec))
         return acc
-    flat = acc.reshape(-1)
-    if not f.scaled:
-        if f.name == "fp32":
-            cp.add(flat, message.view(cp.float32), out=flat)
-        else:
-            _pt_launch(f, 2, n, win=message, out=flat)
-        return acc
-    payload, scales = _parts(message, n, f, block)
-    vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(flat) % 16 == 0)
-    _loader.get_function(f"gc_acc_{f.name}")(
-        (_grid(-(-n // 4), _THREADS),), (_THREADS,), (payload, scales, flat, np.int64(n), np.int32(block), vec))
-    return acc

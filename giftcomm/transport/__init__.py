@@ -1,25 +1,38 @@
-"""Transports: how bytes move between ranks (MPI, in-process loopback)."""
+"""Transports: how bytes move between ranks (MPI, NCCL, CUDA-aware MPI, torch.distributed,
+in-process loopbacks)."""
 from __future__ import annotations
 
 from typing import Any
 
-from .base import Request, Transport, wait_all
+from .base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Request, Transport, TransportState, wait_all
 from .loopback import LoopbackGroup, LoopbackTransport
 
-__all__ = ["Request", "Transport", "wait_all", "LoopbackGroup", "LoopbackTransport", "resolve"]
+__all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup", "LoopbackTransport", "resolve",
+           "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
+
+_device_cache: dict[int, Transport] = {}
 
 
-def resolve(comm: Any) -> Transport:
-    """The transport for a ``comm=`` argument: a Transport as is, an mpi4py communicator, or None
-    for MPI.COMM_WORLD."""
+def resolve(comm: Any, device: bool = False) -> Transport:
+    """The transport for a ``comm=`` argument: a Transport as is; an mpi4py communicator (None:
+    MPI.COMM_WORLD) gives its cached MPI transport for host arrays and, for device arrays
+    (``device``), an NCCL transport over the same ranks, created once per communicator
+    (collectively: the NCCL unique id is broadcast over it)."""
     if isinstance(comm, Transport):
         return comm
-    from . import mpi  # imported lazily: the loopback path needs no MPI
+    from mpi4py import MPI  # imported lazily: the loopback path needs no MPI
+
+    from . import mpi
 
     if comm is None:
-        return mpi.transport_for(None)
-    from mpi4py import MPI
-
-    if isinstance(comm, MPI.Comm):
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
+    if not device:
         return mpi.transport_for(comm)
-    raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
+    key = MPI.Comm.py2f(comm)
+    if key not in _device_cache:
+        from .nccl import NcclTransport
+
+        _device_cache[key] = NcclTransport.from_mpi(comm)
+    return _device_cache[key]

@@ -1,17 +1,33 @@
-"""The few point-to-point and control operations the collectives need.
+"""The few point-to-point and control operations the collectives and the geometry need.
 
-A transport connects ``size`` ranks. Buffers are contiguous 1-D NumPy arrays (uint8 wire
-messages, or small int64 control vectors). Every transport gives the same semantics; the
-collectives never talk to MPI (or anything else) directly.
+A transport connects ``size`` ranks and declares, as class attributes, how data may move:
+
+- ``schedule``: :data:`PIPELINED` (nonblocking sends and receives complete independently, so a
+  collective may post the next hop's receives early and forward each slice as soon as it is
+  ready: MPI, the host loopback, torch gloo) or :data:`GROUPED` (operations only queue, and a
+  wait issues everything queued as one group, stream-ordered: NCCL, CUDA-aware MPI, the device
+  loopback; each hop queues its receives and sends, then waits);
+- ``memory``: where its message buffers may live, :data:`HOST`, :data:`DEVICE` or :data:`ANY`.
+
+The collectives (giftcomm.collectives) read these two attributes and never talk to MPI, NCCL or
+torch directly. Control operations (agreement, object broadcast, float64 sums) run in host memory
+on every transport. State a transport keeps between calls (topology, workspaces, the shared
+window, sub-transports) lives in one declared :class:`TransportState`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from .shared_window import SharedWindow, cached_window
+from .shared_window import SharedWindow, grown_size
+
+PIPELINED, GROUPED = "pipelined", "grouped"
+HOST, DEVICE, ANY = "host", "device", "any"
+
+__all__ = ["Request", "Transport", "TransportState", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 
 class Request(ABC):
@@ -19,39 +35,92 @@ class Request(ABC):
 
     @abstractmethod
     def wait(self) -> None:
-        """Block until the operation completes."""
+        """Block until the operation completes (GROUPED transports: until it is issued, in stream
+        order)."""
+
+
+@dataclass
+class TransportState:
+    """What a transport keeps between calls; created on first use, released by
+    :meth:`Transport.release_state`.
+
+    topology: per ``local_size`` argument, (node id of every rank, costmodel.Topology).
+    workspaces: reusable scratch buffers per array backend name ("numpy", "cupy").
+    window: the node-shared window, or None. splits: sub-transports by (name, members).
+    """
+
+    topology: dict[Any, Any] = field(default_factory=dict)
+    workspaces: dict[str, Any] = field(default_factory=dict)
+    window: SharedWindow | None = None
+    splits: dict[tuple[str, tuple[int, ...]], "Transport"] = field(default_factory=dict)
 
 
 class Transport(ABC):
-    """Point-to-point messages plus two small control collectives, for ``size`` ranks."""
+    """Point-to-point messages plus small control collectives, for ``size`` ranks."""
 
     rank: int
     size: int
+    schedule: str = PIPELINED
+    memory: str = HOST
     shared_memory: bool = False
     """True when every rank can map every other rank's memory, so that :meth:`shared_window`
     gives a window (the same on every rank)."""
+    _state: TransportState | None = None
+
+    @property
+    def state(self) -> TransportState:
+        """This transport's kept state (created on first use)."""
+        if self._state is None:
+            self._state = TransportState()
+        return self._state
 
     @abstractmethod
-    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
+    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         """Start sending ``buf`` (contiguous) to ``dest``; do not touch ``buf`` until waited."""
 
     @abstractmethod
-    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
+    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
         """Start receiving exactly ``buf.nbytes`` bytes from ``source`` into ``buf``."""
 
-    def sendrecv(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray, source: int, tag: int = 0) -> None:
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
         reqs = [self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)]
         wait_all(reqs)
 
+    # --- control operations (host memory, collective) ---------------------------------------
     @abstractmethod
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
         """Gather every rank's int64 vector (same length everywhere): array of shape (size, len)."""
 
     @abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object per rank (control path only: error messages)."""
+        """Gather one picklable object per rank."""
 
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s picklable object on every rank."""
+        return self.allgather_object(obj if self.rank == root else None)[root]
+
+    def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        """The elementwise sum over ranks of a float64 array (same shape everywhere), identical
+        on every rank: a new array. The default adds the gathered arrays in rank order."""
+        rows = self.allgather_object(np.ascontiguousarray(arr, dtype=np.float64))
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
+        return total
+
+    def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        """The sum over ranks of a float64 array on ``root`` (None elsewhere)."""
+        total = self.sum_float64(arr)
+        return total if self.rank == root else None
+
+    def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` (float64, same shape everywhere) with ``root``'s, in place."""
+        got = self.broadcast_object(np.ascontiguousarray(buf) if self.rank == root else None, root)
+        if self.rank != root:
+            buf[...] = got
+
+    # --- topology and kept state -----------------------------------------------------------
     def node_ids(self) -> np.ndarray:
         """Node index of every rank (int64, shape (size,)): ranks sharing memory share a node.
 
@@ -59,19 +128,29 @@ class Transport(ABC):
         """
         return np.zeros(self.size, np.int64)
 
+    def allocate_window(self, nbytes: int) -> SharedWindow | None:
+        """Collectively allocate a node-shared window of ``nbytes`` bytes per rank, or None when
+        it cannot be had (then on every rank alike). Transports that set ``shared_memory``
+        override this; the default has none."""
+        return None
+
     def shared_window(self, nbytes: int) -> SharedWindow | None:
         """A window of at least ``nbytes`` bytes per rank that every rank maps, or None when the
         ranks do not share memory (``shared_memory`` False; the default).
 
         Collective, with the same ``nbytes`` on every rank. The window is kept and reused by
-        later calls; it is reallocated (and earlier views become invalid) only to grow. A
-        transport that can share memory sets ``shared_memory`` and defines
-        ``_allocate_window(nbytes) -> SharedWindow`` (collective).
+        later calls; it is reallocated (and earlier views become invalid) only to grow, in
+        64 KiB steps (:func:`~giftcomm.transport.shared_window.grown_size`).
         """
-        allocate = getattr(self, "_allocate_window", None)
-        if not self.shared_memory or allocate is None:
+        if not self.shared_memory:
             return None
-        return cached_window(self, nbytes, allocate)
+        st = self.state
+        if st.window is None or st.window.nbytes < nbytes:
+            if st.window is not None:
+                st.window.release()
+                st.window = None
+            st.window = self.allocate_window(grown_size(nbytes))
+        return st.window
 
     def split(self, members: Sequence[int], name: str) -> "Transport":
         """A transport over the parent ranks ``members`` (which include this rank), cached by name.
@@ -79,13 +158,24 @@ class Transport(ABC):
         Every rank calls split with the same name at the same point of the program (like
         MPI_Comm_split); each rank passes the members of its own group.
         """
-        cache = self.__dict__.setdefault("_giftcomm_splits", {})
-        key = (name, tuple(members))
-        if key not in cache:
-            from .sub import TAG_SPAN, SubTransport
+        key = (name, tuple(int(m) for m in members))
+        splits = self.state.splits
+        if key not in splits:
+            splits[key] = self._new_split(key[1], len(splits))
+        return splits[key]
 
-            cache[key] = SubTransport(self, members, tag_base=TAG_SPAN * (1 + len(cache)))
-        return cache[key]
+    def _new_split(self, members: tuple[int, ...], index: int) -> "Transport":
+        """A new sub-transport (``index``: how many this transport made before)."""
+        from .sub import TAG_SPAN, SubTransport
+
+        return SubTransport(self, members, tag_base=TAG_SPAN * (1 + index))
+
+    def release_state(self) -> None:
+        """Free what this transport keeps (the shared window: collective), so that it can be
+        garbage-collected or reused from scratch."""
+        st, self._state = self._state, None
+        if st is not None and st.window is not None:
+            st.window.release()
 
 
 def wait_all(requests: Sequence[Request]) -> None:

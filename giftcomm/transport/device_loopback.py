@@ -1,28 +1,71 @@
-"""The in-process loopback for device arrays: P virtual ranks (threads) sharing one GPU.
+"""The in-process loopback for device arrays: P virtual ranks (threads) sharing one GPU, with the
+GROUPED semantics of NCCL.
 
-Same mailboxes as :class:`~giftcomm.transport.loopback.LoopbackGroup`; messages are copied on
-the device (``xp.array(buf, copy=True)`` of the buffer's own backend, so NumPy buffers work too
-and the CPU tests run it). A send synchronizes the sender's current stream after the copy, so a
-queued message is complete whatever stream the receiver uses.
+Same mailboxes as :class:`~giftcomm.transport.loopback.LoopbackGroup`. As on NCCL, ``isend`` and
+``irecv`` only queue; waiting on any queued request issues the whole queue as one group: its
+sends are delivered (copied on the buffer's own backend, ``xp.array(buf, copy=True)``, after the
+sender's current stream is synchronized) and then the group's receives complete, blocking until
+their messages arrive, which stands in for NCCL blocking the stream. So a collective that would
+deadlock on NCCL (a group holding a receive whose send the peer can only issue after its own next
+wait) deadlocks here too, and the loopback's timeout turns that into an error. NumPy buffers work
+as well: the CPU tests drive the grouped schedule with them.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from .. import _xp
-from .base import Request
-from .loopback import LoopbackGroup, LoopbackTransport, _Done
+from .base import ANY, GROUPED, Request
+from .loopback import LoopbackGroup, LoopbackTransport, _PendingRecv
+
+
+class _Queued(Request):
+    """A queued send/recv; waiting issues the transport's whole queue as one group."""
+
+    __slots__ = ("_t", "issued")
+
+    def __init__(self, t: "DeviceLoopbackTransport") -> None:
+        self._t, self.issued = t, False
+
+    def wait(self) -> None:
+        if not self.issued:
+            self._t.flush()
 
 
 class DeviceLoopbackTransport(LoopbackTransport):
     """One virtual rank of a :class:`DeviceLoopbackGroup`; buffers: CuPy (or NumPy) arrays."""
 
+    schedule = GROUPED
+    memory = ANY
+
+    def __init__(self, group: LoopbackGroup, rank: int) -> None:
+        super().__init__(group, rank)
+        self._queue: list[tuple[str, Any, int, int, _Queued]] = []
+
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        xp = _xp.array_module(buf)
-        data = xp.array(buf, copy=True).reshape(-1).view("uint8")
-        _xp.synchronize(data)
-        self.group.box(self.rank, dest, tag).put(data)
-        return _Done()
+        req = _Queued(self)
+        self._queue.append(("send", buf, dest, tag, req))
+        return req
+
+    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
+        req = _Queued(self)
+        self._queue.append(("recv", buf, source, tag, req))
+        return req
+
+    def flush(self) -> None:
+        """Issue the queue as one group: deliver its sends, then complete its receives."""
+        ops, self._queue = self._queue, []
+        for kind, buf, peer, tag, req in ops:
+            if kind == "send":
+                xp = _xp.array_module(buf)
+                data = xp.array(buf, copy=True).reshape(-1).view("uint8")
+                _xp.synchronize(data)
+                self.group.box(self.rank, peer, tag).put(data)
+                req.issued = True
+        for kind, buf, peer, tag, req in ops:
+            if kind == "recv":
+                _PendingRecv(self.group.box(peer, self.rank, tag), buf).wait()
+                req.issued = True
 
 
 class DeviceLoopbackGroup(LoopbackGroup):

@@ -24,7 +24,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import _xp
-from .base import Request
+from .base import DEVICE, GROUPED, Request
 from .mpi import MpiTransport
 
 MPIX_GPU_SUPPORT_CUDA = 0
@@ -91,8 +91,12 @@ class DeviceMpiTransport(MpiTransport):
     """Point-to-point with device buffers over a private duplicate of ``comm``.
 
     Control collectives (allgather_int64 / allgather_object), node ids and splits are
-    MpiTransport's, in host memory.
+    MpiTransport's, in host memory. GROUPED: each hop's operations are started and waited
+    together, after the stream is synchronized.
     """
+
+    schedule = GROUPED
+    memory = DEVICE
 
     def __init__(self, comm: MPI.Comm | None = None, require_cuda_aware: bool = True) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm

@@ -97,13 +97,13 @@ class LoopbackGroup:
 
 
 class LoopbackTransport(Transport):
-    """One virtual rank of a :class:`LoopbackGroup`."""
+    """One virtual rank of a :class:`LoopbackGroup` (PIPELINED, host buffers)."""
 
     def __init__(self, group: LoopbackGroup, rank: int) -> None:
         self.group, self.rank, self.size = group, rank, group.size
         self.shared_memory = group.shared_memory
 
-    def _allocate_window(self, nbytes: int) -> SharedWindow:
+    def allocate_window(self, nbytes: int) -> SharedWindow:
         views = self.group.gather(self.rank, np.zeros(nbytes, np.uint8))
         return SharedWindow(views, self.group.barrier, lambda: None)
 

@@ -52,20 +52,16 @@ class MpiTransport(Transport):
     def node_ids(self) -> np.ndarray:
         return self._nodes.copy()
 
-    def split(self, members, name: str) -> Transport:
+    def _new_split(self, members: tuple[int, ...], index: int) -> Transport:
         """A real MPI sub-communicator (MPI_Comm_split, collective over this transport)."""
-        cache = self.__dict__.setdefault("_giftcomm_splits", {})
-        key = (name, tuple(members))
-        if key not in cache:
-            sub = self.comm.Split(color=min(members), key=self.rank)
-            t = MpiTransport.__new__(MpiTransport)
-            t.user_comm, t.comm = sub, sub
-            t.rank, t.size = sub.Get_rank(), sub.Get_size()
-            t._nodes = self._nodes[list(members)]
-            cache[key] = t
-        return cache[key]
+        sub = self.comm.Split(color=min(members), key=self.rank)
+        t = type(self).__new__(type(self))  # a device MPI transport splits into device MPI ones
+        t.user_comm, t.comm = sub, sub
+        t.rank, t.size = sub.Get_rank(), sub.Get_size()
+        t._nodes = self._nodes[list(members)]
+        return t
 
-    def _allocate_window(self, nbytes: int) -> SharedWindow | None:
+    def allocate_window(self, nbytes: int) -> SharedWindow | None:
         """MPI_Win_allocate_shared of ``nbytes`` per rank, in one passive-target epoch for its life
         (MPI_Win_lock_all): the fence is MPI_Win_sync, a barrier, MPI_Win_sync, the separate-memory
         -model-safe way to order plain loads and stores across ranks.
@@ -118,9 +114,7 @@ class MpiTransport(Transport):
     def free(self) -> None:
         """Release the shared window and the private communicator (collective; optional: MPI frees
         them at finalize)."""
-        win = self.__dict__.pop("_giftcomm_window", None)
-        if win is not None:
-            win.release()
+        self.release_state()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 

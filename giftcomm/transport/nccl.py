@@ -8,7 +8,7 @@
   the GPU. Kernels launched later on the same stream see the received bytes; host code that
   reads them must synchronize the stream first.
   Because queued operations are issued together, a hop must queue its receive and its send and
-  then wait (what ``sendrecv`` and giftcomm.cuda.ring do); queuing a receive whose matching send
+  then wait (what ``sendrecv`` and the GROUPED schedule of giftcomm.collectives do); queuing a receive whose matching send
   the peer can only post after its own next wait would deadlock, as in NCCL itself.
 - Control collectives (allgather_int64 / allgather_object) go over the MPI communicator when
   there is one, else over NCCL (allGather of int64 on the device; objects pickled).
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from .base import Request, Transport
+from .base import DEVICE, GROUPED, Request, Transport
 
 
 def _nccl():
@@ -53,6 +53,9 @@ class _Queued(Request):
 
 class NcclTransport(Transport):
     """One rank of an NCCL communicator; buffers are CuPy arrays (contiguous), sent as bytes."""
+
+    schedule = GROUPED
+    memory = DEVICE
 
     def __init__(self, unique_id: Any, rank: int, size: int, mpi_comm: Any = None) -> None:
         nccl = _nccl()

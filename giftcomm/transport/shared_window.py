@@ -51,19 +51,6 @@ def grown_size(nbytes: int) -> int:
     return max(step, -(-int(nbytes) // step) * step)
 
 
-def cached_window(owner: object, nbytes: int, allocate: Callable[[int], SharedWindow | None]) -> SharedWindow | None:
-    """The window kept on ``owner`` (a transport), reallocated with ``allocate(size)`` when it is
-    smaller than ``nbytes``. Collective when it reallocates; since every rank asks for the same
-    ``nbytes``, every rank reallocates at the same call. None when ``allocate`` gives none (it
-    must then do so on every rank)."""
-    win = owner.__dict__.get("_giftcomm_window")
-    if win is None or win.nbytes < nbytes:
-        if win is not None:
-            win.release()
-        win = owner.__dict__["_giftcomm_window"] = allocate(grown_size(nbytes))
-    return win
-
-
 SHM_DIR = "/dev/shm"
 
 

@@ -23,6 +23,7 @@ class SubTransport(Transport):
         self.rank = self.members.index(parent.rank)
         self.size = len(self.members)
         self.tag_base = tag_base
+        self.schedule, self.memory = parent.schedule, parent.memory
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
         return self.parent.isend(buf, self.members[dest], self.tag_base + tag)

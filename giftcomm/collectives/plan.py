@@ -1,0 +1,220 @@
+"""Planning one collective call: the call record, validation, topology, slice, algorithm choice
+and the fields every rank must agree on.
+
+The public API (giftcomm.api) builds a :class:`Call` on each rank inside the agreement step
+(giftcomm.collectives.agree), so that a bad argument on any rank raises the same exception on
+every rank; then it hands the call's :class:`~giftcomm.collectives.wire.Wire`, flat values and
+chosen algorithm to the algorithm modules. Any array giftcomm takes — NumPy, CuPy, torch (CPU or
+CUDA), JAX, any DLPack producer — goes through the same steps (giftcomm._xp imports it
+zero-copy); the result goes back in the caller's framework.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _xp
+from ..costmodel import Topology, choose
+from ..formats import Format, check_block, get_format
+from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
+from .agree import DTYPE_CODES, OP_CODES
+from .hierarchical import check_uniform, contiguous_nodes, node_groups
+from .ring import auto_slice_elems
+from .wire import Wire
+
+__all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
+           "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
+           "direct_out", "finish", "gathered_counts", "positive_int"]
+
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+_ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
+FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
+          "chosen")
+"""The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
+MATCH = FIELDS[:-1]
+"""Fields every rank must have alike ("chosen" may differ: auto on different calibrations; rank 0's wins)."""
+GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "out")
+"""allgather's agreed signature (count: this rank's shard length; out: its out's size, -1 if none)."""
+GATHER_MATCH = ("dtype", "fmt", "block", "slice")
+
+
+@dataclass
+class Call:
+    """One rank's validated call.
+
+    imp: the imported input (``imp.array``: NumPy or CuPy, any shape, sharing the caller's
+    memory; bfloat16 on the device as uint16 bits). fmt, block, op: the wire format and
+    reduction. sig: this rank's signature (:data:`FIELDS` -> int). out: the imported ``out``
+    array (the caller's memory) or None.
+    """
+
+    imp: _xp.Imported
+    fmt: Format
+    block: int
+    op: str
+    sig: dict[str, int]
+    out: Any = None
+
+    @property
+    def arr(self) -> Any:
+        return self.imp.array
+
+    @property
+    def xp(self) -> Any:
+        return self.imp.xp
+
+    def wire(self) -> Wire:
+        """The call's wire format bound to its backend's codec kernels."""
+        return Wire.of(self.fmt, self.block, self.xp)
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _import(x: Any, name: str) -> _xp.Imported:
+    """``x`` imported zero-copy; TypeError for dtypes giftcomm does not take."""
+    try:
+        return _xp.import_array(x)
+    except ValueError:
+        raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got dtype "
+                        f"{getattr(x, 'dtype', type(x).__name__)}") from None
+
+
+def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any) -> Call:
+    """The checks every collective shares (``op`` None: allgather); raises TypeError/ValueError."""
+    imp = _import(x, name)
+    f, b = get_format(fmt), check_block(block)
+    if op is not None and op not in OP_CODES:
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    sig = dict.fromkeys(FIELDS, 0)
+    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=b,
+               op=OP_CODES.get(op, 0) if op is not None else 0,
+               slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"))
+    return Call(imp, f, b, op or "sum", sig)
+
+
+def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:
+    """Import ``out`` into ``call.out`` after checking it: an array of the input's kind (host or
+    device; not JAX, whose arrays are immutable), the input's dtype and ``shape`` (None: any),
+    writable."""
+    if out is None:
+        return
+    o = _import(out, "out")
+    if o.device != call.imp.device or o.source == "jax":
+        where = "a CUDA" if call.imp.device else "a host (NumPy or CPU torch)"
+        raise TypeError(f"out must be {where} array, like the input; got {type(out).__name__}")
+    got = tuple(o.array.shape)
+    if (shape is not None and got != shape) or o.logical != call.imp.logical:
+        raise ValueError(f"out must have shape {shape} and dtype {call.imp.logical}, got {got} {o.logical}")
+    if not o.device and not o.array.flags.writeable:
+        raise ValueError("out is read-only")
+    call.out = o.array
+
+
+def check_transport(t: Transport, call: Call) -> None:
+    """The transport can move this array's buffers and runs a schedule the algorithms know
+    (TypeError naming both, before data moves)."""
+    if t.schedule not in (PIPELINED, GROUPED):
+        raise TypeError(f"{type(t).__name__}.schedule is {t.schedule!r}; giftcomm's algorithms run "
+                        f"{PIPELINED!r} or {GROUPED!r} schedules")
+    need = DEVICE if call.imp.device else HOST
+    if t.memory not in (need, ANY):
+        raise TypeError(f"{type(t).__name__} moves {t.memory} buffers but the input is a {need} array; pass "
+                        f"{'a device transport (NCCL, CUDA-aware MPI)' if call.imp.device else 'host arrays'}")
+
+
+def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology]:
+    """The node of every rank and the Topology (local_size 0: uneven nodes); kept in the
+    transport's state per ``local_size``, since the layout of a communicator does not change."""
+    if local_size is not None:
+        local_size = positive_int(local_size, "local_size")
+    cache = t.state.topology
+    if local_size not in cache:
+        nodes = t.node_ids() if local_size is None else contiguous_nodes(t.size, local_size)
+        groups = node_groups(nodes)
+        uniform = len({len(g) for g in groups}) == 1
+        cache[local_size] = nodes, Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
+    return cache[local_size]
+
+
+def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
+                   allowed: tuple[str, ...] = ALGORITHMS) -> np.ndarray:
+    """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's) in the
+    signature; returns the node layout."""
+    if algorithm not in allowed:
+        raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
+    nodes, topo = topology(t, local_size)
+    if algorithm.startswith("hierarchical") and topo.local_size == 0:
+        check_uniform(nodes)  # raises, naming the node sizes
+    chosen = algorithm
+    if algorithm == "auto":
+        chosen = choose(call.arr.size, topo, call.fmt.name, call.block)
+        chosen = chosen if chosen in allowed else "ring"
+    call.sig.update(algorithm=_ALGO_CODES[algorithm], local_size=local_size or 0, chosen=_ALGO_CODES[chosen])
+    return nodes
+
+
+def chosen_algorithm(table: np.ndarray) -> str:
+    """The algorithm rank 0 chose (every rank runs that one), from the agreed table."""
+    return ALGORITHMS[int(table[0, FIELDS.index("chosen")])]
+
+
+def auto_slice(t: Transport, n: int) -> int:
+    """The pipelining slice for ``n`` values over ``t`` (ring.auto_slice_elems; one node per the
+    transport's own node layout)."""
+    return auto_slice_elems(n, t.size, one_node=topology(t, None)[1].nodes == 1)
+
+
+def flat_values(call: Call) -> Any:
+    """The input as a contiguous (size,) array of its backend: bfloat16 on the device widened to
+    float32 (exact), other dtypes as they are (no copy when already contiguous)."""
+    arr = call.arr
+    if call.imp.device and call.imp.logical == "bfloat16":
+        arr = _xp.to_float32(arr, "bfloat16")
+    return call.xp.ascontiguousarray(arr).reshape(-1)
+
+
+def direct_out(call: Call) -> Any:
+    """``out`` as a flat float32 view the collective can decode into, or None when it cannot (no
+    out, another dtype, not contiguous)."""
+    out = call.out
+    if out is None or out.dtype != np.float32 or not out.flags.c_contiguous:
+        return None
+    return out.reshape(-1)
+
+
+def finish(values: Any, call: Call, p: int, shape: tuple[int, ...], out: Any, op: str | None = None) -> Any:
+    """Apply ``avg`` (a division by P in ``values``' dtype), cast to the input's dtype (bfloat16
+    on the device: bits, rounded to nearest even) and ``shape``; write ``out`` (returned as the
+    caller passed it) or return the result in the caller's framework."""
+    if (op or call.op) == "avg":
+        values = values / values.dtype.type(p)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if call.out is not None:
+            if call.imp.device and call.imp.logical == "bfloat16":
+                call.out[...] = _xp.from_float32(values, "bfloat16").reshape(shape)
+            else:
+                call.out[...] = values.reshape(shape)
+            return out
+        if call.imp.logical == "bfloat16" and call.imp.device:
+            result = _xp.from_float32(values, "bfloat16")
+        else:
+            result = values.astype(call.arr.dtype, copy=False)
+    return _xp.export_like(result.reshape(shape), call.imp)
+
+
+def gathered_counts(table: np.ndarray) -> tuple[np.ndarray, int]:
+    """Every rank's shard length and their total, from allgather's agreed table. Raises
+    ValueError when a rank's ``out`` does not hold the total: every rank sees the same table, so
+    every rank raises it."""
+    counts = table[:, 0]
+    total_n = int(counts.sum())
+    wrong = [r for r, m in enumerate(table[:, GATHER_FIELDS.index("out")]) if m not in (-1, total_n)]
+    if wrong:
+        raise ValueError(f"giftcomm.allgather: out on rank(s) {wrong} does not hold the {total_n} gathered values")
+    return counts, total_n

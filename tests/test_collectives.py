@@ -1,0 +1,481 @@
+"""The public collectives on every array backend and transport schedule, against the reference
+simulations bit for bit.
+
+One parametrisation (``path``) covers what varies: the array backend (NumPy; torch CPU tensors,
+which come back as torch tensors; CuPy on a GPU) and the transport's schedule (PIPELINED over the
+host loopback; GROUPED over the device loopback, which queues every operation and issues the
+queue as one group on the first wait, with NCCL's semantics: a pipelined order would deadlock
+there). reduce_scatter, allgather, allreduce with every algorithm and gift_allreduce with a
+geometry must equal giftcomm.reference's simulations; out= and in-place; bad or mismatched
+arguments raise the same exception on every rank and leave the inputs untouched; the
+communication pattern of a grouped hop; under mpiexec (``-m mpi``) the grouped schedule over the
+CUDA-aware MPI transport with fake ``__cuda_array_interface__`` buffers. On a machine with a CUDA
+GPU the "cupy" path runs the same tests on the device (tests/test_gpu.py has the kernel tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import giftcomm as gc
+from giftcomm.cuda import available as cuda_available
+from giftcomm.geometry import Geometry
+from giftcomm.reference import (simulate_allgather, simulate_allreduce, simulate_gift_allreduce,
+                                simulate_reduce_scatter)
+from giftcomm.reference.simulate import resolve_algorithm
+from giftcomm.transport import GROUPED, Request, Transport
+from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+from studies.device.collective_check import KFAC_LAYOUT, random_kfac_geometry
+from test_gpu_plumbing import FakeDeviceArray
+
+PS = [1, 2, 3, 4, 5, 8]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
+# (fmt, n, block): block-scaled FP8 with partial last blocks, fewer blocks than ranks, raw formats
+CASES = [("e4m3", 1000, 32), ("e5m2", 515, 256), ("e4m3", 7, 3), ("bf16", 300, 64), ("fp32", 41, 8)]
+ALL_ALGORITHMS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "auto")
+
+
+@dataclass(frozen=True)
+class Path:
+    """An array backend over a transport schedule: ``to(x)`` makes the caller's array from NumPy,
+    ``back(y)`` reads a result into NumPy (asserting it is of the caller's kind), ``run(p, fn)``
+    runs ``fn(transport)`` on P virtual ranks."""
+
+    name: str
+    group: Callable[[int], Any]
+    to: Callable[[np.ndarray], Any]
+    back: Callable[[Any], np.ndarray]
+
+    def run(self, p: int, fn: Callable[[Transport], Any]) -> list[Any]:
+        return self.group(p).run(fn)
+
+
+def _numpy_back(y: Any) -> np.ndarray:
+    assert isinstance(y, np.ndarray), type(y)
+    return y
+
+
+def _torch_path() -> Path:
+    torch = pytest.importorskip("torch")
+
+    def to(x: np.ndarray) -> Any:
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(x.copy())
+
+    def back(y: Any) -> np.ndarray:
+        assert isinstance(y, torch.Tensor) and y.device.type == "cpu", type(y)
+        if y.dtype == torch.bfloat16:
+            return y.view(torch.int16).numpy().view(BF16)
+        return y.numpy()
+
+    return Path("torch-cpu", gc.LoopbackGroup, to, back)
+
+
+def _cupy_path() -> Path:
+    if not cuda_available():
+        pytest.skip("no CUDA GPU: the cupy path runs on a machine with one")
+    import cupy
+
+    def to(x: np.ndarray) -> Any:
+        return cupy.asarray(x.view(np.uint16)).view(np.uint16) if x.dtype == BF16 else cupy.asarray(x)
+
+    def back(y: Any) -> np.ndarray:
+        assert isinstance(y, cupy.ndarray), type(y)
+        return cupy.asnumpy(y)
+
+    return Path("cupy", DeviceLoopbackGroup, to, back)
+
+
+PATH_NAMES = ["numpy-pipelined", "numpy-grouped", "torch-cpu", "cupy"]
+
+
+@pytest.fixture(params=PATH_NAMES)
+def path(request) -> Path:
+    if request.param == "numpy-pipelined":
+        return Path(request.param, gc.LoopbackGroup, lambda x: x, _numpy_back)
+    if request.param == "numpy-grouped":
+        return Path(request.param, DeviceLoopbackGroup, lambda x: x, _numpy_back)
+    if request.param == "torch-cpu":
+        return _torch_path()
+    return _cupy_path()
+
+
+def inputs(rng, p, n, dtype, spread=8.0):
+    """Per-rank inputs of varied magnitude (block scales differ) in ``dtype``."""
+    return [(rng.standard_normal(n) * np.exp(rng.uniform(-spread, spread, n) / 4)).astype(dtype) for _ in range(p)]
+
+
+def same(a, b):
+    """Bit-identical arrays (dtype, shape, bytes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def outcomes(p, fn, group=DeviceLoopbackGroup):
+    """Every rank's result or exception (the loopback re-raises only the first)."""
+    def body(t):
+        try:
+            return fn(t)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            return exc
+    return group(p).run(body)
+
+
+def assert_same_error(errors, cls, *fragments):
+    """Every rank raised ``cls`` with one and the same message, containing ``fragments``."""
+    assert all(type(e) is cls for e in errors), errors
+    assert len({str(e) for e in errors}) == 1, [str(e) for e in errors]
+    for frag in fragments:
+        assert frag in str(errors[0]), (frag, str(errors[0]))
+
+
+def _local_size(algorithm: str, p: int) -> int | None:
+    """A node layout for the hierarchical algorithms: two ranks a node when P is even, else one."""
+    if not algorithm.startswith("hierarchical"):
+        return None
+    return 2 if p % 2 == 0 else 1
+
+
+# ----------------------------------------------------------------------- reduce_scatter
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_reduce_scatter_matches_simulation(rng, path, p, algorithm):
+    for fmt, n, block in CASES:
+        for dtype in DTYPES:
+            xs = inputs(rng, p, n, dtype)
+            args = [path.to(x) for x in xs]
+            op = ("sum", "avg")[int(rng.integers(2))]
+            got = path.run(p, lambda t: gc.reduce_scatter(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
+                                                          algorithm=algorithm))
+            want = simulate_reduce_scatter(xs, fmt, block, op, algorithm)
+            bounds = gc.chunk_bounds(n, p, block)
+            for r in range(p):
+                g = path.back(got[r])
+                assert g.shape == (bounds[r + 1] - bounds[r],)
+                assert same(g, want[r]), (fmt, n, block, dtype, op, r)
+            assert all(same(path.back(a), x) for a, x in zip(args, xs))  # inputs untouched
+
+
+# ---------------------------------------------------------------------------- allgather
+@pytest.mark.parametrize("p", PS)
+def test_allgather_unequal_shards_matches_simulation(rng, path, p):
+    for fmt, _, block in CASES:
+        for dtype in DTYPES:
+            shards = [inputs(rng, 1, int(rng.integers(0, 3 * block + 2)), dtype)[0] for _ in range(p)]
+            if p > 1:
+                shards[int(rng.integers(p))] = np.zeros(0, dtype)  # an empty shard somewhere
+            args = [path.to(s) for s in shards]
+            got = path.run(p, lambda t: gc.allgather(args[t.rank], comm=t, fmt=fmt, block=block))
+            want = simulate_allgather(shards, fmt, block)
+            assert all(same(path.back(g), w) for g, w in zip(got, want)), (fmt, block, dtype)
+
+
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_allgather_of_reduce_scatter_is_allreduce(rng, path, p, algorithm):
+    for dtype in (np.float32, np.float64):
+        xs = inputs(rng, p, 2049, dtype)
+        args = [path.to(x) for x in xs]
+
+        def both(t):
+            shard = gc.reduce_scatter(args[t.rank], comm=t, block=64, algorithm=algorithm)
+            return gc.allgather(shard, comm=t, block=64), gc.allreduce(args[t.rank], comm=t, block=64,
+                                                                       algorithm=algorithm)
+
+        want = simulate_allreduce(xs, "e4m3", 64, "sum", algorithm)
+        for (gathered, reduced), w in zip(path.run(p, both), want):
+            assert same(path.back(gathered), w) and same(path.back(reduced), w)
+
+
+# ---------------------------------------------------------------------------- allreduce
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("algorithm", ALL_ALGORITHMS)
+def test_allreduce_matches_simulation(rng, path, p, algorithm):
+    local_size = _local_size(algorithm, p)
+    for fmt, n, block in CASES:
+        for dtype in DTYPES:
+            xs = [x.reshape(-1, 1) if n % 2 else x.reshape(2, -1) for x in inputs(rng, p, n, dtype)]
+            args = [path.to(x) for x in xs]
+            op = ("sum", "avg")[int(rng.integers(2))]
+            slice_elems = int(rng.choice([block, 4 * block, 1 << 18]))
+            got = path.run(p, lambda t: gc.allreduce(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
+                                                     algorithm=algorithm, local_size=local_size,
+                                                     slice_elems=slice_elems))
+            ran = resolve_algorithm(algorithm, n, p, None, fmt, block)
+            want = simulate_allreduce(xs, fmt, block, op, ran, local_size=local_size)
+            assert all(same(path.back(g), w) for g, w in zip(got, want)), (fmt, n, block, dtype, op, ran)
+            assert all(same(path.back(a), x) for a, x in zip(args, xs))
+
+
+def test_empty_and_single_values(rng, path):
+    for p in (1, 3):
+        for n in (0, 1):
+            xs = inputs(rng, p, n, np.float32)
+            args = [path.to(x) for x in xs]
+            got = path.run(p, lambda t: gc.allreduce(args[t.rank], comm=t, op="avg", algorithm="direct"))
+            assert all(same(path.back(g), w) for g, w in zip(got, simulate_allreduce(xs, "e4m3", 256, "avg", "direct")))
+            got = path.run(p, lambda t: gc.reduce_scatter(args[t.rank], comm=t))
+            assert all(same(path.back(g), w) for g, w in zip(got, simulate_reduce_scatter(xs, "e4m3", 256, "sum")))
+
+
+# ------------------------------------------------------------------------ gift_allreduce
+SIZE = sum(int(np.prod(shape)) for _, shape in KFAC_LAYOUT)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling"])
+def test_gift_allreduce_geometry_matches_simulation(rng, path, p, algorithm):
+    geo = random_kfac_geometry(rng, rank=6)
+    assert not geo.is_identity
+    for dtype in (np.float32, np.float64, BF16):
+        for op in ("sum", "avg"):
+            xs = inputs(rng, p, SIZE, dtype, spread=2)
+            args = [path.to(x) for x in xs]
+            got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], geo, comm=t, op=op, block=64,
+                                                          algorithm=algorithm))
+            want = simulate_gift_allreduce(xs, geo, "e4m3", 64, op, algorithm)
+            assert all(same(path.back(g), w) for g, w in zip(got, want)), (dtype, op)
+            assert all(same(path.back(a), x) for a, x in zip(args, xs))
+
+
+def test_identity_geometry_is_plain_allreduce(rng, path):
+    p = 3
+    xs = inputs(rng, p, SIZE, np.float32)
+    args = [path.to(x) for x in xs]
+    ident = Geometry.identity(KFAC_LAYOUT)
+    got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], ident, comm=t, algorithm="ring"))
+    assert all(same(path.back(g), w) for g, w in zip(got, simulate_allreduce(xs, "e4m3", 256, "sum", "ring")))
+
+
+# ---------------------------------------------------------------------------------- out=
+def test_out_arguments(rng, path):
+    p, n, block = 3, 777, 32
+    xs = inputs(rng, p, n, np.float32)
+    args = [path.to(x) for x in xs]
+    want = simulate_allreduce(xs, "e4m3", block, "avg", "direct")
+
+    def allreduce_into_out(t):
+        out = path.to(np.full(n, np.nan, np.float32))
+        res = gc.allreduce(args[t.rank], comm=t, op="avg", block=block, out=out, algorithm="direct")
+        return res is out, out
+
+    assert all(is_out and same(path.back(o), w) for (is_out, o), w in zip(path.run(p, allreduce_into_out), want))
+    inplace = [path.to(x) for x in xs]  # out= the input itself
+    got = path.run(p, lambda t: gc.allreduce(inplace[t.rank], comm=t, op="avg", block=block, out=inplace[t.rank],
+                                             algorithm="direct"))
+    assert all(g is i and same(path.back(g), w) for g, i, w in zip(got, inplace, want))
+
+    bounds = gc.chunk_bounds(n, p, block)
+    shards = [path.to(np.empty(int(bounds[r + 1] - bounds[r]), np.float32)) for r in range(p)]
+    got = path.run(p, lambda t: gc.reduce_scatter(args[t.rank], comm=t, block=block, out=shards[t.rank]))
+    assert all(g is s and same(path.back(g), w) for g, s, w in zip(got, shards, simulate_reduce_scatter(xs, "e4m3", block)))
+
+    outs = [path.to(np.empty(n, np.float32)) for _ in range(p)]
+    got = path.run(p, lambda t: gc.allgather(shards[t.rank], comm=t, block=block, out=outs[t.rank]))
+    want_g = simulate_allgather([path.back(s) for s in shards], "e4m3", block)
+    assert all(g is o and same(path.back(g), w) for g, o, w in zip(got, outs, want_g))
+
+
+def test_bad_out_raises_on_every_rank(rng):
+    p, n = 3, 100
+    xs = inputs(rng, p, n, np.float32)
+
+    def wrong_shape_on_rank_1(t):
+        out = np.empty(n + (t.rank == 1), np.float32)
+        return gc.allreduce(xs[t.rank], comm=t, block=32, out=out, algorithm="ring")
+
+    assert_same_error(outcomes(p, wrong_shape_on_rank_1), ValueError, "rank(s) 1", "out must have shape (100,)")
+    errors = outcomes(p, lambda t: gc.allreduce(xs[t.rank], comm=t, block=32, out=np.empty(n, np.float64)))
+    assert_same_error(errors, ValueError, "dtype float32")
+    errors = outcomes(p, lambda t: gc.allgather(xs[t.rank], comm=t, block=32, out=np.empty(n * p - t.rank, np.float32)))
+    assert_same_error(errors, ValueError, "out on rank(s) [1, 2]")
+
+
+# --------------------------------------------------- agreement: one message, both schedules
+MISMATCHES = {
+    # name: (kwargs of rank 1 that differ, expected error class, fragment)
+    "count": (dict(n=65), ValueError, "ranks disagree on count"),
+    "fmt": (dict(fmt="e5m2"), ValueError, "ranks disagree on fmt (rank 0: e4m3, rank 1: e5m2"),
+    "block": (dict(block=32), ValueError, "ranks disagree on block"),
+    "op": (dict(op="avg"), ValueError, "ranks disagree on op"),
+    "dtype": (dict(dtype=np.float16), ValueError, "ranks disagree on dtype"),
+    "int input": (dict(dtype=np.int32), TypeError, "x must be float32, float64, float16 or bfloat16, got dtype int32"),
+    "algorithm": (dict(algorithm="direct"), ValueError, "ranks disagree on algorithm"),
+    "slice": (dict(slice_elems=512), ValueError, "ranks disagree on slice"),
+    "bad op": (dict(op="max"), ValueError, "op must be 'sum' or 'avg'"),
+    "bad block": (dict(block=0), ValueError, "rank(s) 1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCHES))
+@pytest.mark.parametrize("what", ["allreduce", "reduce_scatter"])
+def test_mismatch_raises_the_same_message_on_either_schedule(rng, name, what):
+    p = 3
+    diff, cls, fragment = MISMATCHES[name]
+    base = dict(n=64, dtype=np.float32, fmt="e4m3", block=16, op="sum", algorithm="ring", slice_elems=None)
+    data = [rng.standard_normal(70) for _ in range(p)]
+
+    def call(t):
+        a = dict(base, **(diff if t.rank == 1 else {}))
+        x = data[t.rank][: a.pop("n")].astype(a.pop("dtype"))
+        return getattr(gc, what)(x, comm=t, **a)
+
+    grouped, pipelined = outcomes(p, call), outcomes(p, call, gc.LoopbackGroup)
+    assert_same_error(grouped, cls, fragment)
+    assert str(grouped[0]) == str(pipelined[0]) and type(grouped[0]) is type(pipelined[0])
+
+
+def test_geometry_mismatch_raises_on_every_rank(rng):
+    p = 3
+    geos = [random_kfac_geometry(rng, rank=4)] * 2 + [random_kfac_geometry(rng, rank=4)]
+    xs = inputs(rng, p, SIZE, np.float32)
+    errors = outcomes(p, lambda t: gc.gift_allreduce(xs[t.rank], geos[t.rank], comm=t, block=64))
+    assert_same_error(errors, ValueError, "giftcomm.allreduce: ranks disagree on geometry")
+    small = random_kfac_geometry(rng, rank=4)
+    errors = outcomes(p, lambda t: gc.gift_allreduce(xs[t.rank][:-1] if t.rank == 2 else xs[t.rank], small, comm=t))
+    assert_same_error(errors, ValueError, "rank(s) 2", f"geometry covers {SIZE} elements but x has {SIZE - 1}")
+
+
+def test_unknown_algorithm_names_every_one(rng):
+    xs = inputs(rng, 2, 100, np.float32)
+    errors = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=t, algorithm="nonsense"))
+    assert_same_error(errors, ValueError, ", ".join(gc.api.ALGORITHMS), "'nonsense'")
+    errors = outcomes(2, lambda t: gc.reduce_scatter(xs[t.rank], comm=t, algorithm="doubling"))
+    assert_same_error(errors, ValueError, "auto, ring, direct")
+
+
+class _Unscheduled(Transport):
+    """A transport that declares a schedule the algorithms do not know."""
+
+    schedule = "lockstep"
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+
+    def isend(self, buf, dest, tag=0):
+        raise AssertionError("no data may move")
+
+    irecv = isend
+
+    def allgather_int64(self, vec):
+        return self.inner.allgather_int64(vec)
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+
+def test_unknown_schedule_and_wrong_memory_raise_before_data_moves(rng):
+    xs = inputs(rng, 2, 100, np.float32)
+    errors = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=_Unscheduled(t)), gc.LoopbackGroup)
+    assert_same_error(errors, TypeError, "'lockstep'")
+    t = DeviceLoopbackGroup(1).transports[0]
+    t.memory = "device"  # as NCCL: host arrays are refused with a clear error
+    with pytest.raises(TypeError, match="moves device buffers but the input is a host array"):
+        gc.allreduce(xs[0], comm=t)
+
+
+# --------------------------------------------------- the communication pattern; MPI plumbing
+class _LoggedRequest(Request):
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def wait(self):
+        self.log.append(("wait",))
+        self.inner.wait()
+
+
+class Recording(Transport):
+    """Wraps a transport with its schedule and memory, logging the point-to-point calls; with
+    ``fake=True`` every buffer reaches the inner transport as a FakeDeviceArray (CUDA-aware MPI
+    plumbing)."""
+
+    def __init__(self, inner, fake=False):
+        self.inner, self.rank, self.size, self.fake, self.log = inner, inner.rank, inner.size, fake, []
+        self.schedule, self.memory = inner.schedule, "any"
+
+    def _pass(self, kind, buf, peer, tag):
+        self.log.append((kind, peer))
+        op = self.inner.isend if kind == "send" else self.inner.irecv
+        return _LoggedRequest(op(FakeDeviceArray(buf) if self.fake else buf, peer, tag), self.log)
+
+    def isend(self, buf, dest, tag=0):
+        return self._pass("send", buf, dest, tag)
+
+    def irecv(self, buf, source, tag=0):
+        return self._pass("recv", buf, source, tag)
+
+    def allgather_int64(self, vec):
+        return self.inner.allgather_int64(vec)
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+
+@pytest.mark.parametrize("slice_elems", [32, 1 << 18])
+def test_grouped_hops_queue_their_receives_and_sends_together(rng, slice_elems):
+    """Over a GROUPED transport every group issued holds one hop: the ring's receives from the left
+    and sends to the right (one of each per slice, the forwards of the previous hop beside the
+    receives of the next), the direct algorithm's receives from and sends to every peer (an
+    all-to-all in one group)."""
+    p, n, block = 5, 1000, 32
+    xs = inputs(rng, p, n, np.float32)
+    group = DeviceLoopbackGroup(p)
+    issued: list[list[list[tuple[str, int]]]] = [[] for _ in range(p)]
+    for t in group.transports:
+        def flush(t=t, inner=t.flush):
+            issued[t.rank].append(sorted((kind, peer) for kind, _, peer, _, _ in t._queue))
+            inner()
+        t.flush = flush
+    for algorithm in ("direct", "ring"):
+        for log in issued:
+            log.clear()
+        group.run(lambda t: gc.reduce_scatter(xs[t.rank], comm=t, block=block, algorithm=algorithm,
+                                              slice_elems=slice_elems))
+        for r, groups in enumerate(issued):
+            left, right = (r - 1) % p, (r + 1) % p
+            if algorithm == "direct":
+                others = sorted(set(range(p)) - {r})
+                assert len(groups) == 1
+                for kind in ("recv", "send"):
+                    assert sorted({peer for k, peer in groups[0] if k == kind}) == others
+            else:
+                assert len(groups) == p - 1
+                for g in groups:
+                    assert set(g) == {("recv", left), ("send", right)}
+
+
+@pytest.mark.mpi
+def test_grouped_schedule_over_cuda_aware_mpi_plumbing():
+    """The public API over the CUDA-aware MPI transport (GROUPED) with fake device buffers (MPICH
+    reads the host memory behind the pointers): reduce_scatter, allgather, the direct and
+    doubling allreduces and gift_allreduce with a geometry equal the simulations on every rank."""
+    from mpi4py import MPI
+
+    from giftcomm.transport.device_mpi import DeviceMpiTransport
+
+    inner = DeviceMpiTransport(MPI.COMM_WORLD, require_cuda_aware=False)
+    t = Recording(inner, fake=True)
+    assert t.schedule == GROUPED
+    p, r = t.size, t.rank
+    rng = np.random.default_rng(4321)  # the same inputs on every rank
+    xs = inputs(rng, p, 3001, np.float32)
+    for algorithm in ("ring", "direct"):
+        shard = gc.reduce_scatter(xs[r], comm=t, block=64, algorithm=algorithm)
+        assert same(shard, simulate_reduce_scatter(xs, "e4m3", 64, "sum", algorithm)[r])
+        full = gc.allgather(shard, comm=t, block=64)
+        assert same(full, simulate_allreduce(xs, "e4m3", 64, "sum", algorithm)[r])
+    got = gc.allreduce(xs[r], comm=t, block=64, algorithm="doubling")
+    assert same(got, simulate_allreduce(xs, "e4m3", 64, "sum", "doubling")[r])
+    geo = random_kfac_geometry(rng, rank=4)
+    gs = inputs(rng, p, geo.size, np.float32, spread=2)
+    got = gc.gift_allreduce(gs[r], geo, comm=t, op="avg", block=64, algorithm="direct")
+    assert same(got, simulate_gift_allreduce(gs, geo, "e4m3", 64, "avg", "direct")[r])
+    if p > 1:
+        with pytest.raises(ValueError, match="ranks disagree on count"):
+            gc.allreduce(xs[r][: 100 + r], comm=t, block=64)
+    inner.free()
