@@ -111,6 +111,24 @@ class MpiTransport(Transport):
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self.comm.bcast(obj, root=root)
+
+    def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        arr = np.ascontiguousarray(arr, dtype=np.float64)
+        total = np.empty_like(arr)
+        self.comm.Allreduce(arr, total, op=MPI.SUM)
+        return total
+
+    def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        arr = np.ascontiguousarray(arr, dtype=np.float64)
+        total = np.empty_like(arr) if self.rank == root else None
+        self.comm.Reduce(arr, total, op=MPI.SUM, root=root)
+        return total
+
+    def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
+        self.comm.Bcast(buf, root=root)
+
     def free(self) -> None:
         """Release the shared window and the private communicator (collective; optional: MPI frees
         them at finalize)."""
