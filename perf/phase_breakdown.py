@@ -3,7 +3,8 @@
 Usage: mpiexec -n P python perf/phase_breakdown.py [--count N] [--iters K] [--fmt e4m3]
                                                     [--shared-memory auto|off]
 
-Wraps giftcomm.codec's encode/decode/decode_add_encode, the MPI transport's request waits,
+Wraps the codec kernels the collectives call (giftcomm.codec's native and reference kernel
+tables: encode, decode, decode_add_encode, decode_accumulate), the MPI transport's request waits,
 isend/irecv and agreement allgather, and the shared window's fence with timers, then times K calls of
 ``giftcomm.allreduce(x, out=out)`` (each after a barrier) on N float32 values. Prints, per rank,
 the mean microseconds per call in each part; "other" is the rest (Python, slicing, the result).
@@ -37,7 +38,10 @@ def _timed(owner: Any, name: str, key: str) -> None:
         finally:
             _spent[key] += time.perf_counter() - t0
 
-    setattr(owner, name, wrapper)
+    if isinstance(owner.__dict__.get(name), staticmethod):
+        setattr(owner, name, staticmethod(wrapper))
+    else:
+        setattr(owner, name, wrapper)
 
 
 def main() -> None:
@@ -48,8 +52,9 @@ def main() -> None:
     ap.add_argument("--shared-memory", default="auto", choices=["auto", "off"],
                     help="zero-copy shared window on one node (auto) or MPI messages (off)")
     args = ap.parse_args()
-    for name in ("encode", "decode", "decode_add_encode"):
-        _timed(codec, name, name)
+    for kernels in (codec.NativeKernels, codec.ReferenceKernels):  # what giftcomm.codec.kernels_for hands out
+        for name in ("encode", "decode", "decode_add_encode", "decode_accumulate"):
+            _timed(kernels, name, name)
     _timed(mpi_transport._MpiRequest, "wait", "wait")
     for name in ("isend", "irecv"):
         _timed(mpi_transport.MpiTransport, name, name)
