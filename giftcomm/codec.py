@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised only on a broken install
     _native = None
 
 __all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "message_nbytes",
-           "Kernels", "kernels_for"]
+           "Kernels", "kernels_for", "native_variant", "native_variants", "use_native_variant"]
 
 
 class Kernels(Protocol):
@@ -111,6 +111,25 @@ _warned = False
 def native_available() -> bool:
     """True when the native C kernels are loaded (and not disabled by GIFTCOMM_NATIVE=0)."""
     return _native is not None and config.flag("GIFTCOMM_NATIVE")
+
+
+def native_variant() -> str | None:
+    """The native kernel variant in use ("avx512vbmi", "avx512", "avx2", "generic"), None when
+    the extension is not built."""
+    return None if _native is None else _native._isa()
+
+
+def native_variants() -> list[str]:
+    """The native kernel variants this CPU can run, best first ([] without the extension)."""
+    return [] if _native is None else list(_native._isas())
+
+
+def use_native_variant(name: str) -> None:
+    """Switch the native kernels to variant ``name`` (benchmarks and tests; all give the same
+    bytes). ValueError for a variant this CPU cannot run; RuntimeError without the extension."""
+    if _native is None:
+        raise RuntimeError("the native codec extension is not built")
+    _native._set_isa(name)
 
 
 def kernels_for(xp: Any) -> Kernels:

@@ -490,3 +490,35 @@ def test_default_policy_respects_its_time_budget_and_skips_tiny_tensors(rng):
 
     opts = pol.side_options(Spectrum.from_matrix(random_spd(rng, 64, 1e4)), 1e-3)
     assert opts[0][0] is None and any(isinstance(o[0], int) for o in opts)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "broadcast"])
+def test_kfac_sync_and_agree_over_any_transport(rng, mode):
+    """KFAC factor sync and Geometry.agree run over any giftcomm transport (here the loopback, as
+    torch.distributed or NCCL would): every rank ends with the geometry of the averaged factors."""
+    from giftcomm import LoopbackGroup
+    from giftcomm.geometry import KfacEstimator
+
+    layout = Layout([("w", (12, 10)), ("v", (6, 12))])
+    p = 3
+    batches = [[(rng.standard_normal((20 + r, n)), rng.standard_normal((20 + r, m)))
+                for name in ("w", "v") for m, n in [layout[name].matrix_shape]] for r in range(p)]
+
+    def body(t):
+        est = KfacEstimator(layout, decay=0.5, mode=mode)
+        for name, (a, d) in zip(("w", "v"), batches[t.rank]):
+            est.update(name, a, d)
+        mine = est.factors()
+        est.sync(t)
+        geo = est.geometry()
+        other = Geometry.identity(layout) if t.rank == 1 else geo  # one rank disagrees
+        return mine, geo, other.agree(t, root=0)
+
+    results = LoopbackGroup(p).run(body)
+    mean = {k: tuple(sum(res[0][k][i] for res in results) / p for i in range(2)) for k in ("w", "v")}
+    want = Geometry.from_kfac(layout, mean)
+    x = rng.standard_normal(want.size).astype(np.float32)
+    for _, geo, agreed in results:
+        assert geo.fingerprint() == results[0][1].fingerprint()
+        np.testing.assert_allclose(geo.forward(x), want.forward(x), rtol=1e-4, atol=1e-5)
+        assert agreed.fingerprint() == results[0][1].fingerprint()

@@ -113,7 +113,8 @@ class KfacEstimator:
         return int(step) % self.sync_every == 0
 
     def sync(self, comm=None, mode: str | None = None) -> SyncReport:
-        """Collective over ``comm`` (mpi4py; None: this process only). Averages the factors over
+        """Collective over ``comm`` (a giftcomm Transport or an mpi4py communicator; None: this
+        process only). Averages the factors over
         ranks and eigendecomposes them; afterwards ``spectra`` is identical on every rank.
         The local running averages are not changed (their mean over ranks is the global one)."""
         mode = mode or self.mode

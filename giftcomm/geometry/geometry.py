@@ -52,7 +52,7 @@ def spectra_from_factors(layout: Layout, factors: Mapping) -> dict[str, tuple[Sp
     return out
 
 
-def _check_damping(damping: float) -> float:
+def check_damping(damping: float) -> float:
     d = float(damping)
     if not (d >= 0.0 and np.isfinite(d)):
         raise ValueError(f"damping must be a finite number >= 0, got {damping!r}")
@@ -162,15 +162,19 @@ class Geometry:
         return f"<Geometry {len(self)} segments ({n} transformed), size {self.size}, fingerprint {self.fingerprint():#x}>"
 
     def agree(self, comm, root: int = 0) -> Geometry:
-        """Collective: return a geometry identical on every rank of the mpi4py ``comm``.
+        """Collective: return a geometry identical on every rank of ``comm`` (a giftcomm Transport
+        — MPI, torch.distributed, NCCL, loopback — or an mpi4py communicator).
 
         Compares fingerprints (one allgather of an int); if they differ anywhere, every rank
         takes ``root``'s geometry (pickled broadcast). Returns ``self`` when they already agree.
         """
-        fps = comm.allgather(self.fingerprint())
+        from .sync import as_transport
+
+        t = as_transport(comm)
+        fps = t.allgather_object(self.fingerprint())
         if all(f == fps[0] for f in fps):
             return self
-        return comm.bcast(self if comm.Get_rank() == root else None, root=root)
+        return t.broadcast_object(self if t.rank == root else None, root=root)
 
     # ---------------------------------------------------------------- constructors
     @classmethod
@@ -207,7 +211,7 @@ class Geometry:
         """A KFAC-style transform for every segment with factors (identity elsewhere);
         ``choice(segment)`` gives the (output side, input side) rank choice."""
         layout = as_layout(layout)
-        damping = _check_damping(damping)
+        damping = check_damping(damping)
         spectra = spectra_from_factors(layout, factors)
         ts = []
         for seg in layout:

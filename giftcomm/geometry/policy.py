@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .geometry import Geometry, _check_damping, spectra_from_factors
+from .geometry import Geometry, check_damping, spectra_from_factors
 from .layout import as_layout
 from .spectral import Spectrum, anisotropy, damped, lowrank_damped, rank_for_energy, side_error_factor
 from .transform import SegmentTransform, identity_transform, kfac_transform
@@ -292,7 +292,7 @@ def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damp
     (default settings when None).
     """
     layout = as_layout(layout)
-    damping = _check_damping(damping)
+    damping = check_damping(damping)
     policy = policy or SelectivePolicy()
     spectra = spectra_from_factors(layout, factors)
     if policy.budget is not None:

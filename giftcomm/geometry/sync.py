@@ -1,16 +1,19 @@
-"""Making every rank hold the same factor spectra (collective over an mpi4py communicator).
+"""Making every rank hold the same factor spectra (collective over any giftcomm transport: MPI,
+torch.distributed, NCCL, the loopback; an mpi4py communicator is wrapped in its MPI transport).
 
 Two modes (docs/method.md reports which is cheaper as measured):
 
-- ``"allreduce"``: every factor is summed over ranks with ``Allreduce`` (float64), then every
-  rank eigendecomposes every factor. The spectra agree when the MPI sum is bit-identical on
-  all ranks (it is in MPICH and Open MPI for SUM on doubles) and eigh is deterministic; a
-  BLAKE2b digest of all spectra is compared with one allgather, and if any rank differs every
-  rank takes rank 0's spectra (counted in ``SyncReport.repaired``).
-- ``"broadcast"``: factor j is summed onto its owner rank with ``Reduce`` (owners balance the
-  ``d^3`` eigh work: largest factor first, each to the least-loaded rank), the owner
-  eigendecomposes it, and ``Bcast`` sends the eigenvalues and eigenvectors to all. The
-  eigendecompositions are spread over the ranks, and every rank receives the same bytes.
+- ``"allreduce"``: every factor is summed over ranks (``Transport.sum_float64``: MPI_Allreduce
+  on MPI), then every rank eigendecomposes every factor. The spectra agree when the sum is
+  bit-identical on all ranks (it is in MPICH and Open MPI for SUM on doubles, and in the default
+  rank-order sum of other transports) and eigh is deterministic; a BLAKE2b digest of all spectra
+  is compared with one allgather, and if any rank differs every rank takes rank 0's spectra
+  (counted in ``SyncReport.repaired``).
+- ``"broadcast"``: factor j is summed onto its owner rank (``Transport.reduce_float64``; owners
+  balance the ``d^3`` eigh work: largest factor first, each to the least-loaded rank), the owner
+  eigendecomposes it, and ``Transport.broadcast_float64`` sends the eigenvalues and eigenvectors
+  to all. The eigendecompositions are spread over the ranks, and every rank receives the same
+  bytes.
 
 Factors are averaged over the ranks that have fed at least one batch for that segment.
 """
@@ -20,11 +23,14 @@ import hashlib
 import time
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 
+from ..transport.base import Transport
 from .spectral import Spectrum
 
-__all__ = ["SyncReport", "sync_spectra", "MODES"]
+__all__ = ["SyncReport", "sync_spectra", "as_transport", "MODES"]
 
 MODES = ("allreduce", "broadcast")
 
@@ -32,7 +38,7 @@ MODES = ("allreduce", "broadcast")
 @dataclass
 class SyncReport:
     """What one sync did. seconds: wall time (total, comm part, eigh part); bytes: float64 bytes
-    this rank passed to MPI calls as send buffers; repaired: factors replaced by rank 0's."""
+    this rank passed to the transport as send buffers; repaired: factors replaced by rank 0's."""
 
     mode: str
     seconds: float
@@ -67,8 +73,19 @@ def owners(sizes: list[int], nranks: int) -> list[int]:
     return out
 
 
-def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "broadcast"):
-    """Collective. mats: this rank's factor matrices (float64 (d, d)), the same list of sizes on
+def as_transport(comm: Any) -> Transport | None:
+    """``comm`` as a giftcomm transport: a Transport as is, an mpi4py communicator wrapped in its
+    cached MPI transport, None as None (this process alone)."""
+    if comm is None or isinstance(comm, Transport):
+        return comm
+    from ..transport import resolve
+
+    return resolve(comm)
+
+
+def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str = "broadcast"):
+    """Collective over ``comm`` (a giftcomm Transport, an mpi4py communicator, or None for this
+    process alone). mats: this rank's factor matrices (float64 (d, d)), the same list of sizes on
     every rank; counts: batches each rank fed per factor. Returns (list of Spectrum or None for
     factors no rank fed, SyncReport), identical on every rank."""
     if mode not in MODES:
@@ -76,19 +93,16 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
     t0 = time.perf_counter()
     t_comm = t_eigh = 0.0
     nbytes = 0
-    if comm is None or comm.Get_size() == 1:
+    t = as_transport(comm)
+    if t is None or t.size == 1:
         te = time.perf_counter()
         spectra = [Spectrum.from_matrix(m) if c > 0 else None for m, c in zip(mats, counts)]
         t_eigh = time.perf_counter() - te
         return spectra, SyncReport(mode, time.perf_counter() - t0, 0.0, t_eigh, 0, len(mats))
 
-    from mpi4py import MPI
-
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size, rank = t.size, t.rank
     tc = time.perf_counter()
-    fed = np.asarray([1 if c > 0 else 0 for c in counts], np.int64)
-    nfed = np.empty_like(fed)
-    comm.Allreduce(fed, nfed, op=MPI.SUM)
+    nfed = t.sum_float64(np.asarray([1.0 if c > 0 else 0.0 for c in counts])).astype(np.int64)
     t_comm += time.perf_counter() - tc
     spectra: list[Spectrum | None] = [None] * len(mats)
     repaired = 0
@@ -100,18 +114,16 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
             if n == 0:
                 sums.append(None)
                 continue
-            buf = np.empty_like(m)
-            comm.Allreduce(np.ascontiguousarray(m), buf, op=MPI.SUM)
+            sums.append(t.sum_float64(m))
             nbytes += m.nbytes
-            sums.append(buf)
         t_comm += time.perf_counter() - tc
         te = time.perf_counter()
         spectra = [None if s is None else Spectrum.from_matrix(s / n) for s, n in zip(sums, nfed)]
         t_eigh += time.perf_counter() - te
         tc = time.perf_counter()
-        digests = comm.allgather(_digest(spectra))
+        digests = t.allgather_object(_digest(spectra))
         if any(d != digests[0] for d in digests):
-            spectra = comm.bcast(spectra if rank == 0 else None, root=0)
+            spectra = t.broadcast_object(spectra if rank == 0 else None, root=0)
             repaired = sum(s is not None for s in spectra)
         t_comm += time.perf_counter() - tc
     else:
@@ -121,12 +133,10 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
         for j, (m, n) in enumerate(zip(mats, nfed)):
             if n == 0:
                 continue
-            owner = own[j]
-            buf = np.empty_like(m) if rank == owner else None
-            comm.Reduce(np.ascontiguousarray(m), buf, op=MPI.SUM, root=owner)
+            total = t.reduce_float64(m, own[j])
             nbytes += m.nbytes
-            if rank == owner:
-                owned[j] = buf
+            if rank == own[j]:
+                owned[j] = total
         t_comm += time.perf_counter() - tc
         te = time.perf_counter()
         mine = {j: Spectrum.from_matrix(buf / nfed[j]) for j, buf in owned.items()}
@@ -144,8 +154,8 @@ def sync_spectra(comm, mats: list[np.ndarray], counts: list[int], mode: str = "b
                 head[:d], head[d] = s.values, s.scale
                 vecs[...] = s.vectors
                 nbytes += head.nbytes + vecs.nbytes
-            comm.Bcast(head, root=owner)
-            comm.Bcast(vecs, root=owner)
+            t.broadcast_float64(head, owner)
+            t.broadcast_float64(vecs, owner)
             spectra[j] = mine[j] if rank == owner else Spectrum(head[:d].copy(), vecs, float(head[d]))
         t_comm += time.perf_counter() - tc
     report = SyncReport(mode, time.perf_counter() - t0, t_comm, t_eigh, nbytes, len(mats), repaired)

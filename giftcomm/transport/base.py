@@ -27,7 +27,7 @@ from .shared_window import SharedWindow, grown_size
 PIPELINED, GROUPED = "pipelined", "grouped"
 HOST, DEVICE, ANY = "host", "device", "any"
 
-__all__ = ["Request", "Transport", "TransportState", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
+__all__ = ["Request", "Transport", "TransportState", "SubTransport", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 
 class Request(ABC):
@@ -166,8 +166,6 @@ class Transport(ABC):
 
     def _new_split(self, members: tuple[int, ...], index: int) -> "Transport":
         """A new sub-transport (``index``: how many this transport made before)."""
-        from .sub import TAG_SPAN, SubTransport
-
         return SubTransport(self, members, tag_base=TAG_SPAN * (1 + index))
 
     def release_state(self) -> None:
@@ -176,6 +174,46 @@ class Transport(ABC):
         st, self._state = self._state, None
         if st is not None and st.window is not None:
             st.window.release()
+
+
+# A transport over a subset of another transport's ranks (the hierarchical algorithm's node and
+# cross-node groups): point-to-point messages go through the parent with ranks translated and tags
+# moved into a range of their own, so the subgroup's traffic never matches the parent's or a
+# sibling subgroup's.
+TAG_SPAN = 4096  # tags a subgroup may use; hop indices stay far below it
+
+
+class SubTransport(Transport):
+    """Ranks ``members`` of ``parent`` (in that order) as a transport of ``len(members)`` ranks."""
+
+    def __init__(self, parent: Transport, members: Sequence[int], tag_base: int) -> None:
+        self.parent = parent
+        self.members = [int(m) for m in members]
+        self.rank = self.members.index(parent.rank)
+        self.size = len(self.members)
+        self.tag_base = tag_base
+        self.schedule, self.memory = parent.schedule, parent.memory
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
+        return self.parent.isend(buf, self.members[dest], self.tag_base + tag)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
+        return self.parent.irecv(buf, self.members[source], self.tag_base + tag)
+
+    def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
+        """Ring allgather over point-to-point (control path: a few int64 per rank)."""
+        vec = np.ascontiguousarray(vec, dtype=np.int64)
+        table = np.empty((self.size, vec.size), np.int64)
+        table[self.rank] = vec
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        for step in range(self.size - 1):
+            send_row, recv_row = (self.rank - step) % self.size, (self.rank - step - 1) % self.size
+            reqs = [self.irecv(table[recv_row], left, TAG_SPAN - 1), self.isend(table[send_row], right, TAG_SPAN - 1)]
+            wait_all(reqs)
+        return table
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        raise NotImplementedError("subgroup transports carry data only; errors are agreed on the parent")
 
 
 def wait_all(requests: Sequence[Request]) -> None:

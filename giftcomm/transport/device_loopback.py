@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _xp
 from .base import ANY, GROUPED, Request
-from .loopback import LoopbackGroup, LoopbackTransport, _PendingRecv
+from .loopback import LoopbackGroup, LoopbackTransport, PendingRecv
 
 
 class _Queued(Request):
@@ -64,7 +64,7 @@ class DeviceLoopbackTransport(LoopbackTransport):
                 req.issued = True
         for kind, buf, peer, tag, req in ops:
             if kind == "recv":
-                _PendingRecv(self.group.box(peer, self.rank, tag), buf).wait()
+                PendingRecv(self.group.box(peer, self.rank, tag), buf).wait()
                 req.issued = True
 
 

@@ -24,7 +24,7 @@ class _Done(Request):
         pass
 
 
-class _PendingRecv(Request):
+class PendingRecv(Request):
     def __init__(self, box: "queue.Queue[np.ndarray]", buf: np.ndarray) -> None:
         self._box, self._buf = box, buf
 
@@ -112,7 +112,7 @@ class LoopbackTransport(Transport):
         return _Done()
 
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
-        return _PendingRecv(self.group.box(source, self.rank, tag), buf)
+        return PendingRecv(self.group.box(source, self.rank, tag), buf)
 
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
         rows = self.group.gather(self.rank, np.array(vec, dtype=np.int64, copy=True))

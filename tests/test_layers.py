@@ -1,0 +1,114 @@
+"""The package's layering, read from the source: no import cycles inside giftcomm/ (module-level
+or lazy, inside functions) and no module reading another module's private names."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "giftcomm"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name of ``from <level dots><target> import ...`` inside ``module``."""
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    base = base[: len(base) - level + (1 if is_package else 0)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _sources() -> dict[str, tuple[ast.Module, bool]]:
+    return {_module_name(p): (ast.parse(p.read_text()), p.name == "__init__.py") for p in PKG.rglob("*.py")}
+
+
+def import_graph(sources: dict[str, tuple[ast.Module, bool]] | None = None,
+                 ) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """(edges: module -> giftcomm modules it imports, private: (module, name) pairs where a module
+    imports or reads another module's underscore name). ``sources``: module name -> (parsed
+    source, is a package); default: the installed tree."""
+    sources = _sources() if sources is None else sources
+    names = set(sources)
+    edges: dict[str, set[str]] = {m: set() for m in names}
+    private: list[tuple[str, str]] = []
+    for mod, (tree, is_pkg) in sources.items():
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("giftcomm"):
+                        edges[mod].add(a.name if a.name in names else a.name.rsplit(".", 1)[0])
+                        aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, is_pkg, node.level, node.module)
+                if not src.startswith("giftcomm"):
+                    continue
+                for a in node.names:
+                    full = f"{src}.{a.name}"
+                    if full in names:
+                        edges[mod].add(full)
+                        aliases[a.asname or a.name] = full
+                    else:
+                        edges[mod].add(src)
+                        if a.name.startswith("_") and not a.name.startswith("__") and src != mod:
+                            private.append((mod, full))
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id)
+                if target and node.attr.startswith("_") and not node.attr.startswith("__") and target != mod:
+                    private.append((mod, f"{target}.{node.attr}"))
+    for mod in edges:
+        edges[mod].discard(mod)
+        # importing a submodule runs its package's __init__ first: not a cycle of this module's own
+        edges[mod] = {e for e in edges[mod] if not mod.startswith(e + ".")}
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_no_import_cycles_inside_giftcomm():
+    edges, _ = import_graph()
+    assert len(edges) > 30 and edges["giftcomm.api"]  # the graph was read
+    assert _cycles(edges) == []
+
+
+def test_no_module_reads_another_modules_private_names():
+    _, private = import_graph()
+    allowed = {("giftcomm.codec", "giftcomm._codec_native")}  # the C extension is the codec's own
+    assert [p for p in private if p not in allowed] == []
+
+
+def test_the_checker_finds_a_planted_cycle_and_private_reads():
+    """The checks above can fail: a lazy import that closes a cycle, a private import and a
+    private attribute read, planted in a small fake package, are all reported."""
+    planted = {
+        "giftcomm": (ast.parse(""), True),
+        "giftcomm.api": (ast.parse("from .plan import check\nimport giftcomm.plan as plan\nplan._table\n"), False),
+        "giftcomm.plan": (ast.parse("def f():\n    from .api import _finish\n"), False),
+    }
+    edges, private = import_graph(planted)
+    assert _cycles(edges) == [["giftcomm.api", "giftcomm.plan", "giftcomm.api"]]
+    assert sorted(private) == [("giftcomm.api", "giftcomm.plan._table"), ("giftcomm.plan", "giftcomm.api._finish")]
