@@ -110,7 +110,7 @@ _warned = False
 
 def native_available() -> bool:
     """True when the native C kernels are loaded (and not disabled by GIFTCOMM_NATIVE=0)."""
-    return _native is not None and config.flag("GIFTCOMM_NATIVE")
+    return _native is not None and config.cached_flag("GIFTCOMM_NATIVE")
 
 
 def native_variant() -> str | None:

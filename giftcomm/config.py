@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Variable", "VARIABLES", "flag", "choice", "number", "path", "raw"]
+__all__ = ["Variable", "VARIABLES", "flag", "cached_flag", "choice", "number", "path", "raw"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,12 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("GIFTCOMM_CALIBRATION", "path", None,
              "the cost model's calibration file (default: $XDG_CACHE_HOME/giftcomm/calibration.json)"),
     Variable("GIFTCOMM_TIMEOUT", "number", "600",
-             "seconds a collective waits for its peers before it raises (0: wait for ever)"),
+             "seconds a blocking wait (message, agreement, shared-window fence, communicator creation) waits "
+             "for its peers before the GIFTCOMM_ON_TIMEOUT policy applies (0: wait for ever)"),
+    Variable("GIFTCOMM_ON_TIMEOUT", "choice", "abort",
+             "what a wait past its deadline does: abort (print the error and MPI_Abort the job, so mpiexec "
+             "returns) or raise (CommTimeout, a TimeoutError; the transport is unusable afterwards)",
+             ("abort", "raise")),
 )}
 
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
@@ -57,6 +62,19 @@ def flag(name: str) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={os.environ.get(name)!r} is not a boolean: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+_flags: dict[tuple[str, str | None], bool] = {}
+
+
+def cached_flag(name: str) -> bool:
+    """:func:`flag`, parsed once per distinct value (for per-call paths: one dictionary look-up
+    when the variable has not changed)."""
+    key = (name, os.environ.get(name))
+    value = _flags.get(key)
+    if value is None:
+        value = _flags[key] = flag(name)
+    return value
 
 
 def choice(name: str) -> str | None:
