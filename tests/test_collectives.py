@@ -428,7 +428,7 @@ def test_grouped_hops_queue_their_receives_and_sends_together(rng, slice_elems):
     issued: list[list[list[tuple[str, int]]]] = [[] for _ in range(p)]
     for t in group.transports:
         def flush(t=t, inner=t.flush):
-            issued[t.rank].append(sorted((kind, peer) for kind, _, peer, _, _ in t._queue))
+            issued[t.rank].append(sorted((op.kind, op.peer) for op in t._queue))
             inner()
         t.flush = flush
     for algorithm in ("direct", "ring"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -27,11 +27,20 @@ from .shared_window import SharedWindow, grown_size
 PIPELINED, GROUPED = "pipelined", "grouped"
 HOST, DEVICE, ANY = "host", "device", "any"
 
-__all__ = ["Request", "Transport", "TransportState", "SubTransport", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
+__all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 
 class Request(ABC):
-    """A pending nonblocking send or receive."""
+    """A pending nonblocking send or receive.
+
+    Deadline contract: :meth:`wait` returns once the operation completed, or, when the owning
+    transport's :attr:`Transport.timeout` is positive and that many seconds pass without
+    completion, applies the transport's timeout policy: it raises
+    :class:`giftcomm.errors.CommTimeout` (a TimeoutError naming the operation and the peer), or
+    ends the job (``GIFTCOMM_ON_TIMEOUT=abort``, MPI transports). After a timeout or an interrupt
+    a transport may be unusable: its later operations raise :class:`giftcomm.errors.CommAborted`
+    at once. Waiting should not spin a core (MPI transports poll with a backoff sleep).
+    """
 
     @abstractmethod
     def wait(self) -> None:
@@ -66,6 +75,27 @@ class Transport(ABC):
     """True when every rank can map every other rank's memory, so that :meth:`shared_window`
     gives a window (the same on every rank)."""
     _state: TransportState | None = None
+    _timeout: float | None = None
+
+    @property
+    def timeout(self) -> float:
+        """Seconds every blocking wait of this transport (messages, control gathers, fences,
+        communicator creation) waits for its peers before the timeout policy applies (see
+        :class:`Request`); 0 means no deadline. Default: ``$GIFTCOMM_TIMEOUT`` (600), read on first
+        use; assign a number to override it for this transport, or None to go back to the default."""
+        if self._timeout is None:
+            from .. import config
+
+            self._timeout = config.number("GIFTCOMM_TIMEOUT")
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        if seconds is not None:
+            seconds = float(seconds)
+            if not (seconds >= 0 and seconds != float("inf")):
+                raise ValueError(f"timeout must be a finite number of seconds >= 0 (0: none), got {seconds!r}")
+        self._timeout = seconds
 
     @property
     def state(self) -> TransportState:
@@ -174,6 +204,67 @@ class Transport(ABC):
         st, self._state = self._state, None
         if st is not None and st.window is not None:
             st.window.release()
+
+
+class QueuedRequest(Request):
+    """A queued operation of a :class:`GroupedTransport`; waiting issues the whole queue."""
+
+    __slots__ = ("_t", "issued")
+
+    def __init__(self, t: "GroupedTransport") -> None:
+        self._t, self.issued = t, False
+
+    def wait(self) -> None:
+        if not self.issued:
+            self._t.flush()
+
+
+class QueuedOp(NamedTuple):
+    """One queued send or receive: kind "send" or "recv", the buffer, the peer rank, the tag."""
+
+    kind: str
+    buf: Any
+    peer: int
+    tag: int
+    request: QueuedRequest
+
+
+class GroupedTransport(Transport):
+    """A GROUPED transport: ``isend``/``irecv`` only queue; a wait on any queued request issues
+    the whole queue, in order, as one group (:meth:`issue`). Subclasses define :meth:`issue` and
+    may check buffers in :meth:`check_buffer`."""
+
+    schedule = GROUPED
+    _queue: list[QueuedOp] | None = None
+
+    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        return self._enqueue("send", buf, dest, tag)
+
+    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
+        return self._enqueue("recv", buf, source, tag)
+
+    def check_buffer(self, buf: Any) -> None:
+        """Raise for a buffer this transport cannot move (default: accept)."""
+
+    def _enqueue(self, kind: str, buf: Any, peer: int, tag: int) -> Request:
+        self.check_buffer(buf)
+        if self._queue is None:
+            self._queue = []
+        req = QueuedRequest(self)
+        self._queue.append(QueuedOp(kind, buf, int(peer), tag, req))
+        return req
+
+    def flush(self) -> None:
+        """Issue every queued operation as one group."""
+        ops, self._queue = self._queue or [], []
+        if ops:
+            self.issue(ops)
+            for op in ops:
+                op.request.issued = True
+
+    @abstractmethod
+    def issue(self, ops: list[QueuedOp]) -> None:
+        """Issue ``ops`` (in queue order) as one group."""
 
 
 # A transport over a subset of another transport's ranks (the hierarchical algorithm's node and

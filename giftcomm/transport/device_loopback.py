@@ -12,60 +12,27 @@ as well: the CPU tests drive the grouped schedule with them.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _xp
-from .base import ANY, GROUPED, Request
+from .base import ANY, GroupedTransport, QueuedOp
 from .loopback import LoopbackGroup, LoopbackTransport, PendingRecv
 
 
-class _Queued(Request):
-    """A queued send/recv; waiting issues the transport's whole queue as one group."""
-
-    __slots__ = ("_t", "issued")
-
-    def __init__(self, t: "DeviceLoopbackTransport") -> None:
-        self._t, self.issued = t, False
-
-    def wait(self) -> None:
-        if not self.issued:
-            self._t.flush()
-
-
-class DeviceLoopbackTransport(LoopbackTransport):
+class DeviceLoopbackTransport(GroupedTransport, LoopbackTransport):
     """One virtual rank of a :class:`DeviceLoopbackGroup`; buffers: CuPy (or NumPy) arrays."""
 
-    schedule = GROUPED
     memory = ANY
 
-    def __init__(self, group: LoopbackGroup, rank: int) -> None:
-        super().__init__(group, rank)
-        self._queue: list[tuple[str, Any, int, int, _Queued]] = []
-
-    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        req = _Queued(self)
-        self._queue.append(("send", buf, dest, tag, req))
-        return req
-
-    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
-        req = _Queued(self)
-        self._queue.append(("recv", buf, source, tag, req))
-        return req
-
-    def flush(self) -> None:
-        """Issue the queue as one group: deliver its sends, then complete its receives."""
-        ops, self._queue = self._queue, []
-        for kind, buf, peer, tag, req in ops:
-            if kind == "send":
-                xp = _xp.array_module(buf)
-                data = xp.array(buf, copy=True).reshape(-1).view("uint8")
+    def issue(self, ops: list[QueuedOp]) -> None:
+        """Deliver the group's sends, then complete its receives."""
+        for op in ops:
+            if op.kind == "send":
+                xp = _xp.array_module(op.buf)
+                data = xp.array(op.buf, copy=True).reshape(-1).view("uint8")
                 _xp.synchronize(data)
-                self.group.box(self.rank, peer, tag).put(data)
-                req.issued = True
-        for kind, buf, peer, tag, req in ops:
-            if kind == "recv":
-                PendingRecv(self.group.box(peer, self.rank, tag), buf).wait()
-                req.issued = True
+                self.group.box(self.rank, op.peer, op.tag).put(data)
+        for op in ops:
+            if op.kind == "recv":
+                PendingRecv(self.group.box(op.peer, self.rank, op.tag), op.buf).wait()
 
 
 class DeviceLoopbackGroup(LoopbackGroup):

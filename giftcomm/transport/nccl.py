@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from .base import DEVICE, GROUPED, Request, Transport
+from .base import DEVICE, GroupedTransport, QueuedOp
 
 
 def _nccl():
@@ -38,23 +38,9 @@ def _current_stream_ptr() -> int:
     return int(cupy.cuda.get_current_stream().ptr)
 
 
-class _Queued(Request):
-    """A queued NCCL send/recv; waiting issues the transport's whole queue as one group."""
-
-    __slots__ = ("_t", "issued")
-
-    def __init__(self, t: "NcclTransport") -> None:
-        self._t, self.issued = t, False
-
-    def wait(self) -> None:
-        if not self.issued:
-            self._t.flush()
-
-
-class NcclTransport(Transport):
+class NcclTransport(GroupedTransport):
     """One rank of an NCCL communicator; buffers are CuPy arrays (contiguous), sent as bytes."""
 
-    schedule = GROUPED
     memory = DEVICE
 
     def __init__(self, unique_id: Any, rank: int, size: int, mpi_comm: Any = None) -> None:
@@ -62,7 +48,6 @@ class NcclTransport(Transport):
         self.rank, self.size = int(rank), int(size)
         self.mpi_comm = mpi_comm
         self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
-        self._queue: list[tuple[str, Any, int, _Queued]] = []
 
     @classmethod
     def from_mpi(cls, comm: Any = None) -> "NcclTransport":
@@ -75,48 +60,28 @@ class NcclTransport(Transport):
         uid = comm.bcast(uid, root=0)
         return cls(uid, comm.Get_rank(), comm.Get_size(), mpi_comm=comm.Dup())
 
-    # --- point-to-point -------------------------------------------------------------------
-    def _enqueue(self, kind: str, buf: Any, peer: int) -> Request:
+    # --- point-to-point: queued (GroupedTransport); tags are not needed, NCCL orders messages
+    # per peer in queue order ----------------------------------------------------------------
+    def check_buffer(self, buf: Any) -> None:
         if not _xp.is_device_array(buf):
             raise TypeError(f"NCCL transport: expected a device array, got {type(buf).__name__}")
         if not getattr(buf, "flags", None) or not buf.flags.c_contiguous:
             raise ValueError("NCCL transport: buffers must be contiguous")
-        req = _Queued(self)
-        self._queue.append((kind, buf, int(peer), req))
-        return req
 
-    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        """Queue a send of ``buf``'s bytes to ``dest`` (tags are not needed: NCCL orders
-        messages per peer in queue order)."""
-        return self._enqueue("send", buf, dest)
-
-    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
-        """Queue a receive of exactly ``buf.nbytes`` bytes from ``source``."""
-        return self._enqueue("recv", buf, source)
-
-    def flush(self) -> None:
-        """Issue every queued operation in one NCCL group on the current stream."""
-        if not self._queue:
-            return
+    def issue(self, ops: list[QueuedOp]) -> None:
+        """The queue in one ``ncclGroupStart``/``ncclGroupEnd`` on CuPy's current stream."""
         nccl = _nccl()
         stream = _current_stream_ptr()
-        ops, self._queue = self._queue, []
         nccl.groupStart()
         try:
-            for kind, buf, peer, req in ops:
-                ptr, nbytes = _xp.device_pointer(buf), int(buf.nbytes)
-                if kind == "send":
-                    self.comm.send(ptr, nbytes, nccl.NCCL_UINT8, peer, stream)
+            for op in ops:
+                ptr, nbytes = _xp.device_pointer(op.buf), int(op.buf.nbytes)
+                if op.kind == "send":
+                    self.comm.send(ptr, nbytes, nccl.NCCL_UINT8, op.peer, stream)
                 else:
-                    self.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, peer, stream)
-                req.issued = True
+                    self.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, op.peer, stream)
         finally:
             nccl.groupEnd()
-
-    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
-        self.irecv(recvbuf, source, tag)
-        self.isend(sendbuf, dest, tag)
-        self.flush()
 
     # --- control --------------------------------------------------------------------------
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
