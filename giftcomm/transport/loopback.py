@@ -84,7 +84,9 @@ class LoopbackGroup:
                 errors[r] = exc
                 self._barrier.abort()
 
-        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+        # one thread name for every rank (and run): calls pair up as from one caller (plan.exclusive)
+        threads = [threading.Thread(target=body, args=(r,), name="giftcomm-loopback", daemon=True)
+                   for r in range(self.size)]
         for th in threads:
             th.start()
         for th in threads:
