@@ -16,6 +16,7 @@ window, sub-transports) lives in one declared :class:`TransportState`.
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from .shared_window import SharedWindow, grown_size
 
 PIPELINED, GROUPED = "pipelined", "grouped"
+_STATE_LOCK = threading.Lock()
 HOST, DEVICE, ANY = "host", "device", "any"
 
 __all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
@@ -56,12 +58,16 @@ class TransportState:
     topology: per ``local_size`` argument, (node id of every rank, costmodel.Topology).
     workspaces: reusable scratch buffers per array backend name ("numpy", "cupy").
     window: the node-shared window, or None. splits: sub-transports by (name, members).
+    lock: held by a collective for its whole duration (calls from several threads run one at a
+    time). callers: names of the threads that have called collectives on this transport.
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
     workspaces: dict[str, Any] = field(default_factory=dict)
     window: SharedWindow | None = None
     splits: dict[tuple[str, tuple[int, ...]], "Transport"] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    callers: set[str] = field(default_factory=set)
 
 
 class Transport(ABC):
@@ -101,7 +107,9 @@ class Transport(ABC):
     def state(self) -> TransportState:
         """This transport's kept state (created on first use)."""
         if self._state is None:
-            self._state = TransportState()
+            with _STATE_LOCK:
+                if self._state is None:
+                    self._state = TransportState()
         return self._state
 
     @abstractmethod

@@ -21,11 +21,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import _xp
 from .base import DEVICE, GROUPED, Request
-from .mpi import MpiTransport
+from .mpi import MpiRequest, MpiTransport
 
 MPIX_GPU_SUPPORT_CUDA = 0
 
@@ -71,16 +72,6 @@ def cuda_support() -> CudaSupport:
     return CudaSupport(None, "no query function in the MPI library")
 
 
-class _Req(Request):
-    __slots__ = ("_req",)
-
-    def __init__(self, req: MPI.Request) -> None:
-        self._req = req
-
-    def wait(self) -> None:
-        self._req.Wait()
-
-
 def _msg(buf: Any) -> list:
     if not _xp.is_device_array(buf):
         raise TypeError(f"device MPI transport: expected a device array, got {type(buf).__name__}")
@@ -98,27 +89,34 @@ class DeviceMpiTransport(MpiTransport):
     schedule = GROUPED
     memory = DEVICE
 
-    def __init__(self, comm: MPI.Comm | None = None, require_cuda_aware: bool = True) -> None:
+    def __init__(self, comm: MPI.Comm | None = None, require_cuda_aware: bool = True,
+                 timeout: float | None = None, on_timeout: str | None = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         self.support = cuda_support()
-        # Every rank must decide alike, or some would enter Dup while others raise.
-        ok = comm.allreduce(1 if self.support.supported else 0, op=MPI.MIN)
+        super().__init__(comm, timeout=timeout, on_timeout=on_timeout)
+        # Every rank must decide alike (over the private duplicate, under the deadline).
+        ok = self.allgather_int64(np.array([1 if self.support.supported else 0], np.int64)).min()
         if require_cuda_aware and not ok:
+            self.free()
             raise RuntimeError(
                 f"the MPI library is not CUDA-aware on every rank ({self.support.how} says "
                 f"{self.support.supported} here); use the NCCL transport or host buffers, or set "
                 "GIFTCOMM_CUDA_AWARE_MPI=1 if you know better")
-        super().__init__(comm)
 
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        self._check()
         _xp.synchronize(buf)  # the producing kernels must be done before MPI reads the buffer
-        return _Req(self.comm.Isend(_msg(buf), dest, tag))
+        return MpiRequest(self.comm.Isend(_msg(buf), dest, tag), self, "device send", dest)
 
     def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
+        self._check()
         _xp.synchronize(buf)  # queued kernels may still read the buffer MPI is about to fill
-        return _Req(self.comm.Irecv(_msg(buf), source, tag))
+        return MpiRequest(self.comm.Irecv(_msg(buf), source, tag), self, "device receive", source)
 
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        self._check()
         _xp.synchronize(sendbuf)
-        self.comm.Sendrecv(_msg(sendbuf), dest, tag, _msg(recvbuf), source, tag)
+        _xp.synchronize(recvbuf)
+        reqs = [self.comm.Irecv(_msg(recvbuf), source, tag), self.comm.Isend(_msg(sendbuf), dest, tag)]
+        self.wait_for(reqs, f"device sendrecv (to {dest}, from {source})", (source, dest))
 

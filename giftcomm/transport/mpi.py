@@ -1,24 +1,88 @@
-"""Transport over an mpi4py communicator (host memory buffers)."""
+"""Transport over an mpi4py communicator (host memory buffers).
+
+Waiting (docs/robustness.md). Every blocking wait -- a message, the agreement's gathers, the
+shared window's fence, the creation of the private communicator, its splits and the window --
+is an MPI nonblocking operation polled with ``Test``: a short spin, then sleeps that grow with
+the time already waited (at most 1 ms), so a rank waiting for a slow peer does not burn a core,
+and a signal (Ctrl-C) is handled within a millisecond. Each wait has a deadline of
+``transport.timeout`` seconds (``$GIFTCOMM_TIMEOUT``, default 600; 0: none). At the deadline the
+policy ``on_timeout`` (``$GIFTCOMM_ON_TIMEOUT``) applies: ``"abort"`` (default) prints the error,
+naming the operation and the peers waited for, to stderr and calls ``MPI_Abort``, so the whole
+job ends and mpiexec returns; ``"raise"`` raises :class:`~giftcomm.errors.CommTimeout` and marks
+the transport unusable (later calls raise :class:`~giftcomm.errors.CommAborted` at once).
+
+An interrupt (KeyboardInterrupt, or any exception a signal handler raises) during a wait also
+marks the transport unusable; when such an exception ends the program, the job is ended with
+``MPI_Abort`` at exit instead of ``MPI_Finalize`` (which would wait for peers that may be gone).
+
+Lifetime: the transport of a user communicator (:func:`transport_for`) is kept in an MPI
+attribute of that communicator; freeing the communicator (``comm.Free()``) runs the attribute's
+delete callback, which frees the private duplicate, its splits and the shared window.
+:func:`release` does the same explicitly (collective).
+"""
 from __future__ import annotations
 
+import atexit
+import logging
+import pickle
+import sys
+import threading
+import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import config
+from ..errors import CommAborted, CommTimeout
 from .base import Request, Transport
-from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, shm_room
+from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, populate, shm_room, window_footprint
+
+__all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
+
+log = logging.getLogger("giftcomm")
+
+TIMEOUT_EXIT_CODE = 124  # as timeout(1)
+INTERRUPT_EXIT_CODE = 130  # as a shell reports SIGINT
+_SPIN_S = 50e-6  # poll without sleeping this long first: short waits keep their latency
+_MAX_SLEEP_S = 1e-3  # the longest sleep between two polls
+_ALL = None  # "peers": every other rank (a collective)
 
 
-class _MpiRequest(Request):
-    __slots__ = ("_req",)
+class _Health:
+    """Shared by a transport and its MPI splits: the first failure, and the requests left in
+    flight by it (kept alive so MPI never writes into freed memory)."""
 
-    def __init__(self, req: MPI.Request) -> None:
-        self._req = req
+    __slots__ = ("failure", "orphans")
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self.orphans: list[Any] = []
+
+
+_interrupted = False  # an interrupt left some transport with messages in flight
+
+
+@atexit.register
+def _abort_if_interrupted() -> None:
+    """Runs before mpi4py's MPI_Finalize: after an interrupt inside a wait, peers may never
+    complete their side, and MPI_Finalize could wait for them for ever; end the job instead."""
+    if _interrupted and MPI.Is_initialized() and not MPI.Is_finalized():
+        try:
+            sys.stderr.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(INTERRUPT_EXIT_CODE)
+
+
+class MpiRequest(Request):
+    __slots__ = ("_req", "_t", "_what", "_peer")
+
+    def __init__(self, req: MPI.Request, t: "MpiTransport", what: str, peer: int) -> None:
+        self._req, self._t, self._what, self._peer = req, t, what, peer
 
     def wait(self) -> None:
-        self._req.Wait()
+        self._t.wait_for(self._req, self._what, (self._peer,))
 
 
 class MpiTransport(Transport):
@@ -27,38 +91,156 @@ class MpiTransport(Transport):
     shared_memory: use a node-shared MPI window (MPI_Win_allocate_shared) for zero-copy
     allreduces when every rank is on one node. None (default): yes unless $GIFTCOMM_SHARED_MEMORY
     is 0; False: never; True: always (ValueError when the ranks span nodes). Pass the same value
-    on every rank. Creating a transport is collective.
+    on every rank. timeout: seconds per wait (None: $GIFTCOMM_TIMEOUT; 0: none). on_timeout:
+    "abort" or "raise" (None: $GIFTCOMM_ON_TIMEOUT). Creating a transport is collective.
     """
 
-    def __init__(self, comm: MPI.Comm, shared_memory: bool | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, shared_memory: bool | None = None, timeout: float | None = None,
+                 on_timeout: str | None = None) -> None:
+        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"MpiTransport needs an mpi4py communicator, got {comm!r}")
+        if on_timeout is None:
+            on_timeout = config.choice("GIFTCOMM_ON_TIMEOUT")
+        if on_timeout not in ("abort", "raise"):
+            raise ValueError(f"on_timeout must be 'abort' or 'raise', got {on_timeout!r}")
+        self.on_timeout = on_timeout
+        self.timeout = timeout  # None: the environment's default, read now (a bad value raises here)
+        self.timeout  # noqa: B018
+        self._health = _Health()
         self.user_comm = comm
+        self.comm = comm  # until the duplicate exists: waits below name ranks of the same group
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._arrive(comm, "creating giftcomm's private communicator (MPI_Comm_dup)")
         self.comm = comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        env_error = ""
+        want = shared_memory
+        if want is None:
+            try:
+                want = enabled_by_env()
+            except ValueError as exc:
+                env_error = str(exc)
+        self._env_error = env_error
         self._nodes = self._find_nodes()
         one_node = bool((self._nodes == 0).all())
         if shared_memory and not one_node:
             raise ValueError(f"shared_memory=True needs every rank on one node; these span {self._nodes.max() + 1}")
-        self.shared_memory = one_node and (enabled_by_env() if shared_memory is None else bool(shared_memory))
+        self.shared_memory = one_node and bool(want)
 
+    # --- waiting ------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._health.failure is not None:
+            raise CommAborted(f"giftcomm: this communicator's transport is unusable after an earlier failure "
+                              f"({self._health.failure}); free it and use a new communicator")
+
+    def _poll(self, req: MPI.Request | list[MPI.Request], what: str, peers: tuple[int, ...] | None) -> None:
+        """Wait for ``req`` (or all of a list), polling with backoff, under the deadline."""
+        test: Callable[[], bool] = (lambda: MPI.Request.Testall(req)) if isinstance(req, list) else req.Test
+        limit = self.timeout
+        start = time.monotonic()
+        try:
+            while True:  # spin: short waits keep their latency
+                if test():
+                    return
+                if time.monotonic() - start > _SPIN_S:
+                    break
+            while True:
+                waited = time.monotonic() - start
+                if limit and waited > limit:
+                    self._expired(req, what, peers, limit)
+                time.sleep(min(_MAX_SLEEP_S, waited / 8))
+                if test():
+                    return
+        except CommTimeout:
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, a signal handler's exception, an MPI error
+            self._fail(f"{type(exc).__name__} during {what}", req)
+            if not isinstance(exc, Exception):
+                global _interrupted
+                _interrupted = True
+            raise
+
+    def wait_for(self, req: MPI.Request | list[MPI.Request], what: str, peers: tuple[int, ...] | None = _ALL) -> None:
+        """Wait for an MPI request (or a list: all of them) under this transport's deadline and
+        timeout policy. ``what`` names the operation and ``peers`` the ranks it waits for (None:
+        a collective over every rank), for the error message."""
+        done = MPI.Request.Testall(req) if isinstance(req, list) else req.Test()
+        if not done:
+            self._poll(req, what, peers)
+
+    def _fail(self, why: str, req: Any = None) -> None:
+        h = self._health
+        if h.failure is None:
+            h.failure = why
+        if req is not None:
+            h.orphans.append(req)
+
+    def _describe(self, peers: tuple[int, ...] | None) -> str:
+        if peers is None:
+            others = [q for q in range(self.size) if q != self.rank]
+            return (f"ranks {self._names(others)} (a collective over all {self.size} ranks: "
+                    f"at least one of them has not arrived)")
+        return f"rank {self._names(list(peers))}"
+
+    def _names(self, ranks: list[int]) -> str:
+        """Ranks of this transport, with their COMM_WORLD ranks where those differ."""
+        try:
+            world = MPI.Group.Translate_ranks(self.comm.Get_group(), ranks, MPI.COMM_WORLD.Get_group())
+        except Exception:
+            world = ranks
+        return ", ".join(str(r) if w == r or w < 0 else f"{r} (world rank {w})" for r, w in zip(ranks, world))
+
+    def _expired(self, req: Any, what: str, peers: tuple[int, ...] | None, limit: float) -> None:
+        msg = (f"giftcomm: {what} timed out on rank {self.rank} of {self.size} after {limit:g} s waiting for "
+               f"{self._describe(peers)} (GIFTCOMM_TIMEOUT / timeout=)")
+        self._fail(f"timeout: {what}", req)
+        if self.on_timeout == "abort":
+            sys.stderr.write(f"{msg}; GIFTCOMM_ON_TIMEOUT=abort: calling MPI_Abort to end the job\n")
+            sys.stderr.flush()
+            self.comm.Abort(TIMEOUT_EXIT_CODE)
+        raise CommTimeout(f"{msg}; this transport is unusable from now on", what,
+                          tuple(range(self.size)) if peers is None else peers, limit, self.rank)
+
+    def _arrive(self, comm: MPI.Comm, what: str) -> None:
+        """A barrier with a deadline before a blocking collective that has no nonblocking form
+        (Comm_dup, Comm_split, Win_allocate_shared, Win_free): once every rank has arrived, the
+        blocking call completes promptly."""
+        self._check()
+        if comm.Get_size() > 1:
+            self.wait_for(comm.Ibarrier(), what)
+
+    # --- topology, splits, window --------------------------------------------------------------
     def _find_nodes(self) -> np.ndarray:
-        """Node index per rank from MPI_COMM_TYPE_SHARED (collective; done once, at creation)."""
+        """Node index per rank from MPI_COMM_TYPE_SHARED (collective; done once, at creation).
+        A bad $GIFTCOMM_SHARED_MEMORY on any rank (``_env_error``) is agreed here: every rank
+        raises the same ValueError."""
+        env_error = getattr(self, "_env_error", "")
+        self._arrive(self.comm, "finding the node layout (MPI_Comm_split_type)")
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        leader = local.allreduce(self.rank, op=MPI.MIN)
+        lgroup, group = local.Get_group(), self.comm.Get_group()
+        leader = MPI.Group.Translate_ranks(lgroup, [0], group)[0]  # key=rank: local rank 0 is the lowest
+        lgroup.Free()
+        group.Free()
         local.Free()
-        leaders = np.array(self.comm.allgather(leader), np.int64)
-        return np.unique(leaders, return_inverse=True)[1].astype(np.int64)
+        table = self.allgather_int64(np.array([leader, 1 if env_error else 0], np.int64))
+        bad = np.flatnonzero(table[:, 1])
+        if bad.size:
+            messages = self.allgather_object(env_error)
+            raise ValueError(f"giftcomm: bad environment on rank(s) {', '.join(map(str, bad))}: "
+                             f"{messages[int(bad[0])]}")
+        return np.unique(table[:, 0], return_inverse=True)[1].astype(np.int64)
 
     def node_ids(self) -> np.ndarray:
         return self._nodes.copy()
 
     def _new_split(self, members: tuple[int, ...], index: int) -> Transport:
         """A real MPI sub-communicator (MPI_Comm_split, collective over this transport)."""
+        self._arrive(self.comm, "splitting giftcomm's communicator (MPI_Comm_split)")
         sub = self.comm.Split(color=min(members), key=self.rank)
         t = type(self).__new__(type(self))  # a device MPI transport splits into device MPI ones
         t.user_comm, t.comm = sub, sub
         t.rank, t.size = sub.Get_rank(), sub.Get_size()
         t._nodes = self._nodes[list(members)]
+        t._health, t.on_timeout, t.timeout = self._health, self.on_timeout, self.timeout
         return t
 
     def allocate_window(self, nbytes: int) -> SharedWindow | None:
@@ -66,90 +248,208 @@ class MpiTransport(Transport):
         (MPI_Win_lock_all): the fence is MPI_Win_sync, a barrier, MPI_Win_sync, the separate-memory
         -model-safe way to order plain loads and stores across ranks.
 
-        None, with a warning and ``shared_memory`` switched off on every rank, when /dev/shm
-        cannot hold the window (rank 0 checks and tells the others: one decision everywhere)."""
-        room, free = self.comm.bcast(shm_room(nbytes * self.size) if self.rank == 0 else None)
-        if not room:
-            self.shared_memory = False
-            if self.rank == 0:
-                warnings.warn(f"giftcomm: {SHM_DIR} has {free >> 20} MiB free but the shared window needs "
-                              f"{nbytes * self.size >> 20} MiB; allreduces use MPI messages from now on "
-                              f"(enlarge {SHM_DIR}, e.g. docker run --shm-size, or set GIFTCOMM_SHARED_MEMORY=0)",
-                              RuntimeWarning, stacklevel=2)
-            return None
+        None, with one warning (rank 0) and ``shared_memory`` switched off on every rank alike,
+        when /dev/shm cannot hold the window: rank 0 first checks the free space against what MPI
+        really takes (:func:`~giftcomm.transport.shared_window.window_footprint`); then every rank
+        backs its part's pages at once, in a way that reports a full /dev/shm instead of dying of
+        SIGBUS later (:func:`~giftcomm.transport.shared_window.populate`), so two jobs racing for
+        the same /dev/shm both go on (one of them, or both, over messages)."""
+        self._check()
+        need = window_footprint(nbytes, self.size)
+        room, free = shm_room(need) if self.rank == 0 else (True, 0)
+        table = self.allgather_int64(np.array([int(room), free], np.int64))
+        if not table[0, 0]:
+            return self._no_window(f"{SHM_DIR} has {int(table[0, 1]) >> 20} MiB free but the shared window "
+                                   f"needs {need >> 20} MiB")
+        self._arrive(self.comm, "allocating the shared window (MPI_Win_allocate_shared)")
         win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
         views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]
+        ok = populate(views[self.rank])
+        backed = self.allgather_int64(np.array([0 if ok is False else 1], np.int64))[:, 0]
+        if not backed.all():
+            del views
+            self._arrive(self.comm, "freeing the shared window (MPI_Win_free)")
+            win.Free()
+            short = ", ".join(str(q) for q in np.flatnonzero(backed == 0))
+            return self._no_window(f"{SHM_DIR} ran out of memory while rank(s) {short} backed the window's "
+                                   f"{need >> 20} MiB (another job is using it)")
         win.Lock_all(MPI.MODE_NOCHECK)
         comm = self.comm
 
         def fence() -> None:
             win.Sync()
-            comm.Barrier()
+            self._check()
+            self.wait_for(comm.Ibarrier(), "shared-window fence")
             win.Sync()
 
         def release() -> None:
             win.Unlock_all()
+            self._arrive(comm, "freeing the shared window (MPI_Win_free)")
             win.Free()
 
         return SharedWindow(views, fence, release)
 
+    def _no_window(self, why: str) -> None:
+        """No window (every rank alike): say so once, on rank 0, and use messages from now on."""
+        self.shared_memory = False
+        if self.rank == 0:
+            msg = (f"giftcomm: {why}; allreduces use MPI messages from now on (enlarge {SHM_DIR}, e.g. "
+                   f"docker run --shm-size, or set GIFTCOMM_SHARED_MEMORY=0)")
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return None
+
+    # --- messages ------------------------------------------------------------------------------
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
-        return _MpiRequest(self.comm.Isend([buf, MPI.BYTE], dest, tag))
+        self._check()
+        return MpiRequest(self.comm.Isend([buf, MPI.BYTE], dest, tag), self, "send", dest)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
-        return _MpiRequest(self.comm.Irecv([buf, MPI.BYTE], source, tag))
+        self._check()
+        return MpiRequest(self.comm.Irecv([buf, MPI.BYTE], source, tag), self, "receive", source)
 
     def sendrecv(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray, source: int, tag: int = 0) -> None:
-        self.comm.Sendrecv([sendbuf, MPI.BYTE], dest, tag, [recvbuf, MPI.BYTE], source, tag)
+        self._check()
+        reqs = [self.comm.Irecv([recvbuf, MPI.BYTE], source, tag), self.comm.Isend([sendbuf, MPI.BYTE], dest, tag)]
+        self.wait_for(reqs, f"sendrecv (to {dest}, from {source})", (source,) if source == dest else (source, dest))
 
+    # --- control operations (deadline'd nonblocking collectives) -------------------------------
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
+        self._check()
         vec = np.ascontiguousarray(vec, dtype=np.int64)
         table = np.empty((self.size, vec.size), np.int64)
-        self.comm.Allgather([vec, MPI.INT64_T], [table, MPI.INT64_T])
+        self.wait_for(self.comm.Iallgather([vec, MPI.INT64_T], [table, MPI.INT64_T]), "agreement (allgather)")
         return table
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = self.allgather_int64(np.array([data.size], np.int64))[:, 0]
+        displs = np.zeros_like(sizes)
+        np.cumsum(sizes[:-1], out=displs[1:])
+        got = np.empty(int(sizes.sum()), np.uint8)
+        self.wait_for(self.comm.Iallgatherv([data, MPI.BYTE], [got, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
+                   "object allgather")
+        return [pickle.loads(got[int(d) : int(d) + int(s)].tobytes()) for d, s in zip(displs, sizes)]
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return self.comm.bcast(obj, root=root)
+        self._check()
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), np.uint8) if self.rank == root else None
+        size = np.array([0 if data is None else data.size], np.int64)
+        self.wait_for(self.comm.Ibcast([size, MPI.INT64_T], root=root), "object broadcast", (root,))
+        buf = data if data is not None else np.empty(int(size[0]), np.uint8)
+        self.wait_for(self.comm.Ibcast([buf, MPI.BYTE], root=root), "object broadcast", (root,))
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
 
     def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        self._check()
         arr = np.ascontiguousarray(arr, dtype=np.float64)
         total = np.empty_like(arr)
-        self.comm.Allreduce(arr, total, op=MPI.SUM)
+        self.wait_for(self.comm.Iallreduce(arr, total, op=MPI.SUM), "float64 sum (allreduce)")
         return total
 
     def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        self._check()
         arr = np.ascontiguousarray(arr, dtype=np.float64)
         total = np.empty_like(arr) if self.rank == root else None
-        self.comm.Reduce(arr, total, op=MPI.SUM, root=root)
+        self.wait_for(self.comm.Ireduce(arr, total, op=MPI.SUM, root=root), "float64 reduce")
         return total
 
     def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
-        self.comm.Bcast(buf, root=root)
+        self._check()
+        self.wait_for(self.comm.Ibcast(buf, root=root), "float64 broadcast", (root,))
 
+    # --- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:
-        """Release the shared window and the private communicator (collective; optional: MPI frees
-        them at finalize)."""
-        self.release_state()
-        if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+        """Release the shared window, the splits and the private communicator (collective;
+        optional: MPI frees them at finalize). After a failure (timeout, interrupt) only the
+        references are dropped: the peers may be gone, so nothing collective is attempted."""
+        st, self._state = self._state, None
+        if self._health.failure is not None or self.comm == MPI.COMM_NULL:
+            return
+        if st is not None:
+            for sub in st.splits.values():
+                if isinstance(sub, MpiTransport):
+                    sub.free()
+            if st.window is not None:
+                st.window.release()
+        self.comm.Free()
 
 
 _cache: dict[int, MpiTransport] = {}
+_cache_lock = threading.Lock()
+_creation_locks: dict[int, threading.Lock] = {}
+_keyval: int | None = None
+
+
+def _on_comm_free(comm: MPI.Comm, keyval: int, t: MpiTransport) -> None:
+    """The delete callback of our attribute: runs inside MPI_Comm_free (and Delete_attr) of the
+    user's communicator, on every rank of it. Only giftcomm's own objects are freed here (the
+    private duplicate, its splits, the window), never the communicator being freed; exceptions
+    must not escape into MPI."""
+    _forget(t)
+    try:
+        t.free()
+    except BaseException as exc:  # noqa: BLE001 - reported, never raised into MPI_Comm_free
+        log.warning("giftcomm: releasing the transport of a freed communicator failed: %s: %s",
+                    type(exc).__name__, exc)
+
+
+def _forget(t: MpiTransport) -> None:
+    with _cache_lock:
+        for key in [k for k, v in _cache.items() if v is t]:
+            del _cache[key]
+
+
+def _attr_key() -> int:
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_on_comm_free)
+    return _keyval
+
+
+def _predefined(comm: MPI.Comm) -> bool:
+    return comm == MPI.COMM_WORLD or comm == MPI.COMM_SELF
 
 
 def transport_for(comm: MPI.Comm | None) -> MpiTransport:
     """The cached transport of an mpi4py communicator (COMM_WORLD when None).
 
     The first call on a communicator duplicates it, which is collective: every rank of it makes
-    that first call together, as with any collective.
+    that first call together, as with any collective. The transport is released when the
+    communicator is freed (an MPI attribute's delete callback) or by :func:`release`.
+    Thread-safe: two threads making a first call on one communicator get one transport.
     """
     if comm is None:
         comm = MPI.COMM_WORLD
     key = MPI.Comm.py2f(comm)
     t = _cache.get(key)
-    if t is None or t.user_comm != comm:
-        t = _cache[key] = MpiTransport(comm)
+    if t is not None and t.user_comm == comm:
+        return t
+    with _cache_lock:
+        lock = _creation_locks.setdefault(key, threading.Lock())
+    with lock:
+        t = _cache.get(key)
+        if t is None or t.user_comm != comm:
+            t = MpiTransport(comm)
+            if not _predefined(comm):
+                comm.Set_attr(_attr_key(), t)
+            with _cache_lock:
+                _cache[key] = t
     return t
+
+
+def release(comm: MPI.Comm | None = None) -> None:
+    """Free giftcomm's transport of ``comm`` (None: COMM_WORLD): its private communicator, splits,
+    shared window and workspaces. Collective over ``comm``; a later call on ``comm`` builds a new
+    transport. Freeing the communicator itself (``comm.Free()``) does the same by itself."""
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if comm == MPI.COMM_NULL:
+        return
+    if not _predefined(comm) and _keyval is not None and comm.Get_attr(_keyval) is not None:
+        comm.Delete_attr(_keyval)  # runs _on_comm_free
+        return
+    with _cache_lock:
+        t = _cache.pop(MPI.Comm.py2f(comm), None)
+    if t is not None:
+        t.free()

@@ -11,6 +11,9 @@ until after the next one.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 from typing import Callable
 
@@ -20,8 +23,11 @@ ENV_SWITCH = "GIFTCOMM_SHARED_MEMORY"
 
 
 def enabled_by_env() -> bool:
-    """False when $GIFTCOMM_SHARED_MEMORY is 0/off/false/no (default on)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    """False when $GIFTCOMM_SHARED_MEMORY is 0/off/false/no (default on); ValueError naming the
+    variable for any other value than 1/on/true/yes (a typo must not silently mean "on")."""
+    from .. import config
+
+    return config.flag(ENV_SWITCH)
 
 
 class SharedWindow:
@@ -52,6 +58,20 @@ def grown_size(nbytes: int) -> int:
 
 
 SHM_DIR = "/dev/shm"
+PAGE = mmap.PAGESIZE
+MARGIN = 1 << 20
+"""Bytes kept free in /dev/shm beyond the window's own footprint (MPI's own segments, other
+processes' small files)."""
+
+
+def window_footprint(nbytes: int, ranks: int) -> int:
+    """The /dev/shm bytes a shared window of ``nbytes`` per rank over ``ranks`` ranks needs, with
+    a margin: each rank's part rounded up to whole pages (MPICH rounds the whole segment, and
+    with ``alloc_shared_noncontig`` each part), one page of segment header, one more page for the
+    rounding of the parts' boundaries, plus :data:`MARGIN` and 1/64 of the total (measured:
+    MPICH 4-5 takes ``ceil(nbytes * P / page) + 1`` pages)."""
+    parts = int(ranks) * (-(-int(nbytes) // PAGE) * PAGE)
+    return parts + 2 * PAGE + MARGIN + parts // 64
 
 
 def shm_room(total_bytes: int, where: str = SHM_DIR) -> tuple[bool, int]:
@@ -65,3 +85,36 @@ def shm_room(total_bytes: int, where: str = SHM_DIR) -> tuple[bool, int]:
         return True, -1
     free = st.f_bavail * st.f_frsize
     return free >= total_bytes, free
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in for writing; EFAULT instead of SIGBUS
+_libc: ctypes.CDLL | None = None
+
+
+def populate(view: np.ndarray) -> bool | None:
+    """Back every page under ``view`` with memory now, in a way that cannot kill the process.
+
+    A shared window lives in a sparse /dev/shm file: its pages are only allocated when first
+    touched, and a touch that finds the file system full raises SIGBUS. ``madvise(
+    MADV_POPULATE_WRITE)`` allocates them up front and reports a full file system as an error
+    (EFAULT/ENOMEM) instead. Returns True when every page is backed (later touches cannot fail),
+    False when there is no memory for them (the caller must not use the window), None when the
+    kernel cannot tell (older than 5.14: only the free-space check protects the window)."""
+    global _libc
+    n = int(view.nbytes)
+    if n == 0:
+        return True
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.madvise.restype = ctypes.c_int
+        _libc = lib
+    addr = int(view.ctypes.data)
+    lo = addr - addr % PAGE
+    hi = -(-(addr + n) // PAGE) * PAGE
+    if _libc.madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # advice unknown to this kernel
+        return None
+    return False
