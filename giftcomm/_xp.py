@@ -162,6 +162,8 @@ def import_array(obj: Any) -> Imported:
     if _cupy_loaded_array(obj):
         return Imported(obj, dtype_info(obj.dtype).name, "cupy", True)
     source = _source_of(obj)
+    if source == "torch" and getattr(obj, "requires_grad", False):
+        obj = obj.detach()  # the same memory; DLPack refuses tensors that require grad
     dtype_name = str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1]
     bf16 = dtype_name == "bfloat16"
     if hasattr(obj, "__dlpack__"):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .collectives import direct, doubling, hierarchical, ring, shared
 from .collectives import plan as planning
-from .collectives.agree import agree
+from .collectives.agree import agree, confirm
 from .collectives.plan import ALGORITHMS, FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .collectives.wire import Wire
 from .collectives.workspace import workspace_of
@@ -82,7 +82,14 @@ def _geometry_forward(t: Transport, geo: GeometryLike, flat: Any, xp: Any) -> An
     if _is_giftcomm_geometry(geo):
         buf = workspace_of(t, xp).get("gift_forward", 4 * flat.size).view(np.float32)
         return geo.forward(flat, out=buf)  # type: ignore[call-arg]
-    return xp.ascontiguousarray(xp.asarray(geo.forward(flat), dtype=np.float32)).reshape(-1)
+    return xp.ascontiguousarray(xp.asarray(geo.forward(flat), dtype=np.float32))
+
+
+def _checked(values: Any, n: int, what: str) -> Any:
+    """``values`` when it is a float32 (n,) array, else ValueError naming ``what``."""
+    if tuple(values.shape) != (n,) or values.dtype != np.float32:
+        raise ValueError(f"{what} returned shape {tuple(values.shape)} dtype {values.dtype}; expected ({n},) float32")
+    return values
 
 
 def _geometry_inverse(geo: GeometryLike, total: Any, xp: Any) -> Any:
@@ -90,7 +97,8 @@ def _geometry_inverse(geo: GeometryLike, total: Any, xp: Any) -> Any:
     the caller's ``out`` or a fresh result)."""
     if _is_giftcomm_geometry(geo):
         return geo.inverse(total, out=total)  # type: ignore[call-arg]
-    return xp.ascontiguousarray(xp.asarray(geo.inverse(total), dtype=np.float32)).reshape(-1)
+    return _checked(xp.ascontiguousarray(xp.asarray(geo.inverse(total), dtype=np.float32)), total.size,
+                    "geometry.inverse")
 
 
 def gift_allreduce(
@@ -117,10 +125,17 @@ def gift_allreduce(
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     t = _transport(comm, x)
+    with planning.exclusive(t) as caller:
+        return _gift_allreduce(t, caller, x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems)
+
+
+def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
+                    out: Any, algorithm: str, local_size: int | None, slice_elems: int | None) -> Any:
     nodes_box: list[np.ndarray] = []
 
     def prepare() -> tuple[tuple[Call, Any], dict[str, int]]:
         call = planning.validate(x, "x", fmt, block, op, slice_elems)
+        call.sig["caller"] = caller
         planning.check_transport(t, call)
         planning.check_out(call, out, tuple(call.arr.shape))
         geo = None if geometry is None or geometry.is_identity else geometry
@@ -135,8 +150,9 @@ def gift_allreduce(
     (call, geo), table = agree(t, "giftcomm.allreduce", prepare, FIELDS, MATCH)
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
     flat = planning.flat_values(call)
-    if geo is not None:
-        flat = _geometry_forward(t, geo, flat, xp)
+    if geo is not None:  # the forward transform can fail on some ranks: they all learn it
+        flat = confirm(t, "giftcomm.gift_allreduce: geometry.forward",
+                       lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
     if n == 0:
         return planning.finish(xp.zeros(0, accumulation_dtype(flat.dtype)), call, t.size, shape, out)
     slice_n = slice_elems or planning.auto_slice(t, n)
@@ -198,10 +214,17 @@ def reduce_scatter(
     float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
     t = _transport(comm, x)
+    with planning.exclusive(t) as caller:
+        return _reduce_scatter(t, caller, x, op, fmt, block, out, algorithm, slice_elems)
+
+
+def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block: int, out: Any, algorithm: str,
+                    slice_elems: int | None) -> Any:
     allowed = ("auto", "ring", "direct")
 
     def prepare() -> tuple[tuple[Call, np.ndarray], dict[str, int]]:
         call = planning.validate(x, "x", fmt, block, op, slice_elems)
+        call.sig["caller"] = caller
         planning.check_transport(t, call)
         bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
         planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
@@ -236,9 +259,14 @@ def allgather(
     array of the shard's dtype and framework holding all the gathered values.
     """
     t = _transport(comm, shard)
+    with planning.exclusive(t) as caller:
+        return _allgather(t, caller, shard, fmt, block, out, slice_elems)
 
+
+def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int, out: Any, slice_elems: int | None) -> Any:
     def prepare() -> tuple[Call, dict[str, int]]:
-        call = planning.validate(shard, "shard", fmt, block, None, slice_elems)
+        call = planning.validate(shard, "shard", fmt, block, None, slice_elems, reduces=False)
+        call.sig["caller"] = caller
         planning.check_transport(t, call)
         planning.check_out(call, out, None)
         if call.out is not None and call.out.ndim != 1:

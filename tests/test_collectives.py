@@ -479,3 +479,117 @@ def test_grouped_schedule_over_cuda_aware_mpi_plumbing():
         with pytest.raises(ValueError, match="ranks disagree on count"):
             gc.allreduce(xs[r][: 100 + r], comm=t, block=64)
     inner.free()
+
+
+# ------------------------------------------------- failures on some ranks; threads; odd inputs
+class _FlakyGeometry:
+    """A geometry-like object whose forward fails (``mode="raise"``) or returns the wrong length
+    (``mode="short"``) on rank ``bad`` only: after the agreement, so the peers must learn it."""
+
+    is_identity = False
+
+    def __init__(self, size, rank, bad, mode):
+        self.size, self.rank, self.bad, self.mode = size, rank, bad, mode
+
+    def fingerprint(self):
+        return 1234
+
+    def forward(self, flat):
+        if self.rank == self.bad and self.mode == "raise":
+            raise ZeroDivisionError("boom in forward")
+        return flat[:-1] if self.rank == self.bad else flat
+
+    def inverse(self, flat):
+        return flat
+
+
+@pytest.mark.parametrize("mode", ["raise", "short"])
+@pytest.mark.parametrize("group", [gc.LoopbackGroup, DeviceLoopbackGroup])
+def test_geometry_forward_failing_on_one_rank_raises_on_every_rank(rng, mode, group):
+    p, n = 3, 500
+    xs = inputs(rng, p, n, np.float32)
+    errors = outcomes(p, lambda t: gc.gift_allreduce(xs[t.rank], _FlakyGeometry(n, t.rank, 1, mode), comm=t), group)
+    if mode == "raise":
+        assert_same_error(errors, RuntimeError, "geometry.forward", "rank(s) 1", "ZeroDivisionError: boom in forward")
+    else:
+        assert_same_error(errors, ValueError, "rank(s) 1", f"returned shape ({n - 1},)")
+
+
+class _BadArray:
+    """An array-like whose conversion fails."""
+
+    dtype = np.dtype(np.float32)
+
+    def __array__(self, *args, **kwargs):
+        raise KeyError("no values here")
+
+
+def test_any_exception_while_preparing_on_one_rank_raises_everywhere(rng):
+    p = 3
+    xs = inputs(rng, p, 64, np.float32)
+    errors = outcomes(p, lambda t: gc.allreduce(_BadArray() if t.rank == 2 else xs[t.rank], comm=t))
+    assert_same_error(errors, RuntimeError, "rank(s) 2", "KeyError")
+
+    class NoIdentity:  # a geometry without is_identity
+        size = 64
+
+    errors = outcomes(p, lambda t: gc.gift_allreduce(xs[t.rank], NoIdentity() if t.rank == 0 else None, comm=t))
+    assert_same_error(errors, RuntimeError, "rank(s) 0", "AttributeError")
+
+
+def test_op_none_masked_arrays_and_grad_tensors(rng):
+    p = 2
+    xs = inputs(rng, p, 64, np.float32)
+    errors = outcomes(p, lambda t: gc.allreduce(xs[t.rank], comm=t, op=None))
+    assert_same_error(errors, ValueError, "op must be 'sum' or 'avg', got None")
+    masked = [np.ma.masked_array(x, mask=x > 0) for x in xs]
+    errors = outcomes(p, lambda t: gc.allreduce(masked[t.rank], comm=t))
+    assert_same_error(errors, TypeError, "masked array", ".filled(0)")
+    torch = pytest.importorskip("torch")
+    ts = [torch.from_numpy(x.copy()).requires_grad_(True) for x in xs]
+    got = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(ts[t.rank], comm=t))
+    want = simulate_allreduce(xs)
+    assert all(same(g.numpy(), w) for g, w in zip(got, want))
+
+
+def test_two_threads_on_one_communicator_never_mix_data(rng):
+    """Two threads per rank call collectives on one transport. Calls are serialised per transport
+    and the caller's thread name is agreed on: a call paired with another thread's call on a peer
+    raises on both ranks; every call that returns has the right data."""
+    import threading
+
+    p, rounds = 2, 12
+    data = {name: inputs(rng, p, 3000, np.float32) for name in ("A", "B")}
+    want = {name: simulate_allreduce(xs, "e4m3", 256, "sum", "ring") for name, xs in data.items()}
+    results: dict[tuple[int, str], list] = {}
+
+    def rank_body(t):
+        def worker(name):
+            got = results.setdefault((t.rank, name), [])
+            for _ in range(rounds):
+                try:
+                    got.append(gc.allreduce(data[name][t.rank], comm=t, algorithm="ring"))
+                except ValueError as exc:
+                    got.append(exc)
+
+        # rank 1 starts its threads in the other order, so that pairings differ
+        order = ("A", "B") if t.rank == 0 else ("B", "A")
+        threads = [threading.Thread(target=worker, args=(name,), name=name) for name in order]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    gc.LoopbackGroup(p).run(rank_body)
+    returned = raised = 0
+    for (rank, name), got in results.items():
+        assert len(got) == rounds
+        for g in got:
+            if isinstance(g, ValueError):
+                assert "disagree on caller" in str(g)
+                raised += 1
+            else:
+                assert same(g, want[name][rank]), (rank, name)
+                returned += 1
+    assert returned + raised == 2 * p * rounds and returned > 0
+    print(f"{returned} calls returned, {raised} raised")

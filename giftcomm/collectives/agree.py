@@ -25,6 +25,23 @@ DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 OP_CODES = {"sum": 1, "avg": 2}
 
 
+def _error_row(exc: Exception, width: int) -> np.ndarray:
+    row = np.zeros(width, np.int64)
+    row[0] = _ERROR_CODES.get(type(exc), 3)
+    return row
+
+
+def _raise_failures(transport: Transport, what: str, table: np.ndarray, error: Exception | None) -> None:
+    """If any rank's row of ``table`` carries an error code, raise it on every rank (one more
+    gather, of the messages; only on this error path)."""
+    failed = np.flatnonzero(table[:, 0])
+    if failed.size:
+        messages = transport.allgather_object(None if error is None else f"{type(error).__name__}: {error}")
+        cls = _ERROR_TYPES.get(int(table[failed[0], 0]), RuntimeError)
+        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise cls(f"{what}: bad input on rank(s) {', '.join(map(str, failed))} -- {detail}") from error
+
+
 def agree(
     transport: Transport,
     what: str,
@@ -38,8 +55,8 @@ def agree(
     any exception it raises is caught and reported by every rank (TypeError and ValueError as
     themselves, anything else as RuntimeError naming the original type). Returns (plan, table):
     table is the (size, len(fields)) int64 array of every rank's fields, so callers can read
-    fields that may differ (e.g. shard lengths). Raises, on every rank alike, TypeError or
-    ValueError naming the ranks and fields at fault.
+    fields that may differ (e.g. shard lengths). Raises, on every rank alike, TypeError,
+    ValueError or RuntimeError naming the ranks and fields at fault.
     """
     plan: T | None = None
     error: Exception | None = None
@@ -49,15 +66,9 @@ def agree(
         vec[1:] = [sig[k] for k in fields]
     except Exception as exc:  # every failure joins the agreement, so no rank is left waiting
         error = exc
-        vec[:] = 0
-        vec[0] = _ERROR_CODES.get(type(exc), 3)
+        vec = _error_row(exc, vec.size)
     table = transport.allgather_int64(vec)
-    failed = np.flatnonzero(table[:, 0])
-    if failed.size:
-        messages = transport.allgather_object(None if error is None else f"{type(error).__name__}: {error}")
-        cls = _ERROR_TYPES.get(int(table[failed[0], 0]), RuntimeError)
-        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-        raise cls(f"{what}: bad input on rank(s) {', '.join(map(str, failed))} -- {detail}")
+    _raise_failures(transport, what, table, error)
     cols = _match_columns(fields, must_match)
     if (table[1:, cols] != table[0, cols]).any():  # one vectorized test; name the field only then
         for key, col in zip(must_match, cols):
@@ -67,6 +78,22 @@ def agree(
                 raise ValueError(f"{what}: ranks disagree on {key} ({values})")
     assert plan is not None
     return plan, table[:, 1:]
+
+
+def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
+    """Run ``step()`` (local work between two collective phases, such as a geometry's forward
+    transform) and check that it succeeded on every rank: one gather of an error code. A failure
+    on any rank raises the same exception on every rank instead of leaving the others waiting."""
+    result: T | None = None
+    error: Exception | None = None
+    try:
+        result = step()
+        row = np.zeros(1, np.int64)
+    except Exception as exc:
+        error = exc
+        row = _error_row(exc, 1)
+    _raise_failures(transport, what, transport.allgather_int64(row), error)
+    return result  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=64)

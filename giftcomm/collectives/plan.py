@@ -10,8 +10,11 @@ zero-copy); the result goes back in the caller's framework.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -26,18 +29,18 @@ from .wire import Wire
 
 __all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
-           "direct_out", "finish", "gathered_counts", "positive_int"]
+           "direct_out", "finish", "gathered_counts", "positive_int", "exclusive"]
 
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
-          "chosen")
+          "caller", "chosen")
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
 MATCH = FIELDS[:-1]
 """Fields every rank must have alike ("chosen" may differ: auto on different calibrations; rank 0's wins)."""
-GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "out")
+GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "caller", "out")
 """allgather's agreed signature (count: this rank's shard length; out: its out's size, -1 if none)."""
-GATHER_MATCH = ("dtype", "fmt", "block", "slice")
+GATHER_MATCH = ("dtype", "fmt", "block", "slice", "caller")
 
 
 @dataclass
@@ -77,7 +80,11 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def _import(x: Any, name: str) -> _xp.Imported:
-    """``x`` imported zero-copy; TypeError for dtypes giftcomm does not take."""
+    """``x`` imported zero-copy; TypeError for dtypes giftcomm does not take and for masked
+    arrays (their mask would be ignored)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array; giftcomm would ignore its mask: pass "
+                        f"{name}.filled(0) (or another fill value) instead")
     try:
         return _xp.import_array(x)
     except ValueError:
@@ -85,17 +92,29 @@ def _import(x: Any, name: str) -> _xp.Imported:
                         f"{getattr(x, 'dtype', type(x).__name__)}") from None
 
 
-def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any) -> Call:
-    """The checks every collective shares (``op`` None: allgather); raises TypeError/ValueError."""
+def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any,
+             reduces: bool = True) -> Call:
+    """The checks every collective shares (``reduces`` False: allgather, which takes no op);
+    raises TypeError/ValueError."""
     imp = _import(x, name)
     f, b = get_format(fmt), check_block(block)
-    if op is not None and op not in OP_CODES:
+    if reduces and op not in OP_CODES:
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     sig = dict.fromkeys(FIELDS, 0)
     sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=b,
                op=OP_CODES.get(op, 0) if op is not None else 0,
                slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"))
     return Call(imp, f, b, op or "sum", sig)
+
+
+@contextlib.contextmanager
+def exclusive(t: Transport) -> Iterator[int]:
+    """Hold ``t`` for one collective (calls from several threads of this process run one at a
+    time) and give the caller field of the signature: a hash of the calling thread's name. Calls
+    are matched across ranks by that name, so calls from differently named threads that pair up
+    across ranks raise on every rank instead of mixing their data."""
+    with t.state.lock:
+        yield zlib.crc32(threading.current_thread().name.encode())
 
 
 def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:

@@ -2,6 +2,7 @@
 in-process loopbacks)."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Request, Transport, TransportState, wait_all
@@ -11,6 +12,7 @@ __all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup"
            "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 _device_cache: dict[int, Transport] = {}
+_CREATE = threading.Lock()  # two threads making the first call on one communicator create it once
 
 
 def resolve(comm: Any, device: bool = False) -> Transport:
@@ -28,11 +30,14 @@ def resolve(comm: Any, device: bool = False) -> Transport:
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
-    if not device:
-        return mpi.transport_for(comm)
-    key = MPI.Comm.py2f(comm)
-    if key not in _device_cache:
-        from .nccl import NcclTransport
+    if comm == MPI.COMM_NULL:
+        raise TypeError("comm is MPI.COMM_NULL: this process is not a member of the communicator")
+    with _CREATE:
+        if not device:
+            return mpi.transport_for(comm)
+        key = MPI.Comm.py2f(comm)
+        if key not in _device_cache:
+            from .nccl import NcclTransport
 
-        _device_cache[key] = NcclTransport.from_mpi(comm)
-    return _device_cache[key]
+            _device_cache[key] = NcclTransport.from_mpi(comm)
+        return _device_cache[key]

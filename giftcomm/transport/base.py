@@ -59,7 +59,7 @@ class TransportState:
     workspaces: reusable scratch buffers per array backend name ("numpy", "cupy").
     window: the node-shared window, or None. splits: sub-transports by (name, members).
     lock: held by a collective for its whole duration (calls from several threads run one at a
-    time). callers: names of the threads that have called collectives on this transport.
+    time).
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
@@ -67,7 +67,6 @@ class TransportState:
     window: SharedWindow | None = None
     splits: dict[tuple[str, tuple[int, ...]], "Transport"] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
-    callers: set[str] = field(default_factory=set)
 
 
 class Transport(ABC):
