@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import codec
 from ..formats import get_format, message_nbytes
 from ..reference import codec as ref
 from .common import Progress, add_fmt, add_json, add_out, parent_parser, split_list, time_calls
@@ -34,12 +35,9 @@ __all__ = ["main", "run"]
 OPS = ("encode", "decode", "decode_add_encode", "decode_accumulate")
 
 
-def _native():
-    try:
-        from .. import _codec_native  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _codec_native
+def _native() -> bool:
+    """Is the native C extension built (whatever GIFTCOMM_NATIVE says: this benchmark compares)?"""
+    return codec.native_variant() is not None
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float) -> float:
@@ -58,12 +56,12 @@ def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) 
     dec_out = np.empty(n, np.float32)
     acc = np.zeros(n, np.float32)
     if impl == "native":
-        nat = _native()
+        nat = codec.NativeKernels
         return {
-            "encode": lambda: nat.encode(x, enc_out, f.code, block),
-            "decode": lambda: nat.decode(msg, dec_out, f.code, block),
-            "decode_add_encode": lambda: nat.decode_add_encode(msg, local, msg_out, None, f.code, block),
-            "decode_accumulate": lambda: nat.decode_accumulate(msg, acc, f.code, block),
+            "encode": lambda: nat.encode(x, f, block, enc_out),
+            "decode": lambda: nat.decode(msg, n, f, block, dec_out),
+            "decode_add_encode": lambda: nat.decode_add_encode(msg, local, f, block, msg_out, None),
+            "decode_accumulate": lambda: nat.decode_accumulate(msg, acc, f, block),
         }
 
     def dae():
@@ -109,7 +107,7 @@ def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time
         copy = n / _median_seconds(lambda: np.copyto(dst, x), repeats, min_time) / 1e6
         for fmt in formats:
             impls = {}
-            if _native() is not None:
+            if _native():
                 impls["native"] = _kernels("native", fmt, block, x, local)
             if with_numpy:
                 impls["numpy"] = _kernels("numpy", fmt, block, x, local)
@@ -165,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
 
-    nat = _native()
+    isa = codec.native_variant()
     if args.isa:
-        if nat is None:
+        if isa is None:
             p.error("--isa: the native extension is not built")
-        nat._set_isa(args.isa)
+        codec.use_native_variant(args.isa)
+        isa = codec.native_variant()
     pinned = None
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if pinned is not None:
             os.sched_setaffinity(0, set(cpus))
     header = (
-        f"native kernels: {nat._isa() if nat else 'not built'}; block {args.block}; data {args.data}; "
+        f"native kernels: {isa or 'not built'}; block {args.block}; data {args.data}; "
         f"one core{f' (pinned to CPU {pinned})' if pinned is not None else ''}; median of >= {args.repeats} "
         f"calls; Melem/s = 10^6 float32 values per second"
     )
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(args.json, "w") as fh:
             json.dump({"tool": "giftcomm.perf codec", "giftcomm_version": giftcomm.__version__,
-                       "native_isa": nat._isa() if nat else None, "block": args.block, "data": args.data,
+                       "native_isa": isa, "block": args.block, "data": args.data,
                        "units": "Melem/s", "rows": rows}, fh, indent=1)
     return 0
 
