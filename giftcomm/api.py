@@ -125,8 +125,8 @@ def gift_allreduce(
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     t = _transport(comm, x)
-    with planning.exclusive(t) as caller:
-        return _gift_allreduce(t, caller, x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems)
+    with t.state.lock:  # one call at a time per transport (docs/api.md, Threads)
+        return _gift_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems)
 
 
 def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
@@ -214,8 +214,8 @@ def reduce_scatter(
     float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
     t = _transport(comm, x)
-    with planning.exclusive(t) as caller:
-        return _reduce_scatter(t, caller, x, op, fmt, block, out, algorithm, slice_elems)
+    with t.state.lock:
+        return _reduce_scatter(t, planning.caller(), x, op, fmt, block, out, algorithm, slice_elems)
 
 
 def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block: int, out: Any, algorithm: str,
@@ -259,8 +259,8 @@ def allgather(
     array of the shard's dtype and framework holding all the gathered values.
     """
     t = _transport(comm, shard)
-    with planning.exclusive(t) as caller:
-        return _allgather(t, caller, shard, fmt, block, out, slice_elems)
+    with t.state.lock:
+        return _allgather(t, planning.caller(), shard, fmt, block, out, slice_elems)
 
 
 def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int, out: Any, slice_elems: int | None) -> Any:

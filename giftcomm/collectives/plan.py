@@ -10,11 +10,10 @@ zero-copy); the result goes back in the caller's framework.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from .wire import Wire
 
 __all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
-           "direct_out", "finish", "gathered_counts", "positive_int", "exclusive"]
+           "direct_out", "finish", "gathered_counts", "positive_int", "caller"]
 
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
@@ -107,14 +106,12 @@ def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elem
     return Call(imp, f, b, op or "sum", sig)
 
 
-@contextlib.contextmanager
-def exclusive(t: Transport) -> Iterator[int]:
-    """Hold ``t`` for one collective (calls from several threads of this process run one at a
-    time) and give the caller field of the signature: a hash of the calling thread's name. Calls
-    are matched across ranks by that name, so calls from differently named threads that pair up
-    across ranks raise on every rank instead of mixing their data."""
-    with t.state.lock:
-        yield zlib.crc32(threading.current_thread().name.encode())
+def caller() -> int:
+    """The caller field of the signature: a hash of the calling thread's name. Calls are matched
+    across ranks by that name (the API holds the transport's lock for the whole call, so calls
+    from several threads of one process run one at a time), so calls from differently named
+    threads that pair up across ranks raise on every rank instead of mixing their data."""
+    return zlib.crc32(threading.current_thread().name.encode())
 
 
 def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:

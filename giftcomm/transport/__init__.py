@@ -32,9 +32,9 @@ def resolve(comm: Any, device: bool = False) -> Transport:
         raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
         raise TypeError("comm is MPI.COMM_NULL: this process is not a member of the communicator")
+    if not device:
+        return mpi.transport_for(comm)  # thread-safe itself
     with _CREATE:
-        if not device:
-            return mpi.transport_for(comm)
         key = MPI.Comm.py2f(comm)
         if key not in _device_cache:
             from .nccl import NcclTransport
