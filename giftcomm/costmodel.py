@@ -2,9 +2,13 @@
 
 Constants (seconds per message, seconds per byte per link class, codec values per second) come
 from a small JSON file written by ``python -m giftcomm.perf calibrate``: the file named by the
-environment variable GIFTCOMM_CALIBRATION, else ~/.cache/giftcomm/calibration.json, else the
-defaults below (measured on a 2-core development VM over MPICH shared memory; a 10 Gbit/s
-network link for "net").
+environment variable GIFTCOMM_CALIBRATION, else $XDG_CACHE_HOME/giftcomm/calibration.json
+(~/.cache/giftcomm/calibration.json when XDG_CACHE_HOME is unset), else the defaults below
+(measured on a 2-core development VM over MPICH shared memory; a 10 Gbit/s network link for
+"net"). A file that cannot be used -- unreadable, not a regular file, too large, not JSON, missing
+fields, values that are not finite numbers within :data:`BOUNDS` -- gives one warning naming the
+file and the reason, and the built-in defaults are used (never an exception: the file is read
+while planning every ``algorithm="auto"`` call, on every rank).
 
 Predictions assume a pipelined implementation: per phase, time = latency terms + max(wire time,
 codec time), plus (1 - overlap) times the smaller of the two (docs/scaling.md has the formulas).
@@ -13,8 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
+import stat
+import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -58,10 +66,57 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
-        """From a parsed calibration file; keys that are not fields (e.g. "measured") are ignored."""
-        known = {f for f in cls.__dataclass_fields__} - {"shm", "net"}
-        return cls(shm=LinkCost(**d["shm"]), net=LinkCost(**d["net"]),
-                   **{k: v for k, v in d.items() if k in known})
+        """From a parsed calibration file; keys that are not fields (e.g. "measured") are ignored.
+        ValueError naming the first bad entry when a field is missing, not a finite number or
+        outside :data:`BOUNDS`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        values: dict[str, object] = {}
+        for name in ("shm", "net"):
+            link = d.get(name)
+            if not isinstance(link, dict):
+                raise ValueError(f"{name!r} must be an object with 'alpha' and 'beta', got {_short(link)}")
+            values[name] = LinkCost(alpha=_bounded(link, "alpha", name), beta=_bounded(link, "beta", name))
+        for key in BOUNDS:
+            if key in d and key not in ("alpha", "beta"):
+                values[key] = _bounded(d, key)
+        if "nics_per_node" in values:
+            values["nics_per_node"] = int(values["nics_per_node"])  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]
+
+
+BOUNDS: dict[str, tuple[float, float]] = {
+    "alpha": (1e-9, 1.0),  # seconds per message
+    "beta": (1e-14, 1e-3),  # seconds per byte: 1 kB/s .. 100 TB/s
+    "encode_rate": (1e3, 1e14), "decode_rate": (1e3, 1e14), "fused_rate": (1e3, 1e14),
+    "accumulate_rate": (1e3, 1e14),  # values per second
+    "call_overhead": (0.0, 1.0), "step_overhead": (0.0, 1.0),  # seconds
+    "overlap": (0.0, 1.0),
+    "nics_per_node": (0, 4096),
+}
+"""The accepted range of every calibration value (inclusive); a file outside them is not used."""
+MAX_FILE_BYTES = 1 << 20
+"""A calibration file is a few hundred bytes (plus the raw measurements): larger ones are refused."""
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bounded(d: dict, key: str, parent: str = "") -> float:
+    where = f"{parent}.{key}" if parent else key
+    if key not in d:
+        raise ValueError(f"{where} is missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where} must be a number, got {_short(v)}")
+    lo, hi = BOUNDS[key]
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise ValueError(f"{where} = {_short(v)} is outside [{lo:g}, {hi:g}]")
+    if key == "nics_per_node" and v != int(v):
+        raise ValueError(f"{where} must be a whole number, got {_short(v)}")
+    return float(v)
 
 
 def calibration_path() -> Path:
@@ -71,38 +126,96 @@ def calibration_path() -> Path:
 
 def _calibration_file() -> str:
     # plain strings: load_calibration runs on every "auto" call, and pathlib costs ~0.1 ms
-    env = os.environ.get("GIFTCOMM_CALIBRATION")
-    return env or _default_calibration_file(os.environ.get("HOME"))
+    env = os.environ.get("GIFTCOMM_CALIBRATION", "").strip()
+    if env:
+        return os.path.expanduser(env)
+    return _default_calibration_file(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME"))
 
 
 @functools.lru_cache(maxsize=8)
-def _default_calibration_file(home: str | None) -> str:
-    """~/.cache/giftcomm/calibration.json under ``home`` ($HOME; the password entry's home when
-    unset, as expanduser). Cached: expanduser costs ~10 us a call."""
+def _default_calibration_file(xdg_cache: str, home: str | None) -> str:
+    """giftcomm/calibration.json under $XDG_CACHE_HOME when it is an absolute path (the XDG base
+    directory rule: relative values are ignored), else under ~/.cache (``home``: $HOME; the
+    password entry's home when unset, as expanduser). Cached: expanduser costs ~10 us a call."""
+    if xdg_cache and os.path.isabs(xdg_cache):
+        return os.path.join(xdg_cache, "giftcomm", "calibration.json")
     return os.path.join(home or os.path.expanduser("~"), ".cache", "giftcomm", "calibration.json")
 
 
-_cached: tuple[str, float, Calibration] | None = None
+_cached: tuple[str, tuple, Calibration] | None = None
 _BUILT_IN = Calibration()  # returned while no file exists; shared, so never modify what you get
-
+log = logging.getLogger("giftcomm")
 
 
 def load_calibration() -> Calibration:
-    """The calibration in force (re-read when the file changes; the built-in defaults without one).
+    """The calibration in force (re-read when the file changes; the built-in defaults without one,
+    or with one that cannot be used: then one warning naming the file and why).
 
     The object is shared by every caller: copy it (``build_calibration``) before changing it."""
     global _cached
     path = _calibration_file()
     try:
-        mtime = os.stat(path).st_mtime
+        st = os.stat(path)
     except OSError:
         return _BUILT_IN
-    if _cached is None or _cached[0] != path or _cached[1] != mtime:
-        with open(path) as fh:
-            cal = Calibration.from_dict(json.load(fh))
-        cal.source = path
-        _cached = (path, mtime, cal)
+    key = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+    if _cached is None or _cached[0] != path or _cached[1] != key:
+        try:
+            cal = _read_calibration(path, st)
+            cal.source = path
+        except Exception as exc:  # noqa: BLE001 - any bad file means: defaults, and say so once
+            cal = _BUILT_IN
+            msg = (f"giftcomm: ignoring the calibration file {path}: {exc}; the cost model uses its built-in "
+                   f"constants (rewrite it with `python -m giftcomm.perf calibrate`, or point "
+                   f"GIFTCOMM_CALIBRATION elsewhere)")
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        _cached = (path, key, cal)
     return _cached[2]
+
+
+def _read_calibration(path: str, st: os.stat_result) -> Calibration:
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise ValueError(f"{st.st_size} bytes, more than the {MAX_FILE_BYTES} a calibration file may have")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"more than {MAX_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    return Calibration.from_dict(doc)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a usable calibration value")
+
+
+def write_calibration(path: str | os.PathLike, text: str) -> None:
+    """Write a calibration file atomically: a temporary file in the same directory, flushed to
+    disk, then renamed over ``path`` (a reader sees the old file or the new one, never a part)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 @dataclass(frozen=True)

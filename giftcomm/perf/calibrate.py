@@ -401,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                    netbed_rate=os.environ.get("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)
         if not args.no_write:
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(text + "\n")
+            from ..costmodel import write_calibration  # atomic: a temporary file, then os.replace
+
+            write_calibration(out_path, text + "\n")
         print(text)
         print(_summary(cal, notes, None if args.no_write else out_path), file=sys.stderr)
     comm.Barrier()
