@@ -7,7 +7,8 @@ from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
 from .partition import chunk_bounds
-from .transport import LoopbackGroup, Transport
+from .persistent import AllreducePlan, plan_allreduce
+from .transport import LoopbackGroup, Transport, release
 
 try:  # one place for the version: pyproject.toml, read back from the installed package's metadata
     from importlib.metadata import PackageNotFoundError as _NotInstalled
@@ -22,6 +23,9 @@ __all__ = [
     "gift_allreduce",
     "reduce_scatter",
     "allgather",
+    "plan_allreduce",
+    "AllreducePlan",
+    "release",
     "Geometry",
     "chunk_bounds",
     "message_nbytes",

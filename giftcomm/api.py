@@ -14,11 +14,12 @@ framework. Each call:
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import numpy as np
 
-from .collectives import direct, doubling, hierarchical, ring, shared
+from .collectives import direct, doubling, hierarchical, oneshot, ring, shared
 from .collectives import plan as planning
 from .collectives.agree import agree, confirm
 from .collectives.plan import ALGORITHMS, FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
@@ -30,6 +31,8 @@ from .transport import DEVICE, Transport, resolve
 from ._xp import is_device_array
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
+
+log = logging.getLogger("giftcomm")
 
 
 class GeometryLike(Protocol):
@@ -62,6 +65,8 @@ def _allreduce_flat(t: Transport, flat: Any, wire: Wire, algorithm: str, nodes: 
             return total
     if algorithm == "doubling":
         return doubling.allreduce(t, flat, wire, acc_t)
+    if algorithm == "oneshot":
+        return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
     if algorithm.startswith("hierarchical"):
         inter = "direct" if algorithm == "hierarchical_direct" else "ring"
         return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_elems, inter=inter)
@@ -131,6 +136,17 @@ def gift_allreduce(
 
 def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
                     out: Any, algorithm: str, local_size: int | None, slice_elems: int | None) -> Any:
+    call, geo, chosen, nodes = agree_allreduce(t, caller, x, geometry, op, fmt, block, out, algorithm, local_size,
+                                               slice_elems)
+    slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
+    return run_allreduce(t, call, geo, chosen, nodes, slice_n, out)
+
+
+def agree_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
+                    out: Any, algorithm: str, local_size: int | None,
+                    slice_elems: int | None) -> tuple[Call, Any, str, np.ndarray]:
+    """Validate and agree on one allreduce (collective): (call, geometry or None, the algorithm
+    every rank runs, the node layout)."""
     nodes_box: list[np.ndarray] = []
 
     def prepare() -> tuple[tuple[Call, Any], dict[str, int]]:
@@ -148,6 +164,17 @@ def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | 
         return (call, geo), call.sig
 
     (call, geo), table = agree(t, "giftcomm.allreduce", prepare, FIELDS, MATCH)
+    chosen = planning.chosen_algorithm(table)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("allreduce rank %d/%d: %d %s values, fmt %s block %d, algorithm %s (asked %s), slice %s, "
+                  "shared window %s, %s transport", t.rank, t.size, call.arr.size, call.imp.logical, call.fmt.name,
+                  call.block, chosen, algorithm, slice_elems or "auto", bool(t.shared_memory), t.schedule)
+    return call, geo, chosen, nodes_box[0]
+
+
+def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: str, nodes: np.ndarray, slice_n: int,
+                  out: Any) -> Any:
+    """Move the data of an agreed allreduce and finish it (avg, dtype, ``out`` or a new array)."""
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
     flat = planning.flat_values(call)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
@@ -155,9 +182,8 @@ def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | 
                        lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
     if n == 0:
         return planning.finish(xp.zeros(0, accumulation_dtype(flat.dtype)), call, t.size, shape, out)
-    slice_n = slice_elems or planning.auto_slice(t, n)
     into = planning.direct_out(call)
-    total = _allreduce_flat(t, flat, call.wire(), planning.chosen_algorithm(table), nodes_box[0], slice_n, into)
+    total = _allreduce_flat(t, flat, call.wire(), algorithm, nodes, slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is not None and total is into:
@@ -185,8 +211,9 @@ def allreduce(
     torch CPU/CUDA, JAX; the result comes back in the same one). fmt: "e4m3", "e5m2" (block-scaled
     FP8) or "bf16", "fp16", "fp32" (raw values on the wire). block: elements per scale. comm:
     mpi4py communicator (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm
-    Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct" or
-    "auto" (cost model); local_size: ranks per node for the hierarchical algorithms (default:
+    Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct",
+    "oneshot" (small messages: one exchange, each contribution quantized once) or "auto" (the
+    cost model's choice among the first five); local_size: ranks per node for the hierarchical algorithms (default:
     from the transport). Returns an array of x's shape and dtype, bit-identical on every rank and
     equal to ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same
     algorithm.

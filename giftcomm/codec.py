@@ -16,6 +16,7 @@ messages are 1-D uint8 arrays of ``message_nbytes(count, fmt, block)`` bytes
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Protocol
 
@@ -144,8 +145,10 @@ def kernels_for(xp: Any) -> Kernels:
         return NativeKernels
     if _native is None and not _warned:
         _warned = True
-        warnings.warn("giftcomm: native codec extension not built; using the NumPy reference codec (slow). "
-                      "Reinstall with a C compiler available: pip install -e .", RuntimeWarning, stacklevel=3)
+        msg = ("giftcomm: native codec extension not built; using the NumPy reference codec (slow). "
+               "Reinstall with a C compiler available: pip install -e .")
+        logging.getLogger("giftcomm").warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return ReferenceKernels
 
 

@@ -37,7 +37,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
 # (fmt, n, block): block-scaled FP8 with partial last blocks, fewer blocks than ranks, raw formats
 CASES = [("e4m3", 1000, 32), ("e5m2", 515, 256), ("e4m3", 7, 3), ("bf16", 300, 64), ("fp32", 41, 8)]
-ALL_ALGORITHMS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "auto")
+ALL_ALGORITHMS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot", "auto")
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ SIZE = sum(int(np.prod(shape)) for _, shape in KFAC_LAYOUT)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
-@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "oneshot"])
 def test_gift_allreduce_geometry_matches_simulation(rng, path, p, algorithm):
     geo = random_kfac_geometry(rng, rank=6)
     assert not geo.is_identity

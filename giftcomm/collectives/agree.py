@@ -25,13 +25,18 @@ DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 OP_CODES = {"sum": 1, "avg": 2}
 
 
-def _error_row(exc: Exception, width: int) -> np.ndarray:
+def error_code(exc: Exception) -> int:
+    """The code an exception travels as in an agreement table (column 0; 0 means success)."""
+    return _ERROR_CODES.get(type(exc), 3)
+
+
+def error_row(exc: Exception, width: int) -> np.ndarray:
     row = np.zeros(width, np.int64)
-    row[0] = _ERROR_CODES.get(type(exc), 3)
+    row[0] = error_code(exc)
     return row
 
 
-def _raise_failures(transport: Transport, what: str, table: np.ndarray, error: Exception | None) -> None:
+def raise_failures(transport: Transport, what: str, table: np.ndarray, error: Exception | None) -> None:
     """If any rank's row of ``table`` carries an error code, raise it on every rank (one more
     gather, of the messages; only on this error path)."""
     failed = np.flatnonzero(table[:, 0])
@@ -66,10 +71,10 @@ def agree(
         vec[1:] = [sig[k] for k in fields]
     except Exception as exc:  # every failure joins the agreement, so no rank is left waiting
         error = exc
-        vec = _error_row(exc, vec.size)
+        vec = error_row(exc, vec.size)
     table = transport.allgather_int64(vec)
     if table[:, 0].any():
-        _raise_failures(transport, what, table, error)
+        raise_failures(transport, what, table, error)
     cols = _match_columns(fields, must_match)
     if (table[1:, cols] != table[0, cols]).any():  # one vectorized test; name the field only then
         for key, col in zip(must_match, cols):
@@ -92,8 +97,8 @@ def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
         row = np.zeros(1, np.int64)
     except Exception as exc:
         error = exc
-        row = _error_row(exc, 1)
-    _raise_failures(transport, what, transport.allgather_int64(row), error)
+        row = error_row(exc, 1)
+    raise_failures(transport, what, transport.allgather_int64(row), error)
     return result  # type: ignore[return-value]
 
 

@@ -30,7 +30,7 @@ __all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Ca
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
            "direct_out", "finish", "gathered_counts", "positive_int", "caller"]
 
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
           "caller", "chosen")

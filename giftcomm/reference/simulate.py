@@ -147,6 +147,18 @@ def simulate_gift_allreduce(
     return [out.copy() for _ in range(p)]
 
 
+def _oneshot_sum(flat: list[np.ndarray], fmt: str, block: int) -> np.ndarray:
+    """Every rank's vector encoded once and decoded, summed in rank order (the first assigned)."""
+    acc_t = accumulation_dtype(flat[0].dtype)
+    n = flat[0].size
+    with np.errstate(invalid="ignore", over="ignore"):
+        parts = [decode(encode(x.astype(np.float32), fmt, block), n, fmt, block).astype(acc_t) for x in flat]
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
+    return total
+
+
 def simulate_reduce_scatter(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum", algorithm: str = "ring"
 ) -> list[np.ndarray]:
@@ -163,7 +175,7 @@ def simulate_reduce_scatter(
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 
 
 def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str, block: int) -> str:
@@ -189,6 +201,8 @@ def simulate_allreduce(
     - "direct": each contribution quantized once and summed by the chunk's owner in rank order,
       then the same allgather;
     - "doubling": recursive doubling (small messages);
+    - "oneshot": every rank's vector quantized once, sent to every rank, summed by each in rank
+      order (small messages);
     - "hierarchical" / "hierarchical_direct": nodes of ``local_size`` consecutive ranks;
       pass-through (``local_fmt``) ring reduce-scatter inside each node, ring / direct FP8
       allreduce of each node chunk across nodes, exact fp32 allgather inside each node;
@@ -210,6 +224,8 @@ def simulate_allreduce(
         result = _gathered(*_direct_chunk_sums(flat, fmt, block), fmt, block, acc_t)
     elif algorithm == "doubling":
         result = _doubling_sum(flat, fmt, block)
+    elif algorithm == "oneshot":
+        result = _oneshot_sum(flat, fmt, block)
     else:
         inter = "direct" if algorithm == "hierarchical_direct" else "ring"
         result = _hierarchical_sum(flat, fmt, block, local_size or p, local_fmt, inter)

@@ -8,7 +8,7 @@ from typing import Any
 from .base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Request, Transport, TransportState, wait_all
 from .loopback import LoopbackGroup, LoopbackTransport
 
-__all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup", "LoopbackTransport", "resolve",
+__all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup", "LoopbackTransport", "resolve", "release",
            "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 _device_cache: dict[int, Transport] = {}
@@ -41,3 +41,23 @@ def resolve(comm: Any, device: bool = False) -> Transport:
 
             _device_cache[key] = NcclTransport.from_mpi(comm)
         return _device_cache[key]
+
+
+def release(comm: Any = None) -> None:
+    """Free giftcomm's transports of an mpi4py communicator (None: MPI.COMM_WORLD), or what a
+    giftcomm Transport keeps (its shared window and workspaces). Collective. A later call on the
+    communicator builds a new transport; freeing the communicator (``comm.Free()``) releases its
+    transport by itself."""
+    if isinstance(comm, Transport):
+        comm.release_state()
+        return
+    from mpi4py import MPI
+
+    from . import mpi
+
+    key = MPI.Comm.py2f(MPI.COMM_WORLD if comm is None else comm)
+    with _CREATE:
+        device = _device_cache.pop(key, None)
+    if device is not None:
+        device.free()  # type: ignore[attr-defined]
+    mpi.release(comm)

@@ -59,7 +59,7 @@ class TransportState:
     workspaces: reusable scratch buffers per array backend name ("numpy", "cupy").
     window: the node-shared window, or None. splits: sub-transports by (name, members).
     lock: held by a collective for its whole duration (calls from several threads run one at a
-    time).
+    time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
@@ -67,6 +67,7 @@ class TransportState:
     window: SharedWindow | None = None
     splits: dict[tuple[str, tuple[int, ...]], "Transport"] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    plans: int = 0
 
 
 class Transport(ABC):

@@ -1,0 +1,141 @@
+"""Persistent allreduce plans: check and agree once, then repeat the same call cheaply.
+
+Like MPI's persistent collectives (``MPI_Allreduce_init``) and an NCCL communicator, a plan does
+the per-call work of :func:`giftcomm.allreduce` that does not change between calls of a training
+loop — validating the arguments, agreeing on them across ranks, choosing the algorithm, the slice
+and the layouts — once, when it is made (collectively). Each call then checks locally that its
+array matches the plan (shape, dtype, kind) and that every rank is running the same plan, with
+one int64 word per rank:
+
+- with the one-shot algorithm on host arrays the word travels ahead of the data in the same
+  message (no extra round trip);
+- otherwise one small gather of the words precedes the data (the cost of the agreement, without
+  re-planning).
+
+A call with a bad array on any rank, or ranks calling different plans, raises the same exception
+on every rank, as the plain functions do. Results equal ``simulate_allreduce(..., algorithm=
+plan.algorithm)`` bit for bit.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import _xp
+from .api import agree_allreduce, run_allreduce
+from .collectives import oneshot
+from .collectives import plan as planning
+from .collectives.agree import error_code, raise_failures
+from .collectives.plan import Call
+from .formats import DEFAULT_BLOCK, Format
+from .partition import accumulation_dtype
+from .transport import HOST, Transport, resolve
+
+__all__ = ["AllreducePlan", "plan_allreduce", "ONESHOT_MAX_BYTES"]
+
+ONESHOT_MAX_BYTES = 64 << 10
+"""A plan with ``algorithm="auto"`` takes the one-shot algorithm up to this many input bytes per
+rank (and at most 8 ranks): one exchange, with the check word inside it on host arrays."""
+
+class AllreducePlan:
+    """A planned allreduce over one transport; call it with arrays shaped like the template.
+
+    Attributes: ``algorithm`` (what every call runs), ``shape``, ``dtype`` (the template's
+    logical dtype name), ``transport``.
+    """
+
+    def __init__(self, t: Transport, call: Call, algorithm: str, nodes: np.ndarray, slice_n: int, word: int) -> None:
+        self.transport, self.algorithm = t, algorithm
+        self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
+        self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
+        self._wire = call.wire()
+        self._acc = accumulation_dtype(planning.flat_values(call).dtype)
+        self._header = np.zeros(3, np.int64)
+        self._piggyback = algorithm == "oneshot" and t.memory == HOST and not call.imp.device
+        self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
+
+    def __repr__(self) -> str:
+        return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
+                f"op={self._template.op} algorithm={self.algorithm} P={self.transport.size}>")
+
+    def _local(self, x: Any, out: Any) -> Call:
+        """This call's record: ``x`` (and ``out``) checked against the template, locally."""
+        imp = _xp.import_array(x)
+        tpl = self._template
+        if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
+            raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
+                             f"({'device' if tpl.imp.device else 'host'}); got {imp.logical} {tuple(imp.array.shape)}")
+        call = Call(imp, tpl.fmt, tpl.block, tpl.op, tpl.sig)
+        planning.check_out(call, out, self.shape)
+        return call
+
+    def __call__(self, x: Any, out: Any = None) -> Any:
+        """The allreduce of ``x`` (the template's shape, dtype and kind) with the planned
+        arguments: an array of x's shape and dtype in x's framework (``out`` if given)."""
+        t = self.transport
+        with t.state.lock:
+            error: Exception | None = None
+            call = None
+            try:
+                call = self._local(x, out)
+            except Exception as exc:  # joins the check below: every rank raises it
+                error = exc
+            head = self._header
+            head[0] = 0 if error is None else error_code(error)
+            head[1], head[2] = self._word, planning.caller()
+            if self._piggyback:
+                flat = self._zeros if call is None else planning.flat_values(call)
+                got = oneshot.exchange(t, flat, self._wire, head)
+                table = np.stack([got.header(q) for q in range(t.size)])
+                self._check(table, error)
+                assert call is not None
+                into = planning.direct_out(call) if self._acc == np.float32 else None
+                total = oneshot.reduce(got, self._zeros.size, t.size, self._wire, self._acc, into)
+                if into is not None:
+                    if call.op == "avg":
+                        total /= np.float32(t.size)
+                    return out
+                return planning.finish(total, call, t.size, self.shape, out)
+            self._check(t.allgather_int64(head), error)
+            assert call is not None
+            return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+
+    def _check(self, table: np.ndarray, error: Exception | None) -> None:
+        """Raise on every rank when any rank failed locally or ran another plan / thread."""
+        if table[:, 0].any():
+            raise_failures(self.transport, "giftcomm plan", table, error)
+        for col, what in ((1, "plan"), (2, "caller")):
+            if (table[:, col] != table[0, col]).any():
+                raise ValueError(f"giftcomm plan: ranks disagree on {what} (ranks called different plans "
+                                 f"or from differently named threads)")
+
+
+def plan_allreduce(
+    x: Any,
+    *,
+    comm: Any = None,
+    op: str = "sum",
+    fmt: str | Format = "e4m3",
+    block: int = DEFAULT_BLOCK,
+    algorithm: str = "auto",
+    local_size: int | None = None,
+    slice_elems: int | None = None,
+) -> AllreducePlan:
+    """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
+    :func:`giftcomm.allreduce`). ``algorithm="auto"`` takes the one-shot algorithm up to
+    :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice.
+    Raises on every rank as :func:`giftcomm.allreduce` does."""
+    t = resolve(comm, device=_xp.is_device_array(x))
+    with t.state.lock:
+        call, _, chosen, nodes = agree_allreduce(t, planning.caller(), x, None, op, fmt, block, None, algorithm,
+                                                 local_size, slice_elems)
+        if algorithm == "auto" and t.size <= 8 and call.arr.nbytes <= ONESHOT_MAX_BYTES:
+            chosen = "oneshot"
+        # the same word on every rank: the agreed signature and the plan's number on this transport
+        # (plans are made collectively, so every rank counts them alike)
+        t.state.plans += 1
+        word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
+        slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
+        return AllreducePlan(t, call, chosen, nodes, slice_n, word)
