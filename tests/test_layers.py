@@ -112,3 +112,18 @@ def test_the_checker_finds_a_planted_cycle_and_private_reads():
     edges, private = import_graph(planted)
     assert _cycles(edges) == [["giftcomm.api", "giftcomm.plan", "giftcomm.api"]]
     assert sorted(private) == [("giftcomm.api", "giftcomm.plan._table"), ("giftcomm.plan", "giftcomm.api._finish")]
+
+
+def test_every_environment_variable_is_in_the_docs_table():
+    """docs/api.md's table lists exactly giftcomm.config's variables, and no module reads a
+    GIFTCOMM_ variable around the config module."""
+    import re
+
+    from giftcomm import config
+
+    doc = (PKG.parent / "docs" / "api.md").read_text()
+    table = set(re.findall(r"^\| `(GIFTCOMM_[A-Z_]+)` \|", doc, flags=re.M))
+    assert table == set(config.VARIABLES)
+    for path in PKG.rglob("*.py"):
+        if path.name != "config.py":
+            assert not re.search(r"environ(\.get)?[\[(]\s*[\"']GIFTCOMM_", path.read_text()), path
