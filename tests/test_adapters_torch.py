@@ -105,15 +105,15 @@ def _ddp_worker(rank, world, init, out, seed, iters, start, fmt):
     model = _mlp(seed, (24, 64, 48, 8))
     names = {p: n for n, p in model.named_parameters()}
     ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
-    state = GiftState(fmt=fmt, start_gift_iter=start, geometry="reduced", refresh_every=2, param_names=names,
-                      policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9))
+    state = GiftState(fmt=fmt, start_gift_iter=start, geometry="reduced", refresh_every=2, estimate_every=1,
+                      param_names=names, policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9))
     records = []
 
     def recording_hook(state, bucket):
         rec = dict(it=state.iter, index=bucket.index(), inp=bucket.buffer().clone(),
-                   geo=state.geometry_of(bucket.index()) if state.iter >= start else None,
                    grads=[g.data_ptr() for g in bucket.gradients()])
-        fut = gift_hook(state, bucket)
+        fut = gift_hook(state, bucket)  # adopts due geometries first: read the one it used after
+        rec["geo"] = state.geometry_of(bucket.index()) if rec["it"] >= start else None
 
         def keep(f):
             rec["out"] = f.value().clone()
@@ -322,8 +322,11 @@ def test_dlpack_zero_copy(rng):
     assert float(t[3]) == 42.0
     back = torch.from_dlpack(a)
     assert back.data_ptr() == a.ctypes.data
+    tb = t.to(torch.bfloat16)
+    ab = numpy_view(tb)  # bfloat16: an ml_dtypes view of the same memory
+    assert ab.ctypes.data == tb.data_ptr() and ab.dtype.name == "bfloat16"
     with pytest.raises(TypeError):
-        numpy_view(t.to(torch.bfloat16))
+        numpy_view(t.to(torch.int32))
     # bucket buffers are shared with .grad
     model = _mlp(1)
     (b,) = make_buckets(model)

@@ -1,15 +1,25 @@
-"""Transport over a torch.distributed process group (for users who already have one).
+"""Transports over a torch.distributed process group (for users who already have one).
 
-Messages are host (CPU) ``torch.uint8`` tensors that share memory with the NumPy buffers
-(``torch.from_numpy``), so nothing is copied on our side. Point-to-point traffic goes through a
-*private* gloo group over the same ranks, created when the transport is built (a collective
-call, like ``MPI_Comm_dup``): our tags never meet the caller's messages, and the transport works
-whatever the backend of the caller's group is (gloo, or NCCL whose tensors must live on a GPU,
-while giftcomm's wire messages are host buffers).
+- :class:`TorchDistTransport` (PIPELINED, host memory): messages are CPU ``torch.uint8`` tensors
+  that share memory with the NumPy buffers (``torch.from_numpy``), so nothing is copied on our
+  side. Point-to-point traffic goes through a *private* gloo group over the same ranks, created
+  when the transport is built (a collective call, like ``MPI_Comm_dup``): our tags never meet the
+  caller's messages, whatever the backend of the caller's group is. The control operations
+  (agreement, object gathers, float64 sums for KFAC factor sync) run on that gloo group too.
+- :class:`TorchDistDeviceTransport` (GROUPED, device memory): giftcomm's device path over the
+  caller's own group (NCCL for CUDA tensors). ``isend``/``irecv`` only queue; a wait issues the
+  queue as one ``dist.batch_isend_irecv`` (``ncclGroupStart/End`` on NCCL), stream-ordered after
+  the current stream's work, and then makes the current stream wait for it (no host
+  synchronisation on NCCL). Buffers are CuPy arrays (taken zero-copy by ``torch.from_dlpack``)
+  or torch tensors. Control operations go to a host :class:`TorchDistTransport`.
+- :func:`default_transport`: what ``comm=None`` means under torchrun (torch.distributed
+  initialised with several ranks while MPI's world is a single process).
 """
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import warnings
 from typing import Any
 
@@ -17,9 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Request, Transport
+from .base import ANY, DEVICE, GroupedTransport, QueuedOp, Request, Transport
 
-__all__ = ["TorchDistTransport"]
+__all__ = ["TorchDistTransport", "TorchDistDeviceTransport", "default_transport", "reset_default_transport",
+           "torch_world_size"]
 
 
 class _TorchRequest(Request):
@@ -92,6 +103,201 @@ class TorchDistTransport(Transport):
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    # float64 control operations: one gloo collective each on a CPU tensor sharing memory with
+    # the array (KFAC factor sync moves whole factor matrices through these).
+    def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        """Elementwise sum over ranks (``dist.all_reduce`` on gloo: every rank gets the same bytes)."""
+        total = np.array(arr, dtype=np.float64, copy=True, order="C")
+        if self.size > 1:
+            dist.all_reduce(torch.from_numpy(total.reshape(-1)), op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        """The sum over ranks on ``root`` (``dist.reduce``), None elsewhere."""
+        total = np.array(arr, dtype=np.float64, copy=True, order="C")
+        if self.size > 1:
+            dist.reduce(torch.from_numpy(total.reshape(-1)), self._global[root], op=dist.ReduceOp.SUM,
+                        group=self.group)
+        return total if self.rank == root else None
+
+    def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` with ``root``'s (``dist.broadcast``), in place."""
+        if self.size == 1:
+            return
+        if buf.dtype == np.float64 and buf.flags.c_contiguous and buf.flags.writeable:
+            dist.broadcast(torch.from_numpy(buf.reshape(-1)), self._global[root], group=self.group)
+            return
+        tmp = np.ascontiguousarray(buf, dtype=np.float64)
+        dist.broadcast(torch.from_numpy(tmp.reshape(-1)), self._global[root], group=self.group)
+        buf[...] = tmp
+
     def free(self) -> None:
         """Destroy the private group (optional; torch frees it at destroy_process_group)."""
         dist.destroy_process_group(self.group)
+
+
+# ---------------------------------------------------------------------------- device (grouped)
+def _torch_view(buf: Any) -> torch.Tensor:
+    """A flat uint8 torch tensor over ``buf``'s memory, no copy: torch tensors as they are,
+    NumPy arrays through ``torch.from_numpy``, CuPy (and other DLPack producers) through
+    ``torch.from_dlpack``."""
+    if isinstance(buf, torch.Tensor):
+        t = buf
+    elif isinstance(buf, np.ndarray):
+        return _as_tensor(buf)
+    else:
+        t = torch.from_dlpack(buf)
+    if not t.is_contiguous():
+        raise ValueError("torch.distributed device transport: buffers must be contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+class TorchDistDeviceTransport(GroupedTransport):
+    """giftcomm's GROUPED device transport over a torch.distributed group (the caller's own,
+    e.g. the NCCL group of a DDP model; default: the default group).
+
+    ``isend``/``irecv`` queue; the first wait issues the queue as one ``dist.batch_isend_irecv``
+    of ``dist.P2POp`` (one NCCL group, on the group's stream after the current stream's work)
+    and waits on its works, which on NCCL only makes the current stream wait: the call returns
+    at once and later kernels on the current stream see the received bytes. On gloo the wait
+    blocks until the messages arrived (the CPU tests drive this class over gloo with
+    ``memory="any"``).
+
+    control: the host transport for agreement and object/float64 collectives (default: a new
+    :class:`TorchDistTransport` over the same ranks, which is collective). memory: "device"
+    (default) or "any" (also host buffers: for tests over gloo). Building one without
+    ``control`` is collective over ``group``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, control: TorchDistTransport | None = None,
+                 memory: str = DEVICE) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchDistDeviceTransport needs an initialised torch.distributed (init_process_group)")
+        if memory not in (DEVICE, ANY):
+            raise ValueError(f"memory must be {DEVICE!r} or {ANY!r}, got {memory!r}")
+        self.memory = memory
+        self.group = group
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        self._global = list(ranks)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.control = control if control is not None else TorchDistTransport(group)
+        if self.control.size != self.size or self.control.rank != self.rank:
+            raise ValueError("control transport must span the same ranks as the group")
+        self.issued_groups = 0  # batches issued (observability; tests)
+
+    def check_buffer(self, buf: Any) -> None:
+        if self.memory == DEVICE and not _is_device(buf):
+            raise TypeError(f"torch.distributed device transport: expected a device array, got {type(buf).__name__}")
+
+    def issue(self, ops: list[QueuedOp]) -> None:
+        """The queue as one ``dist.batch_isend_irecv``; then the current stream waits for it."""
+        p2p = []
+        for op in ops:
+            fn = dist.isend if op.kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, _torch_view(op.buf), self._global[op.peer], group=self.group, tag=op.tag))
+        if not p2p:
+            return
+        works = dist.batch_isend_irecv(p2p)
+        for w in works:
+            w.wait()  # NCCL: the current stream waits (no host sync); gloo: completes the transfer
+        self.issued_groups += 1
+
+    def node_ids(self) -> np.ndarray:
+        return self.control.node_ids()
+
+    def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
+        return self.control.allgather_int64(vec)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.control.allgather_object(obj)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self.control.broadcast_object(obj, root)
+
+    def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        return self.control.sum_float64(arr)
+
+    def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        return self.control.reduce_float64(arr, root)
+
+    def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
+        self.control.broadcast_float64(buf, root)
+
+
+def _is_device(buf: Any) -> bool:
+    if isinstance(buf, torch.Tensor):
+        return buf.device.type == "cuda"
+    from .. import _xp
+
+    return _xp.is_device_array(buf)
+
+
+# ---------------------------------------------------------------------------- comm=None
+_DEFAULT: dict[str, Transport] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def torch_world_size() -> int:
+    """The default group's size when torch.distributed is initialised, else 0 (torch not
+    imported or not initialised: nothing is imported or started here)."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:
+        return 0
+    return 0
+
+
+def _mpi_world_size() -> int:
+    """MPI's COMM_WORLD size, without starting MPI when mpi4py was never imported and no MPI
+    launcher variables are set (a torchrun process): then 1."""
+    import sys
+
+    launched = any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"))
+    if "mpi4py.MPI" not in sys.modules and not launched:
+        return 1
+    from mpi4py import MPI
+
+    return int(MPI.COMM_WORLD.Get_size())
+
+
+def default_transport(device: bool = False) -> Transport | None:
+    """The transport ``comm=None`` should use when torch.distributed is the launcher's world.
+
+    Returns None when torch.distributed is not initialised or has one rank (then ``comm=None``
+    means MPI.COMM_WORLD as before). When it is initialised with world size > 1 and MPI's
+    COMM_WORLD is a single process (torchrun), returns a cached transport over the default
+    group: a :class:`TorchDistTransport` (host arrays) or, with ``device``, a
+    :class:`TorchDistDeviceTransport` (CUDA arrays) sharing its control group. Creating them is
+    collective: every rank's first ``comm=None`` call makes them. Raises RuntimeError, naming
+    the fix, when both worlds have several ranks (ambiguous: pass ``comm=`` explicitly).
+    """
+    n_torch = torch_world_size()
+    if n_torch <= 1:
+        return None
+    n_mpi = _mpi_world_size()
+    if n_mpi > 1:
+        if n_mpi == n_torch:
+            raise RuntimeError(
+                f"comm=None is ambiguous: both MPI.COMM_WORLD ({n_mpi} ranks) and torch.distributed's "
+                f"default group ({n_torch} ranks) are initialised; pass comm=MPI.COMM_WORLD or "
+                f"comm=giftcomm.transport.torch_dist.TorchDistTransport() explicitly")
+        raise RuntimeError(
+            f"comm=None is ambiguous: MPI.COMM_WORLD has {n_mpi} ranks but torch.distributed's default "
+            f"group has {n_torch}; pass comm= explicitly (an mpi4py communicator or a TorchDistTransport)")
+    key = "device" if device else "host"
+    with _DEFAULT_LOCK:
+        if "host" not in _DEFAULT:
+            _DEFAULT["host"] = TorchDistTransport()
+        if device and "device" not in _DEFAULT:
+            host = _DEFAULT["host"]
+            assert isinstance(host, TorchDistTransport)
+            _DEFAULT["device"] = TorchDistDeviceTransport(control=host)
+        return _DEFAULT[key]
+
+
+def reset_default_transport() -> None:
+    """Forget the cached default transports (call before ``dist.destroy_process_group``)."""
+    with _DEFAULT_LOCK:
+        _DEFAULT.clear()

@@ -1,15 +1,18 @@
-"""Flat gradient buckets: one NumPy buffer per bucket whose views are the parameters' ``.grad``.
+"""Flat gradient buckets: one flat tensor per bucket whose views are the parameters' ``.grad``.
 
-A bucket is a contiguous 1-D NumPy array (the parameters' dtype: float32, float64 or float16)
-holding the gradients of a run of parameters back to back, in row-major order, with no gaps, so
-its geometry layout is simply ``[(name, shape), ...]``. ``torch.from_numpy`` gives a tensor
-sharing that memory, and each parameter's ``.grad`` is bound to a view of it: autograd then
-accumulates straight into the bucket and the collective reads and writes it in place.
+A bucket is a contiguous 1-D torch tensor (the parameters' dtype: float32, float64, float16 or
+bfloat16, on their device: CPU or CUDA) holding the gradients of a run of parameters back to
+back, in row-major order, with no gaps, so its geometry layout is simply ``[(name, shape), ...]``.
+Each parameter's ``.grad`` is bound to a view of it: autograd then accumulates straight into the
+bucket and the collective reads and writes it in place. On the CPU, ``buffer`` is the NumPy view
+of the same memory (bfloat16 as ``ml_dtypes.bfloat16``); on a GPU it is the tensor itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -17,17 +20,21 @@ from ...geometry import Layout
 
 __all__ = ["GradBucket", "make_buckets", "named_trainable", "numpy_view"]
 
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.bfloat16: ml_dtypes.bfloat16}
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """The NumPy array sharing memory with a contiguous CPU tensor (via DLPack; no copy).
+    """The NumPy array sharing memory with a CPU tensor (via DLPack; no copy); bfloat16 tensors
+    give an ``ml_dtypes.bfloat16`` array.
 
-    Raises TypeError for device tensors or dtypes NumPy lacks (bfloat16)."""
+    Raises TypeError for device tensors or other dtypes."""
     if t.device.type != "cpu":
         raise TypeError(f"numpy_view needs a CPU tensor, got one on {t.device}")
     if t.dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"numpy_view supports float32/float64/float16 tensors, got {t.dtype}")
+        raise TypeError(f"numpy_view supports float32/float64/float16/bfloat16 tensors, got {t.dtype}")
+    if t.dtype == torch.bfloat16:
+        return np.from_dlpack(t.detach().view(torch.int16)).view(ml_dtypes.bfloat16)
     return np.from_dlpack(t.detach())
 
 
@@ -46,14 +53,15 @@ def named_trainable(model_or_named) -> list[tuple[str, torch.nn.Parameter]]:
 
 @dataclass
 class GradBucket:
-    """One flat bucket. buffer: 1-D NumPy array (the params' dtype); tensor: torch view of it;
-    names/params: the parameters in buffer order; offsets: first element of each (int)."""
+    """One flat bucket. buffer: what the collective reduces (the NumPy view of ``tensor`` on the
+    CPU, ``tensor`` itself on a GPU); tensor: the flat torch tensor (the params' dtype and
+    device); names/params: the parameters in buffer order; offsets: first element of each."""
 
     index: int
     names: list[str]
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    buffer: np.ndarray
+    buffer: Any
     tensor: torch.Tensor = field(repr=False)
 
     @property
@@ -82,14 +90,14 @@ class GradBucket:
 
     def zero(self) -> None:
         """Zero the whole buffer (all gradients of the bucket) and bind the views."""
-        self.buffer.fill(0)
+        self.tensor.zero_()
         self.bind()
 
 
 def make_buckets(named_params, bucket_mb: float = 25.0) -> list[GradBucket]:
     """Pack the trainable parameters (in the given order) into buckets of at most ``bucket_mb``
     MiB each (a parameter larger than that gets a bucket of its own); parameters of different
-    dtypes go to different buckets. CPU parameters only. Binds every ``.grad`` to its view."""
+    dtypes or devices go to different buckets. Binds every ``.grad`` to its view."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     cap = int(bucket_mb * 2**20)
@@ -97,10 +105,11 @@ def make_buckets(named_params, bucket_mb: float = 25.0) -> list[GradBucket]:
     current: list[tuple[str, torch.nn.Parameter]] = []
     nbytes = 0
     for name, p in named_trainable(named_params):
-        if p.device.type != "cpu" or p.dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"parameter {name!r}: need a CPU float32/float64/float16 tensor, got {p.dtype} on {p.device}")
+        if p.device.type not in ("cpu", "cuda") or p.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"parameter {name!r}: need a CPU or CUDA float32/float64/float16/bfloat16 tensor, "
+                            f"got {p.dtype} on {p.device}")
         size = p.numel() * p.element_size()
-        if current and (nbytes + size > cap or current[0][1].dtype != p.dtype):
+        if current and (nbytes + size > cap or current[0][1].dtype != p.dtype or current[0][1].device != p.device):
             groups.append(current)
             current, nbytes = [], 0
         current.append((name, p))
@@ -111,8 +120,10 @@ def make_buckets(named_params, bucket_mb: float = 25.0) -> list[GradBucket]:
     for k, group in enumerate(groups):
         counts = [p.numel() for _, p in group]
         offsets = list(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int))
-        buf = np.zeros(int(sum(counts)), _NUMPY_DTYPES[group[0][1].dtype])
-        b = GradBucket(k, [n for n, _ in group], [p for _, p in group], offsets, buf, torch.from_numpy(buf))
+        first = group[0][1]
+        tensor = torch.zeros(int(sum(counts)), dtype=first.dtype, device=first.device)
+        buf = numpy_view(tensor) if tensor.device.type == "cpu" else tensor
+        b = GradBucket(k, [n for n, _ in group], [p for _, p in group], offsets, buf, tensor)
         b.bind()
         buckets.append(b)
     return buckets

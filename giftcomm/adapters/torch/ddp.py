@@ -2,105 +2,456 @@
 
 ::
 
-    state = GiftState(fmt="e4m3", start_gift_iter=10)        # collective: call on every rank
+    state = GiftState(fmt="e4m3", start_gift_iter=10, param_names=model)   # collective
     ddp.register_comm_hook(state, gift_hook)
 
-What ``gift_hook(state, bucket)`` does, per gradient bucket:
+What ``gift_hook(state, bucket)`` does, per gradient bucket (any float dtype: float32, float16,
+bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucket_view=True``):
 
 1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
    world size (DDP's default hook), returned as its own future.
-2. Otherwise: hand the bucket to the state's single worker thread and return a fresh
-   ``torch.futures.Future`` at once; the hook never waits.
-3. The worker (one thread, so buckets are reduced in the order DDP launched them, the same on
-   every rank) reads the bucket as a NumPy view (a host copy for GPU buckets), runs
-   ``giftcomm.gift_allreduce(op="avg")`` over a ``TorchDistTransport`` (a private gloo group on
-   the same ranks), writes the result back into the bucket and completes the future with it
-   (or with the exception, which DDP re-raises in ``backward``).
-4. With ``geometry="reduced"`` the worker also feeds the reduced bucket to a
-   ``GradientFactorEstimator`` every ``estimate_every`` iterations and rebuilds the bucket's
-   geometry with the selective policy every ``refresh_every`` iterations. The reduced bucket
-   is identical on every rank, so every rank builds the same geometry without communicating.
+2. **CUDA buckets (device route)**: on the calling (autograd) thread, a side CUDA stream waits
+   for the current stream, then ``giftcomm.gift_allreduce(bucket, op="avg", out=bucket)`` runs
+   the CUDA codec kernels on that stream (CuPy on ``ExternalStream``) over a
+   :class:`~giftcomm.transport.torch_dist.TorchDistDeviceTransport` on DDP's own process group
+   (``dist.batch_isend_irecv``: one NCCL group per ring hop, stream-ordered). No host copy, no
+   stream synchronisation: the hook returns a CUDA-aware ``Future`` whose value is ready in stream
+   order, so DDP's consumer waits on the GPU, not on the host, and backward keeps launching
+   kernels meanwhile. The only host round trip is the call's small agreement (a few int64 over
+   the control gloo group).
+3. **CPU buckets (host route)**: the bucket goes to the state's single worker thread and the hook
+   returns a fresh ``Future`` at once; the worker runs the same ``gift_allreduce`` over a
+   :class:`~giftcomm.transport.torch_dist.TorchDistTransport` (a private gloo group) and completes
+   the future (or fails it: DDP re-raises the exception from ``backward``). One worker means
+   buckets are reduced in the order DDP launched them, the same on every rank.
+4. Geometry (``geometry="reduced"`` or ``"kfac"``): estimation and rebuilds run on a separate
+   geometry thread that DDP never waits for. A geometry built from iteration ``r``'s data is
+   adopted by every rank at the start of iteration ``r + 1 + rebuild_lag`` (a deterministic
+   point, so every rank uses the same geometry for the same bucket); only if the rebuild is not
+   finished by then does the hook wait for it (counted in ``stats().geometry_waits``).
 5. After the last bucket of an iteration, ``state.iter`` advances.
 """
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
+import contextlib
+import copy
+import logging
+import threading
+import time
+import warnings
+from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ... import api
-from ...formats import DEFAULT_BLOCK
+from ...formats import DEFAULT_BLOCK, check_block, get_format, message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
+from ...transport.base import ANY, DEVICE, GROUPED, Transport
+from .blas import blas_limit, warn_oversubscription
+from .kfac import KfacCapture, geometries_from_factors
 
-__all__ = ["GiftState", "gift_hook"]
+__all__ = ["GiftState", "GiftStats", "gift_hook", "logger"]
 
-_GEOMETRIES = ("none", "reduced")
+logger = logging.getLogger("giftcomm.adapters")
+
+_GEOMETRIES = ("none", "reduced", "kfac")
+
+
+@dataclass
+class GiftStats:
+    """What the hook did so far (``state.stats()``). Bytes are per rank, per reduction:
+    ``bytes_in`` the buckets' size in their own dtype, ``bytes_wire`` the wire messages of the
+    same values (format + scales); ``bytes_saved`` their difference. ``comm_seconds``: wall time
+    of the reductions (host route: on the worker; device route: the host time to enqueue them,
+    the GPU time is not measured here). ``geometry_seconds``: estimator updates and rebuilds on
+    the geometry thread; ``geometry_waits``: times the hook had to wait for a rebuild."""
+
+    iterations: int = 0
+    warmup_buckets: int = 0
+    host_buckets: int = 0
+    device_buckets: int = 0
+    bytes_in: int = 0
+    bytes_wire: int = 0
+    comm_seconds: float = 0.0
+    estimator_updates: int = 0
+    rebuilds: int = 0
+    geometry_seconds: float = 0.0
+    geometry_waits: int = 0
+    transformed_segments: int = 0
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_in - self.bytes_wire
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["bytes_saved"] = self.bytes_saved
+        return d
 
 
 class _Runtime:
-    """Internal buffers of a GiftState: the transport, the worker thread, per-bucket estimators
-    and geometries. Not part of the user's settings."""
+    """Internal state of a GiftState: transports, threads, estimators, geometries. Not pickled."""
 
-    def __init__(self, group) -> None:
-        from ...transport.torch_dist import TorchDistTransport
+    def __init__(self, state: "GiftState", transport: Optional[Transport], sync_transport: Optional[Transport]) -> None:
+        self.lock = threading.Lock()
+        self.given = transport
+        if transport is None:
+            from ...transport.torch_dist import TorchDistTransport
 
-        self.transport = TorchDistTransport(group)
+            self.host: Optional[Transport] = TorchDistTransport(state.process_group)
+        else:
+            self.host = transport if transport.memory != DEVICE else None
+        self.device: Optional[Transport] = transport if transport is not None and transport.memory in (DEVICE, ANY) \
+            and transport.schedule == GROUPED else None
+        self.sync_transport = sync_transport
+        if state.geometry == "kfac" and sync_transport is None:
+            if transport is None:
+                from ...transport.torch_dist import TorchDistTransport
+
+                self.sync_transport = TorchDistTransport(state.process_group)  # geometry thread's own group
+            else:
+                self.sync_transport = transport
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-ddp")
+        self.geometry_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-geometry")
+        self.streams: dict[int, Any] = {}
         self.layouts: dict[int, Layout] = {}
         self.estimators: dict[int, GradientFactorEstimator] = {}
-        self.geometries: dict[int, Any] = {}
+        self.geometries: dict[int, tuple[Layout, Any]] = {}
+        self.pending: list[tuple[int, _CFuture]] = []  # (adopt at iteration, future of {index: (layout, geo)})
+        self.adopted_iter = -1
+        self.warned: set[str] = set()
+
+    def device_transport(self, state: "GiftState") -> Transport:
+        if self.device is None:
+            if self.given is not None:
+                raise TypeError(f"gift_hook: a CUDA bucket, but the GiftState's transport {type(self.given).__name__} "
+                                f"moves {self.given.memory} buffers only")
+            from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
+
+            assert isinstance(self.host, TorchDistTransport)
+            self.device = TorchDistDeviceTransport(state.process_group, control=self.host)
+        return self.device
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.geometry_thread.shutdown(wait=True)
+
+
+def _names_from(param_names: Any) -> dict[int, str]:
+    """{id(parameter): name} from a dict {parameter: name}, a module (named_parameters; a DDP
+    wrapper's ``module.`` prefix is dropped) or an iterable of (name, parameter)."""
+    if param_names is None:
+        return {}
+    if isinstance(param_names, torch.nn.Module):
+        mod = param_names.module if isinstance(param_names, torch.nn.parallel.DistributedDataParallel) else param_names
+        return {id(p): n for n, p in mod.named_parameters()}
+    if isinstance(param_names, dict):
+        out = {}
+        for p, n in param_names.items():
+            if not isinstance(p, torch.Tensor) or not isinstance(n, str):
+                raise TypeError("param_names must map parameters to names ({parameter: name}), a module, or (name, parameter) pairs")
+            out[id(p)] = n
+        return out
+    try:
+        return {id(p): str(n) for n, p in param_names}
+    except (TypeError, ValueError):
+        raise TypeError("param_names must be a module, a {parameter: name} dict or (name, parameter) pairs, "
+                        f"got {type(param_names).__name__}") from None
+
+
+def _int_at_least(value: Any, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"GiftState: {name} must be an int >= {least}, got {value!r}")
+    return int(value)
 
 
 class GiftState:
     """Settings of the giftcomm DDP hook (plus, apart, its internal runtime).
 
-    process_group: the DDP process group (None: the default group). fmt, block: wire format and
-    values per scale (as ``giftcomm.allreduce``). start_gift_iter: iterations of plain
-    ``dist.all_reduce`` before switching to giftcomm (warm-up). geometry: "none" (FP8 in plain
-    coordinates) or "reduced" (GIFT with factors estimated from the reduced gradients).
-    estimate_every / refresh_every: iterations between estimator updates / geometry rebuilds.
-    policy, damping: the selective policy and damping of the geometry. param_names: optional
-    {parameter: name} used to name layout segments. Building a GiftState is collective over
-    the group (it creates the private gloo group of the transport).
+    process_group: the DDP process group (None: the default group).
+    fmt, block: wire format ("e4m3", "e5m2", "bf16", "fp16", "fp32") and values per scale.
+    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
+    geometry: "none" (FP8 in plain coordinates), "reduced" (GIFT with factors estimated from the
+    reduced gradients: no communication) or "kfac" (GIFT with KFAC factors captured from the
+    model's nn.Linear layers and synchronised over the group; needs ``capture``).
+    capture: for "kfac", the model (a KfacCapture is made: every ``capture_every`` iterations,
+    ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its ``step``.
+    estimate_every ("reduced"): iterations between estimator updates (10: sparse by default).
+    refresh_every: iterations between geometry rebuilds; rebuild_lag: iterations a rebuild may
+    take on the geometry thread before it is adopted (see the module doc).
+    policy, damping: the selective policy and damping of the geometry.
+    param_names: the module (or {parameter: name}, or (name, parameter) pairs) naming layout
+    segments; with ``capture=model`` it defaults to the model.
+    blas_threads: BLAS threads of the geometry thread's estimator and eigh work (threadpoolctl).
+    transport: a giftcomm Transport to carry the buckets instead of the ones built over
+    ``process_group`` (a GROUPED one takes the device route; tests drive it with the device
+    loopback). sync_transport: the transport for KFAC factor sync (default: a private gloo group).
+
+    Building a GiftState is collective over the group (it creates private gloo groups). Raises
+    ValueError/TypeError at once for bad settings.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, fmt: str = "e4m3",
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, fmt: str = "e4m3",
                  block: int = DEFAULT_BLOCK, start_gift_iter: int = 0, geometry: str = "none",
-                 estimate_every: int = 1, refresh_every: int = 100, policy: SelectivePolicy | None = None,
-                 damping: float = 1e-3, param_names: dict | None = None) -> None:
+                 estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 1,
+                 policy: Optional[SelectivePolicy] = None, damping: float = 1e-3, param_names: Any = None,
+                 capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
+                 transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
+        try:
+            self.fmt = get_format(fmt).name
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"GiftState: {exc}") from None
+        self.block = check_block(block)
         if geometry not in _GEOMETRIES:
-            raise ValueError(f"geometry must be one of {_GEOMETRIES}, got {geometry!r}")
-        if start_gift_iter < 0 or estimate_every < 1 or refresh_every < 1:
-            raise ValueError("start_gift_iter must be >= 0, estimate_every and refresh_every >= 1")
-        # the user's settings
-        self.process_group = process_group
-        self.fmt, self.block = fmt, int(block)
-        self.start_gift_iter = int(start_gift_iter)
+            raise ValueError(f"GiftState: geometry must be one of {_GEOMETRIES}, got {geometry!r}")
         self.geometry = geometry
-        self.estimate_every, self.refresh_every = int(estimate_every), int(refresh_every)
-        self.policy, self.damping = policy or SelectivePolicy(), float(damping)
-        self.param_names = {id(p): n for p, n in (param_names or {}).items()}
+        self.start_gift_iter = _int_at_least(start_gift_iter, "start_gift_iter", 0)
+        self.estimate_every = _int_at_least(estimate_every, "estimate_every", 1)
+        self.refresh_every = _int_at_least(refresh_every, "refresh_every", 1)
+        self.rebuild_lag = _int_at_least(rebuild_lag, "rebuild_lag", 0)
+        self.blas_threads = _int_at_least(blas_threads, "blas_threads", 1)
+        if policy is not None and not isinstance(policy, SelectivePolicy):
+            raise TypeError(f"GiftState: policy must be a SelectivePolicy, got {type(policy).__name__}")
+        self.policy = policy or SelectivePolicy()
+        if not (isinstance(damping, (int, float)) and damping >= 0 and np.isfinite(damping)):
+            raise ValueError(f"GiftState: damping must be a finite number >= 0, got {damping!r}")
+        self.damping = float(damping)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"GiftState: process_group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
+        if transport is not None and not isinstance(transport, Transport):
+            raise TypeError(f"GiftState: transport must be a giftcomm Transport, got {type(transport).__name__}")
+        if transport is None and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("GiftState needs an initialised torch.distributed (dist.init_process_group) "
+                               "before it is built")
+        if geometry == "kfac":
+            if capture is None:
+                raise ValueError('GiftState: geometry="kfac" needs capture= (the model, or a KfacCapture)')
+            if isinstance(capture, torch.nn.Module):
+                if param_names is None:
+                    param_names = capture
+                capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens)
+            elif not isinstance(capture, KfacCapture):
+                raise TypeError(f"GiftState: capture must be an nn.Module or a KfacCapture, got {type(capture).__name__}")
+        elif capture is not None:
+            raise ValueError(f'GiftState: capture= is used with geometry="kfac" only (geometry is {geometry!r})')
+        self.process_group = process_group
+        self.param_names = _names_from(param_names)
+        self.capture: Optional[KfacCapture] = capture
         # progress and internal buffers
         self.iter = 0
-        self.runtime = _Runtime(process_group)
+        self._stats = GiftStats()
+        self._sync_transport = sync_transport
+        self.runtime = _Runtime(self, transport, sync_transport)
+        if self.capture is not None:
+            self.capture.step(self.iter)
+        warn_oversubscription()
+
+    # --- checkpoints -----------------------------------------------------------------------
+    _PICKLED = ("fmt", "block", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
+                "blas_threads", "policy", "damping", "iter")
+
+    def __getstate__(self) -> dict:
+        """The user's settings, the iteration count, the statistics and the reduced-gradient
+        estimators and geometries (not the process group, transports, threads, capture hooks or
+        parameter names: like PyTorch's PowerSGDState)."""
+        rt = self.runtime
+        with rt.lock:
+            geos = dict(rt.geometries)
+        est = rt.estimators
+        d = {k: getattr(self, k) for k in self._PICKLED}
+        d.update(stats=copy.copy(self._stats), geometries=geos, estimators=dict(est), layouts=dict(rt.layouts))
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        """Restore on the default process group (collective: makes the private groups again).
+        Call :meth:`bind` with the model afterwards to name segments (and, for "kfac", capture)."""
+        for k in self._PICKLED:
+            setattr(self, k, d[k])
+        self.process_group = None
+        self.param_names = {}
+        self.capture = None
+        self._stats = d.get("stats") or GiftStats()
+        self._sync_transport = None
+        geometry = self.geometry
+        if geometry == "kfac":
+            self.geometry = "none"  # no capture yet: bind(model) turns it back on
+        self.runtime = _Runtime(self, None, None)
+        self.geometry = geometry
+        self.runtime.geometries.update(d.get("geometries") or {})
+        self.runtime.layouts.update(d.get("layouts") or {})
+        self.runtime.estimators.update(d.get("estimators") or {})
+        self.runtime.adopted_iter = self.iter - 1
+
+    def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
+        """After loading a checkpoint: name segments from ``model`` and, for geometry "kfac",
+        attach a capture (``capture`` or one made from the model with ``capture_args``)."""
+        self.param_names = _names_from(model)
+        if self.geometry == "kfac":
+            self.capture = capture if capture is not None else KfacCapture(model, **capture_args)
+            if self.runtime.sync_transport is None:
+                from ...transport.torch_dist import TorchDistTransport
+
+                self.runtime.sync_transport = TorchDistTransport(self.process_group)
+            self.capture.step(self.iter)
+        return self
+
+    # --- observability ---------------------------------------------------------------------
+    def stats(self) -> GiftStats:
+        """A copy of the counters (see :class:`GiftStats`)."""
+        with self.runtime.lock:
+            s = copy.copy(self._stats)
+        s.iterations = self.iter
+        return s
+
+    def geometry_of(self, index: int):
+        """The geometry currently used for bucket ``index`` (None: plain coordinates)."""
+        got = self.runtime.geometries.get(index)
+        return None if got is None else got[1]
+
+    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> "GiftState":
+        """``ddp.register_comm_hook(self, gift_hook)``, after naming segments from ``ddp`` when no
+        names were given."""
+        if not self.param_names:
+            self.param_names = _names_from(ddp)
+        ddp.register_comm_hook(self, gift_hook)
+        return self
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         """Advance the iteration counter after the last bucket of a backward pass."""
         if bucket.is_last():
-            self.iter += 1
-
-    def geometry_of(self, index: int):
-        """The geometry currently used for bucket ``index`` (None: plain coordinates)."""
-        return self.runtime.geometries.get(index)
+            self._end_iteration(self.iter)
 
     def shutdown(self) -> None:
-        """Stop the worker thread (after the last backward)."""
-        self.runtime.executor.shutdown(wait=True)
+        """Stop the worker and geometry threads (after the last backward)."""
+        self.runtime.shutdown()
+
+    # --- iteration boundaries (hook thread) ------------------------------------------------
+    def _begin_iteration(self, it: int) -> None:
+        """Adopt the rebuilds due at iteration ``it`` (same point on every rank)."""
+        rt = self.runtime
+        if rt.adopted_iter >= it:
+            return
+        rt.adopted_iter = it
+        with rt.lock:
+            due = [p for p in rt.pending if p[0] <= it]
+            rt.pending = [p for p in rt.pending if p[0] > it]
+        for _, fut in due:
+            if not fut.done():
+                with rt.lock:
+                    self._stats.geometry_waits += 1
+                logger.info("giftcomm: iteration %d waits for a geometry rebuild (raise rebuild_lag)", it)
+            geos = fut.result()
+            with rt.lock:
+                rt.geometries.update(geos)
+            n = sum(0 if g is None else sum(not t.is_identity for t in g.transforms) for _, g in geos.values())
+            with rt.lock:
+                self._stats.transformed_segments = sum(
+                    0 if g is None else sum(not t.is_identity for t in g.transforms) for _, g in rt.geometries.values())
+            logger.info("giftcomm: iteration %d adopts rebuilt geometries of %d bucket(s), %d transformed segment(s)",
+                        it, len(geos), n)
+            if n == 0 and "identity" not in rt.warned:
+                rt.warned.add("identity")
+                warnings.warn("giftcomm GiftState: the selective policy transformed no segment (every geometry is the "
+                              "identity), so GIFT reduces as plain FP8; loosen the SelectivePolicy (min_size, min_gain, "
+                              "budget) or use geometry='none'", RuntimeWarning, stacklevel=3)
+
+    def _end_iteration(self, it: int) -> None:
+        """After the last bucket of iteration ``it``: KFAC snapshot/sync, capture step, iter += 1."""
+        if it + 1 == self.start_gift_iter:
+            logger.info("giftcomm: warm-up ends after iteration %d; FP8 (%s) from iteration %d", it, self.fmt, it + 1)
+        if self.geometry == "kfac" and self.capture is not None and (it + 1) % self.refresh_every == 0:
+            self._submit_kfac(it)
+        self.iter = it + 1
+        if self.capture is not None:
+            self.capture.step(self.iter)
+
+    def _submit_kfac(self, it: int) -> None:
+        rt, cap = self.runtime, self.capture
+        assert cap is not None
+        est = cap.estimator
+        fired = est.counts
+        if "never-fired" not in rt.warned and cap.captures > 0:
+            silent = [n for n in est.segments if fired[n] == 0]
+            if silent:
+                rt.warned.add("never-fired")
+                warnings.warn(f"giftcomm KfacCapture: {len(silent)} captured layer(s) never fired in "
+                              f"{cap.captures} capture step(s) and keep the identity geometry: {silent[:8]}",
+                              RuntimeWarning, stacklevel=3)
+        snapshot = {n: (a.copy(), g.copy()) for n, (a, g) in est.factors().items()}  # the hooks update in place
+        counts = dict(fired)
+        layouts = dict(rt.layouts)
+        fut = rt.geometry_thread.submit(self._kfac_rebuild, it, est.layout, list(est.segments), snapshot, counts, layouts)
+        with rt.lock:
+            rt.pending.append((it + 1 + self.rebuild_lag, fut))
+
+    def _kfac_rebuild(self, it, model_layout, segments, snapshot, counts, layouts) -> dict:
+        """Geometry thread: sync the factor snapshot over the group, one geometry per bucket."""
+        t0 = time.perf_counter()
+        with blas_limit(self.blas_threads):
+            geos = geometries_from_factors(self.runtime.sync_transport, model_layout, segments, snapshot, counts,
+                                           layouts, self.policy, self.damping)
+        dt = time.perf_counter() - t0
+        with self.runtime.lock:
+            self._stats.rebuilds += 1
+            self._stats.geometry_seconds += dt
+        logger.info("giftcomm: KFAC geometry rebuilt from iteration %d in %.3f s (%d buckets)", it, dt, len(geos))
+        return geos
+
+    # --- "reduced" geometry (called after a bucket's reduction, in bucket order) -------------
+    def _after_reduce(self, index: int, it: int, layout: Optional[Layout], snapshot: Any) -> None:
+        if self.geometry != "reduced" or layout is None:
+            return
+        rebuild = (it + 1) % self.refresh_every == 0
+        if snapshot is None and not rebuild:
+            return
+        fut = self.runtime.geometry_thread.submit(self._reduced_update, index, it, layout, snapshot, rebuild)
+        if rebuild:
+            with self.runtime.lock:
+                self.runtime.pending.append((it + 1 + self.rebuild_lag, fut))
+
+    def _reduced_update(self, index: int, it: int, layout: Layout, snapshot: Any, rebuild: bool) -> dict:
+        """Geometry thread: feed the reduced bucket (identical on every rank) to its estimator;
+        rebuild its geometry when due. No communication."""
+        rt = self.runtime
+        estimators = rt.estimators
+        t0 = time.perf_counter()
+        out: dict = {}
+        with blas_limit(self.blas_threads):
+            est = estimators.get(index)
+            if est is None or est.layout != layout:
+                est = estimators[index] = GradientFactorEstimator(layout)
+            if snapshot is not None:
+                data, event = snapshot
+                if event is not None:
+                    event.synchronize()  # the device copy is complete (this thread only)
+                est.update(_host_float32(data))
+                with rt.lock:
+                    self._stats.estimator_updates += 1
+            if rebuild and est.count > 0:
+                out[index] = (layout, est.geometry(policy=self.policy, damping=self.damping))
+        dt = time.perf_counter() - t0
+        with rt.lock:
+            self._stats.geometry_seconds += dt
+            if rebuild:
+                self._stats.rebuilds += 1
+        if rebuild:
+            logger.info("giftcomm: bucket %d geometry rebuilt from iteration %d", index, it)
+        return out
 
 
-def _bucket_layout(state: GiftState, bucket: dist.GradBucket, numel: int) -> Layout | None:
+def _host_float32(data: Any) -> np.ndarray:
+    """A float32 NumPy copy of a snapshot (torch CPU/CUDA tensor or NumPy array); geometry thread only."""
+    if isinstance(data, torch.Tensor):
+        return data.detach().to(device="cpu", dtype=torch.float32).numpy()
+    return np.asarray(data, np.float32)
+
+
+def _bucket_layout(state: GiftState, bucket: dist.GradBucket, numel: int) -> Optional[Layout]:
     """Segments of the bucket (one per parameter, in buffer order), or None if the gradients
     are not packed back to back from the start of the buffer."""
     params, grads = bucket.parameters(), bucket.gradients()
@@ -114,55 +465,129 @@ def _bucket_layout(state: GiftState, bucket: dist.GradBucket, numel: int) -> Lay
     return Layout(entries) if expect == numel else None
 
 
-def _reduce(state: GiftState, index: int, it: int, buf: torch.Tensor, event, layout, fut: torch.futures.Future) -> None:
-    """Worker-thread body: reduce one bucket in place and complete ``fut``."""
+def _geometry_for(state: GiftState, index: int, layout: Optional[Layout], numel: int):
+    if state.geometry == "none" or layout is None:
+        return None
+    got = state.runtime.geometries.get(index)
+    if got is None or got[0] != layout or got[1] is None or got[1].size != numel:
+        return None
+    return got[1]
+
+
+def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool) -> None:
+    n = buf.numel()
+    with state.runtime.lock:
+        s = state._stats
+        s.bytes_in += n * buf.element_size()
+        s.bytes_wire += message_nbytes(n, state.fmt, state.block)
+        s.comm_seconds += seconds
+        if device:
+            s.device_buckets += 1
+        else:
+            s.host_buckets += 1
+
+
+# ------------------------------------------------------------------------------ host route
+def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout, fut: torch.futures.Future) -> None:
+    """Worker-thread body: reduce one CPU bucket in place and complete ``fut``."""
     try:
-        rt = state.runtime
-        if event is not None:
-            event.synchronize()  # the gradients are ready on the GPU
-        host = buf if buf.device.type == "cpu" else buf.to("cpu")
-        arr = host.detach().numpy()
-        geo = rt.geometries.get(index) if state.geometry == "reduced" else None
-        if geo is not None and geo.size != arr.size:
-            geo = None
-        api.gift_allreduce(arr, geo, comm=rt.transport, op="avg", fmt=state.fmt, block=state.block, out=arr)
-        if state.geometry == "reduced" and layout is not None:
-            _update_geometry(state, index, it, arr, layout)
-        if host is not buf:
-            buf.copy_(host)
+        t0 = time.perf_counter()
+        api.gift_allreduce(buf, geo, comm=state.runtime.host, op="avg", fmt=state.fmt, block=state.block, out=buf)
+        dt = time.perf_counter() - t0
+        snap = None
+        if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
+            snap = (buf.detach().to(torch.float32, copy=True), None)  # the bucket is reused after the future
+        state._after_reduce(index, it, layout, snap)
+        _count(state, buf, dt, device=False)
         fut.set_result(buf)
     except BaseException as exc:  # DDP re-raises it from backward / the next wait
         fut.set_exception(exc)
 
 
-def _update_geometry(state: GiftState, index: int, it: int, reduced: np.ndarray, layout: Layout) -> None:
+# ---------------------------------------------------------------------------- device route
+@contextlib.contextmanager
+def _on_side_stream(state: GiftState, buf: torch.Tensor):
+    """For a CUDA bucket: a side stream of the bucket's device that waits for the current one,
+    made current for torch and for CuPy (``ExternalStream``); nothing for host buffers (the
+    device route driven on the CPU by a grouped test transport)."""
+    if buf.device.type != "cuda":
+        yield None
+        return
+    import cupy
+
+    dev = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
     rt = state.runtime
-    if rt.layouts.get(index) != layout:  # new or rebuilt bucket (DDP rebuilds after iteration 0)
-        rt.layouts[index] = layout
-        rt.estimators[index] = GradientFactorEstimator(layout)
-        rt.geometries.pop(index, None)
-    est = rt.estimators[index]
-    if it % state.estimate_every == 0:
-        est.update(reduced)
-    if est.count > 0 and (it + 1) % state.refresh_every == 0:
-        rt.geometries[index] = est.geometry(policy=state.policy, damping=state.damping)
+    side = rt.streams.get(dev)
+    if side is None:
+        side = rt.streams[dev] = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.device(dev), torch.cuda.stream(side), cupy.cuda.Device(dev), \
+            cupy.cuda.ExternalStream(side.cuda_stream, dev):
+        yield side
+
+
+def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout) -> torch.futures.Future:
+    """The device route, on the calling thread: enqueue the reduction in stream order and return
+    a future whose value is ready in that order (no host copy, no stream synchronisation)."""
+    transport = state.runtime.device_transport(state)
+    devices = [buf.device] if buf.device.type == "cuda" else None
+    fut: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+    try:
+        t0 = time.perf_counter()
+        with _on_side_stream(state, buf) as side:
+            api.gift_allreduce(buf, geo, comm=transport, op="avg", fmt=state.fmt, block=state.block, out=buf)
+            snap = None
+            if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
+                copy_ = buf.detach().to(torch.float32, copy=True)  # device to device, on the side stream
+                event = None
+                if side is not None:
+                    event = torch.cuda.Event()
+                    event.record(side)
+                snap = (copy_, event)
+            fut.set_result(buf)  # CUDA: records events on the side stream; consumers wait on the GPU
+        state._after_reduce(index, it, layout, snap)
+        _count(state, buf, time.perf_counter() - t0, device=True)
+    except BaseException as exc:
+        fut.set_exception(exc)
+    return fut
+
+
+def _route_is_device(state: GiftState, buf: torch.Tensor) -> bool:
+    """CUDA buckets, and every bucket when the state was given a GROUPED transport."""
+    given = state.runtime.given
+    return buf.device.type == "cuda" or (given is not None and given.schedule == GROUPED)
 
 
 def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: returns a Future of the averaged bucket (see module doc)."""
+    if not isinstance(state, GiftState):
+        raise TypeError("gift_hook needs a GiftState as its state: ddp.register_comm_hook(GiftState(...), gift_hook) "
+                        f"(got {type(state).__name__}; PyTorch's fp16/bf16 hooks take None, this one does not)")
     buf = bucket.buffer()
     it = state.iter
-    state.maybe_increase_iter(bucket)
+    state._begin_iteration(it)
+    index = bucket.index()
     if it < state.start_gift_iter:
         group = state.process_group
         buf.div_(dist.get_world_size(group))
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
-    fut: torch.futures.Future = torch.futures.Future()
-    event = None
-    if buf.device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(buf.device))
-    layout = _bucket_layout(state, bucket, buf.numel()) if state.geometry == "reduced" else None
-    state.runtime.executor.submit(_reduce, state, bucket.index(), it, buf, event, layout, fut)
+        work_fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        with state.runtime.lock:
+            state._stats.warmup_buckets += 1
+        state.maybe_increase_iter(bucket)
+        return work_fut.then(lambda f: f.value()[0])
+    layout = None
+    if state.geometry != "none":
+        layout = _bucket_layout(state, bucket, buf.numel())
+        if layout is not None:
+            state.runtime.layouts[index] = layout
+    geo = _geometry_for(state, index, layout, buf.numel())
+    if _route_is_device(state, buf):
+        fut = _reduce_device(state, index, it, buf, geo, layout)
+    else:
+        if state.runtime.host is None:
+            raise TypeError("gift_hook: a CPU bucket, but the GiftState's transport moves device buffers only")
+        fut = torch.futures.Future()
+        state.runtime.executor.submit(_reduce_host, state, index, it, buf, geo, layout, fut)
+    state.maybe_increase_iter(bucket)
     return fut
+

@@ -9,13 +9,17 @@
         sync.sync()                       # gift_allreduce each bucket in place (op="avg")
         opt.step()
 
-Every ``.grad`` is a view of a flat NumPy bucket, so the collective reads and writes the
-gradients without a copy. Each bucket may have its own geometry (``set_geometries``).
+Every ``.grad`` is a view of a flat bucket, so the collective reads and writes the gradients
+without a copy: on the CPU a NumPy view, on a GPU the CUDA tensor itself, reduced by giftcomm's
+device path (``comm`` an mpi4py communicator: NCCL over its ranks; or a device Transport) with
+the CUDA kernels on torch's current stream. Parameters may be float32, float64, float16 or
+bfloat16. Each bucket may have its own geometry (``set_geometries``).
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,21 @@ class SyncTimes:
     transform: float = 0.0
     comm: float = 0.0
     total: float = 0.0
+
+
+@contextlib.contextmanager
+def _torch_stream(t) -> Iterator[None]:
+    """CuPy on torch's current stream of ``t``'s device for a CUDA tensor (giftcomm's kernels and
+    NCCL then run in order with the model's work); nothing for a CPU tensor."""
+    if t.device.type != "cuda":
+        yield
+        return
+    import cupy
+    import torch
+
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
+        yield
 
 
 class _TimedGeometry:
@@ -65,7 +84,7 @@ class _TimedGeometry:
 class GradSync:
     """Allreduce a model's gradients bucket by bucket with giftcomm.
 
-    model: an nn.Module or (name, parameter) pairs (CPU, float32/64/16). comm: mpi4py
+    model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm: mpi4py
     communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block, op, algorithm,
     slice_elems: as for ``giftcomm.allreduce`` (op="avg" averages like DDP). bucket_mb: bucket
     size in MiB.
@@ -92,8 +111,8 @@ class GradSync:
         if len(geometries) != len(self.buckets):
             raise ValueError(f"need {len(self.buckets)} geometries (one per bucket), got {len(geometries)}")
         for b, g in zip(self.buckets, geometries):
-            if g is not None and g.size != b.buffer.size:
-                raise ValueError(f"bucket {b.index}: geometry covers {g.size} elements, bucket has {b.buffer.size}")
+            if g is not None and g.size != b.tensor.numel():
+                raise ValueError(f"bucket {b.index}: geometry covers {g.size} elements, bucket has {b.tensor.numel()}")
         self.geometries = list(geometries)
 
     def zero_grad(self) -> None:
@@ -109,8 +128,9 @@ class GradSync:
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
-            api.gift_allreduce(b.buffer, tg, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block,
-                               out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems)
+            with _torch_stream(b.tensor):
+                api.gift_allreduce(b.buffer, tg, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block,
+                                   out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems)
             if tg is not None:
                 times.transform += tg.seconds
         times.total = time.perf_counter() - t0

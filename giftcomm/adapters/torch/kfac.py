@@ -7,18 +7,27 @@ d are fed to ``KfacEstimator.update(segment, a, d)``. The estimator's segment fo
 the name of its weight parameter (``"<module path>.weight"``), shape (out, in) as in
 ``Layout``. After ``estimator.sync(comm)``, ``build_geometries`` makes one Geometry per bucket
 with the selective policy.
+
+``nn.MultiheadAttention`` computes its projections with ``F.linear`` / a bare ``in_proj_weight``,
+so no nn.Linear forward hook fires inside it: KfacCapture leaves those weights out (they keep the
+identity geometry) and warns once, naming them. Layers of any float dtype and device are captured
+(rows are copied to the host as float64 on capture steps only).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ...geometry import Geometry, KfacEstimator, Layout, SelectivePolicy, select
+from ...geometry.sync import sync_spectra
 from .buckets import named_trainable
 
-__all__ = ["KfacCapture", "build_geometries", "model_layout"]
+__all__ = ["KfacCapture", "build_geometries", "model_layout", "geometries_from_factors", "linear_segments"]
 
 
 def model_layout(model_or_named) -> Layout:
@@ -26,11 +35,32 @@ def model_layout(model_or_named) -> Layout:
     return Layout([(n, tuple(p.shape)) for n, p in named_trainable(model_or_named)])
 
 
+def _attention_linears(model: torch.nn.Module) -> set[int]:
+    """ids of the nn.Linear modules inside nn.MultiheadAttention (called through F.linear)."""
+    inside: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            inside.update(id(sub) for sub in m.modules() if isinstance(sub, torch.nn.Linear))
+    return inside
+
+
 def linear_segments(model: torch.nn.Module) -> dict[torch.nn.Linear, str]:
-    """nn.Linear modules with a trainable weight -> segment name of that weight."""
+    """nn.Linear modules with a trainable weight -> segment name of that weight (the Linear
+    modules inside nn.MultiheadAttention, whose forward never runs, are left out)."""
     names = {id(p): n for n, p in named_trainable(model)}
+    skip = _attention_linears(model)
     return {m: names[id(m.weight)] for _, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and id(m.weight) in names}
+            if isinstance(m, torch.nn.Linear) and id(m.weight) in names and id(m) not in skip}
+
+
+def _uncaptured_attention(model: torch.nn.Module) -> list[str]:
+    """Names of the nn.MultiheadAttention weights no forward hook can see."""
+    names = {id(p): n for n, p in named_trainable(model)}
+    out = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            out += [names[id(p)] for p in m.parameters() if id(p) in names and p.dim() == 2]
+    return out
 
 
 class KfacCapture:
@@ -55,35 +85,47 @@ class KfacCapture:
         self.every, self.tokens = int(every), int(tokens)
         self.rng = np.random.default_rng(seed)
         self.active = False
+        self.captures = 0  # capture steps declared so far
         self.seconds = 0.0  # wall time spent in the hooks (copies, factor updates)
+        self.uncaptured = _uncaptured_attention(model)
+        if self.uncaptured:
+            warnings.warn(f"KfacCapture: nn.MultiheadAttention computes its projections without nn.Linear.forward; "
+                          f"{len(self.uncaptured)} weight(s) are not captured and keep the identity geometry: "
+                          f"{self.uncaptured[:6]}", RuntimeWarning, stacklevel=2)
         self._handles = [m.register_forward_hook(self._forward_hook(name)) for m, name in self.layers.items()]
 
     def step(self, step: int) -> bool:
         """Declare the step about to run; returns whether it captures."""
         self.active = int(step) % self.every == 0
+        self.captures += int(self.active)
         return self.active
+
+    def silent_layers(self) -> list[str]:
+        """Captured segments that never received a batch although capture steps ran (e.g. layers
+        not used in forward, or called without their forward hook)."""
+        if self.captures == 0:
+            return []
+        return [n for n in self.estimator.segments if self.estimator.counts[n] == 0]
 
     def _forward_hook(self, name: str):
         def hook(module, inputs, output):
             if not (self.active and module.training and torch.is_grad_enabled() and output.requires_grad):
                 return
-            import time
-
             t0 = time.perf_counter()
             a = inputs[0].detach().reshape(-1, module.in_features)
             rows = a.shape[0]
             idx = None
             if rows > self.tokens:
-                idx = torch.from_numpy(np.sort(self.rng.choice(rows, self.tokens, replace=False)))
+                idx = torch.from_numpy(np.sort(self.rng.choice(rows, self.tokens, replace=False))).to(a.device)
                 a = a.index_select(0, idx)
-            a_np = a.to(torch.float64).numpy()
+            a_np = a.to(device="cpu", dtype=torch.float64).numpy()
 
             def grad_hook(grad: torch.Tensor) -> None:
                 t1 = time.perf_counter()
                 d = grad.detach().reshape(-1, module.out_features)
                 if idx is not None:
                     d = d.index_select(0, idx)
-                self.estimator.update(name, a_np, d.to(torch.float64).numpy())
+                self.estimator.update(name, a_np, d.to(device="cpu", dtype=torch.float64).numpy())
                 self.seconds += time.perf_counter() - t1
 
             output.register_hook(grad_hook)
@@ -110,4 +152,27 @@ def build_geometries(estimator: KfacEstimator, layouts: Sequence[Layout], policy
     for layout in layouts:
         factors = {n: (sa, sg) for n, (sg, sa) in estimator.spectra.items() if n in layout}
         out.append(select(layout, factors, policy, damping))
+    return out
+
+
+def geometries_from_factors(comm: Any, model_layout_: Layout, segments: Sequence[str],
+                            factors: Mapping[str, tuple[np.ndarray, np.ndarray]], counts: Mapping[str, int],
+                            layouts: Mapping[int, Layout], policy: SelectivePolicy | None = None,
+                            damping: float = 1e-3, mode: str = "broadcast") -> dict[int, tuple[Layout, Geometry]]:
+    """Collective over ``comm`` (any giftcomm Transport, an mpi4py communicator, or None): sync
+    a snapshot of KFAC factors (``factors``: segment -> (A (n, n), G (m, m)); ``counts``: batches
+    per segment, as :class:`KfacEstimator` keeps them) and build one geometry per bucket layout
+    with the selective policy. Returns {bucket index: (layout, geometry)}, identical on every rank."""
+    mats, cnt = [], []
+    for n in segments:
+        m_out, n_in = model_layout_[n].matrix_shape
+        a, g = factors.get(n, (None, None))
+        mats += [g if g is not None else np.zeros((m_out, m_out)), a if a is not None else np.zeros((n_in, n_in))]
+        cnt += [int(counts.get(n, 0))] * 2
+    spectra, _ = sync_spectra(comm, mats, cnt, mode)
+    synced = {n: (spectra[2 * i + 1], spectra[2 * i]) for i, n in enumerate(segments) if spectra[2 * i] is not None}
+    policy = policy or SelectivePolicy()
+    out = {}
+    for index, layout in layouts.items():
+        out[index] = (layout, select(layout, {n: f for n, f in synced.items() if n in layout}, policy, damping))
     return out
