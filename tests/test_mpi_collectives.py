@@ -135,7 +135,7 @@ def test_pipelined_slices_over_mpi(transport, shared_rng, slice_elems):
     assert_identical_everywhere(transport.comm, y)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "auto"])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot", "auto"])
 @pytest.mark.parametrize("n", [7, 4099, 300001])
 def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
     xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
