@@ -62,7 +62,7 @@ from .sizes import format_size, parse_size, size_range
 SHARED_MEMORY = {"auto": None, "on": True, "off": False}  # --shared-memory -> MpiTransport(shared_memory=)
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 NCCL_TYPE = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16"}
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 
 
 @dataclass
