@@ -64,7 +64,7 @@ class TransformTimeModel:
     ``forward(x, out=workspace)``, ``inverse(result, out=result)`` (a reused buffer, an in-place
     inverse that skips the identity segments). Defaults: least-squares fit on the 2-core
     development VM (fp32, one BLAS thread, that call pattern) with a margin of ~1.1-1.3
-    (perf/results/gift-cost.md; ``python -m giftcomm.perf fidelity cost`` prints a fit); refit
+    (perf/results/gift-cost.md; ``python -m studies fidelity cost`` prints a fit); refit
     for other machines (a GPU is 2-3 orders of magnitude faster).
     """
 
