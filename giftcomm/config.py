@@ -16,7 +16,8 @@ __all__ = ["Variable", "VARIABLES", "flag", "cached_flag", "choice", "number", "
 
 @dataclass(frozen=True)
 class Variable:
-    """One environment variable. kind: "flag", "choice", "number" or "path"; default: the value
+    """One environment variable. kind: "flag", "choice", "number", "path" or "text" (read with
+    :func:`raw`); default: the value
     used when it is unset or empty (None: no default); choices: allowed values of a "choice"."""
 
     name: str
@@ -36,6 +37,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "whether the MPI library takes device pointers (auto: ask the library)", ("auto", "0", "1")),
     Variable("GIFTCOMM_CALIBRATION", "path", None,
              "the cost model's calibration file (default: $XDG_CACHE_HOME/giftcomm/calibration.json)"),
+    Variable("GIFTCOMM_NETBED_RATE", "text", None,
+             "the link rate of a netbed run (set by python -m studies netbed; labels benchmark output)"),
     Variable("GIFTCOMM_TIMEOUT", "number", "600",
              "seconds a blocking wait (message, agreement, shared-window fence, communicator creation) waits "
              "for its peers before the GIFTCOMM_ON_TIMEOUT policy applies (0: wait for ever)"),

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec
+from .. import codec, config
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.update(stat=args.stat, P=world.size, nodes=nodes.tolist(), layout=layout, host=platform.node(),
                    cpus=os.cpu_count(), loadavg_before=load_before, loadavg_after=_loadavg(),
                    date=time.strftime("%Y-%m-%d %H:%M:%S"), notes=notes,
-                   netbed_rate=os.environ.get("GIFTCOMM_NETBED_RATE"))
+                   netbed_rate=config.raw("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)
         if not args.no_write:
             from ..costmodel import write_calibration  # atomic: a temporary file, then os.replace

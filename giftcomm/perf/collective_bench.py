@@ -51,7 +51,7 @@ import ml_dtypes
 import numpy as np
 
 import giftcomm
-from giftcomm import codec
+from giftcomm import codec, config
 from giftcomm.costmodel import choose
 from giftcomm.formats import FORMATS, bytes_per_value
 from giftcomm.reference import simulate_allreduce
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     transport = MpiTransport(comm, shared_memory=SHARED_MEMORY[args.shared_memory])
     places = placement(comm, transport)
-    link = os.environ.get("GIFTCOMM_NETBED_RATE", "host (no netbed shaping)")
+    link = (config.raw("GIFTCOMM_NETBED_RATE") or "host (no netbed shaping)")
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if comm.rank == 0:
         print(f"# giftcomm {giftcomm.__version__} allreduce: nRanks {comm.size} minBytes {sizes[0]} "
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             doc = {"tool": "giftcomm.perf allreduce", "giftcomm_version": giftcomm.__version__,
                    "mpi_library": mpi_library_version(), "date": date, "P": comm.size,
                    "hosts": sorted({pl["host"] for pl in places}), "placement": places, "label": args.label,
-                   "link": os.environ.get("GIFTCOMM_NETBED_RATE", "host"), "args": vars(args),
+                   "link": (config.raw("GIFTCOMM_NETBED_RATE") or "host"), "args": vars(args),
                    "units": {"size": "B", "time_us": "us", "algbw": "GB/s", "busbw": "GB/s", "wirebw": "GB/s"},
                    "out_of_bounds": bad if args.check else None,
                    "avg_busbw": float(np.mean([r.busbw for r in rows if r.fmt != "mpi"] or [0.0])),
