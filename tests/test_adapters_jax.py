@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import giftcomm
+import giftcomm.adapters.jax
 from giftcomm.adapters.jax import TreeSync, allreduce_tree, flatten_tree, tree_spec, unflatten_tree
 from giftcomm.geometry import SelectivePolicy
 
@@ -113,3 +114,46 @@ def test_bfloat16_leaf_dtype_kept(rng):
     np.testing.assert_array_equal(np.asarray(out["a"]).astype(np.float32),
                                   np.asarray(tree["a"]).astype(ml_dtypes.bfloat16).astype(np.float32))
     assert tree_spec(tree).layout.size == 300
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_device_packing_route_equals_host_route(rng, P):
+    """device=True packs with jnp and hands giftcomm the jax array (the GPU route: no NumPy on the
+    way); on the CPU it must give the host route's bytes, for every leaf dtype."""
+    trees = [_tree(rng) for _ in range(P)]
+
+    def fn(t):
+        flat, _ = giftcomm.adapters.jax.flatten_tree_jnp(trees[t.rank])
+        assert isinstance(flat, jax.Array) and flat.dtype == jnp.float32
+        return (allreduce_tree(trees[t.rank], comm=t, device=True),
+                allreduce_tree(trees[t.rank], comm=t, device=False))
+
+    for dev, host in giftcomm.LoopbackGroup(P).run(fn):
+        for a, b in zip(jax.tree_util.tree_leaves(dev), jax.tree_util.tree_leaves(host)):
+            assert isinstance(a, jax.Array) and a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not giftcomm.adapters.jax.on_gpu(trees[0])
+
+
+def test_split_train_step_outside_jit(rng):
+    """The documented pattern: jitted grad, the adapter between, jitted update."""
+    P = 2
+    params = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16), "b": jnp.zeros(4, jnp.float32)}
+    xs = [jnp.asarray(rng.standard_normal((16, 8)), jnp.float32) for _ in range(P)]
+
+    @jax.jit
+    def grads_of(p, x):
+        return jax.grad(lambda q: jnp.mean((x @ q["w"].astype(jnp.float32) + q["b"]) ** 2))(p)
+
+    @jax.jit
+    def update(p, g):
+        return jax.tree_util.tree_map(lambda a, b: (a - 0.1 * b).astype(a.dtype), p, g)
+
+    def fn(t):
+        g = allreduce_tree(grads_of(params, xs[t.rank]), comm=t)
+        return update(params, g)
+
+    new = giftcomm.LoopbackGroup(P).run(fn)
+    for leaf0, leaf1 in zip(jax.tree_util.tree_leaves(new[0]), jax.tree_util.tree_leaves(new[1])):
+        np.testing.assert_array_equal(np.asarray(leaf0), np.asarray(leaf1))
+    assert new[0]["w"].dtype == jnp.bfloat16

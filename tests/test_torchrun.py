@@ -134,7 +134,7 @@ def test_torchrun_comm_none_kfac_sync_and_agree(tmp_path, rng):
         assert v["agreed"] == res[0]["agreed"] and v["agreed_repair"] == res[0]["agreed_repair"]
     if "comm_none" not in res[0]:
         warnings.warn("giftcomm.transport.resolve() does not call default_transport() yet: comm=None under "
-                      "torchrun was checked through default_transport() only")
+                      "torchrun was checked through default_transport() only", stacklevel=1)
     # synced factors: the spectra of the mean of both ranks' factors, identical on the ranks
     from giftcomm.geometry.spectral import Spectrum
 
@@ -179,7 +179,7 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     res: dict = {"digests": [], "rel": []}
     iters = 6
-    for it in range(iters):
+    for _ in range(iters):
         x = torch.randn(32, 24, generator=gen).to(dtype)
         ddp(x).float().pow(2).mean().backward()
         grads = torch.cat([p.grad.reshape(-1).float() for p in model.parameters()])
@@ -208,7 +208,7 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     res["ckpt"] = (back.iter == state.iter, back.fmt == state.fmt, back.refresh_every == state.refresh_every,
                    back.geometry == state.geometry, back.stats().bytes_in == s.bytes_in,
                    sorted(back.runtime.geometries) == sorted(state.runtime.geometries))
-    ddp.register_comm_hook  # the same DDP cannot take a second hook; a fresh one continues from the state
+    # a DDP takes one hook: a fresh DDP continues from the loaded state
     ddp2 = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)
     ddp2.register_comm_hook(back, gift_hook)
     ddp2(torch.randn(8, 24, generator=gen).to(dtype)).float().pow(2).mean().backward()

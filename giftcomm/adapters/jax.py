@@ -7,10 +7,14 @@
     sync = TreeSync(fmt="e4m3", refresh_every=50)                 # GIFT, communication-free factors
     grads = sync(grads)
 
-The leaves (any float dtype, any shapes) are read as NumPy arrays (``np.asarray`` of a CPU jax
-array is a zero-copy, read-only view), packed into one float32 buffer in ``tree_flatten``
-order, reduced with ``giftcomm.gift_allreduce``, then split and returned as ``jnp`` arrays of
-the leaves' shapes and dtypes, in the same tree structure.
+The leaves (any float dtype: float32, bfloat16, float16, float64; any shapes) are packed into
+one float32 buffer in ``tree_flatten`` order, reduced with ``giftcomm.gift_allreduce``, then
+split and returned as ``jnp`` arrays of the leaves' shapes and dtypes, in the same tree
+structure. Host (CPU) leaves are read as NumPy arrays (``np.asarray`` of a CPU jax array is a
+zero-copy view); GPU leaves are packed with ``jnp`` on their device and the flat jax array goes
+to giftcomm's device path zero-copy (DLPack into CuPy, CUDA kernels, NCCL), so nothing visits the
+host. The adapter runs **outside** ``jax.jit``: compute the gradients in a jitted function, call
+the adapter between it and the jitted update (docs/adapters.md shows the split train step).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from .. import api
 from ..formats import DEFAULT_BLOCK
 from ..geometry import GradientFactorEstimator, Layout, SelectivePolicy
 
-__all__ = ["TreeSpec", "tree_spec", "flatten_tree", "unflatten_tree", "allreduce_tree", "TreeSync"]
+__all__ = ["TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
+           "on_gpu"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,24 @@ def flatten_tree(tree, spec: TreeSpec | None = None, dtype=np.float32) -> tuple[
     return flat, spec
 
 
+def on_gpu(tree) -> bool:
+    """True when any leaf of ``tree`` is a jax array on a GPU."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        devices = getattr(leaf, "devices", None)
+        if devices is not None and any(d.platform in ("gpu", "cuda", "rocm") for d in devices()):
+            return True
+    return False
+
+
+def flatten_tree_jnp(tree, spec: TreeSpec | None = None) -> tuple[Any, TreeSpec]:
+    """(flat float32 jax array of every leaf in order, spec), packed by ``jnp`` on the leaves'
+    device (the device route: the buffer never visits the host)."""
+    spec = spec or tree_spec(tree)
+    leaves = [jnp.ravel(jnp.asarray(leaf)).astype(jnp.float32) for leaf in jax.tree_util.tree_leaves(tree)]
+    flat = jnp.concatenate(leaves) if leaves else jnp.zeros(0, jnp.float32)
+    return flat, spec
+
+
 def unflatten_tree(flat: np.ndarray, spec: TreeSpec):
     """The pytree of ``jnp`` arrays (the spec's shapes and dtypes) cut from ``flat``."""
     leaves = []
@@ -82,12 +105,20 @@ def unflatten_tree(flat: np.ndarray, spec: TreeSpec):
     return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
 
+def _flatten(tree, device: bool | None):
+    if device is None:
+        device = on_gpu(tree)
+    return flatten_tree_jnp(tree) if device else flatten_tree(tree)
+
+
 def allreduce_tree(tree, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
-                   geometry=None):
+                   geometry=None, device: bool | None = None):
     """Collective: the pytree reduced over all ranks (``op`` "avg" or "sum"), one flat
     ``gift_allreduce`` of the leaves packed as float32. geometry: None or a Geometry over
-    ``tree_spec(tree).layout``. Bit-identical on every rank."""
-    flat, spec = flatten_tree(tree)
+    ``tree_spec(tree).layout``. device: pack with ``jnp`` and hand giftcomm the jax array
+    (None: when a leaf is on a GPU; then ``comm`` None or an mpi4py communicator means NCCL, or
+    pass a device Transport). Bit-identical on every rank. Not for use inside ``jax.jit``."""
+    flat, spec = _flatten(tree, device)
     out = api.gift_allreduce(flat, geometry, comm=comm, op=op, fmt=fmt, block=block)
     return unflatten_tree(out, spec)
 
@@ -103,12 +134,13 @@ class TreeSync:
 
     def __init__(self, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
                  estimate_every: int = 1, refresh_every: int = 50, policy: SelectivePolicy | None = None,
-                 damping: float = 1e-3, decay: float = 0.95) -> None:
+                 damping: float = 1e-3, decay: float = 0.95, device: bool | None = None) -> None:
         if estimate_every < 1 or refresh_every < 1:
             raise ValueError("estimate_every and refresh_every must be >= 1")
         self.comm, self.op, self.fmt, self.block = comm, op, fmt, block
         self.estimate_every, self.refresh_every = estimate_every, refresh_every
         self.policy, self.damping, self.decay = policy or SelectivePolicy(), damping, decay
+        self.device = device
         self.spec: TreeSpec | None = None
         self.estimator: GradientFactorEstimator | None = None
         self.geometry = None
@@ -117,14 +149,14 @@ class TreeSync:
 
     def __call__(self, tree):
         """Collective: the reduced pytree (as ``allreduce_tree`` with the current geometry)."""
-        flat, spec = flatten_tree(tree, None)
+        flat, spec = _flatten(tree, self.device)
         if self.spec is None or spec.layout != self.spec.layout:
             self.spec, self.geometry = spec, None
             self.estimator = GradientFactorEstimator(spec.layout, decay=self.decay)
         out = api.gift_allreduce(flat, self.geometry, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block)
         t0 = time.perf_counter()
         if self.calls % self.estimate_every == 0:
-            self.estimator.update(out)
+            self.estimator.update(np.asarray(out))  # a host copy for GPU arrays, estimator steps only
         if (self.calls + 1) % self.refresh_every == 0 and self.estimator.count > 0:
             self.geometry = self.estimator.geometry(policy=self.policy, damping=self.damping)
         self.seconds += time.perf_counter() - t0
