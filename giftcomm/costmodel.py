@@ -26,6 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from . import config
 from .formats import bytes_per_value, get_format
 
 
@@ -126,9 +127,9 @@ def calibration_path() -> Path:
 
 def _calibration_file() -> str:
     # plain strings: load_calibration runs on every "auto" call, and pathlib costs ~0.1 ms
-    env = os.environ.get("GIFTCOMM_CALIBRATION", "").strip()
+    env = config.raw("GIFTCOMM_CALIBRATION")
     if env:
-        return os.path.expanduser(env)
+        return os.path.expanduser(env) if env.startswith("~") else env
     return _default_calibration_file(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME"))
 
 

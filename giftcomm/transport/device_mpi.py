@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import _xp
+from .. import _xp, config
 from .base import DEVICE, GROUPED, Request
 from .mpi import MpiRequest, MpiTransport
 
@@ -57,7 +57,7 @@ def _libmpi_handles() -> list[ctypes.CDLL]:
 
 def cuda_support() -> CudaSupport:
     """Ask the loaded MPI library whether it is CUDA-aware (see the module docstring)."""
-    env = os.environ.get("GIFTCOMM_CUDA_AWARE_MPI")
+    env = config.choice("GIFTCOMM_CUDA_AWARE_MPI")
     if env in ("0", "1"):
         return CudaSupport(env == "1", "GIFTCOMM_CUDA_AWARE_MPI")
     for lib in _libmpi_handles():
