@@ -197,7 +197,7 @@ class GiftState:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, fmt: str = "e4m3",
                  block: int = DEFAULT_BLOCK, start_gift_iter: int = 0, geometry: str = "none",
-                 estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 1,
+                 estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
                  policy: Optional[SelectivePolicy] = None, damping: float = 1e-3, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
