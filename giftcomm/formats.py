@@ -2,15 +2,27 @@
 
 A *format* says how a float32 value travels on the wire:
 
-- ``e4m3``: OCP FP8 E4M3 (``float8_e4m3fn``: max 448, no Inf, NaN code 0x7F), block-scaled.
-- ``e5m2``: OCP FP8 E5M2 (``float8_e5m2``: max 57344), block-scaled.
+- ``e4m3``: OCP FP8 E4M3 (``float8_e4m3fn``: max 448, no Inf, NaN code 0x7F), fp32 block scales.
+- ``e5m2``: OCP FP8 E5M2 (``float8_e5m2``: max 57344), fp32 block scales.
+- ``mxfp8``, ``mxfp8_e5m2``: OCP MX v1.0 MXFP8: E4M3 (E5M2) elements, one E8M0 power-of-two
+  scale per 32 values.
+- ``mxfp4``: OCP MX v1.0 MXFP4: E2M1 elements packed two per byte, one E8M0 scale per 32 values.
+- ``nvfp4``: NVIDIA NVFP4: E2M1 elements packed two per byte, one E4M3 scale per 16 values, and
+  one float32 second-level scale per *group* of 64 blocks (1024 values) from the start of the
+  message.
 - ``bf16``, ``fp16``, ``fp32``: pass-through formats, raw values on the wire, no scales. They
   exist so that baselines run through the same collective code.
 
-One wire message for ``count`` values (see docs/wire-format.md)::
+Messages for ``count`` values (docs/wire-format.md; nb = ceil(count/block), ng = ceil(count/1024))::
 
-    block-scaled:  [payload: count bytes][pad to 4 bytes][scales: ceil(count/block) float32 LE]
-    pass-through:  [payload: count * itemsize bytes]
+    e4m3, e5m2:         [count code bytes][pad to 4][nb float32 scales, LE]
+    mxfp8, mxfp8_e5m2:  [count code bytes][nb E8M0 scale bytes]
+    mxfp4:              [ceil(count/2) packed bytes][nb E8M0 scale bytes]
+    nvfp4:              [ceil(count/2) packed bytes][nb E4M3 scale bytes][pad to 4][ng float32 LE]
+    pass-through:       [count * itemsize bytes]
+
+Packed 4-bit payloads: value 2j in the low nibble of byte j, value 2j+1 in the high nibble
+(0 when count is odd).
 """
 from __future__ import annotations
 
@@ -22,16 +34,28 @@ import numpy as np
 
 DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 20
+#: values per NVFP4 second-level (float32) scale: 64 blocks of 16
+NVFP4_GROUP = 1024
+
+ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclass(frozen=True)
 class Format:
     """One wire format.
 
-    name: public name (``"e4m3"``...). code: small integer used in cross-rank signatures.
-    wire_dtype: NumPy dtype of one payload element. scaled: True for block-scaled FP8.
-    max_value: largest finite magnitude (FP8 only; used as the scale target).
-    nan_code: the byte written for every element of a non-finite block (FP8 only).
+    name: public name (``"e4m3"``...). code: small integer used in cross-rank signatures and by
+    the native and CUDA kernels. wire_dtype: NumPy dtype of one element (``float4_e2m1fn`` for
+    the 4-bit formats, one element per byte in NumPy; the wire packs two per byte).
+    scaled: True for every block-scaled format (all but bf16/fp16/fp32).
+    max_value: largest finite element magnitude (the scale target).
+    nan_code: the element code written for every element of a non-finite block.
+    value_bits: wire bits per element (4, 8, 16, 32).
+    fixed_block: the block size the format defines (16 nvfp4, 32 MX), None when any block works.
+    scale_kind: "f32" (e4m3/e5m2), "e8m0" (MX), "nvfp4" (E4M3 block scales + float32 group
+    scales), "" for pass-through formats.
+    emax: exponent of the element format's largest power of two (MX scale rule: 2 for E2M1,
+    8 for E4M3, 15 for E5M2).
     """
 
     name: str
@@ -40,31 +64,66 @@ class Format:
     scaled: bool
     max_value: float = 0.0
     nan_code: int = 0
+    value_bits: int = 0
+    fixed_block: int | None = None
+    scale_kind: str = ""
+    emax: int = 0
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element in NumPy (1 for the 4-bit formats: see value_bits for the wire)."""
         return self.wire_dtype.itemsize
 
     @property
+    def packed(self) -> bool:
+        """True for the 4-bit formats (two elements per payload byte)."""
+        return self.value_bits == 4
+
+    @property
     def tiny_amax(self) -> np.float32:
-        """Block amax below which a block is encoded with scale 1 (flushes to signed zero).
+        """e4m3/e5m2: block amax below which a block is encoded with scale 1 (flushes to signed zero).
 
         ``max_value * 2**-126``: the smallest amax for which both ``amax / max`` and
         ``max / amax`` are normal, finite float32 numbers.
         """
         return np.float32(self.max_value) * np.float32(2.0**-126)
 
+    def default_block(self) -> int:
+        """The block used when none is given: the format's own, else DEFAULT_BLOCK."""
+        return self.fixed_block if self.fixed_block is not None else DEFAULT_BLOCK
+
+    def slice_unit(self, block: int) -> int:
+        """Values a message may be cut at without changing any byte of the buffer's encoding:
+        ``block`` for every format except nvfp4, whose float32 scale covers a group of 1024
+        values (64 blocks) counted from the start of the message."""
+        return NVFP4_GROUP if self.scale_kind == "nvfp4" else block
+
+    def scale_nbytes(self) -> int:
+        """Bytes of one block scale on the wire (0 for pass-through formats)."""
+        return {"f32": 4, "e8m0": 1, "nvfp4": 1}.get(self.scale_kind, 0)
+
+
+_E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("e4m3", 1, np.dtype(ml_dtypes.float8_e4m3fn), True, 448.0, 0x7F),
-        Format("e5m2", 2, np.dtype(ml_dtypes.float8_e5m2), True, 57344.0, 0x7F),
-        Format("bf16", 3, np.dtype(ml_dtypes.bfloat16), False),
-        Format("fp16", 4, np.dtype(np.float16), False),
-        Format("fp32", 5, np.dtype(np.float32), False),
+        Format("e4m3", 1, _E4M3, True, 448.0, 0x7F, 8, None, "f32", 8),
+        Format("e5m2", 2, _E5M2, True, 57344.0, 0x7F, 8, None, "f32", 15),
+        Format("bf16", 3, np.dtype(ml_dtypes.bfloat16), False, value_bits=16),
+        Format("fp16", 4, np.dtype(np.float16), False, value_bits=16),
+        Format("fp32", 5, np.dtype(np.float32), False, value_bits=32),
+        Format("nvfp4", 6, _E2M1, True, 6.0, 0x00, 4, 16, "nvfp4", 2),
+        Format("mxfp4", 7, _E2M1, True, 6.0, 0x00, 4, 32, "e8m0", 2),
+        Format("mxfp8", 8, _E4M3, True, 448.0, 0x7F, 8, 32, "e8m0", 8),
+        Format("mxfp8_e5m2", 9, _E5M2, True, 57344.0, 0x7F, 8, 32, "e8m0", 15),
     )
 }
+
+#: formats by their integer code
+FORMATS_BY_CODE: dict[int, Format] = {f.code: f for f in FORMATS.values()}
 
 
 def get_format(fmt: str | Format) -> Format:
@@ -86,41 +145,109 @@ def check_block(block: int) -> int:
     return int(block)
 
 
+def resolve_block(fmt: str | Format, block: int | None = None) -> int:
+    """The block size a call uses: ``block``, or when None the format's own (16 nvfp4, 32 for the
+    MX formats) or DEFAULT_BLOCK (256). ValueError for an invalid block, or for a block other than
+    its own given to a fixed-block format."""
+    f = get_format(fmt)
+    if block is None:
+        return f.default_block()
+    block = check_block(block)
+    if f.fixed_block is not None and block != f.fixed_block:
+        raise ValueError(f"format {f.name} has a fixed block of {f.fixed_block} values; got block={block} "
+                         f"(pass block=None or block={f.fixed_block})")
+    return block
+
+
+def check_rounding(rounding: str, fmt: str | Format | None = None) -> str:
+    """Validate a rounding mode ("nearest" or "stochastic"); stochastic needs a scaled format."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+    if rounding == "stochastic" and fmt is not None and not get_format(fmt).scaled:
+        raise ValueError(f"stochastic rounding needs a block-scaled format; {get_format(fmt).name} is a "
+                         "pass-through format (its values are cast with round-to-nearest-even)")
+    return rounding
+
+
+def check_key(key: int) -> int:
+    """Validate a stochastic-rounding key: an int in [0, 2**64)."""
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= int(key) < 1 << 64:
+        raise ValueError(f"key must be an int in [0, 2**64), got {key!r}")
+    return int(key)
+
+
+def check_offset(offset: int) -> int:
+    """Validate an element-index offset of stochastic rounding: an int in [0, 2**64)."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= int(offset) < 1 << 64:
+        raise ValueError(f"offset must be an int in [0, 2**64), got {offset!r}")
+    return int(offset)
+
+
 def num_blocks(count: int, block: int) -> int:
     """Number of scale blocks for ``count`` values (the last one may be partial)."""
     return -(-count // block)
 
 
+def num_groups(count: int) -> int:
+    """Number of NVFP4 second-level scale groups (1024 values each) for ``count`` values."""
+    return -(-count // NVFP4_GROUP)
+
+
 def payload_nbytes(count: int, fmt: str | Format) -> int:
     """Bytes of the payload part of a message, before any padding."""
-    return count * get_format(fmt).itemsize
+    f = get_format(fmt)
+    return (count + 1) // 2 if f.packed else count * f.itemsize
 
 
 def scales_offset(count: int, fmt: str | Format) -> int:
-    """Byte offset of the scales in a block-scaled message (payload padded to 4 bytes)."""
-    return -(-payload_nbytes(count, fmt) // 4) * 4
+    """Byte offset of the block scales: the payload padded to 4 bytes for e4m3/e5m2 (float32
+    scales), the payload itself for the MX formats and nvfp4 (one byte per scale)."""
+    f = get_format(fmt)
+    p = payload_nbytes(count, f)
+    return -(-p // 4) * 4 if f.scale_kind in ("f32", "") else p
 
 
-def message_nbytes(count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> int:
-    """Exact size in bytes of one wire message carrying ``count`` values."""
+def group_scales_offset(count: int, fmt: str | Format = "nvfp4", block: int | None = None) -> int:
+    """nvfp4: byte offset of the float32 group scales (after the E4M3 block scales, padded to 4)."""
+    f = get_format(fmt)
+    b = resolve_block(f, block)
+    return -(-(scales_offset(count, f) + num_blocks(count, b)) // 4) * 4
+
+
+def message_nbytes(count: int, fmt: str | Format = "e4m3", block: int | None = None) -> int:
+    """Exact size in bytes of one wire message carrying ``count`` values (``block`` None: the
+    format's default block, see resolve_block)."""
     try:
         return _message_nbytes(count, fmt, block)
     except TypeError:  # an unhashable argument: let the checks name it if it is fmt or block
         get_format(fmt)
-        check_block(block)
+        if block is not None:
+            check_block(block)
         raise
 
 
 @functools.lru_cache(maxsize=4096)
-def _message_nbytes(count: int, fmt: str | Format, block: int) -> int:
+def _message_nbytes(count: int, fmt: str | Format, block: int | None) -> int:
     # cached: every codec call asks, with the few sizes a training loop repeats
     f = get_format(fmt)
     if not f.scaled:
         return payload_nbytes(count, f)
-    return scales_offset(count, f) + 4 * num_blocks(count, check_block(block))
+    block = resolve_block(f, block)
+    nb = num_blocks(count, block)
+    if f.scale_kind == "f32":
+        return scales_offset(count, f) + 4 * nb
+    if f.scale_kind == "e8m0":
+        return scales_offset(count, f) + nb
+    return group_scales_offset(count, f, block) + 4 * num_groups(count)
 
 
-def bytes_per_value(fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> float:
-    """Asymptotic wire bytes per value: itemsize plus the scale overhead (4 bytes per block)."""
+def bytes_per_value(fmt: str | Format = "e4m3", block: int | None = None) -> float:
+    """Asymptotic wire bytes per value: element bits / 8 plus the scales' share (padding words
+    of a message left out): 1 + 4/block (e4m3, e5m2), 1.03125 (mxfp8), 0.53125 (mxfp4),
+    0.56640625 (nvfp4: 0.5 + 1/16 + 4/1024)."""
     f = get_format(fmt)
-    return f.itemsize + (4.0 / check_block(block) if f.scaled else 0.0)
+    if not f.scaled:
+        return float(f.itemsize)
+    block = resolve_block(f, block)
+    extra = 4.0 / NVFP4_GROUP if f.scale_kind == "nvfp4" else 0.0
+    return f.value_bits / 8 + f.scale_nbytes() / block + extra

@@ -1,0 +1,345 @@
+"""The microscaling and 4-bit wire formats (nvfp4, mxfp4, mxfp8, mxfp8_e5m2) and stochastic
+rounding: the reference codec's rules (docs/wire-format.md) checked against ml_dtypes and against
+independent re-statements, and the native C kernels against the reference bit for bit."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from giftcomm import codec
+from giftcomm.formats import (FORMATS, NVFP4_GROUP, bytes_per_value, get_format, message_nbytes, num_blocks,
+                              resolve_block)
+from giftcomm.reference import codec as ref
+
+NEW = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+SCALED = ("e4m3", "e5m2") + NEW
+ROUNDINGS = ("nearest", "stochastic")
+E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+def f32(v) -> np.ndarray:
+    return np.array(v, dtype=np.float32)
+
+
+def same_floats(a, b) -> bool:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.all((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))))
+
+
+def elem_codes(msg: np.ndarray, n: int, fmt: str) -> np.ndarray:
+    f = get_format(fmt)
+    payload, _ = ref.split_message(msg, n, f)
+    if f.packed:
+        return ref._unpack4(payload, n)
+    return payload.view(np.uint8)
+
+
+def edge_tables(fmt: str) -> dict[str, np.ndarray]:
+    """Named edge vectors: every representable element value, ties, saturation, zeros, NaN/Inf."""
+    f = get_format(fmt)
+    t: dict[str, np.ndarray] = {}
+    vals = np.arange(16 if f.packed else 256, dtype=np.uint8).view(f.wire_dtype).astype(np.float32)
+    vals = vals[np.isfinite(vals)]
+    pos = np.unique(vals[vals >= 0])
+    t["all_codes"] = np.concatenate([vals, [f.max_value]]).astype(np.float32)
+    mids = ((pos[:-1].astype(np.float64) + pos[1:]) / 2).astype(np.float32)
+    t["ties"] = np.concatenate([mids, -mids, [f.max_value]]).astype(np.float32)
+    t["near_ties"] = np.concatenate([np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(1e30)),
+                                     [f.max_value]]).astype(np.float32)
+    t["saturation"] = f32([f.max_value, f.max_value * 1.0001, -f.max_value * 1.3, 1.0, 7.5 * f.max_value])
+    t["zeros"] = np.zeros(40, np.float32)
+    t["neg_zeros"] = np.full(40, -0.0, np.float32)
+    t["signed_zero"] = f32([-0.0, 0.0, -0.0, 1.0, -0.0])
+    t["nan_block"] = f32([1.0, np.nan, 2.0, -3.0])
+    t["inf_block"] = f32([1.0, np.inf, 2.0, -3.0])
+    t["neg_inf_block"] = f32([-np.inf, 0.0, 5.0, 7.0])
+    tiny = np.finfo(np.float32).smallest_subnormal
+    t["f32_extremes"] = f32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 1.0, tiny])
+    t["f32_subnormals"] = f32([tiny, -tiny, tiny * 3, np.finfo(np.float32).tiny * 0.5])
+    t["tiny_group"] = f32([2.0**-101, -2.0**-103, 0.0, -0.0, 2.0**-120])
+    t["just_regular_group"] = f32([2.0**-100, -2.0**-110, 2.0**-130, -0.0])
+    t["wide_dynamic_range"] = f32([3.0e4] + [1e-3] * 15 + [1e-9] * 16 + [-2e-20] * 16)
+    t["huge"] = f32([3.0e38, -1.0e30, 2.0e20, 1.0])
+    return t
+
+
+# ------------------------------------------------------------------------- the format table
+def test_blocks_and_sizes():
+    assert resolve_block("nvfp4", None) == 16
+    assert resolve_block("mxfp4", None) == 32 and resolve_block("mxfp8", None) == 32
+    assert resolve_block("e4m3", None) == 256 and resolve_block("e4m3", 7) == 7
+    for fmt, own in (("nvfp4", 16), ("mxfp4", 32), ("mxfp8", 32), ("mxfp8_e5m2", 32)):
+        with pytest.raises(ValueError, match=f"fixed block of {own}"):
+            resolve_block(fmt, 256)
+        assert get_format(fmt).slice_unit(own) == (1024 if fmt == "nvfp4" else own)
+    assert get_format("e4m3").slice_unit(256) == 256
+    assert bytes_per_value("nvfp4") == 0.56640625
+    assert bytes_per_value("mxfp4") == 0.53125
+    assert bytes_per_value("mxfp8") == bytes_per_value("mxfp8_e5m2") == 1.03125
+    # exact sizes: payload, block scales, (nvfp4) pad to 4 and one float32 per 1024 values
+    assert message_nbytes(1024, "nvfp4") == 512 + 64 + 4
+    assert message_nbytes(1025, "nvfp4") == 513 + 65 + 2 + 8
+    assert message_nbytes(0, "nvfp4") == 0
+    assert message_nbytes(33, "mxfp4") == 17 + 2
+    assert message_nbytes(33, "mxfp8") == 33 + 2
+    for n in (1, 2, 15, 16, 1000, 4096, 5000):
+        for fmt in NEW:
+            assert ref.encode(np.ones(n, np.float32), fmt).size == message_nbytes(n, fmt)
+    assert len({f.code for f in FORMATS.values()}) == len(FORMATS)
+
+
+def test_bad_rounding_raises():
+    with pytest.raises(ValueError, match="stochastic rounding needs a block-scaled format"):
+        ref.encode(np.ones(4, np.float32), "bf16", rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        ref.encode(np.ones(4, np.float32), "e4m3", rounding="up")
+    with pytest.raises(ValueError, match="key"):
+        ref.encode(np.ones(4, np.float32), "e4m3", rounding="stochastic", key=-1)
+
+
+# ------------------------------------------------------------------------- Philox
+def test_philox_known_answers():
+    """Random123's kat_vectors for philox4x32_10."""
+    def run(ctr, key):
+        return [int(w[0]) for w in ref.philox4x32(tuple(np.array([c], np.uint64) for c in ctr), key)]
+
+    assert run((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert run((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF)) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert run((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == [
+        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_philox_bits_use_the_64_bit_index_and_key():
+    key, off = 0x0123456789ABCDEF, (1 << 32) - 3
+    bits = ref.philox_bits(key, off, 6)
+    for i in range(6):
+        idx = off + i
+        want = ref.philox4x32(tuple(np.array([w], np.uint64) for w in (idx & 0xFFFFFFFF, idx >> 32, 0, 0)),
+                              (key & 0xFFFFFFFF, key >> 32))[0][0]
+        assert bits[i] == want
+    assert np.array_equal(ref.philox_bits(key, off + 2, 4), bits[2:])
+
+
+# ------------------------------------------------------------------------- element conversions
+@pytest.mark.parametrize("dt", [E2M1, E4M3, np.dtype(ml_dtypes.float8_e5m2)])
+def test_integer_rounding_equals_ml_dtypes_cast(dt, rng):
+    """The integer nearest-even rounding the C/CUDA kernels use equals ml_dtypes' cast on every
+    representable value, every tie and its neighbours, and random float32 bit patterns in range."""
+    mx = float(ml_dtypes.finfo(dt).max)
+    vals = np.arange(16 if dt == E2M1 else 256, dtype=np.uint8).view(dt).astype(np.float32)
+    pos = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    mids = ((pos[:-1].astype(np.float64) + pos[1:]) / 2).astype(np.float32)
+    hi = int(np.float32(mx).view(np.uint32))
+    y = np.concatenate([pos, mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(1e30)),
+                        rng.integers(0, hi + 1, 200_000).astype(np.uint32).view(np.float32),
+                        np.arange(0, hi + 1, 1 << 15, dtype=np.uint32).view(np.float32)]).astype(np.float32)
+    y = np.concatenate([y, -y])
+    want = y.astype(dt).view(np.uint8) & np.uint8(0xF if dt == E2M1 else 0xFF)
+    np.testing.assert_array_equal(ref.round_elements(y, dt), want)
+
+
+@pytest.mark.parametrize("dt", [E2M1, E4M3, np.dtype(ml_dtypes.float8_e5m2)])
+def test_stochastic_rounding_picks_a_neighbour_with_the_right_probability(dt, rng):
+    vals = np.arange(16 if dt == E2M1 else 256, dtype=np.uint8).view(dt).astype(np.float32)
+    grid = np.unique(vals[np.isfinite(vals)])
+    y = rng.uniform(-grid[-1], grid[-1], 50_000).astype(np.float32)
+    y = np.concatenate([y, grid, f32([-0.0, 0.0])])
+    r = rng.integers(0, 1 << 32, y.size, dtype=np.uint64).astype(np.uint32)
+    got = ref.round_elements(y, dt, r).view(dt) if dt != E2M1 else ref.round_elements(y, dt, r).view(E2M1)
+    got = got.astype(np.float32)
+    lo = grid[np.searchsorted(grid, y, side="right") - 1]
+    up = grid[np.minimum(np.searchsorted(grid, y, side="left"), grid.size - 1)]
+    assert np.all((got == lo) | (got == up))
+    exact = np.isin(y, grid)
+    assert np.array_equal(got[exact], y[exact])
+    # zero never moves and keeps its sign
+    z = ref.round_elements(f32([-0.0, 0.0]), dt, np.array([0xFFFFFFFF, 0xFFFFFFFF], np.uint32))
+    assert z[0] == (0x8 if dt == E2M1 else 0x80) and z[1] == 0
+    # the rule: up iff floor(frac * 2^32) + R >= 2^32; check it exactly for R = 0 and R = max
+    assert np.array_equal(ref.round_elements(y, dt, np.zeros(y.size, np.uint32)),
+                          ref.round_elements(np.where(exact, y, y), dt, np.zeros(y.size, np.uint32)))
+    never = ref.round_elements(y, dt, np.zeros(y.size, np.uint32)).astype(np.int64)
+    always = ref.round_elements(y, dt, np.full(y.size, 0xFFFFFFFF, np.uint32)).astype(np.int64)
+    sign = 0x8 if dt == E2M1 else 0x80
+    assert np.all(np.where(exact, always == never, (always & ~sign) - (never & ~sign) <= 1))
+
+
+# ------------------------------------------------------------------------- scale rules
+def mx_expected(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """OCP MX v1.0, re-stated with float64 log2 per block: (scale codes, element codes)."""
+    f = get_format(fmt)
+    nb = num_blocks(x.size, 32)
+    scodes = np.zeros(nb, np.uint8)
+    ecodes = np.zeros(x.size, np.uint8)
+    for b in range(nb):
+        blk = x[32 * b : 32 * b + 32]
+        if not np.all(np.isfinite(blk)):
+            scodes[b] = 0xFF
+            ecodes[32 * b : 32 * b + blk.size] = f.nan_code
+            continue
+        amax = float(np.max(np.abs(blk)))
+        s = -127 if amax == 0 else max(int(np.floor(np.log2(amax))) - f.emax, -127)
+        scodes[b] = np.float32(2.0**s).astype(E8M0).view(np.uint8)
+        y = np.clip((blk.astype(np.float64) * 2.0**-s).astype(np.float32), -f.max_value, f.max_value)
+        ecodes[32 * b : 32 * b + blk.size] = y.astype(f.wire_dtype).view(np.uint8) & (0xF if f.packed else 0xFF)
+    return scodes, ecodes
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
+def test_mx_scales_and_elements_follow_ocp_rules(fmt, rng):
+    x = (rng.standard_normal(32 * 40) * np.exp2(rng.uniform(-30, 30, 32 * 40))).astype(np.float32)
+    x[5] = np.nan
+    x[32 * 7 + 3] = -np.inf
+    x[32 * 9 : 32 * 10] = 0.0
+    x[32 * 11 : 32 * 12] = np.finfo(np.float32).smallest_subnormal * 3
+    x[32 * 12 : 32 * 13] *= np.float32(2.0**-120)
+    x[32 * 13 : 32 * 14] = np.float32(3e38)
+    for n in (x.size, x.size - 7):
+        msg = ref.encode(x[:n], fmt)
+        _, scales = ref.split_message(msg, n, get_format(fmt))
+        s_want, e_want = mx_expected(x[:n], fmt)
+        np.testing.assert_array_equal(scales, s_want)
+        np.testing.assert_array_equal(elem_codes(msg, n, fmt), e_want)
+        y = ref.decode(msg, n, fmt)
+        bad = np.repeat(s_want == 0xFF, 32)[:n]
+        assert np.all(np.isnan(y[bad])) and np.all(np.isfinite(y[~bad]))
+        # decode is exact: element value times 2^s
+        vals = elem_codes(msg, n, fmt).view(get_format(fmt).wire_dtype).astype(np.float64)
+        sc = np.repeat(s_want.view(E8M0).astype(np.float64), 32)[:n]
+        np.testing.assert_array_equal(y[~bad], (vals * sc)[~bad].astype(np.float32))
+
+
+def test_nvfp4_two_level_scales(rng):
+    n = 3000
+    x = (rng.standard_normal(n) * np.exp2(rng.uniform(-12, 12, n))).astype(np.float32)
+    x[40] = np.nan
+    x[1030] = np.inf
+    x[2048:2048 + 1024] = 0
+    x[2048 + 100] = 2.0**-101  # a tiny group
+    msg = ref.encode(x, "nvfp4")
+    _, bs = ref.split_message(msg, n, get_format("nvfp4"))
+    s2 = ref.group_scales(msg, n)
+    assert s2.size == 3 and bs.size == num_blocks(n, 16)
+    for g in range(3):
+        part = x[g * 1024 : (g + 1) * 1024]
+        fin = np.concatenate([np.abs(part[b:b + 16]) for b in range(0, part.size, 16)
+                              if np.all(np.isfinite(part[b:b + 16]))])
+        gmax = np.float32(fin.max())
+        if gmax < 2.0**-100:
+            assert s2[g] == 1 and np.all(bs[g * 64 : (g + 1) * 64] == 0)
+            continue
+        assert s2[g] == np.float32(gmax / np.float32(2688))
+        blocks = bs[g * 64 : (g + 1) * 64]
+        assert blocks[blocks != 0x7F].max() == 0x7E  # the largest block scale maps to 448
+    # one NaN and one Inf poison exactly their blocks
+    y = ref.decode(msg, n, "nvfp4")
+    nan_at = np.flatnonzero(np.isnan(y))
+    assert np.array_equal(nan_at, np.r_[32:48, 1024:1040])
+    assert np.all(bs[[2, 64]] == 0x7F)
+    # the tiny group decodes to signed zeros
+    assert np.all(y[2048:] == 0)
+
+
+def test_nvfp4_group_bytes_do_not_depend_on_slicing(rng):
+    """Messages cut at multiples of 1024 values carry the same bytes as the whole message's
+    corresponding parts (what the ring relies on)."""
+    x = (rng.standard_normal(5000) * np.exp2(rng.uniform(-8, 8, 5000))).astype(np.float32)
+    whole = ref.decode(ref.encode(x, "nvfp4", rounding="stochastic", key=9), x.size, "nvfp4")
+    parts = [ref.decode(ref.encode(x[a:a + 2048], "nvfp4", rounding="stochastic", key=9, offset=a),
+                        min(2048, x.size - a), "nvfp4") for a in range(0, x.size, 2048)]
+    assert same_floats(np.concatenate(parts), whole)
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_edge_tables_decode_sanely(fmt, rounding):
+    f = get_format(fmt)
+    for name, v in edge_tables(fmt).items():
+        msg = ref.encode(v, fmt, rounding=rounding, key=3)
+        y = ref.decode(msg, v.size, fmt)
+        b = resolve_block(f, None) if f.fixed_block else 256
+        bad = np.zeros(v.size, bool)
+        for s in range(0, v.size, b):
+            bad[s:s + b] = not np.all(np.isfinite(v[s:s + b]))
+        assert np.all(np.isnan(y[bad])), name
+        assert np.all(np.isfinite(y[~bad])), name
+        # signs survive (zeros included) wherever the value is not flushed
+        keep = ~bad & (y != 0)
+        assert np.all(np.signbit(y[keep]) == np.signbit(v[keep])), name
+        zero_in = ~bad & (v == 0)
+        assert np.all(np.signbit(y[zero_in]) == np.signbit(v[zero_in])), name
+        if name == "all_codes" and f.scale_kind == "e8m0" and rounding == "nearest":
+            # blocks holding the max have scale 2^0: their representable values survive exactly
+            assert same_floats(y[-1:], v[-1:]) and (v.size > 32 or same_floats(y, v)), name
+
+
+# ------------------------------------------------------------------------- unbiasedness
+@pytest.mark.parametrize("fmt", SCALED)
+def test_stochastic_rounding_is_unbiased(fmt, rng, monkeypatch):
+    """The mean of K stochastic quantizations (keys 0..K-1) of a fixed vector converges to it.
+
+    Per element, one stochastic rounding has values {lo, lo + step} with mean y (the scaled
+    value) and variance <= step^2 / 4, so the mean of K has standard deviation <= step / (2 sqrt K).
+    The scales do not depend on the key, so step is fixed per element. Tolerance: 6 sigma plus the
+    deterministic part: the 2^-32-of-a-step truncation of the probability and the float32
+    roundings of x * r and code * d (a few ulp of x): |mean - x| <= 3 step / sqrt(K) + 2^-20 |x|.
+    Nearest rounding, by contrast, is off by up to step / 2 on every run: a vector of small
+    components (below half a step) rounds to zero and its mean error is its full size."""
+    K = 400
+    n = 512
+    x = (rng.standard_normal(n) * np.exp2(rng.uniform(-3, 0, n))).astype(np.float32)
+    x[0] = 8.0  # sets the block scales: the other components are far below the largest one
+    dec = np.stack([ref.decode(ref.encode(x, fmt, rounding="stochastic", key=k), n, fmt) for k in range(K)])
+    near = ref.decode(ref.encode(x, fmt), n, fmt)
+    # the two neighbours of every element: random bits all 0 (never up) and all 1 (always up)
+    ends = []
+    for bits in (0, 0xFFFFFFFF):
+        monkeypatch.setattr(ref, "philox_bits", lambda key, off, m, b=bits: np.full(m, b, np.uint32))
+        ends.append(ref.decode(ref.encode(x, fmt, rounding="stochastic"), n, fmt).astype(np.float64))
+    monkeypatch.undo()
+    step = np.abs(ends[1] - ends[0])
+    assert np.all((dec == ends[0]) | (dec == ends[1]))
+    mean = dec.astype(np.float64).mean(axis=0)
+    tol = 3 * step / np.sqrt(K) + 2.0**-20 * np.abs(x)
+    # saturation is the one deterministic bias: OCP MX maps a block's amax into [2^emax, 2^(emax+1))
+    # and clamps above max (E2M1: 6, E4M3: 448); e4m3/e5m2/nvfp4 choose scales that never clamp
+    sat = (step == 0) & (np.abs(x) > np.abs(ends[0]))
+    if get_format(fmt).scale_kind == "e8m0":
+        assert sat.sum() < n // 8
+    else:
+        assert not np.any(sat & (np.abs(x) > np.abs(ends[0]) * (1 + 2.0**-20)))
+    ok = ~sat
+    assert np.all(np.abs(mean - x)[ok] <= tol[ok] + 1e-30), np.max(np.abs(mean - x) - tol)
+    # nearest is biased where the spacing is coarse; stochastic's total bias is far below it
+    moving = step > 0
+    assert np.abs(mean - x)[moving].mean() < 0.25 * np.abs(near - x)[moving].mean()
+
+
+def test_nearest_is_biased_for_small_components_stochastic_is_not():
+    """A block of one large value and many components below half a step: nearest rounds them all
+    to zero (mean error = their size), stochastic's mean recovers them."""
+    for fmt in ("nvfp4", "mxfp4"):
+        x = np.full(32, 0.05, np.float32)
+        x[0] = x[16] = 6.0  # every block: step at 0.05 is 0.5 (E2M1 subnormal spacing, scale 1)
+        near = ref.decode(ref.encode(x, fmt), 32, fmt)
+        assert np.all(near[x < 1] == 0)
+        K = 2000
+        mean = np.mean([ref.decode(ref.encode(x, fmt, rounding="stochastic", key=k), 32, fmt) for k in range(K)],
+                       axis=0)
+        # step 0.5 (times d/6 scale for nvfp4: <= 0.5): sigma of the mean <= 0.25 / sqrt(K)
+        assert np.all(np.abs(mean[x < 1] - 0.05) <= 6 * 0.25 / np.sqrt(K))
+
+
+def test_stochastic_rounding_is_reproducible_and_offset_shifts_the_stream(rng):
+    x = rng.standard_normal(3000).astype(np.float32)
+    for fmt in SCALED:
+        a = ref.encode(x, fmt, rounding="stochastic", key=11)
+        assert np.array_equal(a, ref.encode(x, fmt, rounding="stochastic", key=11))
+        assert not np.array_equal(a, ref.encode(x, fmt, rounding="stochastic", key=12))
+        unit = get_format(fmt).slice_unit(resolve_block(fmt, None))
+        cut = 2 * unit if unit <= 1024 else unit
+        tail = ref.encode(x[cut:], fmt, rounding="stochastic", key=11, offset=cut)
+        assert same_floats(ref.decode(tail, x.size - cut, fmt), ref.decode(a, x.size, fmt)[cut:])
