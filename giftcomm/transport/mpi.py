@@ -62,13 +62,17 @@ class _Health:
 
 
 _interrupted = False  # an interrupt left some transport with messages in flight
+_created = False  # some transport exists (or existed) in this process
 
 
 @atexit.register
 def _abort_if_interrupted() -> None:
     """Runs before mpi4py's MPI_Finalize: after an interrupt inside a wait, peers may never
-    complete their side, and MPI_Finalize could wait for them for ever; end the job instead."""
-    if _interrupted and MPI.Is_initialized() and not MPI.Is_finalized():
+    complete their side, and MPI_Finalize could wait for them for ever; end the job instead.
+    The same when the program ends with an uncaught KeyboardInterrupt that came outside a wait
+    (during the codec, say) while giftcomm transports exist: the peers may be inside one."""
+    uncaught = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    if (_interrupted or (uncaught and _created)) and MPI.Is_initialized() and not MPI.Is_finalized():
         try:
             sys.stderr.flush()
         finally:
@@ -110,6 +114,8 @@ class MpiTransport(Transport):
         self.timeout = timeout  # None: the environment's default, read now (a bad value raises here)
         self.timeout  # noqa: B018
         self._health = _Health()
+        global _created
+        _created = True
         self.user_comm = comm
         self.comm = comm  # until the duplicate exists: waits below name ranks of the same group
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
