@@ -33,8 +33,10 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 step "pip install -e ." 90 "$PY" -m pip install -q -e . --no-deps --no-build-isolation
 step "nvcc check" 60 bash native/check_cuda.sh
-step "tests/test_gpu.py" 180 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
-step "device_check" 240 "$PY" -m studies device-check --out "$RES" "$@"
+step "tests/test_gpu.py" 150 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_gpu.py
+step "collectives on cupy" 90 "$PY" -m pytest -q -x -rs -p no:cacheprovider tests/test_collectives.py -k cupy
+step "device_check" 200 "$PY" -m studies device-check --out "$RES" "$@"
+step "ddp hook device route" 90 "$PY" examples/ddp_device_check.py --json "$RES/ddp-device-check-$(date +%F).json"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$RES"/device-*.md "$LOG" "$OUT"/ 2>/dev/null; fi
 echo "device_check.sh: overall exit $status"

@@ -2,6 +2,7 @@
 in-process loopbacks)."""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -16,12 +17,20 @@ _CREATE = threading.Lock()  # two threads making the first call on one communica
 
 
 def resolve(comm: Any, device: bool = False) -> Transport:
-    """The transport for a ``comm=`` argument: a Transport as is; an mpi4py communicator (None:
+    """The transport for a ``comm=`` argument: a Transport as is; None under torchrun (an
+    initialised torch.distributed world of several ranks while MPI's world is one process) gives
+    the transport over torch's default group; an mpi4py communicator (None otherwise:
     MPI.COMM_WORLD) gives its cached MPI transport for host arrays and, for device arrays
     (``device``), an NCCL transport over the same ranks, created once per communicator
     (collectively: the NCCL unique id is broadcast over it)."""
     if isinstance(comm, Transport):
         return comm
+    if comm is None and "torch.distributed" in sys.modules:  # torchrun: torch's world, not MPI's singleton
+        from .torch_dist import default_transport
+
+        t = default_transport(device=device)
+        if t is not None:
+            return t
     from mpi4py import MPI  # imported lazily: the loopback path needs no MPI
 
     from . import mpi
