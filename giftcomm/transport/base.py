@@ -29,7 +29,8 @@ PIPELINED, GROUPED = "pipelined", "grouped"
 _STATE_LOCK = threading.Lock()
 HOST, DEVICE, ANY = "host", "device", "any"
 
-__all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all", "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
+__all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all",
+           "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 
 class Request(ABC):
