@@ -12,7 +12,12 @@ Two layers:
 
 Every backend equals :mod:`giftcomm.reference.codec` bit for bit. Values are 1-D float32 vectors;
 messages are 1-D uint8 arrays of ``message_nbytes(count, fmt, block)`` bytes
-(docs/wire-format.md).
+(docs/wire-format.md). ``block=None`` means the format's own block (16 nvfp4, 32 for the MX
+formats, 256 otherwise); a fixed-block format given another block raises ValueError.
+
+Rounding: ``rounding="nearest"`` (default) or ``"stochastic"`` for every block-scaled format, with
+a 64-bit ``key`` and the element index ``offset + i`` of value i of the message as the counter of
+Philox4x32-10 (docs/wire-format.md). The trusted kernels take ``key=None`` for nearest.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import numpy as np
 
 from . import config
 from ._xp import array_module, data_pointer
-from .formats import DEFAULT_BLOCK, Format, check_block, get_format, message_nbytes
+from .formats import (DEFAULT_BLOCK, Format, check_block, check_key, check_offset, check_rounding, get_format, message_nbytes,
+                      resolve_block)
 from .reference import codec as _ref
 
 try:  # the extension is optional: a missing compiler must not break the package
@@ -38,14 +44,16 @@ __all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native
 
 class Kernels(Protocol):
     """One backend's trusted codec kernels. Arguments are already checked: 1-D contiguous arrays
-    of the backend, float32 values, uint8 messages and outputs of the right sizes."""
+    of the backend, float32 values, uint8 messages and outputs of the right sizes, the block
+    resolved (resolve_block). ``key``: None (round to nearest even) or the stochastic-rounding
+    key, an int in [0, 2**64), with ``offset`` the element index of value 0 of the message."""
 
     name: str
 
-    def encode(self, x: Any, f: Format, block: int, out: Any) -> Any: ...
+    def encode(self, x: Any, f: Format, block: int, out: Any, key: int | None = None, offset: int = 0) -> Any: ...
     def decode(self, message: Any, count: int, f: Format, block: int, out: Any) -> Any: ...
     def decode_add_encode(self, message: Any, local: Any, f: Format, block: int, out: Any,
-                          sum_out: Any) -> Any: ...
+                          sum_out: Any, key: int | None = None, offset: int = 0) -> Any: ...
     def decode_accumulate(self, message: Any, acc: Any, f: Format, block: int) -> Any: ...
 
 
@@ -55,8 +63,9 @@ class NativeKernels:
     name = "native"
 
     @staticmethod
-    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray) -> np.ndarray:
-        _native.encode(x, out, f.code, block)
+    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray, key: int | None = None,
+               offset: int = 0) -> np.ndarray:
+        _native.encode(x, out, f.code, block, key, offset)
         return out
 
     @staticmethod
@@ -66,8 +75,8 @@ class NativeKernels:
 
     @staticmethod
     def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
-                          sum_out: np.ndarray | None) -> np.ndarray:
-        _native.decode_add_encode(message, local, out, sum_out, f.code, block)
+                          sum_out: np.ndarray | None, key: int | None = None, offset: int = 0) -> np.ndarray:
+        _native.decode_add_encode(message, local, out, sum_out, f.code, block, key, offset)
         return out
 
     @staticmethod
@@ -82,8 +91,9 @@ class ReferenceKernels:
     name = "reference"
 
     @staticmethod
-    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray) -> np.ndarray:
-        return _ref.encode(x, f, block, out=out)
+    def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray, key: int | None = None,
+               offset: int = 0) -> np.ndarray:
+        return _ref.encode(x, f, block, out=out, **_ref_rounding(key, offset))
 
     @staticmethod
     def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
@@ -92,18 +102,31 @@ class ReferenceKernels:
 
     @staticmethod
     def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
-                          sum_out: np.ndarray | None) -> np.ndarray:
+                          sum_out: np.ndarray | None, key: int | None = None, offset: int = 0) -> np.ndarray:
         with np.errstate(invalid="ignore", over="ignore"):
             total = _ref.decode(message, local.size, f, block) + local
         if sum_out is not None:
             sum_out[...] = total
-        return _ref.encode(total, f, block, out=out)
+        return _ref.encode(total, f, block, out=out, **_ref_rounding(key, offset))
 
     @staticmethod
     def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
         with np.errstate(invalid="ignore", over="ignore"):
             acc += _ref.decode(message, acc.size, f, block)
         return acc
+
+
+def _ref_rounding(key: int | None, offset: int) -> dict:
+    if key is None:
+        return {}
+    return {"rounding": "stochastic", "key": key, "offset": offset}
+
+
+def _key_of(f: Format, rounding: str, key: Any, offset: Any) -> int | None:
+    """The trusted kernels' key (None: nearest), after checking rounding, key and offset."""
+    check_rounding(rounding, f)
+    check_offset(offset)
+    return check_key(key) if rounding == "stochastic" else None
 
 
 _warned = False
@@ -197,20 +220,28 @@ def _overlap(a: Any, b: Any) -> bool:
 
 
 # ------------------------------------------------------------------------- public functions
-def encode(x: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
+def encode(x: Any, fmt: str | Format = "e4m3", block: int | None = None, out: Any = None, *,
+           rounding: str = "nearest", key: int = 0, offset: int = 0) -> Any:
     """Encode values (any shape, read flat; other float dtypes are cast to float32) into one
-    wire message (uint8, 1-D, the input's backend; ``out`` if given)."""
-    f, block = get_format(fmt), check_block(block)
+    wire message (uint8, 1-D, the input's backend; ``out`` if given).
+
+    ``rounding="stochastic"``: unbiased rounding of the elements with Philox4x32-10 bits keyed by
+    ``key`` (int in [0, 2**64)) for element indices ``offset + i``; ValueError for a pass-through
+    format (bf16, fp16, fp32)."""
+    f = get_format(fmt)
+    block = resolve_block(f, block)
+    k = _key_of(f, rounding, key, offset)
     xp = array_module(x)
     x = _values(xp, x, "x")
     msg = _message_out(xp, out, message_nbytes(x.size, f, block))
-    kernels_for(xp).encode(x, f, block, msg)
+    kernels_for(xp).encode(x, f, block, msg, k, int(offset))
     return msg
 
 
-def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK, out: Any = None) -> Any:
+def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int | None = None, out: Any = None) -> Any:
     """Decode one wire message of ``count`` values into a float32 vector (``out`` if given)."""
-    f, block = get_format(fmt), check_block(block)
+    f = get_format(fmt)
+    block = resolve_block(f, block)
     xp = array_module(message)
     message = _check_message(xp, message, count, f, block)
     res = xp.empty(count, np.float32) if out is None else _values_out(xp, out, count, "out")
@@ -218,15 +249,18 @@ def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int = DE
     return res if out is None else out
 
 
-def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK,
-                      out: Any = None, sum_out: Any = None) -> Any:
+def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", block: int | None = None,
+                      out: Any = None, sum_out: Any = None, *, rounding: str = "nearest", key: int = 0,
+                      offset: int = 0) -> Any:
     """One ring hop: ``encode(decode(message) + local)`` with the sum in float32.
 
     ``local``: float32 vector of the message's count. ``sum_out``: optional float32 vector that
     receives the float32 sum itself (the owner keeps it after the last hop). ``out`` must not
-    overlap ``message``.
+    overlap ``message``. ``rounding``, ``key``, ``offset``: as :func:`encode`, for the re-encode.
     """
-    f, block = get_format(fmt), check_block(block)
+    f = get_format(fmt)
+    block = resolve_block(f, block)
+    k = _key_of(f, rounding, key, offset)
     xp = array_module(local)
     local = _values(xp, local, "local")
     message = _check_message(xp, message, local.size, f, block)
@@ -235,13 +269,14 @@ def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", bloc
         sum_out = _values_out(xp, sum_out, local.size, "sum_out")
     if _overlap(msg, message):
         raise ValueError("out must not overlap message")
-    kernels_for(xp).decode_add_encode(message, local, f, block, msg, sum_out)
+    kernels_for(xp).decode_add_encode(message, local, f, block, msg, sum_out, k, int(offset))
     return msg
 
 
-def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int = DEFAULT_BLOCK) -> Any:
+def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int | None = None) -> Any:
     """``acc += decode(message)`` in place; ``acc`` is a contiguous float32 vector."""
-    f, block = get_format(fmt), check_block(block)
+    f = get_format(fmt)
+    block = resolve_block(f, block)
     xp = array_module(acc)
     if acc.dtype != np.float32 or not acc.flags.c_contiguous:
         raise ValueError("acc must be a contiguous float32 array")

@@ -2,6 +2,9 @@
  *
  * Wire message for n values (see docs/wire-format.md, giftcomm/formats.py):
  *   block-scaled (e4m3, e5m2): [n code bytes][zero pad to a multiple of 4][ceil(n/block) float32 scales]
+ *   mxfp8, mxfp8_e5m2: [n code bytes][ceil(n/32) E8M0 bytes]
+ *   mxfp4: [ceil(n/2) packed E2M1 bytes, value 2j in the low nibble][ceil(n/32) E8M0 bytes]
+ *   nvfp4: [ceil(n/2) packed E2M1 bytes][ceil(n/16) E4M3 bytes][zero pad to 4][ceil(n/1024) float32]
  *   pass-through (bf16, fp16): n little-endian 2-byte values; (fp32): n float32 values.
  *
  * Every kernel is bit-identical to giftcomm/reference/codec.py (NumPy + ml_dtypes). The kernels
@@ -18,7 +21,18 @@
 #include <stdint.h>
 
 /* Format codes: giftcomm.formats.Format.code */
-enum { GC_E4M3 = 1, GC_E5M2 = 2, GC_BF16 = 3, GC_FP16 = 4, GC_FP32 = 5 };
+enum { GC_E4M3 = 1, GC_E5M2 = 2, GC_BF16 = 3, GC_FP16 = 4, GC_FP32 = 5,
+       GC_NVFP4 = 6, GC_MXFP4 = 7, GC_MXFP8 = 8, GC_MXFP8E5 = 9 };
+
+/* Stochastic rounding: Philox4x32-10 key (k0 = key mod 2^32, k1 = key >> 32) and the element
+ * index of value 0 of the message (offset). A NULL gc_rng means round to nearest even. */
+typedef struct {
+    uint32_t k0, k1;
+    uint64_t offset;
+} gc_rng;
+
+#define GC_NVFP4_GROUP 1024u /* values per float32 group scale */
+#define GC_CHUNK 1024u       /* values per chunk of the MX / nvfp4 kernels (a multiple of 32 and 16) */
 
 #define GC_MAX_BLOCK (1u << 20)
 
@@ -34,12 +48,12 @@ enum { GC_E4M3 = 1, GC_E5M2 = 2, GC_BF16 = 3, GC_FP16 = 4, GC_FP32 = 5 };
 typedef struct {
     const char *name;
     /* x: n float32 -> msg */
-    void (*encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block);
+    void (*encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng);
     /* msg -> out: n float32 */
     void (*decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t block);
     /* msg_out = encode(decode(msg_in) + local); sum_out (may be NULL) = the float32 sum */
     void (*decode_add_encode)(int fmt, const uint8_t *msg_in, const float *local, size_t n,
-                              uint8_t *msg_out, float *sum_out, size_t block, float *tmp);
+                              uint8_t *msg_out, float *sum_out, size_t block, float *tmp, const gc_rng *rng);
     /* acc += decode(msg) */
     void (*decode_accumulate)(int fmt, const uint8_t *msg, size_t n, float *acc, size_t block);
 } gc_kernels;
@@ -60,5 +74,15 @@ void gc_lut8_init(void);
 
 /* Bytes of the payload padded to 4 (scaled formats), i.e. the offset of the scales. */
 static inline size_t gc_scales_offset(size_t n) { return (n + 3u) & ~(size_t)3u; }
+
+/* MX / nvfp4 layout: payload bytes (= offset of the block scales), the fixed block, and (nvfp4)
+ * the offset of the float32 group scales. */
+static inline int gc_is_packed(int fmt) { return fmt == GC_NVFP4 || fmt == GC_MXFP4; }
+static inline size_t gc_payload_bytes(size_t n, int fmt) { return gc_is_packed(fmt) ? (n + 1u) / 2u : n; }
+static inline size_t gc_fixed_block(int fmt) { return fmt == GC_NVFP4 ? 16u : 32u; }
+static inline size_t gc_group_offset(size_t n)
+{
+    return (gc_payload_bytes(n, GC_NVFP4) + (n + 15u) / 16u + 3u) & ~(size_t)3u;
+}
 
 #endif

@@ -123,14 +123,19 @@ GC_INLINE void K(dec8_block)(const uint8_t *restrict codes, size_t len, float sc
 #endif
 #endif
 
-GC_INLINE void K(encode8)(const float *x, size_t n, uint8_t *msg, size_t block, const int e5)
+#include "gc_kernels_mx.h"
+
+GC_INLINE void K(encode8)(const float *x, size_t n, uint8_t *msg, size_t block, const int e5, const gc_rng *rng)
 {
     size_t off = gc_scales_offset(n);
     memset(msg + n, 0, off - n);
     for (size_t i0 = 0, b = 0; i0 < n; i0 += block, b++) {
         size_t len = n - i0 < block ? n - i0 : block;
         uint32_t lo, m = K(amax_bits)(x + i0, len, &lo);
-        K(enc8_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, lo, e5);
+        if (rng)
+            K(enc8sr_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, rng->offset + i0, rng, e5);
+        else
+            K(enc8_block)(x + i0, len, msg + i0, msg + off + 4 * b, m, lo, e5);
     }
 }
 
@@ -144,7 +149,7 @@ GC_INLINE void K(decode8)(const uint8_t *msg, size_t n, float *out, size_t block
 }
 
 GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out,
-                       float *sum_out, size_t block, float *restrict tmp, const int e5)
+                       float *sum_out, size_t block, float *restrict tmp, const int e5, const gc_rng *rng)
 {
     size_t off = gc_scales_offset(n);
     memset(msg_out + n, 0, off - n);
@@ -185,7 +190,10 @@ GC_INLINE void K(dae8)(const uint8_t *msg_in, const float *local, size_t n, uint
             }
         }
         /* pass 2: encode the block from L1 */
-        K(enc8_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, lo, e5);
+        if (rng)
+            K(enc8sr_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, rng->offset + i0, rng, e5);
+        else
+            K(enc8_block)(dst, len, msg_out + i0, msg_out + off + 4 * b, m, lo, e5);
     }
 }
 
@@ -285,11 +293,12 @@ GC_INLINE void K(acc32)(const uint8_t *msg, size_t n, float *acc)
 
 /* ---- entry points: dispatch on the format code (validated by the caller) ---- */
 
-static void K(encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block)
+static void K(encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
 {
     switch (fmt) {
-    case GC_E4M3: K(encode8)(x, n, msg, block, 0); break;
-    case GC_E5M2: K(encode8)(x, n, msg, block, 1); break;
+    case GC_E4M3: K(encode8)(x, n, msg, block, 0, rng); break;
+    case GC_E5M2: K(encode8)(x, n, msg, block, 1, rng); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(encode_mx)(fmt, x, n, msg, rng); break;
     case GC_BF16: K(encode16)(x, n, msg, 0); break;
     case GC_FP16: K(encode16)(x, n, msg, 1); break;
     default: memmove(msg, x, 4 * n); break;
@@ -301,6 +310,7 @@ static void K(decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t 
     switch (fmt) {
     case GC_E4M3: K(decode8)(msg, n, out, block, 0); break;
     case GC_E5M2: K(decode8)(msg, n, out, block, 1); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(decode_mx)(fmt, msg, n, out, 0); break;
     case GC_BF16: K(decode16)(msg, n, out, 0); break;
     case GC_FP16: K(decode16)(msg, n, out, 1); break;
     default: memmove(out, msg, 4 * n); break;
@@ -308,11 +318,14 @@ static void K(decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t 
 }
 
 static void K(decode_add_encode)(int fmt, const uint8_t *msg_in, const float *local, size_t n,
-                                 uint8_t *msg_out, float *sum_out, size_t block, float *tmp)
+                                 uint8_t *msg_out, float *sum_out, size_t block, float *tmp, const gc_rng *rng)
 {
     switch (fmt) {
-    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 0); break;
-    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 1); break;
+    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 0, rng); break;
+    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 1, rng); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5:
+        K(dae_mx)(fmt, msg_in, local, n, msg_out, sum_out, rng);
+        break;
     case GC_BF16: K(dae16)(msg_in, local, n, msg_out, sum_out, 0); break;
     case GC_FP16: K(dae16)(msg_in, local, n, msg_out, sum_out, 1); break;
     default: K(dae32)(msg_in, local, n, msg_out, sum_out); break;
@@ -324,6 +337,7 @@ static void K(decode_accumulate)(int fmt, const uint8_t *msg, size_t n, float *a
     switch (fmt) {
     case GC_E4M3: K(acc8)(msg, n, acc, block, 0); break;
     case GC_E5M2: K(acc8)(msg, n, acc, block, 1); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(decode_mx)(fmt, msg, n, acc, 1); break;
     case GC_BF16: K(acc16)(msg, n, acc, 0); break;
     case GC_FP16: K(acc16)(msg, n, acc, 1); break;
     default: K(acc32)(msg, n, acc); break;

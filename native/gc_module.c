@@ -4,15 +4,19 @@
  * buffers must have item format 'f', message buffers itemsize 1; sizes in bytes are checked
  * against giftcomm.formats.message_nbytes and raise ValueError on mismatch):
  *
- *   encode(x, out, fmt_code, block)             x: n float32 -> out: uint8[message_nbytes(n)]
+ *   encode(x, out, fmt_code, block[, key, offset])  x: n float32 -> out: uint8[message_nbytes(n)]
  *   decode(msg, out, fmt_code, block)           msg: uint8[message_nbytes(n)] -> out: n float32
- *   decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block)
+ *   decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block[, key, offset])
  *                                               msg_out = encode(fp32(decode(msg_in) + local));
  *                                               sum_out: n float32 or None, receives the sum
  *   decode_accumulate(msg, acc, fmt_code, block)    acc (n float32) += decode(msg)
  *
- * fmt_code: giftcomm.formats.Format.code (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32); block: 1..2^20
- * elements per scale (checked for every format, used by e4m3/e5m2 only). The GIL is released
+ * fmt_code: giftcomm.formats.Format.code (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32, 6 nvfp4, 7 mxfp4,
+ * 8 mxfp8, 9 mxfp8_e5m2); block: 1..2^20 elements per scale (checked for every format, used by
+ * e4m3/e5m2; nvfp4 takes only 16, the MX formats only 32).
+ * key: None (round to nearest even) or an int in [0, 2^64): stochastic rounding with Philox4x32-10
+ * keyed by it, element i of the message using counter offset + i (offset: int in [0, 2^64), default
+ * 0). Stochastic rounding of a pass-through format is a ValueError. The GIL is released
  * while the kernels run. Exact aliasing of an input and an output of the same call (msg_in is
  * msg_out, or sum_out is local) is allowed; partial overlap is not.
  *
@@ -65,14 +69,24 @@ static int fmt_itemsize(int fmt)
     case GC_E4M3: case GC_E5M2: return 1;
     case GC_BF16: case GC_FP16: return 2;
     case GC_FP32: return 4;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: return 1;
     default: return 0;
     }
 }
 
+static int is_mx(int fmt) { return fmt >= GC_NVFP4 && fmt <= GC_MXFP8E5; }
+
 static int check_fmt_block(int fmt, long long block)
 {
     if (!fmt_itemsize(fmt)) {
-        PyErr_Format(PyExc_ValueError, "unknown format code %d (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32)", fmt);
+        PyErr_Format(PyExc_ValueError,
+                     "unknown format code %d (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32, 6 nvfp4, 7 mxfp4, 8 mxfp8, "
+                     "9 mxfp8_e5m2)", fmt);
+        return -1;
+    }
+    if (is_mx(fmt) && block != (long long)gc_fixed_block(fmt)) {
+        PyErr_Format(PyExc_ValueError, "format code %d has a fixed block of %zu values, got %lld", fmt,
+                     gc_fixed_block(fmt), block);
         return -1;
     }
     if (block < 1 || block > (long long)GC_MAX_BLOCK) {
@@ -87,7 +101,32 @@ static size_t msg_nbytes(size_t n, int fmt, size_t block)
 {
     if (fmt == GC_E4M3 || fmt == GC_E5M2)
         return gc_scales_offset(n) + 4 * ((n + block - 1) / block);
+    if (fmt == GC_NVFP4)
+        return gc_group_offset(n) + 4 * ((n + GC_NVFP4_GROUP - 1) / GC_NVFP4_GROUP);
+    if (is_mx(fmt))
+        return gc_payload_bytes(n, fmt) + (n + 31) / 32;
     return n * (size_t)fmt_itemsize(fmt);
+}
+
+/* key (None or int in [0, 2^64)) and offset -> *rng; returns 1 (stochastic), 0 (nearest), -1 error */
+static int get_rng(PyObject *key, unsigned long long offset, int fmt, gc_rng *rng)
+{
+    if (key == NULL || key == Py_None)
+        return 0;
+    if (!(fmt == GC_E4M3 || fmt == GC_E5M2 || is_mx(fmt))) {
+        PyErr_Format(PyExc_ValueError, "stochastic rounding needs a block-scaled format (format code %d)", fmt);
+        return -1;
+    }
+    unsigned long long k = PyLong_AsUnsignedLongLong(key);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "key must be None or an int in [0, 2**64)");
+        return -1;
+    }
+    rng->k0 = (uint32_t)k;
+    rng->k1 = (uint32_t)(k >> 32);
+    rng->offset = (uint64_t)offset;
+    return 1;
 }
 
 /* Get a C-contiguous buffer of float32 items; on success the caller releases it. */
@@ -138,12 +177,16 @@ static int check_msg(const Py_buffer *view, size_t n, int fmt, size_t block, con
 
 static PyObject *py_encode(PyObject *self, PyObject *args)
 {
-    PyObject *xo, *oo;
+    PyObject *xo, *oo, *key = NULL;
     int fmt;
     long long block;
+    unsigned long long offset = 0;
     Py_buffer x, out;
+    gc_rng rng;
+    int sr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOiL:encode", &xo, &oo, &fmt, &block) || check_fmt_block(fmt, block) < 0)
+    if (!PyArg_ParseTuple(args, "OOiL|OK:encode", &xo, &oo, &fmt, &block, &key, &offset)
+        || check_fmt_block(fmt, block) < 0 || (sr = get_rng(key, offset, fmt, &rng)) < 0)
         return NULL;
     if (get_f32(xo, &x, 0, "x") < 0)
         return NULL;
@@ -156,7 +199,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args)
     if (check_msg(&out, n, fmt, (size_t)block, "out") == 0) {
         const gc_kernels *k = g_kernels;
         Py_BEGIN_ALLOW_THREADS
-        k->encode(fmt, (const float *)x.buf, n, (uint8_t *)out.buf, (size_t)block);
+        k->encode(fmt, (const float *)x.buf, n, (uint8_t *)out.buf, (size_t)block, sr ? &rng : NULL);
         Py_END_ALLOW_THREADS
         ret = Py_NewRef(Py_None);
     }
@@ -196,16 +239,18 @@ static PyObject *py_decode(PyObject *self, PyObject *args)
 
 static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
 {
-    PyObject *mio, *lo, *moo, *so;
+    PyObject *mio, *lo, *moo, *so, *key = NULL;
     int fmt;
     long long block;
+    unsigned long long offset = 0;
     Py_buffer min, loc, mout, sum;
-    int have_sum = 0;
+    int have_sum = 0, sr;
+    gc_rng rng;
     PyObject *ret = NULL;
     float *tmp = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOiL:decode_add_encode", &mio, &lo, &moo, &so, &fmt, &block)
-        || check_fmt_block(fmt, block) < 0)
+    if (!PyArg_ParseTuple(args, "OOOOiL|OK:decode_add_encode", &mio, &lo, &moo, &so, &fmt, &block, &key, &offset)
+        || check_fmt_block(fmt, block) < 0 || (sr = get_rng(key, offset, fmt, &rng)) < 0)
         return NULL;
     if (get_u8(mio, &min, 0, "msg_in") < 0)
         return NULL;
@@ -238,7 +283,7 @@ static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
         float *sp = have_sum ? (float *)sum.buf : NULL;
         Py_BEGIN_ALLOW_THREADS
         k->decode_add_encode(fmt, (const uint8_t *)min.buf, (const float *)loc.buf, n, (uint8_t *)mout.buf, sp,
-                             (size_t)block, tmp);
+                             (size_t)block, tmp, sr ? &rng : NULL);
         Py_END_ALLOW_THREADS
     }
     ret = Py_NewRef(Py_None);
@@ -341,11 +386,12 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
-     "encode(x, out, fmt_code, block): x float32[n] -> out uint8[message_nbytes(n)]."},
+     "encode(x, out, fmt_code, block, key=None, offset=0): x float32[n] -> out uint8[message_nbytes(n)]; "
+     "key: stochastic rounding (Philox4x32-10, counter offset + i)."},
     {"decode", py_decode, METH_VARARGS,
      "decode(msg, out, fmt_code, block): msg uint8[message_nbytes(n)] -> out float32[n]."},
     {"decode_add_encode", py_decode_add_encode, METH_VARARGS,
-     "decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block): msg_out = encode(decode(msg_in) + local) "
+     "decode_add_encode(msg_in, local, msg_out, sum_out, fmt_code, block, key=None, offset=0): msg_out = encode(decode(msg_in) + local) "
      "with the sum in float32; sum_out (float32[n] or None) receives the sum. Fused per block."},
     {"decode_accumulate", py_decode_accumulate, METH_VARARGS,
      "decode_accumulate(msg, acc, fmt_code, block): acc (float32[n]) += decode(msg)."},

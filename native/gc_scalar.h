@@ -134,4 +134,68 @@ GC_INLINE float gc_quiet(float a) { return gc_float(gc_bits(a) | 0x400000u); }
 GC_INLINE float gc_load_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 GC_INLINE void gc_store_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
 
+/* ---- microscaling / 4-bit formats and stochastic rounding (docs/wire-format.md) ----
+ *
+ *   gc_philox_w0  word 0 of Philox4x32-10 (Random123 definition) for counter (c0, c1, 0, 0) and
+ *                 key (k0, k1): the 32 random bits of one element.
+ *   gc_qmag       magnitude code of a finite float32 |y| (bits a, already clipped to the element
+ *                 format's max) in an element format with `mant` mantissa bits whose smallest
+ *                 normal is 2^emin: u = |y| / step as an integer part hi and 32 truncated fraction
+ *                 bits lo; nearest: up when lo > 1/2, or lo = 1/2 and hi odd (RNE, = ml_dtypes'
+ *                 cast); stochastic: up when lo + r >= 2^32 (probability lo / 2^32). The code of the
+ *                 magnitude is hi + up + (max(e - emin, 0) << mant), which carries into the exponent
+ *                 field exactly like the format does.
+ *   gc_de2m1      E2M1 code (low 4 bits) -> float32, exact.
+ */
+GC_INLINE uint32_t gc_philox_w0(uint32_t c0, uint32_t c1, uint32_t k0, uint32_t k1)
+{
+    uint32_t c2 = 0, c3 = 0;
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (uint32_t)p1;
+        c3 = (uint32_t)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+GC_INLINE uint32_t gc_qmag(uint32_t a, uint32_t r, const int mant, const int emin, const int sr)
+{
+    uint32_t ef = a >> 23;
+    uint32_t sig = ef ? ((a & 0x7fffffu) | 0x800000u) : a;
+    int32_t e = (int32_t)(ef ? ef : 1u) - 127;
+    int32_t under = emin - e;
+    under = under > 0 ? under : 0;
+    uint32_t d = (uint32_t)(23 - mant + under);
+    uint32_t hi = sig >> (d < 31u ? d : 31u);
+    uint32_t sl = d <= 32u ? 32u - d : 0u;
+    uint32_t sh = d > 32u ? (d - 32u < 31u ? d - 32u : 31u) : 0u;
+    uint32_t lo = (sig << sl) >> sh;
+    uint32_t up = sr ? (uint32_t)(lo + r < lo) : (uint32_t)((lo > 0x80000000u) | ((lo == 0x80000000u) & hi));
+    int32_t ex = e - emin;
+    ex = ex > 0 ? ex : 0;
+    return hi + up + ((uint32_t)ex << mant);
+}
+
+GC_INLINE float gc_de2m1(uint32_t c)
+{
+    uint32_t m = c & 7u;
+    uint32_t nb = (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
+    uint32_t b = m < 2u ? (m ? 0x3f000000u : 0u) : nb;
+    return gc_float(b | ((c & 8u) << 28));
+}
+
+/* E8M0 code -> float32 (2^(code-127); code 0 is the float32 subnormal 2^-127; 0xFF NaN) */
+GC_INLINE float gc_de8m0(uint32_t c)
+{
+    uint32_t b = c ? c << 23 : 0x400000u;
+    return gc_float(c == 0xffu ? 0x7fc00000u : b);
+}
+
 #endif

@@ -343,3 +343,101 @@ def test_stochastic_rounding_is_reproducible_and_offset_shifts_the_stream(rng):
         cut = 2 * unit if unit <= 1024 else unit
         tail = ref.encode(x[cut:], fmt, rounding="stochastic", key=11, offset=cut)
         assert same_floats(ref.decode(tail, x.size - cut, fmt), ref.decode(a, x.size, fmt)[cut:])
+
+
+# ------------------------------------------------------------------------- native C kernels
+native_only = pytest.mark.skipif(not codec.native_variants(), reason="native codec extension not built")
+LENGTHS = (0, 1, 2, 15, 16, 17, 31, 33, 1023, 1024, 1025, 2048 + 7, 5000)
+
+
+def _check_native(x: np.ndarray, fmt: str, rounding: str, local: np.ndarray, what: str) -> None:
+    n = x.size
+    f = get_format(fmt)
+    block = resolve_block(f, None)
+    kw = dict(rounding=rounding, key=0xDEADBEEF12345678, offset=(1 << 32) - 5)
+    key = kw["key"] if rounding == "stochastic" else None
+    want = ref.encode(x, fmt, **kw)
+    got = np.full(want.size, 0xAA, np.uint8)  # pads must be written
+    codec.NativeKernels.encode(x, f, block, got, key, kw["offset"])
+    assert np.array_equal(got, want), f"encode {what}: bytes {np.flatnonzero(got != want)[:8]}"
+    dec = np.empty(n, np.float32)
+    codec.NativeKernels.decode(want, n, f, block, dec)
+    assert same_floats(dec, ref.decode(want, n, fmt)), f"decode {what}"
+    acc = local.copy()
+    codec.NativeKernels.decode_accumulate(want, acc, f, block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert same_floats(acc, local + ref.decode(want, n, fmt)), f"accumulate {what}"
+    s = np.empty(n, np.float32)
+    out = np.full(want.size, 0x55, np.uint8)
+    codec.NativeKernels.decode_add_encode(want, local, f, block, out, s, key, kw["offset"])
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = ref.decode(want, n, fmt) + local
+    assert same_floats(s, total), f"sum {what}"
+    assert np.array_equal(out, ref.decode_add_encode(want, local, fmt, **kw)), f"decode_add_encode {what}"
+    inplace = want.copy()  # msg_in is msg_out: allowed
+    codec.NativeKernels.decode_add_encode(inplace, local, f, block, inplace, None, key, kw["offset"])
+    assert np.array_equal(inplace, out), f"in place {what}"
+
+
+@native_only
+@pytest.mark.parametrize("fmt", SCALED)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_native_equals_reference_edge_tables(fmt, rounding, rng):
+    for isa in codec.native_variants():
+        codec.use_native_variant(isa)
+        try:
+            for name, v in edge_tables(fmt).items():
+                local = rng.standard_normal(v.size).astype(np.float32)
+                _check_native(v, fmt, rounding, local, f"{isa} {name}")
+        finally:
+            codec.use_native_variant(codec.native_variants()[0])
+
+
+@native_only
+@pytest.mark.parametrize("fmt", SCALED)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_native_equals_reference_random(fmt, rounding, rng):
+    for isa in codec.native_variants():
+        codec.use_native_variant(isa)
+        try:
+            for n in LENGTHS:
+                x = (rng.standard_normal(n) * np.exp2(rng.uniform(-25, 25, n))).astype(np.float32)
+                x[rng.random(n) < 0.01] = 0
+                if n > 40:
+                    x[rng.integers(0, n, 2)] = [np.nan, -np.inf]
+                    x[n // 3 : n // 3 + 40] *= np.float32(2.0**-110)  # tiny blocks (and groups)
+                local = (rng.standard_normal(n) * 3).astype(np.float32)
+                _check_native(x, fmt, rounding, local, f"{isa} n={n}")
+        finally:
+            codec.use_native_variant(codec.native_variants()[0])
+
+
+@native_only
+def test_native_rejects_bad_blocks_and_rounding():
+    from giftcomm import _codec_native as nat
+
+    x = np.ones(64, np.float32)
+    out = np.empty(message_nbytes(64, "nvfp4"), np.uint8)
+    with pytest.raises(ValueError, match="fixed block of 16"):
+        nat.encode(x, out, get_format("nvfp4").code, 32)
+    with pytest.raises(ValueError, match="stochastic rounding needs a block-scaled format"):
+        nat.encode(x, np.empty(128, np.uint8), get_format("bf16").code, 256, 1, 0)
+    with pytest.raises(ValueError, match="key"):
+        nat.encode(x, out, get_format("nvfp4").code, 16, -1, 0)
+
+
+def test_public_codec_arguments():
+    x = np.linspace(-1, 1, 100).astype(np.float32)
+    with pytest.raises(ValueError, match="fixed block of 32"):
+        codec.encode(x, "mxfp4", block=256)
+    with pytest.raises(ValueError, match="stochastic rounding needs a block-scaled format"):
+        codec.encode(x, "bf16", rounding="stochastic")
+    with pytest.raises(ValueError, match="stochastic rounding needs a block-scaled format"):
+        codec.decode_add_encode(codec.encode(x, "fp16"), x, "fp16", rounding="stochastic")
+    with pytest.raises(ValueError, match="offset"):
+        codec.encode(x, "e4m3", rounding="stochastic", offset=-1)
+    for fmt in NEW:
+        m = codec.encode(x, fmt, rounding="stochastic", key=3, offset=10)
+        assert np.array_equal(m, ref.encode(x, fmt, rounding="stochastic", key=3, offset=10))
+        assert m.size == message_nbytes(100, fmt) == message_nbytes(100, fmt, resolve_block(fmt, None))
+        assert same_floats(codec.decode(m, 100, fmt), ref.decode(m, 100, fmt))
