@@ -50,9 +50,17 @@ GC_INLINE void K(qloop)(const float *restrict x, size_t len, float mult, const u
     if (r) {
         for (size_t i = 0; i < len; i++)
             codes[i] = (uint8_t)K(qelem)(x[i], mult, r[i], ek, 1);
-    } else {
+    } else if (ek == 2) { /* E2M1 nearest-even by thresholds (ties 0.25, 1.25, 2.5, 5 go down) */
+        for (size_t i = 0; i < len; i++) {
+            float y = x[i] * mult;
+            float a = gc_float(gc_bits(y) & 0x7fffffffu);
+            uint32_t c = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) + (uint32_t)(a >= 1.75f)
+                         + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) + (uint32_t)(a > 5.0f);
+            codes[i] = (uint8_t)(c | ((gc_bits(y) >> 28) & 8u));
+        }
+    } else { /* FP8 nearest: the FP8 kernels' conversion (clips, keeps the sign) */
         for (size_t i = 0; i < len; i++)
-            codes[i] = (uint8_t)K(qelem)(x[i], mult, 0u, ek, 0);
+            codes[i] = (uint8_t)gc_q8(gc_bits(x[i] * mult), ek);
     }
 }
 
