@@ -4,6 +4,7 @@ Ring allreduce with FP8 wire messages (block-scaled E4M3/E5M2, fp32 accumulation
 over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-layer geometry.
 """
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
+from .errors import CommAborted, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
 from .partition import chunk_bounds
@@ -26,6 +27,8 @@ __all__ = [
     "plan_allreduce",
     "AllreducePlan",
     "release",
+    "CommTimeout",
+    "CommAborted",
     "Geometry",
     "chunk_bounds",
     "message_nbytes",

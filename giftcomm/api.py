@@ -14,8 +14,9 @@ framework. Each call:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
@@ -48,6 +49,21 @@ class GeometryLike(Protocol):
 
 def _transport(comm: Any, x: Any) -> Transport:
     return resolve(comm, device=is_device_array(x))
+
+
+@contextlib.contextmanager
+def held(t: Transport, timeout: float | None) -> Iterator[None]:
+    """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
+    Threads), with its waits' deadline set to ``timeout`` seconds when given."""
+    with t.state.lock:
+        if timeout is None:
+            yield
+            return
+        previous, t.timeout = t.timeout, timeout
+        try:
+            yield
+        finally:
+            t.timeout = previous
 
 
 def _allreduce_flat(t: Transport, flat: Any, wire: Wire, algorithm: str, nodes: np.ndarray, slice_elems: int,
@@ -118,6 +134,7 @@ def gift_allreduce(
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -130,7 +147,7 @@ def gift_allreduce(
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     t = _transport(comm, x)
-    with t.state.lock:  # one call at a time per transport (docs/api.md, Threads)
+    with held(t, timeout):
         return _gift_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems)
 
 
@@ -204,6 +221,7 @@ def allreduce(
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
@@ -213,13 +231,14 @@ def allreduce(
     mpi4py communicator (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm
     Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct",
     "oneshot" (small messages: one exchange, each contribution quantized once) or "auto" (the
-    cost model's choice among the first five); local_size: ranks per node for the hierarchical algorithms (default:
-    from the transport). Returns an array of x's shape and dtype, bit-identical on every rank and
+    cost model's choice among the first five); local_size: ranks per node for the hierarchical
+    algorithms (default: from the transport). timeout: seconds each wait of this call may wait
+    for its peers (default: the transport's, $GIFTCOMM_TIMEOUT; docs/robustness.md). Returns an array of x's shape and dtype, bit-identical on every rank and
     equal to ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same
     algorithm.
     """
     return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, algorithm=algorithm,
-                          local_size=local_size, slice_elems=slice_elems)
+                          local_size=local_size, slice_elems=slice_elems, timeout=timeout)
 
 
 def reduce_scatter(
@@ -232,6 +251,7 @@ def reduce_scatter(
     out: Any = None,
     algorithm: str = "ring",
     slice_elems: int | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
@@ -241,7 +261,7 @@ def reduce_scatter(
     float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
     t = _transport(comm, x)
-    with t.state.lock:
+    with held(t, timeout):
         return _reduce_scatter(t, planning.caller(), x, op, fmt, block, out, algorithm, slice_elems)
 
 
@@ -278,6 +298,7 @@ def allgather(
     block: int = DEFAULT_BLOCK,
     out: Any = None,
     slice_elems: int | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
@@ -286,7 +307,7 @@ def allgather(
     array of the shard's dtype and framework holding all the gathered values.
     """
     t = _transport(comm, shard)
-    with t.state.lock:
+    with held(t, timeout):
         return _allgather(t, planning.caller(), shard, fmt, block, out, slice_elems)
 
 

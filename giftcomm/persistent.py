@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _xp
-from .api import agree_allreduce, run_allreduce
+from .api import agree_allreduce, held, run_allreduce
 from .collectives import oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
@@ -71,11 +71,12 @@ class AllreducePlan:
         planning.check_out(call, out, self.shape)
         return call
 
-    def __call__(self, x: Any, out: Any = None) -> Any:
+    def __call__(self, x: Any, out: Any = None, timeout: float | None = None) -> Any:
         """The allreduce of ``x`` (the template's shape, dtype and kind) with the planned
-        arguments: an array of x's shape and dtype in x's framework (``out`` if given)."""
+        arguments: an array of x's shape and dtype in x's framework (``out`` if given);
+        ``timeout`` as for :func:`giftcomm.allreduce`."""
         t = self.transport
-        with t.state.lock:
+        with held(t, timeout):
             error: Exception | None = None
             call = None
             try:
@@ -122,13 +123,14 @@ def plan_allreduce(
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    timeout: float | None = None,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` takes the one-shot algorithm up to
     :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
-    with t.state.lock:
+    with held(t, timeout):
         call, _, chosen, nodes = agree_allreduce(t, planning.caller(), x, None, op, fmt, block, None, algorithm,
                                                  local_size, slice_elems)
         if algorithm == "auto" and t.size <= 8 and call.arr.nbytes <= ONESHOT_MAX_BYTES:

@@ -55,7 +55,7 @@ def main() -> None:
     for kernels in (codec.NativeKernels, codec.ReferenceKernels):  # what giftcomm.codec.kernels_for hands out
         for name in ("encode", "decode", "decode_add_encode", "decode_accumulate"):
             _timed(kernels, name, name)
-    _timed(mpi_transport._MpiRequest, "wait", "wait")
+    _timed(mpi_transport.MpiRequest, "wait", "wait")
     for name in ("isend", "irecv"):
         _timed(mpi_transport.MpiTransport, name, name)
     _timed(mpi_transport.MpiTransport, "allgather_int64", "agreement")

@@ -593,3 +593,26 @@ def test_two_threads_on_one_communicator_never_mix_data(rng):
                 returned += 1
     assert returned + raised == 2 * p * rounds and returned > 0
     print(f"{returned} calls returned, {raised} raised")
+
+
+def test_timeout_per_call_bounds_a_wait_for_a_peer_that_never_comes(rng):
+    """``timeout=`` on a call bounds its waits (here: rank 1 never calls); the transport's own
+    deadline is restored afterwards."""
+    import time
+
+    from giftcomm.errors import CommTimeout
+
+    x = rng.standard_normal(100).astype(np.float32)
+
+    def body(t):
+        if t.rank == 1:
+            return None
+        before = t.timeout
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            gc.allreduce(x, comm=t, timeout=0.3)
+        assert time.monotonic() - t0 < 5 and t.timeout == before
+        return True
+
+    assert gc.LoopbackGroup(2).run(body)[0] is True
+    assert issubclass(CommTimeout, TimeoutError)

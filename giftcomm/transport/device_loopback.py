@@ -32,7 +32,7 @@ class DeviceLoopbackTransport(GroupedTransport, LoopbackTransport):
                 self.group.box(self.rank, op.peer, op.tag).put(data)
         for op in ops:
             if op.kind == "recv":
-                PendingRecv(self.group.box(op.peer, self.rank, op.tag), op.buf).wait()
+                PendingRecv(self.group.box(op.peer, self.rank, op.tag), op.buf, self, op.peer).wait()
 
 
 class DeviceLoopbackGroup(LoopbackGroup):

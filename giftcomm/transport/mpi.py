@@ -45,8 +45,8 @@ log = logging.getLogger("giftcomm")
 
 TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 INTERRUPT_EXIT_CODE = 130  # as a shell reports SIGINT
-_SPIN_S = 50e-6  # poll without sleeping this long first: short waits keep their latency
-_MAX_SLEEP_S = 1e-3  # the longest sleep between two polls
+_SPIN_S = 2e-3  # poll without sleeping this long first: the waits of a healthy collective keep their latency
+_MAX_SLEEP_S = 2e-4  # the longest sleep between two polls: a late peer is noticed within ~0.3 ms
 _ALL = None  # "peers": every other rank (a collective)
 
 
@@ -89,7 +89,6 @@ class MpiRequest(Request):
         self._t.wait_for(self._req, self._what, (self._peer,))
 
 
-_MpiRequest = MpiRequest  # the old name (perf/phase_breakdown.py times its wait)
 
 
 class MpiTransport(Transport):
@@ -156,7 +155,7 @@ class MpiTransport(Transport):
                 waited = time.monotonic() - start
                 if limit and waited > limit:
                     self._expired(req, what, peers, limit)
-                time.sleep(min(_MAX_SLEEP_S, waited / 8))
+                time.sleep(min(_MAX_SLEEP_S, waited / 16))
                 if test():
                     return
         except CommTimeout:
