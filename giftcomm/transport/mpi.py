@@ -3,7 +3,7 @@
 Waiting (docs/robustness.md). Every blocking wait -- a message, the agreement's gathers, the
 shared window's fence, the creation of the private communicator, its splits and the window --
 is an MPI nonblocking operation polled with ``Test``: a short spin, then sleeps that grow with
-the time already waited (at most 1 ms), so a rank waiting for a slow peer does not burn a core,
+the time already waited (at most 0.2 ms), so a rank waiting for a slow peer does not burn a core,
 and a signal (Ctrl-C) is handled within a millisecond. Each wait has a deadline of
 ``transport.timeout`` seconds (``$GIFTCOMM_TIMEOUT``, default 600; 0: none). At the deadline the
 policy ``on_timeout`` (``$GIFTCOMM_ON_TIMEOUT``) applies: ``"abort"`` (default) prints the error,
