@@ -126,6 +126,12 @@ def emu(tmp_path_factory):
     lib.gc_emu_decode.argtypes = [i, p, ll, i, p, i]
     lib.gc_emu_dae.argtypes = [i, p, p, ll, i, p, p]
     lib.gc_emu_fp8_cast.argtypes = [i, p, ll, p]
+    u64 = ctypes.c_uint64
+    lib.gc_emu_mx_encode.argtypes = [i, p, ll, p, i, u64, u64]
+    lib.gc_emu_mx_decode.argtypes = [i, p, ll, p, i]
+    lib.gc_emu_mx_dae.argtypes = [i, p, p, ll, p, p, i, u64, u64]
+    lib.gc_emu_sr8_encode.argtypes = [i, p, ll, i, p, u64, u64]
+    lib.gc_emu_sr8_dae.argtypes = [i, p, p, ll, i, p, p, u64, u64]
     return lib
 
 
@@ -206,6 +212,55 @@ def test_emulation_fp8_cast_exhaustive(emu, fmt):
             want = v.astype(f.wire_dtype).view(np.uint8)
             bad = np.flatnonzero(got != want)
             assert bad.size == 0, f"{fmt}: {v[bad[0]]!r} -> {got[bad[0]]:#x}, ml_dtypes {want[bad[0]]:#x}"
+
+
+MX_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+SR_KEY, SR_OFF = 0x0123456789ABCDEF, (1 << 32) - 9
+
+
+def _mx_check(lib, x, fmt, rounding, rng, what):
+    """The emulated MX / nvfp4 kernels (and stochastic e4m3/e5m2) against the reference."""
+    f = FORMATS[fmt]
+    n = x.size
+    sr = int(rounding == "stochastic")
+    kw = dict(rounding=rounding, key=SR_KEY, offset=SR_OFF)
+    want = ref.encode(x, fmt, **kw)
+    local = rng.standard_normal(n).astype(np.float32)
+    got = np.full(want.size, 0xAA, np.uint8)
+    out = np.full(want.size, 0x55, np.uint8)
+    s = np.empty(n, np.float32)
+    if f.fixed_block is None:  # stochastic e4m3 / e5m2, block 256
+        assert lib.gc_emu_sr8_encode(f.code, _ptr(x), n, 256, _ptr(got), SR_KEY, SR_OFF) == 0
+        assert lib.gc_emu_sr8_dae(f.code, _ptr(want), _ptr(local), n, 256, _ptr(out), _ptr(s), SR_KEY, SR_OFF) == 0
+    else:
+        assert lib.gc_emu_mx_encode(f.code, _ptr(x), n, _ptr(got), sr, SR_KEY, SR_OFF) == 0
+        assert lib.gc_emu_mx_dae(f.code, _ptr(want), _ptr(local), n, _ptr(out), _ptr(s), sr, SR_KEY, SR_OFF) == 0
+        dec = np.empty(n, np.float32)
+        assert lib.gc_emu_mx_decode(f.code, _ptr(want), n, _ptr(dec), 0) == 0
+        assert floats_equal(dec, ref.decode(want, n, fmt)).all(), f"decode {what}"
+        acc = local.copy()
+        assert lib.gc_emu_mx_decode(f.code, _ptr(want), n, _ptr(acc), 1) == 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert floats_equal(acc, local + ref.decode(want, n, fmt)).all(), f"accumulate {what}"
+    assert np.array_equal(got, want), f"encode {what}: bytes {np.flatnonzero(got != want)[:8]}"
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert floats_equal(s, ref.decode(want, n, fmt) + local).all(), f"sum {what}"
+    assert np.array_equal(out, ref.decode_add_encode(want, local, fmt, **kw)), f"decode_add_encode {what}"
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS + SCALED)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_emulation_mx_formats_and_stochastic_rounding(emu, fmt, rounding, rng):
+    if fmt in SCALED and rounding == "nearest":
+        pytest.skip("nearest e4m3/e5m2: test_emulation_edge_tables / test_emulation_random")
+    for name, vec in edge_vectors("e4m3").items():
+        _mx_check(emu, vec, fmt, rounding, rng, f"{fmt} {rounding} {name}")
+    for n in (0, 1, 2, 15, 17, 33, 1023, 1025, 3000):
+        x = random_vector(rng, n, spread=25)
+        if n > 40:
+            x[rng.integers(0, n, 2)] = [np.nan, -np.inf]
+            x[n // 3 : n // 3 + 40] *= np.float32(2.0**-110)
+        _mx_check(emu, x, fmt, rounding, rng, f"{fmt} {rounding} n={n}")
 
 
 # ---------------------------------------------------------------------------------- loader

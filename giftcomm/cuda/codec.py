@@ -14,6 +14,11 @@ scale block, values in registers (x read once: 5 bytes of traffic per value for 
 256 < block <= 4096: one CTA per scale block, values in registers; block > 4096: two passes
 (amax with atomics, then quantize: x read twice). 16-byte vector loads when block % 4 == 0 and
 the pointers are aligned.
+
+Stochastic rounding of e4m3/e5m2 (``key`` not None) always takes the two-pass path (amax, then
+gc_{enc,dae}_big_sr_F). MX formats: one warp per 32-value block (gc_mx_enc_F); nvfp4: one warp per
+1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: one thread per value
+(gc_mx_dec_F). The Philox bits of message value i use counter ``offset + i`` (docs/wire-format.md).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import Format, num_blocks, scales_offset
+from ..formats import Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
 __all__ = ["CudaKernels"]
@@ -100,6 +105,64 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
             grid, (_THREADS,), (pin, sin, x, amax, payload_out, scales_out, s_out, n64, b32, nb64, np.int32(splits), pad32))
 
 
+def _sr8_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any,
+                key: int, offset: int, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
+    """Stochastic e4m3/e5m2: the big path's amax pass, then the stochastic store pass."""
+    cp = _cp()
+    nb = num_blocks(count, block)
+    n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
+    splits = -(-block // BIG_TILE)
+    amax = cp.zeros(nb, cp.uint32)
+    grid = (_grid(nb * splits),)
+    k64, o64 = np.uint64(key), np.uint64(offset)
+    if mode == "enc":
+        _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
+        _loader.get_function(f"gc_enc_big_sr_{f.name}")(
+            grid, (_THREADS,), (x, amax, payload_out, scales_out, n64, b32, nb64, np.int32(splits), pad32, k64, o64))
+    else:
+        s_out = _NULL if sum_out is None else sum_out
+        _loader.get_function(f"gc_dae_amax_{f.name}")(
+            grid, (_THREADS,), (pin, sin, x, amax, n64, b32, nb64, np.int32(splits)))
+        _loader.get_function(f"gc_dae_big_sr_{f.name}")(
+            grid, (_THREADS,), (pin, sin, x, amax, payload_out, scales_out, s_out, n64, b32, nb64, np.int32(splits),
+                                pad32, k64, o64))
+
+
+def _mx_parts(msg: Any, count: int, f: Format, zero_pad: bool = False) -> tuple[Any, Any, Any]:
+    """(payload bytes, block-scale bytes, nvfp4 group scales float32 or NULL) of an MX / nvfp4
+    message; zero_pad: zero nvfp4's pad bytes before the group scales (outputs)."""
+    cp = _cp()
+    pb = payload_nbytes(count, f)
+    nb = num_blocks(count, f.fixed_block)
+    gs: Any = _NULL
+    if f.scale_kind == "nvfp4":
+        off = group_scales_offset(count, f)
+        if (_ptr(msg) + off) % 4:
+            raise ValueError("the group scales of an nvfp4 message must be 4-byte aligned (message start % 4 == 0)")
+        if zero_pad and off > pb + nb:
+            msg[pb + nb : off] = 0
+        gs = msg[off : off + 4 * num_groups(count)].view(cp.float32)
+    return msg[:pb], msg[pb : pb + nb], gs
+
+
+def _mx_encode(f: Format, count: int, x: Any, out: Any, key: int | None, offset: int, message: Any = None,
+               sum_out: Any = None) -> None:
+    pay, sc, gs = _mx_parts(out, count, f, zero_pad=True)
+    ipay, isc, igs = (_NULL, _NULL, _NULL) if message is None else _mx_parts(message, count, f)
+    units = num_groups(count) if f.scale_kind == "nvfp4" else num_blocks(count, f.fixed_block)
+    warps = _THREADS // 32
+    _loader.get_function(f"gc_mx_enc_{f.name}")(
+        (_grid(units, warps),), (_THREADS,),
+        (x, ipay, isc, igs, pay, sc, gs, _NULL if sum_out is None else sum_out, np.int32(message is not None),
+         np.int64(count), np.int64(units), np.int32(key is not None), np.uint64(key or 0), np.uint64(offset)))
+
+
+def _mx_decode(f: Format, count: int, message: Any, out: Any, acc: bool) -> None:
+    ipay, isc, igs = _mx_parts(message, count, f)
+    _loader.get_function(f"gc_mx_dec_{f.name}")(
+        (_grid(count, _THREADS),), (_THREADS,), (ipay, isc, igs, out, np.int64(count), np.int32(acc)))
+
+
 def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, wout: Any = None, out: Any = None) -> None:
     """Pass-through kernels (bf16, fp16): op 0 encode, 1 decode, 2 accumulate, 3 decode-add-encode."""
     cp = _cp()
@@ -118,9 +181,12 @@ class CudaKernels:
     name = "cuda"
 
     @staticmethod
-    def encode(x: Any, f: Format, block: int, out: Any) -> Any:
+    def encode(x: Any, f: Format, block: int, out: Any, key: int | None = None, offset: int = 0) -> Any:
         n = x.size
         if n == 0:
+            return out
+        if f.scale_kind in ("e8m0", "nvfp4"):
+            _mx_encode(f, n, x, out, key, offset)
             return out
         if not f.scaled:
             if f.name == "fp32":
@@ -129,6 +195,9 @@ class CudaKernels:
                 _pt_launch(f, 0, n, x=x, wout=out)
             return out
         payload, scales = _parts(out, n, f, block)
+        if key is not None:
+            _sr8_launch("enc", f, block, n, payload, scales, x, key, offset, pad=scales_offset(n, f) - n)
+            return out
         _scaled_launch("enc", f, block, n, payload, scales, x, pad=scales_offset(n, f) - n)
         return out
 
@@ -136,6 +205,9 @@ class CudaKernels:
     def decode(message: Any, count: int, f: Format, block: int, out: Any) -> Any:
         cp = _cp()
         if count == 0:
+            return out
+        if f.scale_kind in ("e8m0", "nvfp4"):
+            _mx_decode(f, count, message, out, False)
             return out
         if not f.scaled:
             if f.name == "fp32":
@@ -150,10 +222,14 @@ class CudaKernels:
         return out
 
     @staticmethod
-    def decode_add_encode(message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any) -> Any:
+    def decode_add_encode(message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any,
+                          key: int | None = None, offset: int = 0) -> Any:
         cp = _cp()
         n = local.size
         if n == 0:
+            return out
+        if f.scale_kind in ("e8m0", "nvfp4"):
+            _mx_encode(f, n, local, out, key, offset, message=message, sum_out=sum_out)
             return out
         if not f.scaled:
             if f.name == "fp32":
@@ -164,6 +240,10 @@ class CudaKernels:
             return out
         pin, sin = _parts(message, n, f, block)
         payload, scales = _parts(out, n, f, block)
+        if key is not None:
+            _sr8_launch("dae", f, block, n, payload, scales, local, key, offset, pin=pin, sin=sin, sum_out=sum_out,
+                        pad=scales_offset(n, f) - n)
+            return out
         _scaled_launch("dae", f, block, n, payload, scales, local, pin=pin, sin=sin, sum_out=sum_out,
                        pad=scales_offset(n, f) - n)
         return out
@@ -173,6 +253,9 @@ class CudaKernels:
         cp = _cp()
         n = acc.size
         if n == 0:
+            return acc
+        if f.scale_kind in ("e8m0", "nvfp4"):
+            _mx_decode(f, n, message, acc, True)
             return acc
         if not f.scaled:
             if f.name == "fp32":

@@ -25,6 +25,7 @@
 // Sizes: count < 2^62 values; block in [1, 2^20]; index arithmetic is 64-bit.
 
 #include "gc_fp8.cuh"
+#include "gc_mx.cuh"
 
 #define GC_VPT 8  // values per thread held in registers by the team / cta kernels
 
@@ -366,3 +367,182 @@ GC_BLOCK_SCALED_ENTRIES(gc_e5m2, e5m2)
 
 GC_PT_ENTRY(gc_bf16, bf16)
 GC_PT_ENTRY(gc_fp16, fp16)
+
+// ---------------------------------------------------------------- stochastic rounding, e4m3/e5m2
+// The big path's amax pass (gc_{enc,dae}_amax_F) then this store pass, for any block size: the
+// element with message index i uses Philox bits (key, offset + i) (gc_mx.cuh, docs/wire-format.md).
+template <class F, int MODE>
+GC_DEV void gc_big_sr_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ amax_bits, gc_u8* __restrict__ pout,
+                             float* __restrict__ sout, float* __restrict__ sum_out, long long count, int block,
+                             long long nb, int splits, int pad, gc_u64 key, gc_u64 offset) {
+    gc_zero_pad(pout, count, pad);
+    const int tid = threadIdx.x;
+    for (long long w = blockIdx.x; w < nb * splits; w += gridDim.x) {
+        const long long b = w / splits;
+        const int s = (int)(w - b * splits);
+        const long long base = b * (long long)block;
+        const long long left = count - base;
+        const int n = left < block ? (int)left : block;
+        const int lo = s * GC_BIG_TILE, hi = (lo + GC_BIG_TILE < n) ? lo + GC_BIG_TILE : n;
+        const gc_scale<F> sc = gc_scale<F>::from_amax_bits(amax_bits[b]);
+        for (int e = lo + tid; e < hi; e += 256) {
+            const float v = src.load(base + e, b);
+            pout[base + e] = gc_sr8<F>(v, sc.inv, sc.finite, gc_rbits(key, offset + (gc_u64)(base + e)));
+            if (sum_out) sum_out[base + e] = v;
+        }
+        if (s == 0 && tid == 0) sout[b] = sc.scale;
+    }
+}
+
+#define GC_SR8_ENTRIES(F, NAME)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_big_sr_##NAME(const float* __restrict__ x,             \
+        const gc_u32* __restrict__ amax_bits, gc_u8* __restrict__ pout, float* __restrict__ sout, long long count,   \
+        int block, long long nb, int splits, int pad, gc_u64 key, gc_u64 offset) {                                   \
+        gc_big_sr_kernel<F, 0>(gc_src<F, 0>{x, 0, 0}, amax_bits, pout, sout, 0, count, block, nb, splits, pad, key,   \
+                               offset);                                                                              \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_big_sr_##NAME(const gc_u8* __restrict__ pin,           \
+        const float* __restrict__ sin, const float* __restrict__ local, const gc_u32* __restrict__ amax_bits,        \
+        gc_u8* __restrict__ pout, float* __restrict__ sout, float* __restrict__ sum_out, long long count,            \
+        int block, long long nb, int splits, int pad, gc_u64 key, gc_u64 offset) {                                   \
+        gc_big_sr_kernel<F, 1>(gc_src<F, 1>{local, pin, sin}, amax_bits, pout, sout, sum_out, count, block, nb,       \
+                               splits, pad, key, offset);                                                            \
+    }
+
+GC_SR8_ENTRIES(gc_e4m3, e4m3)
+GC_SR8_ENTRIES(gc_e5m2, e5m2)
+
+// ---------------------------------------------------------------- MX formats and nvfp4
+// Message parts: payload (codes; 4-bit formats packed, value 2j in the low nibble of byte j),
+// block scales (one byte each: E8M0 for MX, E4M3 for nvfp4), nvfp4 group scales (float32, one per
+// 1024 values; 4-byte aligned: the host checks). The 0-3 pad bytes before the group scales are
+// zeroed by the host.
+struct gc_mx_msg {
+    const gc_u8* pay;
+    const gc_u8* sc;
+    const float* gs;
+};
+
+// decoded value i of a message
+template <int EK, int NV>
+GC_DEV float gc_mx_in(const gc_mx_msg& m, long long i) {
+    const gc_u32 code = (EK == 2) ? ((gc_u32)(m.pay[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)m.pay[i];
+    if (NV) return gc_nv_value(code, m.sc[i >> 4], m.gs[i >> 10]);
+    return gc_mx_value(code, m.sc[i >> 5], EK);
+}
+
+// MX encode / decode-add-encode: one warp per 32-value block, one value per lane (coalesced);
+// amax by warp shuffles; 4-bit codes paired with the next lane's and stored by even lanes.
+template <int EK, int MODE>
+GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
+                             float* __restrict__ sum_out, long long count, long long nb, int sr, gc_u64 key,
+                             gc_u64 offset) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < nb; b += warps) {
+        const long long i = b * 32 + lane;
+        const bool live = i < count;
+        float v = 0.0f;
+        if (live) {
+            v = x[i];
+            if (MODE == 1) v = gc_add(gc_mx_in<EK, 0>(in, i), v);
+            if (sum_out) sum_out[i] = v;
+        }
+        gc_u32 m = gc_abs_bits(v);
+        for (int o = 16; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        const gc_u32 scode = gc_mx_scale_code(m, EK);
+        gc_u32 code = GC_EK_NAN(EK);
+        if (scode != 0xFFu) code = gc_qelem(v, gc_mx_mult(scode), sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, EK, sr != 0);
+        if (EK == 2) {
+            const gc_u32 hi = __shfl_down_sync(0xFFFFFFFFu, code, 1);
+            if (live && (lane & 1) == 0) pay[i >> 1] = (gc_u8)((code & 0xFu) | ((i + 1 < count ? hi & 0xFu : 0u) << 4));
+        } else if (live) {
+            pay[i] = (gc_u8)code;
+        }
+        if (lane == 0) sc[b] = (gc_u8)scode;
+    }
+}
+
+// nvfp4 encode / decode-add-encode: one warp per 1024-value group; lane l holds the 32 values of
+// blocks 2l and 2l+1 in registers; the group amax (finite blocks only) by warp shuffles.
+template <int MODE>
+GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
+                             float* __restrict__ gs, float* __restrict__ sum_out, long long count, long long ng, int sr,
+                             gc_u64 key, gc_u64 offset) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); g < ng; g += warps) {
+        const long long base = g * 1024 + lane * 32;
+        float v[32];
+        gc_u32 m0 = 0, m1 = 0;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            const long long i = base + k;
+            float t = 0.0f;
+            if (i < count) {
+                t = x[i];
+                if (MODE == 1) t = gc_add(gc_mx_in<2, 1>(in, i), t);
+                if (sum_out) sum_out[i] = t;
+            }
+            v[k] = t;
+            if (k < 16) m0 = gc_umax(m0, gc_abs_bits(t));
+            else m1 = gc_umax(m1, gc_abs_bits(t));
+        }
+        gc_u32 f = gc_umax(m0 < GC_F32_INF_BITS ? m0 : 0u, m1 < GC_F32_INF_BITS ? m1 : 0u);
+        for (int o = 16; o > 0; o >>= 1) f = gc_umax(f, __shfl_xor_sync(0xFFFFFFFFu, f, o));
+        const gc_nv_group grp = gc_nv_group::from_bits(f);
+        float r[2];
+        const gc_u32 bsc[2] = {gc_nv_block(m0, grp, &r[0]), gc_nv_block(m1, grp, &r[1])};
+#pragma unroll
+        for (int k = 0; k < 32; k += 2) {
+            const long long i = base + k;
+            if (i >= count) break;
+            const int h = k >> 4;
+            gc_u32 c0 = 0, c1 = 0;
+            if (bsc[h] != 0x7Fu) {
+                c0 = gc_qelem(v[k], r[h], sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, 2, sr != 0);
+                if (i + 1 < count) c1 = gc_qelem(v[k + 1], r[h], sr ? gc_rbits(key, offset + (gc_u64)(i + 1)) : 0u, 2, sr != 0);
+            }
+            pay[i >> 1] = (gc_u8)((c0 & 0xFu) | ((c1 & 0xFu) << 4));
+        }
+        if (base < count) sc[base >> 4] = (gc_u8)bsc[0];
+        if (base + 16 < count) sc[(base >> 4) + 1] = (gc_u8)bsc[1];
+        if (lane == 0) gs[g] = grp.s2;
+    }
+}
+
+template <int EK, int NV, bool ACC>
+GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+        const float v = gc_mx_in<EK, NV>(in, i);
+        out[i] = ACC ? gc_add(out[i], v) : v;
+    }
+}
+
+#define GC_MX_ARGS_TAIL long long count, long long nb, int sr, gc_u64 key, gc_u64 offset
+#define GC_MX_ENTRIES(EK, NV, NAME)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gc_mx_enc_##NAME(const float* __restrict__ x,                 \
+        const gc_u8* __restrict__ ipay, const gc_u8* __restrict__ isc, const float* __restrict__ igs,                \
+        gc_u8* __restrict__ pay, gc_u8* __restrict__ sc, float* __restrict__ gs, float* __restrict__ sum_out,        \
+        int mode, GC_MX_ARGS_TAIL) {                                                                                  \
+        const gc_mx_msg in{ipay, isc, igs};                                                                           \
+        if (NV) {                                                                                                     \
+            if (mode) gc_nv_enc_kernel<1>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                   \
+            else gc_nv_enc_kernel<0>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                        \
+        } else {                                                                                                      \
+            if (mode) gc_mx_enc_kernel<EK, 1>(x, in, pay, sc, sum_out, count, nb, sr, key, offset);                   \
+            else gc_mx_enc_kernel<EK, 0>(x, in, pay, sc, sum_out, count, nb, sr, key, offset);                        \
+        }                                                                                                             \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_mx_dec_##NAME(const gc_u8* __restrict__ ipay,              \
+        const gc_u8* __restrict__ isc, const float* __restrict__ igs, float* __restrict__ out, long long count,      \
+        int acc) {                                                                                                    \
+        const gc_mx_msg in{ipay, isc, igs};                                                                           \
+        if (acc) gc_mx_dec_kernel<EK, NV, true>(in, out, count);                                                      \
+        else gc_mx_dec_kernel<EK, NV, false>(in, out, count);                                                         \
+    }
+
+GC_MX_ENTRIES(2, 1, nvfp4)
+GC_MX_ENTRIES(2, 0, mxfp4)
+GC_MX_ENTRIES(0, 0, mxfp8)
+GC_MX_ENTRIES(1, 0, mxfp8_e5m2)

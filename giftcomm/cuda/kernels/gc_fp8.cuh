@@ -128,6 +128,7 @@ GC_HD gc_u8 gc_f32_to_fp8_sat_portable(float v) {
 }
 
 struct gc_e4m3 {
+    static constexpr int MANT = 3, EMIN = -6, EK = 0;  // mantissa bits, smallest normal 2^EMIN
     static constexpr float MAX = 448.0f;
     static constexpr gc_u8 NAN_CODE = 0x7F;
     static constexpr int CODE = 1;
@@ -157,6 +158,7 @@ struct gc_e4m3 {
 };
 
 struct gc_e5m2 {
+    static constexpr int MANT = 2, EMIN = -14, EK = 1;
     static constexpr float MAX = 57344.0f;
     static constexpr gc_u8 NAN_CODE = 0x7F;
     static constexpr int CODE = 2;

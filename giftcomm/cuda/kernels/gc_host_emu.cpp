@@ -5,6 +5,7 @@
 // It emulates what each kernel computes per value and per block, not the kernels' parallel
 // structure (teams, shuffles, vector loads), which only a GPU can run (tests/test_gpu.py).
 #include "gc_fp8.cuh"
+#include "gc_mx.cuh"
 
 template <class F>
 static void enc_block(const float* v, long long n, gc_u8* pout, float* sout) {
@@ -61,7 +62,154 @@ static void pt_t(int op, const float* x, const gc_u16* win, gc_u16* wout, float*
     }
 }
 
+// ---- stochastic e4m3/e5m2 (what gc_{enc,dae}_big_sr_F compute per value) ----
+template <class F>
+static void sr8_t(const float* x, long long n, int block, gc_u8* msg, gc_u64 key, gc_u64 off) {
+    float* scales = reinterpret_cast<float*>(msg + align4(n));
+    for (long long i = n; i < align4(n); ++i) msg[i] = 0;
+    for (long long b = 0; b * block < n; ++b) {
+        const long long lo = b * block, cnt = (n - lo < block) ? n - lo : block;
+        gc_u32 m = 0;
+        for (long long i = 0; i < cnt; ++i) m = gc_umax(m, gc_abs_bits(x[lo + i]));
+        const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
+        for (long long i = 0; i < cnt; ++i)
+            msg[lo + i] = gc_sr8<F>(x[lo + i], s.inv, s.finite, gc_rbits(key, off + (gc_u64)(lo + i)));
+        scales[b] = s.scale;
+    }
+}
+
+// ---- MX formats and nvfp4 (what gc_mx_enc_F / gc_mx_dec_F compute per block, group, value) ----
+static int mx_ek(int fmt) { return fmt == 8 ? 0 : (fmt == 9 ? 1 : 2); }
+
+struct mx_layout {
+    gc_u8* pay;
+    gc_u8* sc;
+    float* gs;
+};
+
+static mx_layout mx_parts(int fmt, gc_u8* msg, long long n) {
+    const long long pb = (fmt == 6 || fmt == 7) ? (n + 1) / 2 : n;
+    mx_layout l{msg, msg + pb, 0};
+    if (fmt == 6) {
+        const long long nb = (n + 15) / 16;
+        const long long goff = align4(pb + nb);
+        for (long long i = pb + nb; i < goff; ++i) msg[i] = 0;
+        l.gs = reinterpret_cast<float*>(msg + goff);
+    }
+    return l;
+}
+
+static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int sr, gc_u64 key, gc_u64 off) {
+    const int ek = mx_ek(fmt);
+    const mx_layout l = mx_parts(fmt, msg, n);
+    gc_u8* codes = new gc_u8[n > 0 ? n : 1];
+    if (fmt == 6) {
+        for (long long g = 0; g * 1024 < n; ++g) {
+            const long long g0 = g * 1024, gend = (n - g0 < 1024) ? n : g0 + 1024;
+            gc_u32 f = 0;
+            for (long long b0 = g0; b0 < gend; b0 += 16) {
+                gc_u32 m = 0;
+                for (long long i = b0; i < b0 + 16 && i < gend; ++i) m = gc_umax(m, gc_abs_bits(v[i]));
+                f = gc_umax(f, m < GC_F32_INF_BITS ? m : 0u);
+            }
+            const gc_nv_group grp = gc_nv_group::from_bits(f);
+            for (long long b0 = g0; b0 < gend; b0 += 16) {
+                gc_u32 m = 0;
+                for (long long i = b0; i < b0 + 16 && i < gend; ++i) m = gc_umax(m, gc_abs_bits(v[i]));
+                float r;
+                const gc_u32 bs = gc_nv_block(m, grp, &r);
+                l.sc[b0 / 16] = (gc_u8)bs;
+                for (long long i = b0; i < b0 + 16 && i < gend; ++i)
+                    codes[i] = bs == 0x7Fu ? 0 : (gc_u8)gc_qelem(v[i], r, sr ? gc_rbits(key, off + (gc_u64)i) : 0u, 2, sr != 0);
+            }
+            l.gs[g] = grp.s2;
+        }
+    } else {
+        for (long long b0 = 0; b0 < n; b0 += 32) {
+            const long long end = (n - b0 < 32) ? n : b0 + 32;
+            gc_u32 m = 0;
+            for (long long i = b0; i < end; ++i) m = gc_umax(m, gc_abs_bits(v[i]));
+            const gc_u32 scode = gc_mx_scale_code(m, ek);
+            l.sc[b0 / 32] = (gc_u8)scode;
+            for (long long i = b0; i < end; ++i)
+                codes[i] = scode == 0xFFu ? (gc_u8)GC_EK_NAN(ek)
+                                          : (gc_u8)gc_qelem(v[i], gc_mx_mult(scode), sr ? gc_rbits(key, off + (gc_u64)i) : 0u,
+                                                            ek, sr != 0);
+        }
+    }
+    if (ek == 2) {
+        for (long long i = 0; i < n; i += 2)
+            l.pay[i / 2] = (gc_u8)((codes[i] & 0xFu) | ((i + 1 < n ? codes[i + 1] & 0xFu : 0u) << 4));
+    } else {
+        for (long long i = 0; i < n; ++i) l.pay[i] = codes[i];
+    }
+    delete[] codes;
+}
+
+static float mx_value(int fmt, const gc_u8* msg, long long n, long long i) {
+    const int ek = mx_ek(fmt);
+    const long long pb = (fmt == 6 || fmt == 7) ? (n + 1) / 2 : n;
+    const gc_u32 code = ek == 2 ? (gc_u32)((msg[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)msg[i];
+    if (fmt == 6) {
+        const float* gs = reinterpret_cast<const float*>(msg + align4(pb + (n + 15) / 16));
+        return gc_nv_value(code, msg[pb + i / 16], gs[i / 1024]);
+    }
+    return gc_mx_value(code, msg[pb + i / 32], ek);
+}
+
 extern "C" {
+// MX formats and nvfp4 (fmt 6 nvfp4, 7 mxfp4, 8 mxfp8, 9 mxfp8_e5m2); sr: 0 nearest, 1 stochastic
+int gc_emu_mx_encode(int fmt, const float* x, long long n, gc_u8* msg, int sr, gc_u64 key, gc_u64 off) {
+    if (fmt < 6 || fmt > 9) return -1;
+    mx_encode_vals(fmt, x, n, msg, sr, key, off);
+    return 0;
+}
+
+int gc_emu_mx_decode(int fmt, const gc_u8* msg, long long n, float* out, int acc) {
+    if (fmt < 6 || fmt > 9) return -1;
+    for (long long i = 0; i < n; ++i) {
+        const float v = mx_value(fmt, msg, n, i);
+        out[i] = acc ? gc_add(out[i], v) : v;
+    }
+    return 0;
+}
+
+int gc_emu_mx_dae(int fmt, const gc_u8* min, const float* local, long long n, gc_u8* mout, float* sum_out, int sr,
+                  gc_u64 key, gc_u64 off) {
+    if (fmt < 6 || fmt > 9) return -1;
+    float* tmp = new float[n > 0 ? n : 1];
+    for (long long i = 0; i < n; ++i) tmp[i] = gc_add(mx_value(fmt, min, n, i), local[i]);
+    if (sum_out)
+        for (long long i = 0; i < n; ++i) sum_out[i] = tmp[i];
+    mx_encode_vals(fmt, tmp, n, mout, sr, key, off);
+    delete[] tmp;
+    return 0;
+}
+
+// stochastic e4m3 (1) / e5m2 (2): encode, and decode-add-encode
+int gc_emu_sr8_encode(int fmt, const float* x, long long n, int block, gc_u8* msg, gc_u64 key, gc_u64 off) {
+    if (fmt == 1) sr8_t<gc_e4m3>(x, n, block, msg, key, off);
+    else if (fmt == 2) sr8_t<gc_e5m2>(x, n, block, msg, key, off);
+    else return -1;
+    return 0;
+}
+
+int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, int block, gc_u8* mout, float* sum_out,
+                   gc_u64 key, gc_u64 off) {
+    if (fmt != 1 && fmt != 2) return -1;
+    const float* sin = reinterpret_cast<const float*>(min + align4(n));
+    float* tmp = new float[n > 0 ? n : 1];
+    for (long long i = 0; i < n; ++i) {
+        const float d = fmt == 1 ? gc_e4m3::to_f32(min[i]) : gc_e5m2::to_f32(min[i]);
+        tmp[i] = gc_add(gc_mul(d, sin[i / block]), local[i]);
+    }
+    if (sum_out)
+        for (long long i = 0; i < n; ++i) sum_out[i] = tmp[i];
+    gc_emu_sr8_encode(fmt, tmp, n, block, mout, key, off);
+    delete[] tmp;
+    return 0;
+}
+
 // fmt codes: giftcomm.formats (1 e4m3, 2 e5m2, 3 bf16, 4 fp16). Return 0, or -1 for a bad code.
 int gc_emu_encode(int fmt, const float* x, long long n, int block, gc_u8* msg) {
     if (fmt == 1) encode_t<gc_e4m3>(x, n, block, msg);
