@@ -27,6 +27,7 @@ import logging
 import pickle
 import sys
 import threading
+import os
 import time
 import warnings
 from typing import Any, Callable
@@ -151,6 +152,7 @@ class MpiTransport(Transport):
                     return
                 if time.monotonic() - start > _SPIN_S:
                     break
+                os.sched_yield()  # ranks sharing a core (more ranks than cores) let the peer run
             while True:
                 waited = time.monotonic() - start
                 if limit and waited > limit:
