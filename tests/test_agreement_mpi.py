@@ -17,7 +17,7 @@ import pytest
 import giftcomm as gc
 from giftcomm.collectives.plan import GATHER_MATCH, MATCH
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.multirank]
 
 N = 3000
 DEADLINE_S = 10.0
@@ -152,14 +152,12 @@ def test_every_agreed_field_has_a_case():
 def test_one_rank_differs_in_an_allreduce_field(comm, transport, field, algorithm):
     t = transport
     odd = comm.rank == comm.size - 1
-    if field == "shared_memory":
-        if not min(comm.allgather(t.shared_memory)):
-            pytest.skip("no shared window on this run: shared_memory cannot differ")
+    original = t.shared_memory
+    if field == "shared_memory":  # with the window or without, one rank that differs must raise
         t.shared_memory = not odd
     x = np.ones(N, np.float32)
     assert_same_error_everywhere(comm, _allreduce_case(field, odd, algorithm, t, x), field)
-    if field == "shared_memory":
-        t.shared_memory = True
+    t.shared_memory = original
     # the communicator is still usable, and the call is right once the ranks agree
     y = gc.allreduce(x, comm=t, algorithm=algorithm, fmt="fp32")
     assert np.array_equal(y, np.full(N, comm.size, np.float32))
