@@ -26,7 +26,7 @@ from .collectives.agree import agree, confirm
 from .collectives.plan import ALGORITHMS, FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .collectives.wire import Wire
 from .collectives.workspace import workspace_of
-from .formats import DEFAULT_BLOCK, Format
+from .formats import Format
 from .partition import accumulation_dtype, shared_chunk_bounds
 from .transport import DEVICE, Transport, resolve
 from ._xp import is_device_array
@@ -129,11 +129,13 @@ def gift_allreduce(
     comm: Any = None,
     op: str = "sum",
     fmt: str | Format = "e4m3",
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     out: Any = None,
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
     timeout: float | None = None,
 ) -> Any:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
@@ -148,26 +150,28 @@ def gift_allreduce(
     """
     t = _transport(comm, x)
     with held(t, timeout):
-        return _gift_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems)
+        return _gift_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems,
+                               rounding, seed)
 
 
-def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
-                    out: Any, algorithm: str, local_size: int | None, slice_elems: int | None) -> Any:
+def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any,
+                    block: int | None, out: Any, algorithm: str, local_size: int | None, slice_elems: int | None,
+                    rounding: str, seed: int | None) -> Any:
     call, geo, chosen, nodes = agree_allreduce(t, caller, x, geometry, op, fmt, block, out, algorithm, local_size,
-                                               slice_elems)
+                                               slice_elems, rounding, seed)
     slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
     return run_allreduce(t, call, geo, chosen, nodes, slice_n, out)
 
 
-def agree_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any, block: int,
-                    out: Any, algorithm: str, local_size: int | None,
-                    slice_elems: int | None) -> tuple[Call, Any, str, np.ndarray]:
+def agree_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any,
+                    block: int | None, out: Any, algorithm: str, local_size: int | None, slice_elems: int | None,
+                    rounding: str = "nearest", seed: int | None = None) -> tuple[Call, Any, str, np.ndarray]:
     """Validate and agree on one allreduce (collective): (call, geometry or None, the algorithm
     every rank runs, the node layout)."""
     nodes_box: list[np.ndarray] = []
 
     def prepare() -> tuple[tuple[Call, Any], dict[str, int]]:
-        call = planning.validate(x, "x", fmt, block, op, slice_elems)
+        call = planning.validate(x, "x", fmt, block, op, slice_elems, rounding=rounding, seed=seed)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
         planning.check_out(call, out, tuple(call.arr.shape))
@@ -200,7 +204,7 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: str, nodes: np.
     if n == 0:
         return planning.finish(xp.zeros(0, accumulation_dtype(flat.dtype)), call, t.size, shape, out)
     into = planning.direct_out(call)
-    total = _allreduce_flat(t, flat, call.wire(), algorithm, nodes, slice_n, into)
+    total = _allreduce_flat(t, flat, call.wire(t.rank), algorithm, nodes, slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is not None and total is into:
@@ -216,18 +220,24 @@ def allreduce(
     comm: Any = None,
     op: str = "sum",
     fmt: str | Format = "e4m3",
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     out: Any = None,
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
     timeout: float | None = None,
 ) -> Any:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
     x: float32/float64/float16/bfloat16 array, any shape and size, of any framework (NumPy, CuPy,
     torch CPU/CUDA, JAX; the result comes back in the same one). fmt: "e4m3", "e5m2" (block-scaled
-    FP8) or "bf16", "fp16", "fp32" (raw values on the wire). block: elements per scale. comm:
+    FP8), "mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4" (microscaling and 4-bit) or "bf16", "fp16",
+    "fp32" (raw values on the wire). block: elements per scale (None: the format's own, 16 for
+    nvfp4, 32 for MX, 256 otherwise; MX and nvfp4 take only their own). rounding: "nearest" or
+    "stochastic" (scaled formats; unbiased, with ``seed``, an int identifying the call such as the
+    training step: the same seed gives the same bytes on every run and rank). comm:
     mpi4py communicator (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm
     Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct",
     "oneshot" (small messages: one exchange, each contribution quantized once) or "auto" (the
@@ -238,7 +248,8 @@ def allreduce(
     algorithm.
     """
     return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, algorithm=algorithm,
-                          local_size=local_size, slice_elems=slice_elems, timeout=timeout)
+                          local_size=local_size, slice_elems=slice_elems, rounding=rounding, seed=seed,
+                          timeout=timeout)
 
 
 def reduce_scatter(
@@ -247,10 +258,12 @@ def reduce_scatter(
     comm: Any = None,
     op: str = "sum",
     fmt: str | Format = "e4m3",
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     out: Any = None,
     algorithm: str = "ring",
     slice_elems: int | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
     timeout: float | None = None,
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
@@ -262,15 +275,15 @@ def reduce_scatter(
     """
     t = _transport(comm, x)
     with held(t, timeout):
-        return _reduce_scatter(t, planning.caller(), x, op, fmt, block, out, algorithm, slice_elems)
+        return _reduce_scatter(t, planning.caller(), x, op, fmt, block, out, algorithm, slice_elems, rounding, seed)
 
 
-def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block: int, out: Any, algorithm: str,
-                    slice_elems: int | None) -> Any:
+def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block: int | None, out: Any,
+                    algorithm: str, slice_elems: int | None, rounding: str, seed: int | None) -> Any:
     allowed = ("auto", "ring", "direct")
 
     def prepare() -> tuple[tuple[Call, np.ndarray], dict[str, int]]:
-        call = planning.validate(x, "x", fmt, block, op, slice_elems)
+        call = planning.validate(x, "x", fmt, block, op, slice_elems, rounding=rounding, seed=seed)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
         bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
@@ -286,7 +299,7 @@ def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block:
         return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
     rs = direct.reduce_scatter if planning.chosen_algorithm(table) == "direct" else ring.reduce_scatter
     slice_n = slice_elems or planning.auto_slice(t, flat.size)
-    total, _ = rs(t, flat, bounds, call.wire(), acc_t, slice_n)
+    total, _ = rs(t, flat, bounds, call.wire(t.rank), acc_t, slice_n)
     return planning.finish(total, call, t.size, shard_shape, out)
 
 
@@ -295,9 +308,11 @@ def allgather(
     *,
     comm: Any = None,
     fmt: str | Format = "e4m3",
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     out: Any = None,
     slice_elems: int | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
     timeout: float | None = None,
 ) -> Any:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
@@ -308,12 +323,14 @@ def allgather(
     """
     t = _transport(comm, shard)
     with held(t, timeout):
-        return _allgather(t, planning.caller(), shard, fmt, block, out, slice_elems)
+        return _allgather(t, planning.caller(), shard, fmt, block, out, slice_elems, rounding, seed)
 
 
-def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int, out: Any, slice_elems: int | None) -> Any:
+def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int | None, out: Any, slice_elems: int | None,
+               rounding: str, seed: int | None) -> Any:
     def prepare() -> tuple[Call, dict[str, int]]:
-        call = planning.validate(shard, "shard", fmt, block, None, slice_elems, reduces=False)
+        call = planning.validate(shard, "shard", fmt, block, None, slice_elems, reduces=False, rounding=rounding,
+                                 seed=seed)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
         planning.check_out(call, out, None)
@@ -326,9 +343,9 @@ def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int, out:
     call, table = agree(t, "giftcomm.allgather", prepare, GATHER_FIELDS, GATHER_MATCH)
     counts, total_n = planning.gathered_counts(table)
     flat = planning.flat_values(call)
-    wire = call.wire()
+    wire = call.wire(t.rank)
     slice_n = slice_elems or planning.auto_slice(t, total_n)
     sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, slice_n)
-    own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes))
+    own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
     values = ring.allgather(t, own, counts, wire, slice_n)
     return planning.finish(values, call, t.size, (total_n,), out, op="sum")

@@ -19,6 +19,7 @@ plan.algorithm)`` bit for bit.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from .collectives import oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
 from .collectives.plan import Call
-from .formats import DEFAULT_BLOCK, Format
+from .formats import Format, check_key
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 
@@ -50,9 +51,10 @@ class AllreducePlan:
         self.transport, self.algorithm = t, algorithm
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
         self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
-        self._wire = call.wire()
+        self._wire = call.wire(t.rank)
+        self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
-        self._header = np.zeros(3, np.int64)
+        self._header = np.zeros(4, np.int64)
         self._piggyback = algorithm == "oneshot" and t.memory == HOST and not call.imp.device
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
 
@@ -60,40 +62,46 @@ class AllreducePlan:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
                 f"op={self._template.op} algorithm={self.algorithm} P={self.transport.size}>")
 
-    def _local(self, x: Any, out: Any) -> Call:
-        """This call's record: ``x`` (and ``out``) checked against the template, locally."""
+    def _local(self, x: Any, out: Any, seed: int | None) -> Call:
+        """This call's record: ``x`` (and ``out``, ``seed``) checked against the template, locally."""
+        if self._stochastic and seed is None:
+            raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
+        if not self._stochastic and seed is not None:
+            raise ValueError("seed= is for plans made with rounding='stochastic'")
         imp = _xp.import_array(x)
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
                              f"({'device' if tpl.imp.device else 'host'}); got {imp.logical} {tuple(imp.array.shape)}")
-        call = Call(imp, tpl.fmt, tpl.block, tpl.op, tpl.sig)
+        call = Call(imp, tpl.fmt, tpl.block, tpl.op, tpl.sig, seed=None if seed is None else check_key(seed))
         planning.check_out(call, out, self.shape)
         return call
 
-    def __call__(self, x: Any, out: Any = None, timeout: float | None = None) -> Any:
+    def __call__(self, x: Any, out: Any = None, seed: int | None = None, timeout: float | None = None) -> Any:
         """The allreduce of ``x`` (the template's shape, dtype and kind) with the planned
-        arguments: an array of x's shape and dtype in x's framework (``out`` if given);
-        ``timeout`` as for :func:`giftcomm.allreduce`."""
+        arguments: an array of x's shape and dtype in x's framework (``out`` if given); ``seed``
+        (stochastic plans: this call's) and ``timeout`` as for :func:`giftcomm.allreduce`."""
         t = self.transport
         with held(t, timeout):
             error: Exception | None = None
             call = None
             try:
-                call = self._local(x, out)
+                call = self._local(x, out, seed)
             except Exception as exc:  # joins the check below: every rank raises it
                 error = exc
             head = self._header
             head[0] = 0 if error is None else error_code(error)
             head[1], head[2] = self._word, planning.caller()
+            head[3] = 0 if call is None or call.seed is None else call.seed - (1 << 64) * (call.seed >= 1 << 63)
+            wire = self._wire if call is None or call.seed is None else self._wire_for(call.seed)
             if self._piggyback:
                 flat = self._zeros if call is None else planning.flat_values(call)
-                got = oneshot.exchange(t, flat, self._wire, head)
+                got = oneshot.exchange(t, flat, wire, head)
                 table = np.stack([got.header(q) for q in range(t.size)])
                 self._check(table, error)
                 assert call is not None
                 into = planning.direct_out(call) if self._acc == np.float32 else None
-                total = oneshot.reduce(got, self._zeros.size, t.size, self._wire, self._acc, into)
+                total = oneshot.reduce(got, self._zeros.size, t.size, wire, self._acc, into)
                 if into is not None:
                     if call.op == "avg":
                         total /= np.float32(t.size)
@@ -103,11 +111,14 @@ class AllreducePlan:
             assert call is not None
             return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
 
+    def _wire_for(self, seed: int) -> Any:
+        return replace(self._wire, seed=seed)
+
     def _check(self, table: np.ndarray, error: Exception | None) -> None:
         """Raise on every rank when any rank failed locally or ran another plan / thread."""
         if table[:, 0].any():
             raise_failures(self.transport, "giftcomm plan", table, error)
-        for col, what in ((1, "plan"), (2, "caller")):
+        for col, what in ((1, "plan"), (2, "caller"), (3, "seed")):
             if (table[:, col] != table[0, col]).any():
                 raise ValueError(f"giftcomm plan: ranks disagree on {what} (ranks called different plans "
                                  f"or from differently named threads)")
@@ -119,20 +130,22 @@ def plan_allreduce(
     comm: Any = None,
     op: str = "sum",
     fmt: str | Format = "e4m3",
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     algorithm: str = "auto",
     local_size: int | None = None,
     slice_elems: int | None = None,
+    rounding: str = "nearest",
     timeout: float | None = None,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` takes the one-shot algorithm up to
-    :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice.
+    :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice. With
+    ``rounding="stochastic"`` every call passes its own ``seed=``.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     with held(t, timeout):
         call, _, chosen, nodes = agree_allreduce(t, planning.caller(), x, None, op, fmt, block, None, algorithm,
-                                                 local_size, slice_elems)
+                                                 local_size, slice_elems, rounding, 0 if rounding == "stochastic" else None)
         if algorithm == "auto" and t.size <= 8 and call.arr.nbytes <= ONESHOT_MAX_BYTES:
             chosen = "oneshot"
         # the same word on every rank: the agreed signature and the plan's number on this transport

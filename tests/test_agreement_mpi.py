@@ -108,14 +108,18 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
         pass  # the transport differs (see the test)
     elif field == "caller":
         return _in_thread("giftcomm-odd-thread" if odd else None, lambda: gc.gift_allreduce(x, geometry, **kw))
+    elif field == "rounding":
+        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
+    elif field == "seed":
+        kw.update(rounding="stochastic", seed=8 if odd else 7)
     else:  # a field added to MATCH without a case here
         raise AssertionError(f"no test case for the agreed field {field!r}: add one")
     return lambda: gc.gift_allreduce(x, geometry, **kw)
 
 
 ALLREDUCE_CASES = {"count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size",
-                   "shared_memory", "caller"}
-GATHER_CASES = {"dtype", "fmt", "block", "slice", "caller"}
+                   "shared_memory", "caller", "rounding", "seed"}
+GATHER_CASES = {"dtype", "fmt", "block", "slice", "caller", "rounding", "seed"}
 
 
 def _in_thread(name: str | None, fn):
@@ -163,7 +167,7 @@ def test_one_rank_differs_in_an_allreduce_field(comm, transport, field, algorith
     assert np.array_equal(y, np.full(N, comm.size, np.float32))
 
 
-@pytest.mark.parametrize("field", ["count", "dtype", "fmt", "block", "op", "slice", "caller"])
+@pytest.mark.parametrize("field", ["count", "dtype", "fmt", "block", "op", "slice", "caller", "rounding", "seed"])
 def test_one_rank_differs_in_a_reduce_scatter_field(comm, transport, field):
     odd = comm.rank == comm.size - 1
     x = np.ones(N, np.float32)
@@ -180,6 +184,10 @@ def test_one_rank_differs_in_a_reduce_scatter_field(comm, transport, field):
         kw["op"] = "avg" if odd else "sum"
     elif field == "slice":
         kw["slice_elems"] = 512 if odd else 1024
+    elif field == "rounding":
+        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
+    elif field == "seed":
+        kw.update(rounding="stochastic", seed=8 if odd else 7)
     name = "giftcomm-odd-thread" if odd and field == "caller" else None
     assert_same_error_everywhere(comm, _in_thread(name, lambda: gc.reduce_scatter(x, **kw)), field)
 
@@ -197,6 +205,10 @@ def test_one_rank_differs_in_an_allgather_field(comm, transport, field):
         kw["block"] = 128 if odd else 256
     elif field == "slice":
         kw["slice_elems"] = 512 if odd else 1024
+    elif field == "rounding":
+        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
+    elif field == "seed":
+        kw.update(rounding="stochastic", seed=8 if odd else 7)
     elif field == "out":
         total = sum(100 + r for r in range(comm.size))
         kw["out"] = np.empty(total - 1 if odd else total, np.float32)

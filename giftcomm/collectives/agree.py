@@ -116,5 +116,6 @@ def _describe(key: str, value: int) -> str:
         "dtype": {v: k for k, v in DTYPE_CODES.items()},
         "fmt": {f.code: f.name for f in FORMATS.values()},
         "op": {v: k for k, v in OP_CODES.items()},
+        "rounding": {0: "nearest", 1: "stochastic"},
     }
     return names.get(key, {}).get(value, str(value))

@@ -54,7 +54,7 @@ def reduce_scatter(
         for j in range(sl.nslices):
             a, b = sl.elems[j], sl.elems[j + 1]
             piece = msg[sl.bytes[j] : sl.bytes[j + 1]]
-            wire.encode(x[lo + a : lo + b], piece)
+            wire.encode(x[lo + a : lo + b], piece, lo + a)
             sends.append(t.isend(piece, dest, tag=j))
     # Sum the contributions in rank order, slice by slice, as they arrive.
     n_r = int(counts[r])
@@ -70,5 +70,5 @@ def reduce_scatter(
         sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
                           lambda src, j=j: arrived(src, j), wire)
     wait_all(sends)
-    own_msg = encode_sliced(wire, total, mine, owner_buffer(t, wire, mine.nbytes, own_out))
+    own_msg = encode_sliced(wire, total, mine, owner_buffer(t, wire, mine.nbytes, own_out), lo_r)
     return (total if keep_sum else None), own_msg

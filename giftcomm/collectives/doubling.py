@@ -30,15 +30,20 @@ def _decoded(wire: Wire, msg: Any, n: int, acc_t: np.dtype) -> Any:
 
 
 def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype) -> Any:
-    """Sum of the flat vector ``x`` over all ranks, as float32 values decoded from one message."""
+    """Sum of the flat vector ``x`` over all ranks, as float32 values decoded from one message.
+
+    Stochastic rounding: round i's messages are keyed by the group ``rank >> i`` (the ranks that
+    hold one partial sum encode it alike), stage 1 + i; a folded rank's first message by its
+    rank, stage 0."""
     p, r, n = t.size, t.rank, x.size
     p2 = largest_power_of_two(p)
     nbytes = wire.nbytes(n)
     ws = workspace_of(t, wire.xp)
     mine, theirs = ws.get("rd_mine", nbytes), ws.get("rd_theirs", nbytes)
     acc = x.astype(acc_t, copy=True)
+    rounds = p2.bit_length() - 1
     if r >= p2:  # fold into r - p2, then wait for the final message
-        wire.encode(acc, mine)
+        wire.at(party=wire.party, stage=0).encode(acc, mine)
         t.isend(mine, r - p2, tag=0).wait()
         t.irecv(theirs, r - p2, tag=1).wait()
         return wire.decode(theirs, n)
@@ -46,15 +51,13 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype) -> Any:
         if r + p2 < p:
             t.irecv(theirs, r + p2, tag=0).wait()
             acc += _decoded(wire, theirs, n, acc_t)
-        dist = 1
-        while dist < p2:
-            partner = r ^ dist
-            wire.encode(acc, mine)
+        for i in range(rounds):
+            partner = r ^ (1 << i)
+            wire.at(party=r >> i, stage=1 + i).encode(acc, mine)
             t.sendrecv(mine, partner, theirs, partner, tag=2)
             low, high = (mine, theirs) if r < partner else (theirs, mine)
             acc = _decoded(wire, low, n, acc_t) + _decoded(wire, high, n, acc_t)
-            dist *= 2
-    wire.encode(acc, mine)
+    wire.at(party=0, stage=1 + rounds).encode(acc, mine)
     if r + p2 < p:
         t.isend(mine, r + p2, tag=1).wait()
     return wire.decode(mine, n)

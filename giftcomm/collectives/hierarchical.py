@@ -63,8 +63,9 @@ def allreduce(
     node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems)
     cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, wire.block)
     rs = direct.reduce_scatter if inter == "direct" else ring.reduce_scatter
-    _, own = rs(cross, node_sum, cross_bounds, wire, acc_t, slice_elems)
-    chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), wire, slice_elems)
+    cross_wire = wire.at(base=wire.base + int(local_bounds[lr]))  # node_sum[0] is that element of x
+    _, own = rs(cross, node_sum, cross_bounds, cross_wire, acc_t, slice_elems)
+    chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), cross_wire, slice_elems)
     f32 = wire.with_format(get_format("fp32"))
     sliced = ring.slice_chunk(chunk_values.size, f32.fmt, wire.block, slice_elems)
     msg = ring.encode_sliced(f32, chunk_values, sliced, f32.empty(sliced.nbytes))

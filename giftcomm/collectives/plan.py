@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _xp
 from ..costmodel import Topology, choose
-from ..formats import Format, check_block, get_format
+from ..formats import Format, check_key, check_rounding, get_format, resolve_block
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
 from .agree import DTYPE_CODES, OP_CODES
 from .hierarchical import check_uniform, contiguous_nodes, node_groups
@@ -33,13 +33,13 @@ __all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Ca
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
-          "caller", "chosen")
+          "caller", "rounding", "seed", "chosen")
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
 MATCH = FIELDS[:-1]
 """Fields every rank must have alike ("chosen" may differ: auto on different calibrations; rank 0's wins)."""
-GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "caller", "out")
+GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "caller", "rounding", "seed", "out")
 """allgather's agreed signature (count: this rank's shard length; out: its out's size, -1 if none)."""
-GATHER_MATCH = ("dtype", "fmt", "block", "slice", "caller")
+GATHER_MATCH = ("dtype", "fmt", "block", "slice", "caller", "rounding", "seed")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Call:
     imp: the imported input (``imp.array``: NumPy or CuPy, any shape, sharing the caller's
     memory; bfloat16 on the device as uint16 bits). fmt, block, op: the wire format and
     reduction. sig: this rank's signature (:data:`FIELDS` -> int). out: the imported ``out``
-    array (the caller's memory) or None.
+    array (the caller's memory) or None. seed: the stochastic-rounding seed, None for nearest.
     """
 
     imp: _xp.Imported
@@ -58,6 +58,7 @@ class Call:
     op: str
     sig: dict[str, int]
     out: Any = None
+    seed: int | None = None
 
     @property
     def arr(self) -> Any:
@@ -67,9 +68,9 @@ class Call:
     def xp(self) -> Any:
         return self.imp.xp
 
-    def wire(self) -> Wire:
-        """The call's wire format bound to its backend's codec kernels."""
-        return Wire.of(self.fmt, self.block, self.xp)
+    def wire(self, rank: int) -> Wire:
+        """The call's wire format bound to its backend's codec kernels, encoding as ``rank``."""
+        return Wire.of(self.fmt, self.block, self.xp, self.seed, party=rank)
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -92,18 +93,26 @@ def _import(x: Any, name: str) -> _xp.Imported:
 
 
 def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any,
-             reduces: bool = True) -> Call:
+             reduces: bool = True, rounding: str = "nearest", seed: Any = None) -> Call:
     """The checks every collective shares (``reduces`` False: allgather, which takes no op);
     raises TypeError/ValueError."""
     imp = _import(x, name)
-    f, b = get_format(fmt), check_block(block)
+    f = get_format(fmt)
+    b = resolve_block(f, block)
     if reduces and op not in OP_CODES:
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    check_rounding(rounding, f)
+    stochastic = rounding == "stochastic"
+    if stochastic and seed is None:
+        raise ValueError("rounding='stochastic' needs seed= (an int identifying the call, e.g. the training step)")
+    if seed is not None:
+        seed = check_key(seed)
     sig = dict.fromkeys(FIELDS, 0)
     sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=b,
                op=OP_CODES.get(op, 0) if op is not None else 0,
-               slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"))
-    return Call(imp, f, b, op or "sum", sig)
+               slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"),
+               rounding=int(stochastic), seed=0 if not stochastic else seed - (1 << 64) * (seed >= 1 << 63))
+    return Call(imp, f, b, op or "sum", sig, seed=seed if stochastic else None)
 
 
 def caller() -> int:

@@ -80,11 +80,14 @@ class SlicedMessage:
 
 @functools.lru_cache(maxsize=512)
 def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> SlicedMessage:
-    """Cut ``count`` values into slices of ``slice_elems`` rounded down to whole blocks (>= 1 block).
+    """Cut ``count`` values into slices of ``slice_elems`` rounded down to whole units (>= 1 unit):
+    the format's ``slice_unit`` (its block; nvfp4's group of 1024 values), so that slicing never
+    changes the bytes of a block or group.
 
     Cached: a training loop asks for the same few layouts on every call. The result is shared,
     so its arrays are read-only."""
-    step = max(slice_elems // block, 1) * block
+    unit = fmt.slice_unit(block)
+    step = max(slice_elems // unit, 1) * unit
     elems = np.append(np.arange(0, count, step, dtype=np.int64), np.int64(count))
     if count == 0:
         elems = np.zeros(2, np.int64)
@@ -142,11 +145,13 @@ def owner_buffer(t: Transport, wire: Wire, nbytes: int, own_out: Any) -> Any:
     return workspace_of(t, wire.xp).get("owner", nbytes) if own_out is None else own_out
 
 
-def encode_sliced(wire: Wire, values: Any, sl: SlicedMessage, out: Any) -> Any:
+def encode_sliced(wire: Wire, values: Any, sl: SlicedMessage, out: Any, offset: int = 0) -> Any:
     """Encode a chunk's values (1-D, any float dtype) slice by slice into its sliced message ``out``
-    (each slice cast to float32 on its own: no chunk-sized copy)."""
+    (each slice cast to float32 on its own: no chunk-sized copy). ``offset``: the index of
+    ``values[0]`` in the buffer (stochastic rounding's counter)."""
     for k in range(sl.nslices):
-        wire.encode(values[sl.elems[k] : sl.elems[k + 1]], out[sl.bytes[k] : sl.bytes[k + 1]])
+        a = int(sl.elems[k])
+        wire.encode(values[a : sl.elems[k + 1]], out[sl.bytes[k] : sl.bytes[k + 1]], offset + a)
     return out
 
 
@@ -184,7 +189,7 @@ def reduce_scatter(
     lo_r = int(bounds[r])
     if p == 1:
         part = x[lo_r : lo_r + int(counts[r])]
-        return (part.astype(acc_t) if keep_sum else None), encode_sliced(wire, part, own_sl, own)
+        return (part.astype(acc_t) if keep_sum else None), encode_sliced(wire, part, own_sl, own, lo_r)
     total = xp.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
     send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
@@ -203,7 +208,7 @@ def reduce_scatter(
     for k in range(slices[c0].nslices):
         a, b = slices[c0].elems[k], slices[c0].elems[k + 1]
         piece = message_piece(send_bufs[0], slices[c0], k)
-        wire.encode(local_part(x, lo + a, lo + b, acc_t), piece)
+        wire.encode(local_part(x, lo + a, lo + b, acc_t), piece, lo + a)
         sends[0].append(t.isend(piece, right, tag=0))
     for step in range(p - 1):
         c = (r - step - 2) % p
@@ -221,10 +226,11 @@ def reduce_scatter(
             local = local_part(x, lo + a, lo + b, acc_t)
             recv = message_piece(recv_bufs[step % 2], sl, k)
             if last:
-                wire.hop(recv, local, out=message_piece(own, sl, k), sum_out=None if total is None else total[a:b])
+                wire.hop(recv, local, out=message_piece(own, sl, k), sum_out=None if total is None else total[a:b],
+                         offset=lo + a)
             else:
                 out = message_piece(send_bufs[(step + 1) % 2], sl, k)
-                wire.hop(recv, local, out=out)
+                wire.hop(recv, local, out=out, offset=lo + a)
                 sends[(step + 1) % 2].append(t.isend(out, right, tag=step + 1))
         recvs = nxt
     wait_all(sends[0] + sends[1])

@@ -51,10 +51,10 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
 
     # encode_sliced casts slice by slice to float32 (no chunk-sized copy for 16-bit input)
     if p == 1:
-        encode_sliced(wire, x[int(bounds[0]) : int(bounds[1])], slices[0], part(0, 2, 0))
+        encode_sliced(wire, x[int(bounds[0]) : int(bounds[1])], slices[0], part(0, 2, 0), int(bounds[0]))
         return [part(0, 2, 0)]
     left = (r - 1) % p
-    encode_sliced(wire, x[int(bounds[left]) : int(bounds[left + 1])], slices[left], part(r, 0, left))
+    encode_sliced(wire, x[int(bounds[left]) : int(bounds[left + 1])], slices[left], part(r, 0, left), int(bounds[left]))
     win.fence()
     for s in range(p - 1):
         c = (r - s - 2) % p
@@ -63,7 +63,8 @@ def _ring_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.nda
         dest = part(r, 2 if s == p - 2 else (s + 1) % 2, c)
         for k in range(sl.nslices):
             a, b = sl.elems[k], sl.elems[k + 1]
-            wire.hop(message_piece(recv, sl, k), local_part(x, lo + a, lo + b, acc_t), out=message_piece(dest, sl, k))
+            wire.hop(message_piece(recv, sl, k), local_part(x, lo + a, lo + b, acc_t), out=message_piece(dest, sl, k),
+                     offset=lo + a)
         win.fence()
     return [part(q, 2, q) for q in range(p)]
 
@@ -79,7 +80,7 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
 
     for k in range(1, p):
         c = (r + k) % p
-        encode_sliced(wire, x[int(bounds[c]) : int(bounds[c + 1])], slices[c], part(r, c))
+        encode_sliced(wire, x[int(bounds[c]) : int(bounds[c + 1])], slices[c], part(r, c), int(bounds[c]))
     if p > 1:
         win.fence()
     mine, lo = slices[r], int(bounds[r])
@@ -91,7 +92,7 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
         total = acc[: b - a]
         sum_in_rank_order(total, p, r, x[lo + a : lo + b],
                           lambda src, j=j: message_piece(part(src, r), mine, j), wire)
-        wire.encode(total, message_piece(own, mine, j))
+        wire.encode(total, message_piece(own, mine, j), lo + a)
     win.fence()
     return [part(q, q) for q in range(p)]
 

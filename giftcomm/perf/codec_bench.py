@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import codec
-from ..formats import get_format, message_nbytes
+from ..formats import get_format, message_nbytes, resolve_block
 from ..reference import codec as ref
 from .common import Progress, add_fmt, add_json, add_out, parent_parser, split_list, time_calls
 from .sizes import parse_size
@@ -107,10 +107,11 @@ def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time
         copy = n / _median_seconds(lambda: np.copyto(dst, x), repeats, min_time) / 1e6
         for fmt in formats:
             impls = {}
+            fblock = resolve_block(fmt, block)
             if _native():
-                impls["native"] = _kernels("native", fmt, block, x, local)
+                impls["native"] = _kernels("native", fmt, fblock, x, local)
             if with_numpy:
-                impls["numpy"] = _kernels("numpy", fmt, block, x, local)
+                impls["numpy"] = _kernels("numpy", fmt, fblock, x, local)
             for op in OPS:
                 bar.update(f"{fmt} n={n} {op}")
                 row = {"fmt": fmt, "n": n, "op": op, "native": None, "numpy": None, "copy": copy}
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                 parents=[parent_parser(seed=0)])
     p.add_argument("--sizes", default="64K,16M", help="comma-separated element counts (K/M suffixes), default 64K,16M")
     add_fmt(p, "e4m3,bf16", "comma-separated formats")
-    p.add_argument("--block", type=int, default=256, help="elements per scale, default 256")
+    p.add_argument("--block", type=int, default=None,
+                   help="elements per scale (default: each format's own: 256; 16 for nvfp4, 32 for MX)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per cell (median), default 15")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per cell to aim for, default 0.3")
     p.add_argument("--isa", default=None, help="native kernel variant (generic, avx2, avx512, avx512vbmi); default: best")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if pinned is not None:
             os.sched_setaffinity(0, set(cpus))
     header = (
-        f"native kernels: {isa or 'not built'}; block {args.block}; data {args.data}; "
+        f"native kernels: {isa or 'not built'}; block {args.block or 'per format'}; data {args.data}; "
         f"one core{f' (pinned to CPU {pinned})' if pinned is not None else ''}; median of >= {args.repeats} "
         f"calls; Melem/s = 10^6 float32 values per second"
     )

@@ -53,7 +53,7 @@ import numpy as np
 import giftcomm
 from giftcomm import codec, config
 from giftcomm.costmodel import choose
-from giftcomm.formats import FORMATS, bytes_per_value
+from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce
 
 from .common import Progress, add_fmt, add_json, parent_parser, split_list, time_calls, topology
@@ -158,7 +158,8 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
             return y32
 
         def ours(fmt: str) -> Callable[[], np.ndarray]:
-            return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=block, algorithm=algorithm,
+            return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=resolve_block(fmt, block),
+                                              algorithm=algorithm,
                                               slice_elems=slice_elems, out=result_buf)
 
         cases = [(fmt, ours(fmt)) for fmt in fmts]
@@ -177,15 +178,16 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                     mine = int(np.count_nonzero(~(np.abs(y.astype(np.float64) - exact) <= tol))) if comm.rank == 0 else 0
                     wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
             else:
-                algo = chosen_algorithm(t, algorithm, count, name, block)
-                wire = bytes_per_value(name, block)
+                fblock = resolve_block(name, block)
+                algo = chosen_algorithm(t, algorithm, count, name, fblock)
+                wire = bytes_per_value(name, fblock)
                 if check:
                     # Every rank's result must equal rank 0's (checked by digest), so only rank 0
                     # runs the single-process simulation: P times less work on a shared machine.
                     mine = 0
                     if comm.rank == 0:
                         inputs = [_rank_input(seed, r, count, dtype) for r in range(p)]
-                        want = simulate_allreduce(inputs, fmt=name, block=block, op=op, algorithm=algo)[0]
+                        want = simulate_allreduce(inputs, fmt=name, block=fblock, op=op, algorithm=algo)[0]
                         mine = int(np.count_nonzero(_differs(y, want)))
                         del inputs, want
                     wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
@@ -280,7 +282,8 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     add_fmt(ap, "e4m3,bf16,fp32")
     ap.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="input dtype")
     ap.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
-    ap.add_argument("--block", type=int, default=256, help="elements per FP8 scale")
+    ap.add_argument("--block", type=int, default=None,
+                    help="elements per scale (default: each format's own: 256; 16 for nvfp4, 32 for MX)")
     ap.add_argument("-n", "--iters", type=int, default=10,
                     help="timed calls per row (time = median over them of the slowest rank)")
     ap.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per row")
@@ -320,14 +323,14 @@ def main(argv: list[str] | None = None) -> int:
               f"maxBytes {sizes[-1]} step: {args.stepfactor:g}(factor) warmup iters: {args.warmup} "
               f"iters: {args.iters} validation: {args.check} date: {date}")
         print(f"# algorithm={args.algorithm} slice={args.slice_elems} dtype={args.dtype} op={args.op} "
-              f"block={args.block}; time = median over the iters of the slowest rank; out-of-place only")
+              f"block={args.block or 'per format'}; time = median over the iters of the slowest rank; out-of-place only")
         print(f"# native codec: {'yes' if codec.native_available() else 'NO (NumPy reference)'}; "
               f"MPI: {mpi_library_version()}; link: {link}; shared window: "
               f"{'yes (zero-copy ring/direct)' if transport.shared_memory else 'no (MPI messages)'}")
         tuning = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "FI_", "UCX_")))
         if tuning:
             print("# MPI settings from the environment (every row alike): " + " ".join(tuning))
-        print("# wire bytes/value: " + ", ".join(f"{f}={bytes_per_value(f, args.block):.4f}" for f in fmts)
+        print("# wire bytes/value: " + ", ".join(f"{f}={bytes_per_value(f, resolve_block(f, args.block)):.4f}" for f in fmts)
               + "; mpi = MPI_Allreduce on float32 input (baseline)")
         print("# algbw = size/time, busbw = algbw*2(P-1)/P (nccl-tests), both GB/s (1e9 B/s) of input "
               "bytes; wirebw = busbw in bytes sent")

@@ -1,20 +1,58 @@
 """Single-process simulations of the collectives: every rank's inputs in, every rank's outputs out.
 
 Written as plain loops over the algorithm's steps, independent of the distributed code, so that
-the distributed result can be checked against them bit for bit (DESIGN invariant 2).
+the distributed result can be checked against them bit for bit (DESIGN invariant 2). With
+``rounding="stochastic"`` every encode draws its bits as the algorithm's does
+(giftcomm.reference.rounding: the call's seed, the encoding party and stage, the element's index
+in the buffer).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats import check_block, get_format
 from ..costmodel import Topology, choose
+from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds
 from .codec import decode, encode
+from .rounding import call_key
 
 __all__ = ["simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather"]
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """The simulated wire: format, block and the call's stochastic-rounding seed (None: nearest)."""
+
+    fmt: Format
+    block: int
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, fmt: str | Format, block: int | None, rounding: str = "nearest", seed: int | None = None) -> "_Wire":
+        f = get_format(fmt)
+        check_rounding(rounding, f)
+        if rounding == "stochastic" and seed is None:
+            raise ValueError("stochastic rounding needs seed= (an int identifying the call)")
+        return cls(f, resolve_block(f, block), seed if rounding == "stochastic" and f.scaled else None)
+
+    def passthrough(self, fmt: str) -> "_Wire":
+        return _Wire(get_format(fmt), self.block, None)
+
+    def encode(self, v: np.ndarray, party: int, offset: int, stage: int = 0) -> np.ndarray:
+        if self.seed is None:
+            return encode(v.astype(np.float32), self.fmt, self.block)
+        return encode(v.astype(np.float32), self.fmt, self.block, rounding="stochastic",
+                      key=call_key(self.seed, party, stage), offset=int(offset))
+
+    def decode(self, msg: np.ndarray, n: int) -> np.ndarray:
+        return decode(msg, n, self.fmt, self.block)
+
+    def q(self, v: np.ndarray, party: int, offset: int, stage: int = 0) -> np.ndarray:
+        """encode then decode (float32)."""
+        return self.decode(self.encode(v, party, offset, stage), v.size)
 
 
 def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dtype, tuple]:
@@ -28,11 +66,14 @@ def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dty
     return [a.reshape(-1) for a in arrays], dtype, shape
 
 
-def _ring_chunk_sums(flat: list[np.ndarray], fmt: str, block: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """The owner's high-precision sum of each chunk, after the ring reduce-scatter."""
+def _ring_chunk_sums(flat: list[np.ndarray], w: _Wire, parties: Sequence[int] | None = None,
+                     base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """The owner's high-precision sum of each chunk, after the ring reduce-scatter. ``parties``:
+    the ranks of the members (default 0..P-1); ``base``: the index of flat[q][0] in the buffer."""
     p = len(flat)
+    parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
-    bounds = chunk_bounds(flat[0].size, p, block)
+    bounds = chunk_bounds(flat[0].size, p, w.block)
     sums = []
     with np.errstate(invalid="ignore", over="ignore"):
         for c in range(p):
@@ -42,80 +83,83 @@ def _ring_chunk_sums(flat: list[np.ndarray], fmt: str, block: int) -> tuple[list
                 sums.append(part[0])
                 continue
             # Chunk c starts at rank c+1 and travels right; rank c adds last.
-            msg = encode(part[(c + 1) % p].astype(np.float32), fmt, block)
+            msg = w.encode(part[(c + 1) % p], parties[(c + 1) % p], base + lo)
             for k in range(2, p + 1):
-                acc = decode(msg, hi - lo, fmt, block).astype(acc_t) + part[(c + k) % p]
+                acc = w.decode(msg, hi - lo).astype(acc_t) + part[(c + k) % p]
                 if k < p:
-                    msg = encode(acc.astype(np.float32), fmt, block)
+                    msg = w.encode(acc, parties[(c + k) % p], base + lo)
             sums.append(acc)
     return sums, bounds
 
 
-def _direct_chunk_sums(flat: list[np.ndarray], fmt: str, block: int) -> tuple[list[np.ndarray], np.ndarray]:
+def _direct_chunk_sums(flat: list[np.ndarray], w: _Wire, parties: Sequence[int] | None = None,
+                       base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     """The owner's sum of each chunk after the direct reduce-scatter: contributions in rank
     order, each other rank's quantized once, the owner's own exact."""
     p = len(flat)
+    parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
-    bounds = chunk_bounds(flat[0].size, p, block)
+    bounds = chunk_bounds(flat[0].size, p, w.block)
     sums = []
     with np.errstate(invalid="ignore", over="ignore"):
         for c in range(p):
             lo, hi = bounds[c], bounds[c + 1]
             acc = None
             for src in range(p):
-                part = flat[src][lo:hi].astype(np.float32)
                 value = (flat[src][lo:hi].astype(acc_t) if src == c
-                         else decode(encode(part, fmt, block), hi - lo, fmt, block).astype(acc_t))
+                         else w.q(flat[src][lo:hi], parties[src], base + lo).astype(acc_t))
                 acc = value if acc is None else acc + value
             sums.append(acc)
     return sums, bounds
 
 
-def _gathered(sums: list[np.ndarray], bounds: np.ndarray, fmt: str, block: int, acc_t: np.dtype) -> np.ndarray:
+def _gathered(sums: list[np.ndarray], bounds: np.ndarray, w: _Wire, acc_t: np.dtype,
+              parties: Sequence[int] | None = None, base: int = 0) -> np.ndarray:
     """Each owner encodes its sum once; everybody decodes: the allgather's result."""
+    parties = list(range(len(sums))) if parties is None else list(parties)
     result = np.empty(int(bounds[-1]), acc_t)
     for c, s in enumerate(sums):
-        result[bounds[c] : bounds[c + 1]] = decode(encode(s.astype(np.float32), fmt, block), s.size, fmt, block)
+        result[bounds[c] : bounds[c + 1]] = w.q(s, parties[c], base + bounds[c])
     return result
 
 
-def _doubling_sum(flat: list[np.ndarray], fmt: str, block: int) -> np.ndarray:
-    """Recursive doubling (see giftcomm/collectives/doubling.py), rank by rank."""
-    p, n = len(flat), flat[0].size
+def _doubling_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
+    """Recursive doubling (see giftcomm/collectives/doubling.py), rank by rank: round i's messages
+    keyed by the group ``rank >> i``, stage 1 + i; a folded rank's by its rank, stage 0."""
+    p = len(flat)
     acc_t = accumulation_dtype(flat[0].dtype)
     p2 = 1 << (p.bit_length() - 1)
-
-    def q(v: np.ndarray) -> np.ndarray:
-        return decode(encode(v.astype(np.float32), fmt, block), n, fmt, block).astype(acc_t)
-
+    rounds = p2.bit_length() - 1
     with np.errstate(invalid="ignore", over="ignore"):
         acc = [flat[r].astype(acc_t) for r in range(p2)]
         for r in range(p - p2):
-            acc[r] = acc[r] + q(flat[r + p2])
-        dist = 1
-        while dist < p2:
-            acc = [q(acc[min(r, r ^ dist)]) + q(acc[max(r, r ^ dist)]) for r in range(p2)]
-            dist *= 2
-    return q(acc[0])
+            acc[r] = acc[r] + w.q(flat[r + p2].astype(acc_t), r + p2, 0, 0).astype(acc_t)
+        for i in range(rounds):
+            dist = 1 << i
+            acc = [w.q(acc[min(r, r ^ dist)], min(r, r ^ dist) >> i, 0, 1 + i).astype(acc_t)
+                   + w.q(acc[max(r, r ^ dist)], max(r, r ^ dist) >> i, 0, 1 + i).astype(acc_t) for r in range(p2)]
+    return w.q(acc[0], 0, 0, 1 + rounds).astype(acc_t)
 
 
-def _hierarchical_sum(flat: list[np.ndarray], fmt: str, block: int, local_size: int,
-                      local_fmt: str, inter: str) -> np.ndarray:
+def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str, inter: str) -> np.ndarray:
     """Node-local pass-through ring reduce-scatter, FP8 across nodes, node-local allgather."""
     p = len(flat)
     if local_size < 1 or p % local_size:
         raise ValueError(f"local_size={local_size} must divide the number of ranks ({p})")
     acc_t = accumulation_dtype(flat[0].dtype)
     nodes = [flat[j : j + local_size] for j in range(0, p, local_size)]
-    local_bounds = chunk_bounds(flat[0].size, local_size, block)
-    node_sums = [_ring_chunk_sums(members, local_fmt, block)[0] for members in nodes]
+    local_bounds = chunk_bounds(flat[0].size, local_size, w.block)
+    local = w.passthrough(local_fmt)
+    node_sums = [_ring_chunk_sums(members, local)[0] for members in nodes]
     result = np.empty(flat[0].size, acc_t)
     cross_sums = _direct_chunk_sums if inter == "direct" else _ring_chunk_sums
-    for l in range(local_size):
-        sums, bounds = cross_sums([ns[l] for ns in node_sums], fmt, block)
-        chunk = _gathered(sums, bounds, fmt, block, acc_t)
+    for lr in range(local_size):
+        parties = [j + lr for j in range(0, p, local_size)]  # the ranks of cross group lr
+        base = int(local_bounds[lr])
+        sums, bounds = cross_sums([ns[lr] for ns in node_sums], w, parties, base)
+        chunk = _gathered(sums, bounds, w, acc_t, parties, base)
         # the node-local allgather carries these float32 values exactly (fp32 pass-through)
-        result[local_bounds[l] : local_bounds[l + 1]] = chunk.astype(np.float32)
+        result[local_bounds[lr] : local_bounds[lr + 1]] = chunk.astype(np.float32)
     return result
 
 
@@ -127,8 +171,8 @@ def _finish(values: np.ndarray, op: str, p: int, dtype: np.dtype) -> np.ndarray:
 
 
 def simulate_gift_allreduce(
-    inputs: Sequence[np.ndarray], geometry, fmt: str = "e4m3", block: int = 256, op: str = "sum",
-    algorithm: str = "auto", local_size: int | None = None,
+    inputs: Sequence[np.ndarray], geometry, fmt: str = "e4m3", block: int | None = None, op: str = "sum",
+    algorithm: str = "auto", local_size: int | None = None, *, rounding: str = "nearest", seed: int | None = None,
 ) -> list[np.ndarray]:
     """Every rank's gift_allreduce output: forward on each rank (float32), the allreduce
     simulation of the transformed vectors, inverse of the sum, then ``/ P`` for avg.
@@ -137,22 +181,21 @@ def simulate_gift_allreduce(
     (giftcomm.geometry.Geometry). None or an identity geometry simulates plain allreduce.
     """
     if geometry is None or geometry.is_identity:
-        return simulate_allreduce(inputs, fmt, block, op, algorithm, local_size)
+        return simulate_allreduce(inputs, fmt, block, op, algorithm, local_size, rounding=rounding, seed=seed)
     flat, dtype, shape = _flat_inputs(inputs)
     p = len(flat)
     transformed = [np.asarray(geometry.forward(x), dtype=np.float32) for x in flat]
-    summed = simulate_allreduce(transformed, fmt, block, "sum", algorithm, local_size)[0]
+    summed = simulate_allreduce(transformed, fmt, block, "sum", algorithm, local_size, rounding=rounding, seed=seed)[0]
     back = np.asarray(geometry.inverse(summed), dtype=np.float32)
     out = _finish(back, op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
 
-def _oneshot_sum(flat: list[np.ndarray], fmt: str, block: int) -> np.ndarray:
+def _oneshot_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
     """Every rank's vector encoded once and decoded, summed in rank order (the first assigned)."""
     acc_t = accumulation_dtype(flat[0].dtype)
-    n = flat[0].size
     with np.errstate(invalid="ignore", over="ignore"):
-        parts = [decode(encode(x.astype(np.float32), fmt, block), n, fmt, block).astype(acc_t) for x in flat]
+        parts = [w.q(x, r, 0).astype(acc_t) for r, x in enumerate(flat)]
         total = parts[0].copy()
         for part in parts[1:]:
             total += part
@@ -160,25 +203,26 @@ def _oneshot_sum(flat: list[np.ndarray], fmt: str, block: int) -> np.ndarray:
 
 
 def simulate_reduce_scatter(
-    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum", algorithm: str = "ring"
+    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum", algorithm: str = "ring",
+    *, rounding: str = "nearest", seed: int | None = None,
 ) -> list[np.ndarray]:
     """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
     algorithm: "ring" or "direct" (the reduce-scatter halves of those allreduces).
     """
-    get_format(fmt)
-    block = check_block(block)
+    w = _Wire.of(fmt, block, rounding, seed)
     if algorithm not in ("ring", "direct"):
         raise ValueError(f"reduce_scatter algorithm must be 'ring' or 'direct', got {algorithm!r}")
     flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = (_direct_chunk_sums if algorithm == "direct" else _ring_chunk_sums)(flat, fmt, block)
+    sums, _ = (_direct_chunk_sums if algorithm == "direct" else _ring_chunk_sums)(flat, w)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 
 
-def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str, block: int) -> str:
+def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
+                      block: int | None = None) -> str:
     """The algorithm "auto" stands for: the cost model's choice for n values on p ranks, in
     nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does."""
     if algorithm not in ALGORITHMS:
@@ -186,12 +230,13 @@ def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fm
     if algorithm != "auto":
         return algorithm
     k = local_size or p
-    return choose(n, Topology(p, p // k, k), fmt, block)
+    return choose(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block))
 
 
 def simulate_allreduce(
-    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256, op: str = "sum",
-    algorithm: str = "auto", local_size: int | None = None, local_fmt: str = "fp32",
+    inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum",
+    algorithm: str = "auto", local_size: int | None = None, local_fmt: str = "fp32", *,
+    rounding: str = "nearest", seed: int | None = None,
 ) -> list[np.ndarray]:
     """Every rank's allreduce output (input shape and dtype), from every rank's input.
 
@@ -208,38 +253,41 @@ def simulate_allreduce(
       allreduce of each node chunk across nodes, exact fp32 allgather inside each node;
     - "auto" (the default, as in giftcomm.allreduce): the cost model's choice for this size,
       rank count and node layout (giftcomm.costmodel.choose).
+    block: None gives the format's own block (giftcomm.formats.resolve_block). rounding, seed: as
+    for giftcomm.allreduce.
     """
-    get_format(fmt)
+    w = _Wire.of(fmt, block, rounding, seed)
     get_format(local_fmt)
-    block = check_block(block)
     flat, dtype, shape = _flat_inputs(inputs)
     p = len(flat)
-    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, get_format(fmt).name, block)
+    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, w.fmt.name, w.block)
     acc_t = accumulation_dtype(dtype)
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
     elif algorithm == "ring":
-        result = _gathered(*_ring_chunk_sums(flat, fmt, block), fmt, block, acc_t)
+        result = _gathered(*_ring_chunk_sums(flat, w), w, acc_t)
     elif algorithm == "direct":
-        result = _gathered(*_direct_chunk_sums(flat, fmt, block), fmt, block, acc_t)
+        result = _gathered(*_direct_chunk_sums(flat, w), w, acc_t)
     elif algorithm == "doubling":
-        result = _doubling_sum(flat, fmt, block)
+        result = _doubling_sum(flat, w)
     elif algorithm == "oneshot":
-        result = _oneshot_sum(flat, fmt, block)
+        result = _oneshot_sum(flat, w)
     else:
         inter = "direct" if algorithm == "hierarchical_direct" else "ring"
-        result = _hierarchical_sum(flat, fmt, block, local_size or p, local_fmt, inter)
+        result = _hierarchical_sum(flat, w, local_size or p, local_fmt, inter)
     out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
 
-def simulate_allgather(shards: Sequence[np.ndarray], fmt: str = "e4m3", block: int = 256) -> list[np.ndarray]:
-    """Every rank's allgather output: the concatenation of every shard, each encoded once."""
-    get_format(fmt)
-    block = check_block(block)
+def simulate_allgather(shards: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, *,
+                       rounding: str = "nearest", seed: int | None = None) -> list[np.ndarray]:
+    """Every rank's allgather output: the concatenation of every shard, each encoded once by its
+    owner (stochastic rounding: keyed by the owner, counted from the shard's place in the result)."""
+    w = _Wire.of(fmt, block, rounding, seed)
     arrays = [np.asarray(s).reshape(-1) for s in shards]
     dtype = arrays[0].dtype
-    pieces = [decode(encode(a.astype(np.float32), fmt, block), a.size, fmt, block) for a in arrays]
+    starts = np.concatenate([[0], np.cumsum([a.size for a in arrays])])
+    pieces = [w.q(a, r, int(starts[r])) for r, a in enumerate(arrays)]
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.concatenate(pieces).astype(dtype)
     return [out.copy() for _ in arrays]
