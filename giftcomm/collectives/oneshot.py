@@ -32,6 +32,11 @@ class Exchanged:
     def header(self, q: int) -> np.ndarray:
         return self.buf[q * self.stride : q * self.stride + self.head].view(np.int64)
 
+    def headers(self) -> np.ndarray:
+        """Every rank's header: an int64 (P, head/8) view (host buffers)."""
+        rows = self.buf.view(np.int64).reshape(-1, self.stride // 8)
+        return rows[:, : self.head // 8]
+
     def message(self, q: int) -> Any:
         lo = q * self.stride + self.head
         return self.buf[lo : lo + self.nbytes]
