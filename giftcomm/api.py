@@ -14,9 +14,8 @@ framework. Each call:
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,19 +50,24 @@ def _transport(comm: Any, x: Any) -> Transport:
     return resolve(comm, device=is_device_array(x))
 
 
-@contextlib.contextmanager
-def held(t: Transport, timeout: float | None) -> Iterator[None]:
+class held:
     """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
     Threads), with its waits' deadline set to ``timeout`` seconds when given."""
-    with t.state.lock:
-        if timeout is None:
-            yield
-            return
-        previous, t.timeout = t.timeout, timeout
-        try:
-            yield
-        finally:
-            t.timeout = previous
+
+    __slots__ = ("_t", "_timeout", "_previous")
+
+    def __init__(self, t: Transport, timeout: float | None) -> None:
+        self._t, self._timeout, self._previous = t, timeout, None
+
+    def __enter__(self) -> None:
+        self._t.state.lock.acquire()
+        if self._timeout is not None:
+            self._previous, self._t.timeout = self._t.timeout, self._timeout
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timeout is not None:
+            self._t.timeout = self._previous
+        self._t.state.lock.release()
 
 
 def _allreduce_flat(t: Transport, flat: Any, wire: Wire, algorithm: str, nodes: np.ndarray, slice_elems: int,

@@ -9,6 +9,7 @@ the caller's flat buffer (``base``: the hierarchical algorithm's cross-node ring
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +37,7 @@ class Wire:
 
     @classmethod
     def of(cls, fmt: Format, block: int, xp: Any = np, seed: int | None = None, party: int = 0) -> "Wire":
-        return cls(fmt, block, xp, kernels_for(xp), seed if fmt.scaled else None, party)
+        return _wire(fmt, block, xp, kernels_for(xp), seed if fmt.scaled else None, party)
 
     def with_format(self, fmt: Format) -> "Wire":
         """The same backend, block and rounding with another format (the hierarchical algorithm's
@@ -87,3 +88,9 @@ class Wire:
         self.encode(total, out, offset)
         if sum_out is not None:
             sum_out[...] = total
+
+
+@functools.lru_cache(maxsize=256)
+def _wire(fmt: Format, block: int, xp: Any, kernels: Kernels, seed: int | None, party: int) -> Wire:
+    """One shared Wire per distinct call format (a training loop repeats a few): made once."""
+    return Wire(fmt, block, xp, kernels, seed, party)
