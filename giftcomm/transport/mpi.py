@@ -92,6 +92,13 @@ class MpiRequest(Request):
 
 
 
+def _crowded(nodes: np.ndarray, rank: int) -> bool:
+    """Whether this node runs more of the ranks than it has cores (then a waiting rank yields its
+    core while it spins, as MPICH's heavy-yield waits do)."""
+    here = int(np.count_nonzero(nodes == nodes[rank]))
+    return here > (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 class MpiTransport(Transport):
     """Point-to-point over a private duplicate of ``comm``, so our tags never meet the caller's.
 
@@ -101,6 +108,8 @@ class MpiTransport(Transport):
     on every rank. timeout: seconds per wait (None: $GIFTCOMM_TIMEOUT; 0: none). on_timeout:
     "abort" or "raise" (None: $GIFTCOMM_ON_TIMEOUT). Creating a transport is collective.
     """
+
+    _yield = True  # until the node layout is known: yield while spinning
 
     def __init__(self, comm: MPI.Comm, shared_memory: bool | None = None, timeout: float | None = None,
                  on_timeout: str | None = None) -> None:
@@ -130,6 +139,7 @@ class MpiTransport(Transport):
                 env_error = str(exc)
         self._env_error = env_error
         self._nodes = self._find_nodes()
+        self._yield = _crowded(self._nodes, self.rank)
         one_node = bool((self._nodes == 0).all())
         if shared_memory and not one_node:
             raise ValueError(f"shared_memory=True needs every rank on one node; these span {self._nodes.max() + 1}")
@@ -152,7 +162,8 @@ class MpiTransport(Transport):
                     return
                 if time.monotonic() - start > _SPIN_S:
                     break
-                os.sched_yield()  # ranks sharing a core (more ranks than cores) let the peer run
+                if self._yield:  # more ranks than cores on this node: let the peer run
+                    os.sched_yield()
             while True:
                 waited = time.monotonic() - start
                 if limit and waited > limit:
@@ -250,6 +261,7 @@ class MpiTransport(Transport):
         t.user_comm, t.comm = sub, sub
         t.rank, t.size = sub.Get_rank(), sub.Get_size()
         t._nodes = self._nodes[list(members)]
+        t._yield = self._yield
         t._health, t.on_timeout, t.timeout = self._health, self.on_timeout, self.timeout
         return t
 
