@@ -16,3 +16,31 @@ def rng(request) -> np.random.Generator:
     seed = int(os.environ.get("GIFTCOMM_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
     print(f"[{request.node.name}] seed={seed} (replay with GIFTCOMM_TEST_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------ helpers the test files share
+def same(a, b) -> bool:
+    """Bit-identical arrays: dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def outcomes(p: int, fn, group=None) -> list:
+    """Every rank's result or exception (TypeError/ValueError/RuntimeError) of ``fn(transport)``
+    on P in-process ranks (``group``: a LoopbackGroup class, the pipelined one by default); the
+    loopback itself re-raises only the first exception."""
+    from giftcomm import LoopbackGroup
+
+    def body(t):
+        try:
+            return fn(t)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            return exc
+    return (group or LoopbackGroup)(p).run(body)
+
+
+def assert_same_error(errors: list, cls: type, *fragments: str) -> None:
+    """Every rank raised ``cls`` with one and the same message, containing ``fragments``."""
+    assert all(type(e) is cls for e in errors), errors
+    assert len({str(e) for e in errors}) == 1, [str(e) for e in errors]
+    for frag in fragments:
+        assert frag in str(errors[0]), (frag, str(errors[0]))

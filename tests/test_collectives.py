@@ -20,17 +20,18 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import assert_same_error, same
+from conftest import outcomes as shared_outcomes
+from test_gpu_plumbing import FakeDeviceArray
 
 import giftcomm as gc
 from giftcomm.cuda import available as cuda_available
 from giftcomm.geometry import Geometry
-from giftcomm.reference import (simulate_allgather, simulate_allreduce, simulate_gift_allreduce,
-                                simulate_reduce_scatter)
+from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_gift_allreduce, simulate_reduce_scatter
 from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport import GROUPED, Request, Transport
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 from studies.device.collective_check import KFAC_LAYOUT, random_kfac_geometry
-from test_gpu_plumbing import FakeDeviceArray
 
 PS = [1, 2, 3, 4, 5, 8]
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -111,27 +112,9 @@ def inputs(rng, p, n, dtype, spread=8.0):
     return [(rng.standard_normal(n) * np.exp(rng.uniform(-spread, spread, n) / 4)).astype(dtype) for _ in range(p)]
 
 
-def same(a, b):
-    """Bit-identical arrays (dtype, shape, bytes)."""
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 def outcomes(p, fn, group=DeviceLoopbackGroup):
-    """Every rank's result or exception (the loopback re-raises only the first)."""
-    def body(t):
-        try:
-            return fn(t)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            return exc
-    return group(p).run(body)
-
-
-def assert_same_error(errors, cls, *fragments):
-    """Every rank raised ``cls`` with one and the same message, containing ``fragments``."""
-    assert all(type(e) is cls for e in errors), errors
-    assert len({str(e) for e in errors}) == 1, [str(e) for e in errors]
-    for frag in fragments:
-        assert frag in str(errors[0]), (frag, str(errors[0]))
+    """Every rank's result or exception, on the grouped schedule unless told otherwise."""
+    return shared_outcomes(p, fn, group)
 
 
 def _local_size(algorithm: str, p: int) -> int | None:

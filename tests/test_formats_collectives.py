@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import outcomes, same
 
 import giftcomm as gc
-from giftcomm.reference import (simulate_allgather, simulate_allreduce, simulate_gift_allreduce,
-                                simulate_reduce_scatter)
+from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_gift_allreduce, simulate_reduce_scatter
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 from studies.device.collective_check import random_kfac_geometry
 
@@ -22,17 +22,8 @@ def inputs(rng, p, n, spread=6.0, dtype=np.float32):
     return [(rng.standard_normal(n) * np.exp(rng.uniform(-spread, spread, n))).astype(dtype) for _ in range(p)]
 
 
-def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def outcomes(p, fn, group=gc.LoopbackGroup):
-    def body(t):
-        try:
-            return fn(t)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            return exc
-    return group(p).run(body)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])

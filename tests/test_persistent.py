@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import outcomes, same
 
 import giftcomm as gc
 from giftcomm.reference import simulate_allreduce
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
-
-
-def outcomes(p, fn, group=gc.LoopbackGroup):
-    def body(t):
-        try:
-            return fn(t)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            return exc
-    return group(p).run(body)
-
-
-def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
