@@ -247,9 +247,9 @@ def allreduce(
     "oneshot" (small messages: one exchange, each contribution quantized once) or "auto" (the
     cost model's choice among the first five); local_size: ranks per node for the hierarchical
     algorithms (default: from the transport). timeout: seconds each wait of this call may wait
-    for its peers (default: the transport's, $GIFTCOMM_TIMEOUT; docs/robustness.md). Returns an array of x's shape and dtype, bit-identical on every rank and
-    equal to ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same
-    algorithm.
+    for its peers (default: the transport's, $GIFTCOMM_TIMEOUT; docs/robustness.md). Returns an
+    array of x's shape and dtype, bit-identical on every rank and equal to
+    ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
     """
     return gift_allreduce(x, None, comm=comm, op=op, fmt=fmt, block=block, out=out, algorithm=algorithm,
                           local_size=local_size, slice_elems=slice_elems, rounding=rounding, seed=seed,

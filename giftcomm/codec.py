@@ -29,8 +29,7 @@ import numpy as np
 
 from . import config
 from ._xp import array_module, data_pointer
-from .formats import (DEFAULT_BLOCK, Format, check_block, check_key, check_offset, check_rounding, get_format, message_nbytes,
-                      resolve_block)
+from .formats import Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
 from .reference import codec as _ref
 
 try:  # the extension is optional: a missing compiler must not break the package

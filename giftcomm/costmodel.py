@@ -22,6 +22,7 @@ import math
 import os
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -148,13 +149,35 @@ _BUILT_IN = Calibration()  # returned while no file exists; shared, so never mod
 log = logging.getLogger("giftcomm")
 
 
+_RECHECK_S = 1.0  # "auto" asks on every call: stat the same file at most once a second
+_last: tuple[str, float, Calibration] | None = None
+
+
 def load_calibration() -> Calibration:
-    """The calibration in force (re-read when the file changes; the built-in defaults without one,
-    or with one that cannot be used: then one warning naming the file and why).
+    """The calibration in force (re-read when the file changes, noticed within a second, or at
+    once when the path changes or :func:`write_calibration` wrote it; the built-in defaults
+    without one, or with one that cannot be used: then one warning naming the file and why).
 
     The object is shared by every caller: copy it (``build_calibration``) before changing it."""
-    global _cached
+    global _last
     path = _calibration_file()
+    now = time.monotonic()
+    if _last is not None and _last[0] == path and now - _last[1] < _RECHECK_S:
+        return _last[2]
+    cal = _load_calibration(path)
+    _last = (path, now, cal)
+    return cal
+
+
+def forget_calibration() -> None:
+    """Make the next :func:`load_calibration` look at the file now (after writing it, or after
+    changing GIFTCOMM_CALIBRATION)."""
+    global _last
+    _last = None
+
+
+def _load_calibration(path: str) -> Calibration:
+    global _cached
     try:
         st = os.stat(path)
     except OSError:
@@ -211,6 +234,7 @@ def write_calibration(path: str | os.PathLike, text: str) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        forget_calibration()
     except BaseException:
         try:
             os.unlink(tmp)

@@ -67,9 +67,21 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..formats import (NVFP4_GROUP, Format, check_block, check_key, check_offset, check_rounding, get_format,
-                       group_scales_offset, message_nbytes, num_blocks, num_groups, payload_nbytes, resolve_block,
-                       scales_offset)
+from ..formats import (
+    NVFP4_GROUP,
+    Format,
+    check_key,
+    check_offset,
+    check_rounding,
+    get_format,
+    group_scales_offset,
+    message_nbytes,
+    num_blocks,
+    num_groups,
+    payload_nbytes,
+    resolve_block,
+    scales_offset,
+)
 
 __all__ = ["encode", "decode", "decode_add_encode", "block_scales", "split_message", "philox4x32",
            "philox_bits", "round_elements"]

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import pickle
 import sys
 import threading
-import os
 import time
 import warnings
 from typing import Any, Callable
