@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,7 +33,7 @@ from giftcomm.reference import codec as ref
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("e4m3", "e5m2")
-EMU_FORMATS = ("e4m3", "e5m2", "bf16", "fp16")
+EMU_FORMATS = ("e4m3", "e5m2", "bf16", "fp16", "fp32")
 
 
 class FakeDeviceArray:
@@ -196,6 +197,16 @@ def test_emulation_random(emu, fmt, rng):
             _check_all_ops(emu, x, fmt, block, rng, f"{fmt} n={n} block={block}")
 
 
+def test_emulation_fp32_subnormal_sums_kept(emu):
+    """The H200 case (2026-11-30): fp32 pass-through 0 + 5.877472e-39 must stay 5.877472e-39."""
+    sub = np.array([5.877472e-39, -1e-45, 1e-40, 0.0], np.float32)
+    msg = sub.view(np.uint8).copy()
+    acc = emu_decode(emu, msg, sub.size, "fp32", 1, acc=np.zeros(sub.size, np.float32))
+    assert np.array_equal(acc.view(np.uint32), sub.view(np.uint32))
+    out, s = emu_dae(emu, msg, np.zeros(sub.size, np.float32), "fp32", 1)
+    assert np.array_equal(out, msg) and np.array_equal(s.view(np.uint32), sub.view(np.uint32))
+
+
 @pytest.mark.parametrize("fmt", SCALED)
 def test_emulation_fp8_cast_exhaustive(emu, fmt):
     """The portable float32 -> FP8 conversion equals ml_dtypes' cast on every float32 in
@@ -291,6 +302,30 @@ def test_check_cuda_script_passes():
     res = subprocess.run(["bash", str(ROOT / "native" / "check_cuda.sh")], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "FAIL" not in res.stdout
+
+
+_FTZ_OPS = re.compile(r"^\s*(\w+)((?:\.\w+)*)\.ftz((?:\.\w+)*)\s", re.M)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(), reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_never_flush_subnormals_even_with_ftz(tmp_path, arch):
+    """Every float32 instruction of the codec kernels ignores -ftz=true (CuPy compiles with it:
+    cupy/cupy#9576): the loader text compiled by nvcc -ptx -ftz=true has no .ftz instruction at
+    all (adds / multiplies / divides are explicit non-.ftz PTX, clips and compares work on bits),
+    and the add / mul / div instructions are all there."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    src = tmp_path / "codec.cu"
+    src.write_text(_loader.source_text("codec"))
+    ptx = tmp_path / "codec.ptx"
+    subprocess.run([nvcc, "-ptx", "-std=c++17", "-ftz=true", f"-arch={arch}", str(src), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    text = ptx.read_text()
+    flushed = sorted({m.group(0).strip() for m in _FTZ_OPS.finditer(text)})
+    assert not flushed, f"flush-to-zero instructions in the PTX under -ftz=true: {flushed}"
+    for op in ("add.rn.f32", "mul.rn.f32", "div.rn.f32"):
+        assert op in text, op
+    assert "fma.rn.f32" not in text
 
 
 # ------------------------------------------------------------- CUDA-aware MPI plumbing

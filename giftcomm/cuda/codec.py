@@ -18,7 +18,11 @@ the pointers are aligned.
 Stochastic rounding of e4m3/e5m2 (``key`` not None) always takes the two-pass path (amax, then
 gc_{enc,dae}_big_sr_F). MX formats: one warp per 32-value block (gc_mx_enc_F); nvfp4: one warp per
 1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: one thread per value
-(gc_mx_dec_F). The Philox bits of message value i use counter ``offset + i`` (docs/wire-format.md).
+(gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
+decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
+subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
+PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
+of message value i use counter ``offset + i`` (docs/wire-format.md).
 """
 from __future__ import annotations
 
@@ -175,6 +179,21 @@ def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, w
     _loader.get_function(f"gc_pt_{f.name}")((_grid(count, _THREADS),), (_THREADS,), (np.int32(op),) + args + (np.int64(count),))
 
 
+def _pt_fp32(op: int, count: int, win: Any, out: Any, x: Any = None, wout: Any = None) -> None:
+    """fp32 pass-through accumulate (op 2: out += win) and decode-add-encode (op 3: wout = win + x,
+    out = the same sum when given) through gc_pt_fp32, whose add never flushes subnormals (cupy.add
+    runs with -ftz=true). win / wout: the uint8 wire messages, 4-byte aligned."""
+    cp = _cp()
+    for a in (win, wout):
+        if a is not None and _ptr(a) % 4:
+            raise ValueError("a fp32 wire message must start at a 4-byte aligned address")
+    f32 = lambda a: _NULL if a is None else (a.view(cp.float32) if a.dtype == cp.uint8 else a)  # noqa: E731
+    ptrs = [a for a in (x, win, wout, out) if a is not None]
+    vec = np.int32(all(_ptr(a) % 16 == 0 for a in ptrs))
+    _loader.get_function("gc_pt_fp32")((_grid(-(-count // 4), _THREADS),), (_THREADS,),
+                                       (np.int32(op), f32(x), f32(win), f32(wout), f32(out), np.int64(count), vec))
+
+
 class CudaKernels:
     """The four codec operations on CuPy arrays (checked by the caller)."""
 
@@ -224,7 +243,6 @@ class CudaKernels:
     @staticmethod
     def decode_add_encode(message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any,
                           key: int | None = None, offset: int = 0) -> Any:
-        cp = _cp()
         n = local.size
         if n == 0:
             return out
@@ -233,8 +251,7 @@ class CudaKernels:
             return out
         if not f.scaled:
             if f.name == "fp32":
-                total = cp.add(message.view(cp.float32), local, out=sum_out)
-                out.view(cp.float32)[...] = total
+                _pt_fp32(3, n, message, sum_out, x=local, wout=out)
             else:
                 _pt_launch(f, 3, n, x=local, win=message, wout=out, out=sum_out)
             return out
@@ -250,7 +267,6 @@ class CudaKernels:
 
     @staticmethod
     def decode_accumulate(message: Any, acc: Any, f: Format, block: int) -> Any:
-        cp = _cp()
         n = acc.size
         if n == 0:
             return acc
@@ -259,7 +275,7 @@ class CudaKernels:
             return acc
         if not f.scaled:
             if f.name == "fp32":
-                cp.add(acc, message.view(cp.float32), out=acc)
+                _pt_fp32(2, n, message, acc)
             else:
                 _pt_launch(f, 2, n, win=message, out=acc)
             return acc

@@ -3,7 +3,8 @@
 //
 // Wire message of `count` values (docs/wire-format.md):
 //   block-scaled (e4m3, e5m2): [count code bytes][0-3 zero pad bytes][ceil(count/block) float32 scales]
-//   pass-through (bf16, fp16): [count 16-bit values]       (fp32 needs no kernel: it is a copy)
+//   pass-through (bf16, fp16): [count 16-bit values]; fp32: [count float32 values] (encode and
+//   decode are copies; accumulate and decode-add-encode: gc_pt_fp32)
 // The host side (giftcomm/cuda/codec.py) passes the payload and scale pointers separately.
 //
 // Kernels for block-scaled formats, F in {e4m3, e5m2}:
@@ -367,6 +368,46 @@ GC_BLOCK_SCALED_ENTRIES(gc_e5m2, e5m2)
 
 GC_PT_ENTRY(gc_bf16, bf16)
 GC_PT_ENTRY(gc_fp16, fp16)
+
+// fp32 pass-through (wire = the float32 values): op 2: out += win; op 3: s = win + x, wout = s,
+// sum_out = s if given (ops 0/1 are plain copies, done by the host with a device memcpy). The add is
+// gc_add (add.rn.f32, no .ftz), so a float32 subnormal sum is kept: CuPy's own elementwise add
+// (cupy.add) is compiled with -ftz=true and flushed it on the H200 (2026-11-30). vec: every pointer
+// 16-byte aligned (the host checks), 4 values per thread through float4.
+GC_DEV void gc_pt_f32_one(int op, const float* __restrict__ x, const float* __restrict__ win, float* __restrict__ wout,
+                          float* __restrict__ out, long long i) {
+    if (op == 2) {
+        out[i] = gc_add(out[i], win[i]);
+    } else {
+        const float s = gc_add(win[i], x[i]);
+        wout[i] = s;
+        if (out) out[i] = s;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gc_pt_fp32(int op, const float* __restrict__ x,
+    const float* __restrict__ win, float* __restrict__ wout, float* __restrict__ out, long long count, int vec) {
+    const long long groups = (count + 3) >> 2;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups;
+         t += (long long)gridDim.x * blockDim.x) {
+        const long long i0 = t << 2;
+        if (vec && i0 + 3 < count) {
+            const float4 w = *reinterpret_cast<const float4*>(win + i0);
+            if (op == 2) {
+                float4 a = *reinterpret_cast<const float4*>(out + i0);
+                a.x = gc_add(a.x, w.x); a.y = gc_add(a.y, w.y); a.z = gc_add(a.z, w.z); a.w = gc_add(a.w, w.w);
+                *reinterpret_cast<float4*>(out + i0) = a;
+            } else {
+                const float4 l = *reinterpret_cast<const float4*>(x + i0);
+                const float4 r = make_float4(gc_add(w.x, l.x), gc_add(w.y, l.y), gc_add(w.z, l.z), gc_add(w.w, l.w));
+                *reinterpret_cast<float4*>(wout + i0) = r;
+                if (out) *reinterpret_cast<float4*>(out + i0) = r;
+            }
+        } else {
+            for (int j = 0; j < 4 && i0 + j < count; ++j) gc_pt_f32_one(op, x, win, wout, out, i0 + j);
+        }
+    }
+}
 
 // ---------------------------------------------------------------- stochastic rounding, e4m3/e5m2
 // The big path's amax pass (gc_{enc,dae}_amax_F) then this store pass, for any block size: the

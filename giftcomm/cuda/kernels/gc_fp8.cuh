@@ -13,9 +13,13 @@
 //   else                    -> scale = fp32(amax / max), inv = fp32(max / amax)   (IEEE division)
 //   code = float8(clip(fp32(x * inv), -max, max))   round to nearest even, saturating
 //   decode = fp32(float32(code) * scale)
-// All float arithmetic goes through gc_mul / gc_div / gc_add, which are the correctly rounded
-// intrinsics on the device, so no FMA contraction or approximate division can creep in (the
-// loader also compiles with --fmad=false --prec-div=true --ftz=false).
+// All float arithmetic goes through gc_mul / gc_div / gc_add, which on the device are inline PTX
+// `mul.rn.f32` / `div.rn.f32` / `add.rn.f32` WITHOUT the .ftz modifier: correctly rounded, never
+// contracted into an FMA, and keeping float32 subnormals whatever the compiler's -ftz flag says
+// (CuPy compiles its own elementwise kernels with -ftz=true and recent versions append it to
+// RawModule options, cupy/cupy#9576; the intrinsics __fadd_rn/__fmul_rn would follow that flag
+// and become add.rn.ftz.f32). tests/test_gpu_plumbing.py compiles this with nvcc -ftz=true and
+// checks the PTX has no .ftz on any add/mul/div. The loader still asks NVRTC for --ftz=false.
 #pragma once
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -52,10 +56,13 @@ GC_HD float gc_u2f(gc_u32 u) {
 #endif
 }
 
-// Correctly rounded (round to nearest even) float32 multiply, divide, add: never contracted.
+// Correctly rounded (round to nearest even) float32 multiply, divide, add: never contracted, never
+// flushed to zero (explicit non-.ftz PTX on the device; see the header comment).
 GC_HD float gc_mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fmul_rn(a, b);
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // no .ftz: subnormals kept
+    return r;
 #else
     volatile float r = a * b;
     return r;
@@ -64,7 +71,9 @@ GC_HD float gc_mul(float a, float b) {
 
 GC_HD float gc_div(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fdiv_rn(a, b);
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // no .ftz: subnormals kept
+    return r;
 #else
     volatile float r = a / b;
     return r;
@@ -73,21 +82,29 @@ GC_HD float gc_div(float a, float b) {
 
 GC_HD float gc_add(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fadd_rn(a, b);
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // no .ftz: subnormals kept
+    return r;
 #else
     volatile float r = a + b;
     return r;
 #endif
 }
 
-// np.clip(v, -m, m) for a non-NaN v; keeps -0.
-GC_HD float gc_clip(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
+// np.clip(v, -m, m) for a finite m > 0; keeps -0 and NaN. Compares bit patterns (integers), so no
+// float compare or min/max instruction can flush a subnormal v under -ftz=true.
+GC_HD float gc_clip(float v, float m) {
+    const gc_u32 u = gc_f2u(v), a = u & 0x7FFFFFFFu, mb = gc_f2u(m);
+    return (a > mb && a <= 0x7F800000u) ? gc_u2f((u & 0x80000000u) | mb) : v;
+}
 
 // Round a non-negative float32 to the nearest integer, ties to even (exact for the small values
 // it is used on: at most 8 here).
 GC_HD int gc_rint_small(float q) {
 #if defined(__CUDA_ARCH__)
-    return __float2int_rn(q);
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(q));  // no .ftz (a subnormal q rounds to 0 anyway)
+    return r;
 #else
     int i = (int)q;            // truncation: q >= 0
     float frac = q - (float)i; // exact: q < 2^23
@@ -204,7 +221,7 @@ struct gc_scale {
         }
         const float amax = gc_u2f(amax_bits);
         s.finite = true;
-        if (amax < F::MAX * GC_TWO_M126) {
+        if (amax_bits < gc_f2u(F::MAX * GC_TWO_M126)) {  // amax < max * 2^-126 (bits: no float compare)
             s.scale = 1.0f;
             s.inv = 1.0f;
         } else {

@@ -62,6 +62,20 @@ static void pt_t(int op, const float* x, const gc_u16* win, gc_u16* wout, float*
     }
 }
 
+// fp32 pass-through (what gc_pt_fp32 computes per value; ops 0/1 are the host's device copies)
+static void pt_f32(int op, const float* x, const float* win, float* wout, float* out, long long n) {
+    for (long long i = 0; i < n; ++i) {
+        if (op == 0) wout[i] = x[i];
+        else if (op == 1) out[i] = win[i];
+        else if (op == 2) out[i] = gc_add(out[i], win[i]);
+        else {
+            const float s = gc_add(win[i], x[i]);
+            wout[i] = s;
+            if (out) out[i] = s;
+        }
+    }
+}
+
 // ---- stochastic e4m3/e5m2 (what gc_{enc,dae}_big_sr_F compute per value) ----
 template <class F>
 static void sr8_t(const float* x, long long n, int block, gc_u8* msg, gc_u64 key, gc_u64 off) {
@@ -210,12 +224,13 @@ int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, i
     return 0;
 }
 
-// fmt codes: giftcomm.formats (1 e4m3, 2 e5m2, 3 bf16, 4 fp16). Return 0, or -1 for a bad code.
+// fmt codes: giftcomm.formats (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32). Return 0, or -1 for a bad code.
 int gc_emu_encode(int fmt, const float* x, long long n, int block, gc_u8* msg) {
     if (fmt == 1) encode_t<gc_e4m3>(x, n, block, msg);
     else if (fmt == 2) encode_t<gc_e5m2>(x, n, block, msg);
     else if (fmt == 3) pt_t<gc_bf16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
     else if (fmt == 4) pt_t<gc_fp16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
+    else if (fmt == 5) pt_f32(0, x, 0, reinterpret_cast<float*>(msg), 0, n);
     else return -1;
     return 0;
 }
@@ -225,6 +240,7 @@ int gc_emu_decode(int fmt, const gc_u8* msg, long long n, int block, float* out,
     else if (fmt == 2) decode_t<gc_e5m2>(msg, n, block, out, acc);
     else if (fmt == 3) pt_t<gc_bf16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
     else if (fmt == 4) pt_t<gc_fp16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
+    else if (fmt == 5) pt_f32(acc ? 2 : 1, 0, reinterpret_cast<const float*>(msg), 0, out, n);
     else return -1;
     return 0;
 }
@@ -234,6 +250,7 @@ int gc_emu_dae(int fmt, const gc_u8* min, const float* local, long long n, int b
     else if (fmt == 2) dae_t<gc_e5m2>(min, local, n, block, mout, sum_out);
     else if (fmt == 3) pt_t<gc_bf16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
     else if (fmt == 4) pt_t<gc_fp16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
+    else if (fmt == 5) pt_f32(3, local, reinterpret_cast<const float*>(min), reinterpret_cast<float*>(mout), sum_out, n);
     else return -1;
     return 0;
 }

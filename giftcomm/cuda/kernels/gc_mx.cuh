@@ -102,7 +102,7 @@ struct gc_nv_group {
     static GC_HD gc_nv_group from_bits(gc_u32 g) {
         gc_nv_group r;
         const float gf = gc_u2f(g);
-        r.tiny = gf < 7.888609052210118e-31f;  // 2^-100
+        r.tiny = g < 0x0D800000u;  // gf < 2^-100 (g: non-negative bits; an integer compare: no -ftz effect)
         r.s2 = r.tiny ? 1.0f : gc_div(gf, 2688.0f);
         r.q2 = r.tiny ? 0.0f : gc_div(448.0f, gf);
         return r;
@@ -115,9 +115,9 @@ GC_HD gc_u32 gc_nv_block(gc_u32 m, const gc_nv_group& g, float* r) {
     if (m >= GC_F32_INF_BITS) return 0x7Fu;
     if (g.tiny || m == 0) return 0u;
     float t = gc_mul(gc_u2f(m), g.q2);
-    t = t < 448.0f ? t : 448.0f;
+    t = gc_f2u(t) < 0x43E00000u ? t : 448.0f;  // min(t, 448) on the bits of t >= 0 (no min.ftz)
     gc_u32 bs = gc_f32_to_fp8_sat_portable<3, 7, 0x7Eu>(t);
-    bs += gc_e4m3::to_f32((gc_u8)bs) < t ? 1u : 0u;
+    bs += gc_f2u(gc_e4m3::to_f32((gc_u8)bs)) < gc_f2u(t) ? 1u : 0u;  // both >= 0: bits order like values
     bs = bs ? bs : 1u;
     *r = gc_div(1.0f, gc_mul(gc_e4m3::to_f32((gc_u8)bs), g.s2));
     return bs;
