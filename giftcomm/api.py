@@ -57,7 +57,8 @@ class held:
     __slots__ = ("_t", "_timeout", "_previous")
 
     def __init__(self, t: Transport, timeout: float | None) -> None:
-        self._t, self._timeout, self._previous = t, timeout, None
+        self._t, self._timeout = t, timeout
+        self._previous: float = 0.0
 
     def __enter__(self) -> None:
         self._t.state.lock.acquire()

@@ -83,7 +83,7 @@ class Calibration:
             if key in d and key not in ("alpha", "beta"):
                 values[key] = _bounded(d, key)
         if "nics_per_node" in values:
-            values["nics_per_node"] = int(values["nics_per_node"])  # type: ignore[arg-type]
+            values["nics_per_node"] = int(values["nics_per_node"])  # type: ignore[call-overload]
         return cls(**values)  # type: ignore[arg-type]
 
 

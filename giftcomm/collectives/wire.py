@@ -37,7 +37,7 @@ class Wire:
 
     @classmethod
     def of(cls, fmt: Format, block: int, xp: Any = np, seed: int | None = None, party: int = 0) -> "Wire":
-        return _wire(fmt, block, xp, kernels_for(xp), seed if fmt.scaled else None, party)
+        return _wire(fmt, block, xp, kernels_for(xp), seed if fmt.scaled else None, party)  # type: ignore[arg-type]
 
     def with_format(self, fmt: Format) -> "Wire":
         """The same backend, block and rounding with another format (the hierarchical algorithm's
