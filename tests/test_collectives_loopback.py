@@ -180,11 +180,16 @@ def test_non_finite_input_on_one_rank_is_non_finite_everywhere(rng, fmt, bad):
     assert same_bytes(outs[0], simulate_allreduce(xs, fmt=fmt)[0])
 
 
-def test_gift_allreduce_without_geometry_is_allreduce(rng):
+def test_gift_allreduce_without_geometry_or_with_the_identity_is_the_plain_allreduce(rng):
+    """No geometry, or the identity geometry, gives the plain allreduce's bytes: checked against
+    the simulation (allreduce itself is gift_allreduce without a geometry)."""
+    from giftcomm.geometry import Geometry
+
     xs = inputs(rng, 3, (999,), np.float32)
-    a = run(3, lambda t: gc.gift_allreduce(xs[t.rank], None, comm=t))
-    b = run(3, lambda t: gc.allreduce(xs[t.rank], comm=t))
-    assert all(same_bytes(x, y) for x, y in zip(a, b))
+    want = simulate_allreduce(xs, algorithm="ring")
+    for geo in (None, Geometry.identity(999)):
+        got = run(3, lambda t: gc.gift_allreduce(xs[t.rank], geo, comm=t, algorithm="ring"))
+        assert all(same_bytes(x, y) for x, y in zip(got, want))
 
 
 def test_comm_of_wrong_type_is_a_type_error():
