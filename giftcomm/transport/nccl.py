@@ -10,8 +10,9 @@
   Because queued operations are issued together, a hop must queue its receive and its send and
   then wait (what ``sendrecv`` and the GROUPED schedule of giftcomm.collectives do); queuing a receive whose matching send
   the peer can only post after its own next wait would deadlock, as in NCCL itself.
-- Control collectives (allgather_int64 / allgather_object) go over the MPI communicator when
-  there is one, else over NCCL (allGather of int64 on the device; objects pickled).
+- Control collectives (agreement, object broadcast, float64 sums) go over a host MPI transport
+  when there is one (:meth:`NcclTransport.from_mpi`; its waits have a deadline), else over NCCL
+  (allGather of int64 on the device; objects pickled).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from .base import DEVICE, GroupedTransport, QueuedOp
+from .base import DEVICE, GroupedTransport, QueuedOp, Transport
 
 
 def _nccl():
@@ -43,22 +44,25 @@ class NcclTransport(GroupedTransport):
 
     memory = DEVICE
 
-    def __init__(self, unique_id: Any, rank: int, size: int, mpi_comm: Any = None) -> None:
+    def __init__(self, unique_id: Any, rank: int, size: int, control: Transport | None = None) -> None:
         nccl = _nccl()
         self.rank, self.size = int(rank), int(size)
-        self.mpi_comm = mpi_comm
+        self.control = control
         self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
     @classmethod
     def from_mpi(cls, comm: Any = None) -> "NcclTransport":
         """Create over every rank of an mpi4py communicator (collective): rank 0's unique id is
-        broadcast; each rank uses CuPy's current device (set it before, e.g. to local rank)."""
+        broadcast; each rank uses CuPy's current device (set it before, e.g. to local rank).
+        The control operations (agreement, geometry sync) then run on a host MPI transport over
+        the same ranks, so their waits have its deadline (docs/robustness.md)."""
         from mpi4py import MPI
 
-        comm = MPI.COMM_WORLD if comm is None else comm
-        uid = _nccl().get_unique_id() if comm.Get_rank() == 0 else None
-        uid = comm.bcast(uid, root=0)
-        return cls(uid, comm.Get_rank(), comm.Get_size(), mpi_comm=comm.Dup())
+        from .mpi import MpiTransport
+
+        control = MpiTransport(MPI.COMM_WORLD if comm is None else comm, shared_memory=False)
+        uid = control.broadcast_object(_nccl().get_unique_id() if control.rank == 0 else None, root=0)
+        return cls(uid, control.rank, control.size, control=control)
 
     # --- point-to-point: queued (GroupedTransport); tags are not needed, NCCL orders messages
     # per peer in queue order ----------------------------------------------------------------
@@ -86,12 +90,8 @@ class NcclTransport(GroupedTransport):
     # --- control --------------------------------------------------------------------------
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
         vec = np.ascontiguousarray(vec, dtype=np.int64)
-        if self.mpi_comm is not None:
-            from mpi4py import MPI
-
-            table = np.empty((self.size, vec.size), np.int64)
-            self.mpi_comm.Allgather([vec, MPI.INT64_T], [table, MPI.INT64_T])
-            return table
+        if self.control is not None:
+            return self.control.allgather_int64(vec)
         import cupy
 
         nccl = _nccl()
@@ -103,8 +103,8 @@ class NcclTransport(GroupedTransport):
         return cupy.asnumpy(dst).reshape(self.size, vec.size)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        if self.mpi_comm is not None:
-            return self.mpi_comm.allgather(obj)
+        if self.control is not None:
+            return self.control.allgather_object(obj)
         import cupy
 
         nccl = _nccl()
@@ -118,10 +118,29 @@ class NcclTransport(GroupedTransport):
         rows = cupy.asnumpy(dst).reshape(self.size, width)
         return [pickle.loads(rows[r, : lengths[r]].tobytes()) for r in range(self.size)]
 
+    def node_ids(self) -> np.ndarray:
+        """The MPI library's node layout (for the hierarchical algorithms) when created over MPI."""
+        return super().node_ids() if self.control is None else self.control.node_ids()
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return super().broadcast_object(obj, root) if self.control is None else self.control.broadcast_object(obj, root)
+
+    def sum_float64(self, arr: np.ndarray) -> np.ndarray:
+        return super().sum_float64(arr) if self.control is None else self.control.sum_float64(arr)
+
+    def reduce_float64(self, arr: np.ndarray, root: int) -> np.ndarray | None:
+        return super().reduce_float64(arr, root) if self.control is None else self.control.reduce_float64(arr, root)
+
+    def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
+        if self.control is None:
+            super().broadcast_float64(buf, root)
+        else:
+            self.control.broadcast_float64(buf, root)
+
     def free(self) -> None:
-        """Destroy the NCCL communicator (after its work is done) and the private MPI one."""
+        """Destroy the NCCL communicator (after its work is done) and the control transport."""
         self.flush()
         self.comm.destroy()
-        if self.mpi_comm is not None:
-            self.mpi_comm.Free()
-            self.mpi_comm = None
+        if self.control is not None:
+            self.control.free()  # type: ignore[attr-defined]
+            self.control = None
