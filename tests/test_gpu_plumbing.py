@@ -475,3 +475,53 @@ def test_transform_plan_shares_the_geometry_dense_kernel(rng):
     x = rng.standard_normal(layout.size).astype(np.float32)
     np.testing.assert_allclose(plan.forward(x), geo.forward(x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(plan.inverse(x), geo.inverse(x), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------- python -m giftcomm.perf device
+def test_device_bench_without_gpu_exits_2(capsys, monkeypatch):
+    import giftcomm.cuda
+    from giftcomm.perf import __main__ as perf_main
+
+    monkeypatch.setattr(giftcomm.cuda, "available", lambda: False)
+    assert perf_main.main(["device", "--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_device_bench_arguments_and_tables():
+    from giftcomm.perf import device_bench as db
+
+    a = db.parse_args(["--quick", "--blocks", "16,1024,8192", "--formats", "e4m3,nvfp4", "--sections", "codec,gift"])
+    assert a.log2n == 24 and a.reps == 5 and a.blocks == [16, 1024, 8192] and a.sections == ["codec", "gift"]
+    with pytest.raises(SystemExit):
+        db.parse_args(["--formats", "bf16"])
+    with pytest.raises(SystemExit):
+        db.parse_args(["--sections", "nope"])
+    defaults = db.parse_args([])
+    cases = db.codec_cases(defaults.formats, defaults.blocks)
+    assert ("e4m3", 16) in cases and ("e5m2", 8192) in cases and ("nvfp4", None) in cases and ("mxfp4", None) in cases
+    n = 1 << 20
+    # bytes per value: e4m3 block 256 = 1 + 4/256 on the wire
+    w = 1 + 4 / 256
+    assert db.bytes_per_value("encode", "e4m3", 256, n) == pytest.approx(4 + w)
+    assert db.bytes_per_value("decode_add_encode", "e4m3", 256, n) == pytest.approx(4 + 2 * w)
+    assert db.bytes_per_value("decode_accumulate", "e4m3", 256, n) == pytest.approx(8 + w)
+    assert db.bytes_per_value("decode", "nvfp4", None, n) == pytest.approx(4 + db.wire_bytes_per_value("nvfp4", None, n))
+    copy_gbs, line = db.format_copy(0.5, 4 * n)  # 8 MiB read + written in 0.5 ms
+    assert copy_gbs == pytest.approx(2 * 4 * n / 0.5 / 1e6) and "GB/s" in line
+    times = {(f, b, op): 0.01 for f, b in (("e4m3", 256), ("e4m3", 8192), ("nvfp4", None)) for op in db.OPS}
+    table = db.format_codec_table(times, n, copy_gbs)
+    rows = table.splitlines()
+    assert len(rows) == 2 + len(times)
+    enc = next(r for r in rows if r.startswith("| e4m3 | 256 | encode"))
+    gbs = (4 + w) * n / 0.01 / 1e6
+    assert f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |" in enc
+    assert any("8192 (big path)" in r for r in rows) and any(r.startswith("| nvfp4 | 16 |") for r in rows)
+    peer = {"giftcomm encode": 0.4, "torch.compile encode": 0.3, "eager encode": 2.0, "giftcomm decode": 0.5,
+            "eager decode": 1.5}
+    pt = db.format_peer_table(peer, n, copy_gbs)
+    assert "| torch.compile | encode | 0.300 |" in pt and "0.75x" in pt and "torch.compile | decode" not in pt
+    assert db.layer_values() == 4 * 1024 * 1024 + 3 * 2816 * 1024
+    tr = db.format_transform(0.9, 0.8, db.layer_values(), 32, 4000.0)
+    assert "1.700 ms" in tr and "k=32" in tr
+    g = db.format_gift({"gift": 3.0, "plain": 1.0, "codec": 0.3, "transform": 1.7}, db.layer_values())
+    assert "3.00x" in g and "| 400 |" in g and "| 100 |" in g

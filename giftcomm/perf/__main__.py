@@ -18,6 +18,7 @@ COMMANDS = {
     "allreduce": ("giftcomm.perf.collective_bench", "nccl-tests-style allreduce sweep with fidelity columns"),
     "codec": ("giftcomm.perf.codec_bench", "codec kernel throughput"),
     "calibrate": ("giftcomm.perf.calibrate", "measure the cost model's constants"),
+    "device": ("giftcomm.perf.device_bench", "GPU codec / transform / gift_allreduce vs the copy roofline (one CUDA GPU)"),
 }
 # Commands that moved to the studies/ tree of a source checkout (python -m studies <command>).
 MOVED = ("netbed", "model", "errors", "fidelity", "train", "plot", "gradients")

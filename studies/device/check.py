@@ -88,7 +88,7 @@ def sec_device(rep: Report) -> None:
 def sec_exact(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from giftcomm.cuda import codec as gc
+    from giftcomm import codec as gc
 
     rng = np.random.default_rng(20261129)
 
@@ -151,7 +151,7 @@ def sec_exact(rep: Report, quick: bool) -> None:
 def sec_throughput(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from giftcomm.cuda import codec as gc
+    from giftcomm import codec as gc
 
     n = (1 << 26) if quick else (1 << 28)
     src = cp.random.standard_normal(n, dtype=cp.float32)

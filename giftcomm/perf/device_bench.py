@@ -1,0 +1,388 @@
+"""Device benchmark (one CUDA GPU, CuPy): how close giftcomm's GPU codec and transform come to
+line rate.
+
+``python -m giftcomm.perf device [--quick] [--out FILE.md] [--json FILE.json]`` prints Markdown:
+
+1. the device-to-device copy roofline (``cupy.copyto``, read + write bytes / time);
+2. codec GB/s and % of that roofline for every scaled format (e4m3 and e5m2 at blocks
+   16..1024 and the big-block path, block 8192; the MX formats and nvfp4 at their own block),
+   for encode, decode, decode_add_encode (no sum_out) and decode_accumulate. The bytes counted
+   are the bytes each op must move (float32 in/out, the wire message in/out): encode 4 +
+   w, decode w + 4, decode_add_encode w + 4 + w, decode_accumulate w + 4 + 4 per value, where
+   w = message_nbytes / count. The big path reads x twice; it is still counted once;
+3. the per-256-block E4M3 cast a PyTorch user would write (amax per block, divide,
+   ``.to(torch.float8_e4m3fn)``; decode: multiply back) under ``torch.compile`` and eager, next
+   to giftcomm's e4m3 block-256 encode and decode;
+4. the geometry transform: forward + inverse of one Llama-like layer (hidden 1024, MLP 2816:
+   q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank);
+5. gift_allreduce against the plain FP8 allreduce of the same buffer over
+   ``DeviceLoopbackGroup(1)`` (one GPU; wall time, synchronized), plus the codec compute of one
+   ring hop sequence (encode + decode_add_encode + decode of the whole buffer);
+6. the projected share of a communication step at 100/200/400 Gbit/s per GPU: FP8 ring wire
+   time (2x the message), the bf16 wire time it replaces, and the device compute on top.
+
+Timing: CUDA events, median of --reps after --warmup calls. Without a CUDA GPU the command exits
+with status 2 and says so. The formatting is plain functions of timing dicts (tested on CPU
+with fake timings: tests/test_gpu_plumbing.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..formats import get_format, message_nbytes, resolve_block
+
+SCALED_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 8192)
+FP8_FORMATS = ("e4m3", "e5m2")
+MX_FORMATS = ("mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4")
+OPS = ("encode", "decode", "decode_add_encode", "decode_accumulate")
+LINK_GBITS = (100, 200, 400)
+#: one Llama-like layer: (name, (rows, cols)) of its weight matrices (hidden 1024, MLP 2816)
+LLAMA_LAYER = tuple((n, s) for n, s in (("q", (1024, 1024)), ("k", (1024, 1024)), ("v", (1024, 1024)),
+                                        ("o", (1024, 1024)), ("gate", (2816, 1024)), ("up", (2816, 1024)),
+                                        ("down", (1024, 2816))))
+NO_GPU_EXIT = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m giftcomm.perf device", description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=26, help="values per codec call: 2^N (default 26: 256 MiB float32)")
+    ap.add_argument("--blocks", default=",".join(map(str, SCALED_BLOCKS)), help="e4m3/e5m2 block sizes")
+    ap.add_argument("--formats", default=",".join(FP8_FORMATS + MX_FORMATS), help="scaled formats")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=32, help="low-rank KFAC rank k of the transform section")
+    ap.add_argument("--sections", default="codec,torch,transform,gift",
+                    help="comma list of codec, torch, transform, gift")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (eager peer only)")
+    ap.add_argument("--quick", action="store_true", help="2^24 values, 5 reps (a smoke run)")
+    ap.add_argument("--out", help="also write the Markdown report to this file")
+    ap.add_argument("--json", help="write the raw timings (ms) to this JSON file")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.log2n, a.reps = min(a.log2n, 24), min(a.reps, 5)
+    a.blocks = [int(b) for b in a.blocks.split(",") if b]
+    a.formats = [f for f in a.formats.split(",") if f]
+    a.sections = [s for s in a.sections.split(",") if s]
+    for f in a.formats:
+        if not get_format(f).scaled:
+            ap.error(f"{f} is not a scaled format")
+    bad = set(a.sections) - {"codec", "torch", "transform", "gift"}
+    if bad:
+        ap.error(f"unknown section(s): {', '.join(sorted(bad))}")
+    if not 10 <= a.log2n <= 31:
+        ap.error("--log2n must be in 10..31")
+    return a
+
+
+# ------------------------------------------------------------------------ byte accounting
+def wire_bytes_per_value(fmt: str, block: int | None, n: int) -> float:
+    f = get_format(fmt)
+    return message_nbytes(n, f, resolve_block(f, block)) / n
+
+
+def bytes_per_value(op: str, fmt: str, block: int | None, n: int) -> float:
+    """Bytes an op must move per value: float32 reads/writes plus wire message reads/writes."""
+    w = wire_bytes_per_value(fmt, block, n)
+    return {"encode": 4 + w, "decode": w + 4, "decode_add_encode": w + 4 + w, "decode_accumulate": w + 8}[op]
+
+
+def codec_cases(formats: list[str], blocks: list[int]) -> list[tuple[str, int | None]]:
+    """(fmt, block) pairs: e4m3/e5m2 at every block, MX formats / nvfp4 at their own (None)."""
+    out: list[tuple[str, int | None]] = []
+    for f in formats:
+        if get_format(f).scale_kind == "f32":
+            out += [(f, b) for b in blocks]
+        else:
+            out.append((f, None))
+    return out
+
+
+# ------------------------------------------------------------------------------ formatting
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def format_copy(copy_ms: float, nbytes: int) -> tuple[float, str]:
+    gbs = 2 * nbytes / copy_ms / 1e6
+    return gbs, f"device-to-device copy of {nbytes / 2**20:.0f} MiB: {copy_ms:.3f} ms = **{gbs:.0f} GB/s** (read + write)"
+
+
+def format_codec_table(times: dict[tuple[str, int | None, str], float], n: int, copy_gbs: float) -> str:
+    """times: (fmt, block, op) -> ms for n values."""
+    lines = ["| fmt | block | op | ms | Gvalues/s | bytes/value | GB/s | % of copy roofline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (fmt, block, op), ms in times.items():
+        bpv = bytes_per_value(op, fmt, block, n)
+        gbs = bpv * n / ms / 1e6
+        shown = block if block is not None else resolve_block(get_format(fmt), None)
+        lines.append(f"| {fmt} | {shown}{' (big path)' if shown > 4096 else ''} | {op} | {ms:.3f} | "
+                     f"{n / ms / 1e6:.1f} | {bpv:.3f} | {gbs:.0f} | {_pct(gbs / copy_gbs)} |")
+    return "\n".join(lines)
+
+
+def format_peer_table(peer: dict[str, float], n: int, copy_gbs: float) -> str:
+    """peer: 'giftcomm encode', 'torch.compile encode', 'eager encode', same for decode -> ms."""
+    lines = ["| implementation | op | ms | GB/s | % of copy roofline | giftcomm speed relative to it |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for op in ("encode", "decode"):
+        g = peer.get(f"giftcomm {op}")
+        for impl in ("giftcomm", "torch.compile", "eager"):
+            ms = peer.get(f"{impl} {op}")
+            if ms is None:
+                continue
+            gbs = bytes_per_value(op, "e4m3", 256, n) * n / ms / 1e6
+            rel = f"{ms / g:.2f}x" if g else "-"
+            lines.append(f"| {impl} | {op} | {ms:.3f} | {gbs:.0f} | {_pct(gbs / copy_gbs)} | {rel} |")
+    return "\n".join(lines)
+
+
+def layer_values(layout=LLAMA_LAYER) -> int:
+    return int(sum(np.prod(s) for _, s in layout))
+
+
+def format_transform(fwd_ms: float, inv_ms: float, n: int, rank: int, copy_gbs: float) -> str:
+    floor_ms = 2 * 2 * 4 * n / (copy_gbs * 1e6)  # read + write float32 once per direction
+    tot = fwd_ms + inv_ms
+    return (f"one Llama-like layer ({n / 1e6:.1f}M values, {len(LLAMA_LAYER)} segments), low-rank KFAC k={rank}: "
+            f"forward {fwd_ms:.3f} ms, inverse {inv_ms:.3f} ms, forward + inverse **{tot:.3f} ms** = "
+            f"{tot / floor_ms:.1f}x the HBM floor ({floor_ms:.3f} ms: one read + one write per direction at the copy "
+            f"roofline; target <= 2x, i.e. >= 50% of the roofline)")
+
+
+def format_gift(g: dict[str, float], n: int, links=LINK_GBITS) -> str:
+    """g: 'gift' and 'plain' (loopback P=1 wall ms), 'codec' (encode + dae + decode ms), 'transform' (ms)."""
+    msg = message_nbytes(n, get_format("e4m3"), 256)
+    lines = [f"- gift_allreduce (DeviceLoopbackGroup(1)): {g['gift']:.3f} ms; plain FP8 allreduce: {g['plain']:.3f} ms; "
+             f"ratio **{g['gift'] / g['plain']:.2f}x** (target <= 1.5x)",
+             f"- ring codec compute per rank (encode + decode_add_encode + decode of the buffer): {g['codec']:.3f} ms; "
+             f"with the transform: {g['codec'] + g['transform']:.3f} ms "
+             f"({(g['codec'] + g['transform']) / g['codec']:.2f}x)",
+             "",
+             "| link Gbit/s | FP8 ring wire ms | bf16 ring wire ms | FP8 saves ms | plain FP8 compute / FP8 wire | "
+             "GIFT compute / FP8 wire | GIFT net saving vs bf16 ms (no overlap) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for gb in links:
+        fp8 = 2 * msg * 8 / (gb * 1e9) * 1e3
+        bf = 2 * 2 * n * 8 / (gb * 1e9) * 1e3
+        gift_c = g["codec"] + g["transform"]
+        lines.append(f"| {gb} | {fp8:.3f} | {bf:.3f} | {bf - fp8:.3f} | {_pct(g['codec'] / fp8)} | "
+                     f"{_pct(gift_c / fp8)} | {bf - fp8 - gift_c:.3f} |")
+    lines.append("\nRing wire time: 2x the message per GPU (2(P-1)/P at large P). bf16 is the uncompressed "
+                 "alternative; the last column is what GIFT gains per layer if its compute does not overlap.")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ measuring
+def _timer(cp: Any, warmup: int, reps: int) -> Callable[[Callable[[], Any]], float]:
+    def t(fn: Callable[[], Any]) -> float:
+        for _ in range(warmup):
+            fn()
+        cp.cuda.Device().synchronize()
+        ms = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms.append(cp.cuda.get_elapsed_time(a, b))
+        return float(np.median(ms))
+    return t
+
+
+def _wall_timer(cp: Any, warmup: int, reps: int) -> Callable[[Callable[[], Any]], float]:
+    def t(fn: Callable[[], Any]) -> float:
+        for _ in range(warmup):
+            fn()
+        cp.cuda.Device().synchronize()
+        ms = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            cp.cuda.Device().synchronize()
+            ms.append(1e3 * (time.perf_counter() - t0))
+        return float(np.median(ms))
+    return t
+
+
+def measure_codec(cp: Any, timed, n: int, cases) -> dict:
+    from .. import codec as gc
+
+    x = cp.random.standard_normal(n, dtype=cp.float32)
+    local = cp.random.standard_normal(n, dtype=cp.float32)
+    dec = cp.empty(n, cp.float32)
+    res = {}
+    for fmt, block in cases:
+        kw = {} if block is None else {"block": block}
+        msg = gc.encode(x, fmt, **kw)
+        out = cp.empty_like(msg)
+        fns = {"encode": lambda: gc.encode(x, fmt, out=out, **kw),
+               "decode": lambda: gc.decode(msg, n, fmt, out=dec, **kw),
+               "decode_add_encode": lambda: gc.decode_add_encode(msg, local, fmt, out=out, **kw),
+               "decode_accumulate": lambda: gc.decode_accumulate(msg, dec, fmt, **kw)}
+        for op in OPS:
+            res[(fmt, block, op)] = timed(fns[op])
+    return res
+
+
+def measure_torch_peer(cp: Any, timed, n: int, compile_: bool) -> dict:
+    import torch
+
+    from .. import codec as gc
+
+    x = torch.randn(n, device="cuda", dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+
+    def enc(v):
+        b = v.view(-1, 256)
+        scale = (b.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(tiny)
+        return (b / scale).to(torch.float8_e4m3fn), scale
+
+    def dec(q, scale):
+        return (q.to(torch.float32) * scale).view(-1)
+
+    res = {}
+    xc = cp.from_dlpack(x)
+    msg = gc.encode(xc, "e4m3", 256)
+    out = cp.empty_like(msg)
+    dout = cp.empty(n, cp.float32)
+    res["giftcomm encode"] = timed(lambda: gc.encode(xc, "e4m3", 256, out=out))
+    res["giftcomm decode"] = timed(lambda: gc.decode(msg, n, "e4m3", 256, out=dout))
+    q, s = enc(x)
+    res["eager encode"] = timed(lambda: enc(x))
+    res["eager decode"] = timed(lambda: dec(q, s))
+    if compile_:
+        cenc, cdec = torch.compile(enc), torch.compile(dec)
+        res["torch.compile encode"] = timed(lambda: cenc(x))
+        res["torch.compile decode"] = timed(lambda: cdec(q, s))
+    return res
+
+
+def llama_layer_geometry(rank: int, seed: int = 0):
+    """A low-rank KFAC geometry of LLAMA_LAYER from random SPD factors (condition 1e3)."""
+    from ..geometry import Geometry
+
+    rng = np.random.default_rng(seed)
+    cache: dict[int, np.ndarray] = {}
+
+    def spd(m: int) -> np.ndarray:
+        if m not in cache:
+            q, _ = np.linalg.qr(rng.standard_normal((m, m)))
+            cache[m] = (q * np.geomspace(1, 1e-3, m)) @ q.T
+        return cache[m]
+
+    factors = {name: (spd(s[1]), spd(s[0])) for name, s in LLAMA_LAYER}
+    return Geometry.from_kfac(list(LLAMA_LAYER), factors, rank=rank)
+
+
+def measure_transform(cp: Any, timed, geometry) -> dict:
+    x = cp.random.standard_normal(geometry.size, dtype=cp.float32)
+    y = geometry.forward(x)
+    return {"forward": timed(lambda: geometry.forward(x)), "inverse": timed(lambda: geometry.inverse(y))}
+
+
+def measure_gift(cp: Any, timed, wall, geometry, transform_ms: float) -> dict:
+    import giftcomm
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    from .. import codec as gc
+
+    n = geometry.size
+    x = cp.random.standard_normal(n, dtype=cp.float32)
+    grp = DeviceLoopbackGroup(1)
+    res = {"gift": wall(lambda: grp.run(lambda t: giftcomm.gift_allreduce(x, geometry, comm=t, fmt="e4m3", block=256))),
+           "plain": wall(lambda: grp.run(lambda t: giftcomm.allreduce(x, comm=t, fmt="e4m3", block=256)))}
+    msg = gc.encode(x, "e4m3", 256)
+    out = cp.empty_like(msg)
+    dec = cp.empty(n, cp.float32)
+
+    def ring_codec():
+        gc.encode(x, "e4m3", 256, out=out)
+        gc.decode_add_encode(msg, x, "e4m3", 256, out=out)
+        gc.decode(msg, n, "e4m3", 256, out=dec)
+
+    res["codec"] = timed(ring_codec)
+    res["transform"] = transform_ms
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import giftcomm.cuda
+
+        ok = giftcomm.cuda.available()
+    except Exception:  # noqa: BLE001 - any import failure means no usable GPU
+        ok = False
+    if not ok:
+        print("giftcomm.perf device: needs a CUDA GPU (CuPy and a visible device); none found", file=sys.stderr)
+        return NO_GPU_EXIT
+    import cupy as cp
+
+    timed = _timer(cp, args.warmup, args.reps)
+    wall = _wall_timer(cp, args.warmup, args.reps)
+    n = 1 << args.log2n
+    dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
+    out: list[str] = [f"# giftcomm device benchmark: {name}, {n:,} values per codec call\n"]
+    raw: dict[str, Any] = {"device": name, "n": n}
+
+    def emit(text: str = "") -> None:
+        out.append(text)
+        print(text, flush=True)
+
+    emit(out.pop())
+    src = cp.random.standard_normal(n, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    copy_ms = timed(lambda: cp.copyto(dst, src))
+    copy_gbs, line = format_copy(copy_ms, 4 * n)
+    raw["copy_ms"] = copy_ms
+    emit(line + "\n")
+    failures = 0
+    if "codec" in args.sections:
+        emit("## Codec kernels vs the copy roofline\n")
+        ct = measure_codec(cp, timed, n, codec_cases(args.formats, args.blocks))
+        raw["codec"] = {f"{f}/{b}/{o}": ms for (f, b, o), ms in ct.items()}
+        emit(format_codec_table(ct, n, copy_gbs) + "\n")
+    if "torch" in args.sections:
+        emit("## Per-256-block E4M3 cast in PyTorch, side by side\n")
+        try:
+            pt = measure_torch_peer(cp, timed, n, not args.no_compile)
+            raw["torch"] = pt
+            emit(format_peer_table(pt, n, copy_gbs) + "\n")
+        except Exception as e:  # noqa: BLE001 - report and go on with the other sections
+            failures += 1
+            emit(f"torch peer failed: {type(e).__name__}: {e}\n")
+    tr = None
+    if "transform" in args.sections or "gift" in args.sections:
+        geometry = llama_layer_geometry(args.rank)
+        emit("## Geometry transform\n")
+        tr = measure_transform(cp, timed, geometry)
+        raw["transform"] = tr
+        emit(format_transform(tr["forward"], tr["inverse"], geometry.size, args.rank, copy_gbs) + "\n")
+        if "gift" in args.sections:
+            emit("## gift_allreduce vs plain FP8 allreduce, and the projected step share\n")
+            try:
+                g = measure_gift(cp, timed, wall, geometry, tr["forward"] + tr["inverse"])
+                raw["gift"] = g
+                emit(format_gift(g, geometry.size) + "\n")
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                emit(f"gift_allreduce section failed: {type(e).__name__}: {e}\n")
+    if args.out:
+        Path(args.out).write_text("\n".join(out) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
