@@ -26,11 +26,13 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512")
+#define GC_X512 1
 #define GC_SUFFIX avx512
 #define GC_ISA_NAME "avx512"
 #include "gc_kernels.h"
 #undef GC_SUFFIX
 #undef GC_ISA_NAME
+#undef GC_X512
 #pragma GCC pop_options
 
 uint8_t gc_lut8_hi[2][128] __attribute__((aligned(64)));
@@ -56,11 +58,13 @@ void gc_lut8_init(void)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,prefer-vector-width=512")
 #define GC_LUT8 1
+#define GC_X512 1
 #define GC_SUFFIX avx512vbmi
 #define GC_ISA_NAME "avx512vbmi"
 #include "gc_kernels.h"
 #undef GC_SUFFIX
 #undef GC_ISA_NAME
 #undef GC_LUT8
+#undef GC_X512
 #pragma GCC pop_options
 #endif

@@ -352,3 +352,5 @@ const gc_kernels GC_CAT(gc_kernels, GC_SUFFIX) = {
 #undef GC_CAT
 #undef GC_CAT2
 #undef GC_LUT8_DECODE
+#undef GC_MX_X512
+#undef GCV_I

@@ -241,6 +241,248 @@ GC_INLINE void K(nv_dec_chunk)(const uint8_t *restrict pay, const uint8_t *restr
     }
 }
 
+#if defined(GC_X512) && !defined(GC_NO_X512_MX)
+/* ---- AVX-512 paths of the 4-bit formats (round to nearest, whole 1024-value chunks) ----
+ *
+ * Same arithmetic as the scalar code above, sixteen lanes at a time, so the bytes are identical:
+ *   amax      per block, 16 blocks at once: a four-level transpose-and-max of 16 vectors
+ *             (level k keeps, for each block, half as many partial maxima as level k - 1).
+ *   scales    nvfp4's E4M3 block scales (round, bump up when below t, at least 1, 1 / (d * s2)) and
+ *             MX's E8M0 exponents, for 16 blocks per vector.
+ *   E2M1      round to nearest even by the FPU: |y| clipped to 6, plus a power of two whose ulp is
+ *             the E2M1 step of |y|'s range (0.5 below 2, 1 below 4, 2 above), so the sum's low bits
+ *             count the steps; equal to the thresholds of K(qloop) on every float32 (ties 0.25,
+ *             1.25, 2.5, 5 go down, 0.75, 1.75, 3.5 up).
+ *   nibbles   pack: 64-bit lanes c[2j] | c[2j+1] << 32, OR-shifted by 28, truncated to bytes
+ *             (vpmovqb); unpack: low / high nibbles interleaved, widened, looked up in a 16-entry
+ *             float table (vpermps) - E2M1 decodes exactly, so table[c] * d = gc_de2m1(c) * d.
+ * The partial last chunk of a message and stochastic rounding take the scalar code.
+ */
+#include <immintrin.h>
+
+#define GCV_I(v) _mm512_set1_epi32((int)(v))
+
+GC_INLINE __m512i K(v_e2m1_rn)(__m512 y)
+{
+    __m512i u = _mm512_castps_si512(y);
+    __m512i a = _mm512_min_epu32(_mm512_and_si512(u, GCV_I(0x7fffffffu)), GCV_I(0x40c00000u));
+    /* magic 2^22, 2^23, 2^24 for |y| < 2, [2, 4), [4, 6]: its ulp is that range's E2M1 step */
+    __m512i eb = _mm512_and_si512(_mm512_max_epu32(a, GCV_I(0x3f800000u)), GCV_I(0x7f800000u));
+    __m512i sum = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a),
+                                                    _mm512_castsi512_ps(_mm512_add_epi32(eb, GCV_I(22u << 23)))));
+    /* steps k = sum - magic (low bits of sum); code = k + 2 * (e - 127), e = 127..129: mod 8,
+     * sum + (eb >> 22) + 2; then the low 3 bits with the sign at bit 3 */
+    __m512i c = _mm512_add_epi32(_mm512_add_epi32(sum, _mm512_srli_epi32(eb, 22)), GCV_I(2));
+    return _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(u, 28), GCV_I(7), 0xE4); /* c & 7 | s & ~7 */
+}
+
+/* 16 codes (int32 lanes, < 16) -> 8 bytes, value 2j in the low nibble */
+GC_INLINE void K(v_pack16)(__m512i c, uint8_t *p)
+{
+    __m512i t = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+    _mm_storel_epi64((__m128i *)p, _mm512_cvtepi64_epi8(t));
+}
+
+/* 8 bytes -> the 16 E2M1 values */
+GC_INLINE __m512 K(v_unpack16)(const uint8_t *p, __m512 tab)
+{
+    __m128i b = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), tab);
+}
+
+GC_INLINE __m512 K(v_e2m1_table)(void)
+{
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+}
+
+/* gc_addf on 16 lanes: a + b, a quieted where a is NaN */
+GC_INLINE __m512 K(v_addf)(__m512 a, __m512 b)
+{
+    __m512 s = _mm512_add_ps(a, b);
+    __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(s, nan, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), GCV_I(0x400000u))));
+}
+
+GC_INLINE void K(v_store)(float *o, __m512 v, const int acc)
+{
+    _mm512_storeu_ps(o, acc ? K(v_addf)(_mm512_loadu_ps(o), v) : v);
+}
+
+/* one level of the transpose-max: p and q hold 16/g blocks of g partials each (g = 2 * half) */
+GC_INLINE __m512i K(v_tmax)(__m512i p, __m512i q, const int half)
+{
+    __m512i ia;
+    if (half == 8)
+        ia = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    else if (half == 4)
+        ia = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    else if (half == 2)
+        ia = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    else
+        ia = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i ib = _mm512_add_epi32(ia, GCV_I(half));
+    return _mm512_max_epu32(_mm512_permutex2var_epi32(p, ia, q), _mm512_permutex2var_epi32(p, ib, q));
+}
+
+/* lane b = max of v[b]'s 16 lanes (v: 16 vectors of |bits|) */
+GC_INLINE __m512i K(v_amax16)(__m512i v[16])
+{
+    for (int i = 0; i < 8; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 8);
+    for (int i = 0; i < 4; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 4);
+    for (int i = 0; i < 2; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 2);
+    return K(v_tmax)(v[0], v[1], 1);
+}
+
+/* gc_d8(c, 0) for codes c in 0 .. 0x7e (no sign, no NaN) */
+GC_INLINE __m512 K(v_d8pos)(__m512i m)
+{
+    __m512i nb = _mm512_add_epi32(_mm512_slli_epi32(m, 20), GCV_I(120u << 23));
+    __m512 sb = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(m, 20), GCV_I(121u << 23))),
+                              _mm512_set1_ps(0x1p-6f));
+    return _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(m, GCV_I(8)), _mm512_castsi512_ps(nb), sb);
+}
+
+/* gc_d8(c, 0) for any byte c */
+GC_INLINE __m512 K(v_d8)(__m512i c)
+{
+    __m512i m = _mm512_and_si512(c, GCV_I(0x7f));
+    __m512i b = _mm512_castps_si512(K(v_d8pos)(m));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(m, GCV_I(0x7f)), GCV_I(0x7fc00000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(b, _mm512_slli_epi32(_mm512_and_si512(c, GCV_I(0x80)), 24)));
+}
+
+/* nvfp4 group of exactly 1024 values, nearest */
+static void K(nv_group_x512)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc, uint8_t *gs)
+{
+    __m512i bm[4];
+    const __m512i absm = GCV_I(0x7fffffffu), inf = GCV_I(GC_INF_BITS);
+    for (int k = 0; k < 4; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 256 * k + 16 * i)), absm);
+        bm[k] = K(v_amax16)(v);
+    }
+    __m512i gv = _mm512_setzero_si512();
+    uint64_t nanb = 0;
+    for (int k = 0; k < 4; k++) {
+        __mmask16 bad = _mm512_cmpge_epu32_mask(bm[k], inf);
+        nanb |= (uint64_t)bad << (16 * k);
+        gv = _mm512_max_epu32(gv, _mm512_maskz_mov_epi32((__mmask16)~bad, bm[k]));
+    }
+    uint32_t g = _mm512_reduce_max_epu32(gv);
+    float gf = gc_float(g);
+    int tiny = gf < 0x1p-100f;
+    float s2 = tiny ? 1.0f : gf / 2688.0f, q2 = tiny ? 0.0f : 448.0f / gf;
+    float rr[64] __attribute__((aligned(64)));
+    for (int k = 0; k < 4; k++) {
+        __m512i m = bm[k];
+        __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(q2)), _mm512_set1_ps(448.0f));
+        __m512i a = _mm512_castps_si512(t);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), GCV_I(1));
+        __m512i rn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, GCV_I(0x7ffffu)), odd), 20),
+                                      GCV_I(120u << 3));
+        __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(16384.0f))), GCV_I(0x46800000u));
+        __m512i bs = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, GCV_I(121u << 23)), rn, rs);
+        bs = _mm512_mask_add_epi32(bs, _mm512_cmp_ps_mask(K(v_d8pos)(bs), t, _CMP_LT_OQ), bs, GCV_I(1));
+        bs = _mm512_max_epu32(bs, GCV_I(1));
+        __m512 rb = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(K(v_d8pos)(bs), _mm512_set1_ps(s2)));
+        __mmask16 bad = (__mmask16)(nanb >> (16 * k));
+        __mmask16 live = tiny ? 0 : (__mmask16)(~bad & _mm512_cmpneq_epi32_mask(m, _mm512_setzero_si512()));
+        bs = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(live, bs), bad, GCV_I(0x7f));
+        _mm512_store_ps(rr + 16 * k, _mm512_maskz_mov_ps(live, rb));
+        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(bs));
+    }
+    for (int b = 0; b < 64; b++) {
+        __m512i c = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * b), _mm512_set1_ps(rr[b])));
+        if ((nanb >> b) & 1u)
+            c = _mm512_setzero_si512();
+        K(v_pack16)(c, pay + 8 * b);
+    }
+    gc_store_f32(gs, s2);
+}
+
+/* mxfp4 chunk of exactly 1024 values (32 blocks), nearest */
+static void K(mx4_chunk_x512)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc)
+{
+    const __m512i absm = GCV_I(0x7fffffffu), inf = GCV_I(GC_INF_BITS);
+    uint32_t mult[32] __attribute__((aligned(64)));
+    uint32_t nanb = 0;
+    for (int k = 0; k < 2; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) {
+            const float *p = x + 512 * k + 32 * i;
+            v[i] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p)), absm),
+                                    _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p + 16)), absm));
+        }
+        __m512i m = K(v_amax16)(v);
+        __mmask16 bad = _mm512_cmpge_epu32_mask(m, inf);
+        nanb |= (uint32_t)bad << (16 * k);
+        __m512i code = _mm512_sub_epi32(_mm512_max_epu32(_mm512_srli_epi32(m, 23), GCV_I(GCE_EMAX(2))), GCV_I(GCE_EMAX(2)));
+        _mm512_store_si512(mult + 16 * k, _mm512_slli_epi32(_mm512_sub_epi32(GCV_I(254), code), 23));
+        code = _mm512_mask_mov_epi32(code, bad, GCV_I(0xff));
+        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(code));
+    }
+    for (int b = 0; b < 32; b++) {
+        __m512 s = _mm512_castsi512_ps(_mm512_set1_epi32((int)mult[b]));
+        __m512i c0 = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), s));
+        __m512i c1 = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), s));
+        if ((nanb >> b) & 1u) {
+            c0 = _mm512_setzero_si512();
+            c1 = c0;
+        }
+        K(v_pack16)(c0, pay + 16 * b);
+        K(v_pack16)(c1, pay + 16 * b + 8);
+    }
+}
+
+/* nvfp4 group of exactly 1024 values: out = v, or out += v */
+static void K(nv_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                           float *restrict out, const int acc)
+{
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GCV_I(0x7fc00000u));
+    const __m512 s2 = _mm512_set1_ps(gc_load_f32(gs));
+    float d[64] __attribute__((aligned(64)));
+    uint64_t nanb = 0;
+    for (int k = 0; k < 4; k++) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * k)));
+        _mm512_store_ps(d + 16 * k, _mm512_mul_ps(K(v_d8)(c), s2));
+        nanb |= (uint64_t)_mm512_cmpeq_epi32_mask(_mm512_and_si512(c, GCV_I(0x7f)), GCV_I(0x7f)) << (16 * k);
+    }
+    for (int b = 0; b < 64; b++) {
+        __m512 v = _mm512_mul_ps(K(v_unpack16)(pay + 8 * b, tab), _mm512_set1_ps(d[b]));
+        if ((nanb >> b) & 1u)
+            v = qnan;
+        K(v_store)(out + 16 * b, v, acc);
+    }
+}
+
+/* mxfp4 chunk of exactly 1024 values */
+static void K(mx4_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict sc, float *restrict out, const int acc)
+{
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GCV_I(0x7fc00000u));
+    for (int b = 0; b < 32; b++) {
+        uint32_t c = sc[b];
+        __m512 s = _mm512_set1_ps(gc_de8m0(c));
+        __m512 v0 = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b, tab), s);
+        __m512 v1 = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b + 8, tab), s);
+        if (c == 0xffu) {
+            v0 = qnan;
+            v1 = qnan;
+        }
+        K(v_store)(out + 32 * b, v0, acc);
+        K(v_store)(out + 32 * b + 16, v1, acc);
+    }
+}
+#define GC_MX_X512 1
+#else
+#define GC_MX_X512 0
+#endif
+
 /* ---- whole messages: ek and packing from the format code ---- */
 #define GC_MX_EK(fmt) ((fmt) == GC_MXFP8 ? 0 : (fmt) == GC_MXFP8E5 ? 1 : 2)
 
@@ -253,6 +495,16 @@ GC_INLINE void K(nv_dec_chunk)(const uint8_t *restrict pay, const uint8_t *restr
 GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, uint8_t *sc, uint8_t *gs,
                             uint64_t idx0, const gc_rng *rng)
 {
+#if GC_MX_X512
+    if (len == GC_CHUNK && !rng && fmt == GC_NVFP4) {
+        K(nv_group_x512)(x, pay, sc, gs);
+        return;
+    }
+    if (len == GC_CHUNK && !rng && fmt == GC_MXFP4) {
+        K(mx4_chunk_x512)(x, pay, sc);
+        return;
+    }
+#endif
     switch (fmt) {
     case GC_NVFP4: K(nv_chunk)(x, len, pay, sc, gs, idx0, rng); break;
     case GC_MXFP4: K(mx_chunk)(x, len, pay, sc, idx0, rng, 2); break;
@@ -264,6 +516,16 @@ GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, u
 GC_INLINE void K(dec_chunk)(int fmt, const uint8_t *pay, const uint8_t *sc, const uint8_t *gs, size_t len,
                             float *out, const int acc)
 {
+#if GC_MX_X512
+    if (len == GC_CHUNK && fmt == GC_NVFP4) {
+        K(nv_dec_x512)(pay, sc, gs, out, acc);
+        return;
+    }
+    if (len == GC_CHUNK && fmt == GC_MXFP4) {
+        K(mx4_dec_x512)(pay, sc, out, acc);
+        return;
+    }
+#endif
     switch (fmt) {
     case GC_NVFP4: K(nv_dec_chunk)(pay, sc, gs, len, out, acc); break;
     case GC_MXFP4: K(mx_dec_chunk)(pay, sc, len, out, 2, acc); break;
