@@ -200,7 +200,7 @@ def _kernel_names_used_by_codec() -> set[str]:
                     names.add(f"gc_{mode}_{path}{vec}{f}")
             names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
         names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
-    return names | {"gc_pt_bf16", "gc_pt_fp16"}
+    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32"}
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
@@ -216,6 +216,36 @@ def test_nvrtc_compiles_every_kernel(arch):
     assert _kernel_names_used_by_codec() <= entries
     assert "fma.rn.f32" not in ptx  # no contraction anywhere
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (arch == "90")
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_nvrtc_ftz_true_changes_nothing(arch):
+    """CuPy may append -ftz=true to RawModule options (cupy/cupy#9576): the codec's PTX must have
+    no flush-to-zero instruction even then (gc_add / gc_mul / gc_div are explicit non-.ftz PTX)."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(_loader.source_text("codec"), "gc_codec.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_loader.NVRTC_OPTIONS) + ["--ftz=true", f"--gpu-architecture=compute_{arch}"])
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    flushed = sorted({ln.split()[0] for ln in ptx.splitlines() if ln.split() and ".ftz" in ln.split()[0]})
+    assert not flushed, flushed
+
+
+def test_fp32_subnormal_sums_kept(cp):
+    """The 2026-11-30 H200 failure: fp32 pass-through 0 + 5.877472e-39 flushed to 0 by cupy.add."""
+    from giftcomm import codec as gc
+
+    sub = np.array([5.877472e-39, -1e-45, 1e-40, 0.0] * 5, np.float32)
+    msg = cp.asarray(sub.view(np.uint8))
+    acc = cp.zeros(sub.size, cp.float32)
+    gc.decode_accumulate(msg, acc, "fp32")
+    assert np.array_equal(cp.asnumpy(acc).view(np.uint32), sub.view(np.uint32))
+    s = cp.full(sub.size, cp.nan, cp.float32)
+    out = gc.decode_add_encode(msg, cp.zeros(sub.size, cp.float32), "fp32", sum_out=s)
+    assert np.array_equal(cp.asnumpy(out), sub.view(np.uint8))
+    assert np.array_equal(cp.asnumpy(s).view(np.uint32), sub.view(np.uint32))
 
 
 def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
