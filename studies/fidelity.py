@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import giftcomm
-from giftcomm.formats import bytes_per_value, check_block, message_nbytes
+from giftcomm.formats import bytes_per_value, check_block, message_nbytes, resolve_block
 from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
 from giftcomm.perf.common import add_json, add_out, parent_parser
 from giftcomm.reference import simulate_allreduce, simulate_gift_allreduce
@@ -283,6 +283,8 @@ class Method:
     block: int = 256
     build: Callable | None = None
     per_tensor: bool = False
+    rounding: str = "nearest"  # or "stochastic": seeded per step (seed + step index)
+    seed: int = 0
 
 
 def _spectra(factors: Mapping) -> dict:
@@ -320,6 +322,43 @@ def default_methods(ranks: Sequence[int] = (8, 32, 128), policy: SelectivePolicy
     return methods
 
 
+def format_methods(fmts: Sequence[str], roundings: Sequence[str] = ("nearest",), ranks: Sequence[int] = (32,),
+                   policy: SelectivePolicy | None = None, damping: float = 1e-3) -> list[Method]:
+    """For each wire format and rounding: Euclidean, GIFT full, GIFT low rank k (each of ``ranks``)
+    and the selective policy, all in that format with its own block (256 for e4m3/e5m2, 16 for
+    nvfp4, 32 for the MX formats): the same bytes per value within a (format, rounding) group.
+    Labels: "<fmt>[ sr] <geometry>", geometry one of euclid, gift full, gift k=K, gift policy."""
+    pol = policy or SelectivePolicy()
+    dmp = float(damping)
+    out = []
+    for fmt in fmts:
+        blk = resolve_block(fmt, None)
+        for rnd in roundings:
+            tag = f"{fmt}{' sr' if rnd == 'stochastic' else ''}"
+            kw = dict(fmt=fmt, block=blk, rounding=rnd)
+            out.append(Method(f"{tag} euclid", **kw))
+            out.append(Method(f"{tag} gift full", build=lambda c, sp: Geometry.from_kfac(c.layout, sp, damping=dmp),
+                              **kw))
+            for k in ranks:
+                out.append(Method(f"{tag} gift k={k}", **kw,
+                                  build=lambda c, sp, k=k: Geometry.from_kfac(c.layout, sp, rank=k, damping=dmp)))
+            out.append(Method(f"{tag} gift policy", build=lambda c, sp: select(c.layout, sp, pol, dmp), **kw))
+    return out
+
+
+def _alg(algorithm: str) -> tuple[str, dict]:
+    """"hierarchical:2" -> ("hierarchical", {"local_size": 2}); other names as they are"""
+    name, _, ls = algorithm.partition(":")
+    return name, ({"local_size": int(ls)} if ls else {})
+
+
+def _rkw(method: Method, step: int) -> dict:
+    """rounding / seed keywords of one step's reduction"""
+    if method.rounding == "stochastic":
+        return {"rounding": "stochastic", "seed": method.seed + step}
+    return {}
+
+
 def _method_bytes(method: Method, layout: Layout) -> float:
     """Wire bytes per value of one allreduce message."""
     if method.per_tensor:
@@ -328,7 +367,8 @@ def _method_bytes(method: Method, layout: Layout) -> float:
     return bytes_per_value(method.fmt, method.block)
 
 
-def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, algorithm: str) -> np.ndarray:
+def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, algorithm: str,
+                step: int = 0) -> np.ndarray:
     """The reference simulator's result (rank 0's; all ranks are identical), flat float32."""
     if method.per_tensor:
         out = np.empty(layout.size, np.float32)
@@ -337,10 +377,13 @@ def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, a
             out[s.offset:s.stop] = simulate_allreduce([x[s.offset:s.stop] for x in inputs], method.fmt, blk,
                                                       "avg", algorithm)[0]
         return out
-    return simulate_gift_allreduce(inputs, geo, method.fmt, method.block, "avg", algorithm)[0]
+    alg, lkw = _alg(algorithm)
+    return simulate_gift_allreduce(inputs, geo, method.fmt, method.block, "avg", alg, **lkw,
+                                   **_rkw(method, step))[0]
 
 
-def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, algorithm: str) -> np.ndarray:
+def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, algorithm: str,
+                step: int = 0) -> np.ndarray:
     """This rank's result of giftcomm.allreduce / gift_allreduce over ``comm``, flat float32."""
     if method.per_tensor:
         out = np.empty(layout.size, np.float32)
@@ -350,7 +393,7 @@ def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, alg
                                                  block=blk, algorithm=algorithm)
         return out
     return giftcomm.gift_allreduce(mine, geo, comm=comm, op="avg", fmt=method.fmt, block=method.block,
-                              algorithm=algorithm)
+                                   algorithm=_alg(algorithm)[0], **_rkw(method, step))
 
 
 def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: float = 1e-3,
@@ -376,14 +419,14 @@ def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: f
         t0 = time.perf_counter()
         geo = method.build(case, spectra) if method.build else None
         results, equal = [], True
-        for step in case.grads:
+        for si, step in enumerate(case.grads):
             if comm is None:
-                results.append(_reduce_sim(method, geo, step, case.layout, algorithm))
+                results.append(_reduce_sim(method, geo, step, case.layout, algorithm, si))
                 continue
-            mine = _reduce_mpi(method, geo, step[comm.Get_rank()], case.layout, comm, algorithm)
+            mine = _reduce_mpi(method, geo, step[comm.Get_rank()], case.layout, comm, algorithm, si)
             digests = comm.gather(hashlib.sha256(mine.tobytes()).hexdigest(), root=0)
             if root:
-                want = _reduce_sim(method, geo, step, case.layout, algorithm)
+                want = _reduce_sim(method, geo, step, case.layout, algorithm, si)
                 equal &= mine.tobytes() == want.tobytes() and len(set(digests)) == 1
                 results.append(mine)
         if not root:
@@ -430,6 +473,32 @@ def format_table(rows: Sequence[dict], reference: str = "e4m3 block256") -> str:
         out.append(f"| {r['method']} | {r['bytes_per_value']:.4f} | {r['rel_l2']:.3e} | {l2x} | "
                    f"{r['whitened']:.3e} | {wx} | {r['flipped']:.2e} | {r['zeroed']:.2e} | "
                    f"{r['adam_cos']:.6f} | {r['transformed']:.0%} | {r['gflop']:.3g} | {eq} |")
+    return "\n".join(out)
+
+
+def format_summary(blocks: Sequence[tuple[str, str, Sequence[dict]]]) -> str:
+    """One line per (case, algorithm, format, rounding) of format_methods()'s rows: the Euclidean
+    whitened and L2 errors, and for each GIFT geometry its gain (Euclidean whitened / GIFT
+    whitened: > 1 is better) and its L2 ratio (GIFT L2 / Euclidean L2: > 1 is worse), at the
+    same bytes per value. blocks: (case name, algorithm, rows)."""
+    out = ["| case | algorithm | format | B/value | euclid whitened | euclid L2 | full: gain / L2x | "
+           "low rank: gain / L2x | policy: gain / L2x |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for case, alg, rows in blocks:
+        by = {r["method"]: r for r in rows}
+        for lab in [r["method"][: -len(" euclid")] for r in rows if r["method"].endswith(" euclid")]:
+            e = by[lab + " euclid"]
+            cells = []
+            for geo in ("gift full", "gift k=", "gift policy"):
+                g = next((r for m, r in by.items() if m.startswith(f"{lab} {geo}")), None)
+                if g is None or g["whitened"] <= 0 or e["rel_l2"] <= 0:
+                    cells.append("-")
+                    continue
+                name = g["method"][len(lab) + 1:].replace("gift ", "")
+                tag = f"{name}: " if geo == "gift k=" else ""
+                cells.append(f"{tag}{e['whitened'] / g['whitened']:.2f}x / {g['rel_l2'] / e['rel_l2']:.2f}")
+            out.append(f"| {case} | {alg} | {lab} | {e['bytes_per_value']:.4f} | {e['whitened']:.3e} | "
+                       f"{e['rel_l2']:.3e} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -511,6 +580,14 @@ def _parser() -> argparse.ArgumentParser:
                         "the capture batches' own factors (the metric's: an oracle)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--algorithm", default="ring")
+    p.add_argument("--fmts", default=None,
+                   help="formats study: comma-separated wire formats (e.g. e4m3,nvfp4,mxfp4); each gets euclid, "
+                        "gift full, gift k (the first of --ks) and gift policy in its own block; with --roundings "
+                        "and --algorithms, plus a summary table")
+    p.add_argument("--roundings", default="nearest", help="formats study: nearest,stochastic")
+    p.add_argument("--algorithms", default=None,
+                   help="formats study: comma-separated algorithms (default: --algorithm); "
+                        "hierarchical:L = nodes of L ranks")
     add_json(p, help="write the results here")
     add_out(p, help="write the markdown tables here")
     p.add_argument("--png", metavar="FILE", default=None, help="write a PNG plot here")
@@ -549,7 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     root = comm is None or comm.Get_rank() == 0
     ranks = comm.Get_size() if comm is not None else a.ranks
     policy, extra = _policies(a)
-    methods = default_methods(a.ks, policy, extra, a.damping)
+    if a.fmts:
+        methods = format_methods(a.fmts.split(","), a.roundings.split(","), a.ks[:1], policy, a.damping)
+    else:
+        methods = default_methods(a.ks, policy, extra, a.damping)
+    algorithms = a.algorithms.split(",") if a.algorithms else [a.algorithm]
+    summary = []
     if a.methods:
         keep = [x.strip() for x in a.methods.split(",")]
         methods = [m for m in methods if m.label in keep]
@@ -566,10 +648,14 @@ def main(argv: list[str] | None = None) -> int:
             case = synthetic_case(a.shapes, cond, sp, ranks, a.steps, a.seed)
             if root and not a.no_progress:
                 print(f"[{case.name}]", file=sys.stderr, flush=True)
-            rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.no_progress)
-            if root:
-                results.append({"case": case.info | {"name": case.name}, "ranks": ranks, "rows": rows})
-                md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps} steps)", "", format_table(rows)]
+            for alg in algorithms:
+                rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress)
+                if root:
+                    results.append({"case": case.info | {"name": case.name}, "ranks": ranks, "algorithm": alg,
+                                    "rows": rows})
+                    summary.append((case.name, alg, rows))
+                    md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps} steps), {alg}", "",
+                           format_table(rows, rows[0]["method"] if a.fmts else "e4m3 block256")]
     else:
         from studies.gradients import load_case
 
@@ -581,12 +667,20 @@ def main(argv: list[str] | None = None) -> int:
             case.name += " [geometry from the capture batches' factors]"
         if comm is None and case.ranks != a.ranks and root:
             print(f"note: the data has {case.ranks} ranks' gradients; simulating P = {case.ranks}", file=sys.stderr)
-        rows = evaluate(case, methods, comm, a.metric_damping, a.algorithm, progress=root and not a.no_progress)
-        if root:
-            results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "rows": rows})
-            md += ["", f"### {case.name}", "", format_table(rows)]
+        for alg in algorithms:
+            rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress)
+            if root:
+                results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "algorithm": alg,
+                                "rows": rows})
+                summary.append((case.name, alg, rows))
+                md += ["", f"### {case.name}, {alg}", "",
+                       format_table(rows, rows[0]["method"] if a.fmts else "e4m3 block256")]
     if not root:
         return 0
+    if a.fmts:
+        md[len(header):len(header)] = ["", "### Summary: GIFT vs Euclidean at the same bytes per value "
+                                       "(gain = euclid whitened / gift whitened; L2x = gift L2 / euclid L2)", "",
+                                       format_summary(summary)]
     md.append("")
     md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
     _emit("\n".join(md), a.out, a.json, {"header": header, "results": results})

@@ -226,3 +226,18 @@ def test_mpi_study_equals_the_simulator(rng):
     else:
         assert rows is None
     assert ok
+
+
+def test_formats_study_runs_4bit_and_stochastic_and_gift_helps(tmp_path):
+    out = tmp_path / "f.md"
+    rc = fid.main(["synthetic", "--fmts", "nvfp4,mxfp4", "--roundings", "nearest,stochastic",
+                   "--algorithms", "ring,hierarchical:2", "--shapes", "16x32,32x16", "--conds", "1e3",
+                   "--spectra", "power", "--steps", "2", "--ks", "4", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    assert "nvfp4 sr gift full" in text and "mxfp4 gift policy" in text and "hierarchical:2" in text
+    case = fid.synthetic_case(((16, 32), (32, 16)), 1e3, "power", 4, 2, 0)
+    rows = fid.evaluate(case, fid.format_methods(["nvfp4"], ["stochastic"], (4,)))
+    by = {r["method"]: r for r in rows}
+    assert by["nvfp4 sr gift full"]["whitened"] < by["nvfp4 sr euclid"]["whitened"]
+    assert by["nvfp4 sr gift full"]["bytes_per_value"] == by["nvfp4 sr euclid"]["bytes_per_value"]
