@@ -200,7 +200,7 @@ def _kernel_names_used_by_codec() -> set[str]:
                     names.add(f"gc_{mode}_{path}{vec}{f}")
             names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
         names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
-    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32"}
+    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32", "gc_div_f32"}
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
@@ -246,6 +246,16 @@ def test_fp32_subnormal_sums_kept(cp):
     out = gc.decode_add_encode(msg, cp.zeros(sub.size, cp.float32), "fp32", sum_out=s)
     assert np.array_equal(cp.asnumpy(out), sub.view(np.uint8))
     assert np.array_equal(cp.asnumpy(s).view(np.uint32), sub.view(np.uint32))
+
+
+def test_divide_inplace_keeps_subnormals(cp, rng):
+    from giftcomm.cuda.codec import divide_inplace
+
+    x = np.concatenate([random_vector(rng, 10_001, spread=40),
+                        np.array([5.877472e-39, 1e-45, 3e-38, -1.2e-38, np.inf, np.nan, -0.0], np.float32)])
+    for d in (2, 3, 8):
+        got = cp.asnumpy(divide_inplace(cp.asarray(x), d))
+        assert floats_equal(got, x / np.float32(d)).all(), d
 
 
 def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):

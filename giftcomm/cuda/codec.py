@@ -33,7 +33,7 @@ import numpy as np
 from ..formats import Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
-__all__ = ["CudaKernels"]
+__all__ = ["CudaKernels", "divide_inplace"]
 
 _THREADS = 256
 _MAX_GRID = 1 << 20
@@ -192,6 +192,17 @@ def _pt_fp32(op: int, count: int, win: Any, out: Any, x: Any = None, wout: Any =
     vec = np.int32(all(_ptr(a) % 16 == 0 for a in ptrs))
     _loader.get_function("gc_pt_fp32")((_grid(-(-count // 4), _THREADS),), (_THREADS,),
                                        (np.int32(op), f32(x), f32(win), f32(wout), f32(out), np.int64(count), vec))
+
+
+def divide_inplace(x: Any, d: float) -> Any:
+    """``x /= float32(d)`` in place on a contiguous 1-D float32 CuPy array, IEEE float32 division
+    without flush-to-zero (gc_div_f32): bit-equal to NumPy's ``x /= np.float32(d)``, which a CuPy
+    elementwise divide (compiled with -ftz=true) is not for subnormal inputs or quotients. For the
+    op="avg" step of the collectives on device arrays."""
+    n = x.size
+    if n:
+        _loader.get_function("gc_div_f32")((_grid(n, _THREADS),), (_THREADS,), (x, np.float32(d), np.int64(n)))
+    return x
 
 
 class CudaKernels:

@@ -409,6 +409,14 @@ extern "C" __global__ void __launch_bounds__(256) gc_pt_fp32(int op, const float
     }
 }
 
+// x[i] = fp32(x[i] / d) in place (op="avg" of a collective's float32 result): div.rn.f32 without
+// .ftz, so equal to NumPy's float32 division also where the quotient or x is subnormal (a CuPy
+// elementwise divide, compiled with -ftz=true, flushes those). giftcomm.cuda.codec.divide_inplace.
+extern "C" __global__ void __launch_bounds__(256) gc_div_f32(float* __restrict__ x, float d, long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x)
+        x[i] = gc_div(x[i], d);
+}
+
 // ---------------------------------------------------------------- stochastic rounding, e4m3/e5m2
 // The big path's amax pass (gc_{enc,dae}_amax_F) then this store pass, for any block size: the
 // element with message index i uses Philox bits (key, offset + i) (gc_mx.cuh, docs/wire-format.md).
