@@ -214,7 +214,7 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: str, nodes: np.
         total = _geometry_inverse(geo, total, xp)
     if into is not None and total is into:
         if call.op == "avg":
-            total /= np.float32(t.size)
+            planning.divide(total, t.size)
         return out
     return planning.finish(total.astype(accumulation_dtype(flat.dtype), copy=False), call, t.size, shape, out)
 

@@ -104,7 +104,7 @@ class AllreducePlan:
                 total = oneshot.reduce(got, self._zeros.size, t.size, wire, self._acc, into)
                 if into is not None:
                     if call.op == "avg":
-                        total /= np.float32(t.size)
+                        planning.divide(total, t.size)
                     return out
                 return planning.finish(total, call, t.size, self.shape, out)
             self._check(t.allgather_int64(head), error)

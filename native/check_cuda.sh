@@ -43,6 +43,11 @@ for src in "${sources[@]}"; do
             echo "ok    sm_$arch  $src  ($nk kernels, max ${regs:-?} registers, $spills with spills, $stack with stack frames, $fp8 hardware FP8 cvt)"
             if grep -q 'fma.rn.f32' "$OUTDIR/out.ptx"; then echo "FAIL  sm_$arch  $src: fused multiply-add in the PTX"; fail=1; fi
             if [ "$arch" = 90 ] && [ "$fp8" -eq 0 ] && grep -q gc_e4m3 "$src"; then echo "FAIL  sm_90  $src: no hardware FP8 conversion"; fail=1; fi
+            # CuPy compiles with -ftz=true whatever the loader asks: no instruction may flush then either
+            if "$NVCC" -ptx -std=c++17 -ftz=true -arch=sm_$arch -I"$KDIR" -Inative "$src" -o "$OUTDIR/ftz.ptx" >/dev/null 2>&1 &&
+               grep -qE '^\s*[a-z0-9_]+(\.[a-z0-9_]+)*\.ftz' "$OUTDIR/ftz.ptx"; then
+                echo "FAIL  sm_$arch  $src: flush-to-zero instructions under -ftz=true"; fail=1
+            fi
         else
             echo "FAIL  sm_$arch  $src"; cat "$log"; fail=1
         fi

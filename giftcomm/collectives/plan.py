@@ -28,7 +28,7 @@ from .wire import Wire
 
 __all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
-           "direct_out", "finish", "gathered_counts", "positive_int", "caller"]
+           "direct_out", "finish", "divide", "gathered_counts", "positive_int", "caller"]
 
 ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 _ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
@@ -218,7 +218,7 @@ def finish(values: Any, call: Call, p: int, shape: tuple[int, ...], out: Any, op
     on the device: bits, rounded to nearest even) and ``shape``; write ``out`` (returned as the
     caller passed it) or return the result in the caller's framework."""
     if (op or call.op) == "avg":
-        values = values / values.dtype.type(p)
+        values = divide(values.copy(), p)  # a new array: values may share memory with the caller's
     with np.errstate(over="ignore", invalid="ignore"):
         if call.out is not None:
             if call.imp.device and call.imp.logical == "bfloat16":
@@ -231,6 +231,19 @@ def finish(values: Any, call: Call, p: int, shape: tuple[int, ...], out: Any, op
         else:
             result = values.astype(call.arr.dtype, copy=False)
     return _xp.export_like(result.reshape(shape), call.imp)
+
+
+def divide(values: Any, p: int) -> Any:
+    """``values /= P`` in place, in ``values``' dtype (float32 or float64); float32 device arrays
+    through giftcomm's non-flushing kernel, since CuPy's own divide flushes subnormals (it is
+    compiled with -ftz=true), so that device results equal host results bit for bit."""
+    xp = _xp.array_module(values)
+    if xp is not np and values.dtype == np.float32:
+        from ..cuda.codec import divide_inplace
+
+        return divide_inplace(values, p)
+    values /= values.dtype.type(p)
+    return values
 
 
 def gathered_counts(table: np.ndarray) -> tuple[np.ndarray, int]:

@@ -137,7 +137,7 @@ def _mx_parts(msg: Any, count: int, f: Format, zero_pad: bool = False) -> tuple[
     message; zero_pad: zero nvfp4's pad bytes before the group scales (outputs)."""
     cp = _cp()
     pb = payload_nbytes(count, f)
-    nb = num_blocks(count, f.fixed_block)
+    nb = num_blocks(count, f.default_block())
     gs: Any = _NULL
     if f.scale_kind == "nvfp4":
         off = group_scales_offset(count, f)
@@ -153,7 +153,7 @@ def _mx_encode(f: Format, count: int, x: Any, out: Any, key: int | None, offset:
                sum_out: Any = None) -> None:
     pay, sc, gs = _mx_parts(out, count, f, zero_pad=True)
     ipay, isc, igs = (_NULL, _NULL, _NULL) if message is None else _mx_parts(message, count, f)
-    units = num_groups(count) if f.scale_kind == "nvfp4" else num_blocks(count, f.fixed_block)
+    units = num_groups(count) if f.scale_kind == "nvfp4" else num_blocks(count, f.default_block())
     warps = _THREADS // 32
     _loader.get_function(f"gc_mx_enc_{f.name}")(
         (_grid(units, warps),), (_THREADS,),
