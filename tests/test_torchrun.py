@@ -243,3 +243,35 @@ def test_ddp_dtypes_bucket_views_geometry_checkpoint(tmp_path, rng, dtype, geome
             assert s["rebuilds"] > 0 and v["geometry_used"] and s["transformed_segments"] > 0
         assert all(v["ckpt"]), f"checkpoint round trip: {v['ckpt']}"
         assert v["resumed_iter"] == 7
+
+
+# ------------------------------------------------------------------------------ deadlines
+def _timeout_worker(rank, world):
+    """Rank 1 never sends: rank 0's receive over gloo ends at the transport's deadline with
+    giftcomm's CommTimeout; rank 1 waits for rank 0's verdict so neither exits early."""
+    import time
+
+    import torch.distributed as dist
+
+    from giftcomm.errors import CommTimeout
+    from giftcomm.transport.torch_dist import TorchDistTransport
+
+    t = TorchDistTransport()
+    t.timeout = 1.5
+    res: dict = {}
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            t.irecv(np.zeros(16, np.uint8), 1).wait()
+            res["raised"] = None
+        except CommTimeout as exc:
+            res["raised"] = str(exc)
+        res["seconds"] = time.monotonic() - t0
+    dist.barrier()
+    return res
+
+
+def test_a_gloo_wait_ends_at_the_transport_deadline(tmp_path):
+    res = _spawn(_timeout_worker, 2, tmp_path)
+    assert res[0]["raised"] and "receive from rank 1" in res[0]["raised"], res[0]
+    assert res[0]["seconds"] < 30

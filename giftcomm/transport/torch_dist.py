@@ -21,12 +21,14 @@ import os
 import socket
 import threading
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import CommTimeout
 from .base import ANY, DEVICE, GroupedTransport, QueuedOp, Request, Transport
 
 __all__ = ["TorchDistTransport", "TorchDistDeviceTransport", "default_transport", "reset_default_transport",
@@ -34,13 +36,25 @@ __all__ = ["TorchDistTransport", "TorchDistDeviceTransport", "default_transport"
 
 
 class _TorchRequest(Request):
-    __slots__ = ("_work", "_keep")
+    """A gloo send or receive, waited under the transport's deadline (gloo's work-level timeout)."""
 
-    def __init__(self, work, keep: Any) -> None:
+    __slots__ = ("_work", "_keep", "_limit", "_what")
+
+    def __init__(self, work, keep: Any, limit: float, what: str) -> None:
         self._work, self._keep = work, keep  # keep the tensor alive until the wait
+        self._limit, self._what = limit, what
 
     def wait(self) -> None:
-        self._work.wait()
+        if not self._limit:
+            self._work.wait()
+        else:
+            try:
+                self._work.wait(timeout=timedelta(seconds=self._limit))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    raise
+                raise CommTimeout(f"{self._what} timed out after {self._limit:g} s (torch.distributed: {exc})",
+                                  self._what, (), self._limit) from exc
         self._keep = None
 
 
@@ -86,11 +100,13 @@ class TorchDistTransport(Transport):
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
         t = _as_tensor(buf)
-        return _TorchRequest(dist.isend(t, self._global[dest], group=self.group, tag=tag), t)
+        return _TorchRequest(dist.isend(t, self._global[dest], group=self.group, tag=tag), t, self.timeout,
+                             f"send to rank {dest}")
 
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
         t = _as_tensor(buf)
-        return _TorchRequest(dist.irecv(t, self._global[source], group=self.group, tag=tag), t)
+        return _TorchRequest(dist.irecv(t, self._global[source], group=self.group, tag=tag), t, self.timeout,
+                             f"receive from rank {source}")
 
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
         mine = torch.from_numpy(np.array(vec, dtype=np.int64, copy=True).reshape(-1))
