@@ -1,118 +1,106 @@
-"""End-to-end data-parallel training of a compact Llama on the stdlib's sources, per comm mode.
+"""Training grid: where Euclidean low-precision gradient communication hurts, and how much GIFT restores.
 
-Run under mpiexec (one process per rank, CPU)::
+Runs a grid of (mode x world size x seed) of data-parallel training of a compact Llama on the
+stdlib's sources. Every run of one seed starts from the same weights and sees the same batches
+(rank r of P takes rows r*B:(r+1)*B of the step's global batch). A mode is
+``FMT[-n|-s][-gift[@DAMPING]]``: the wire format (fp32, bf16, fp16, e4m3, e5m2, mxfp8, nvfp4,
+mxfp4, ...), nearest (n, default) or stochastic (s) rounding with the step as seed, and Euclidean
+(no suffix) or GIFT (KFAC factors captured from the nn.Linear layers, low-rank selective policy,
+``@DAMPING`` overrides the library's default damping).
 
-    OMP_NUM_THREADS=1 mpiexec -n 4 python -m studies train --comm fp32,bf16,fp8-euclid,gift --steps 200
-    mpiexec -n 2 python -m studies train --quick          # CI: tiny model, < 60 s
+Two transports, one code path (``train_rank``):
+  loopback (default) one process, P virtual ranks as threads over ``giftcomm.LoopbackGroup``,
+                     each with its own model replica, optimizer and ``GradSync``: P = 16 on 2 cores
+  mpi                one rank per process under mpiexec (``--transport mpi``; --world must equal
+                     the number of processes). Bit-identical to loopback for the same seed: the
+                     collectives are deterministic, and every cross-rank sum is taken in rank order.
 
-Modes (all through ``giftcomm.adapters.torch.GradSync``, op="avg"):
-  fp32        giftcomm ring allreduce with raw fp32 on the wire (plus MPI_Allreduce timed for reference)
-  bf16        raw bf16 on the wire
-  fp8-euclid  block-scaled E4M3, no geometry
-  gift        E4M3 in the geometry of KFAC factors captured from the nn.Linear layers every
-              ``--kfac-every`` steps, synced and rebuilt (selective policy) every ``--refresh`` steps
+::
 
-Every mode starts from the same weights (``--seed``) and sees the same batches in the same order.
-Writes, into ``--out``: ``train-<mode>.csv`` (one row per step), ``train-curves.png`` (every
-``train-*.csv`` found there) and ``train-summary.md``. Times are seconds, the max over ranks.
+    OMP_NUM_THREADS=1 python -m studies train                       # the full grid (see --help)
+    OMP_NUM_THREADS=1 python -m studies train --quick               # CI: tiny, < 60 s
+    OMP_NUM_THREADS=1 mpiexec -n 4 python -m studies train --transport mpi --world 4 --seeds 0 \\
+        --modes nvfp4-s-gift --steps 20 --out /tmp/mpi                # the MPI equivalence check
+    python -m studies train --report perf/results/train-grid        # statistics + plots only
+
+Writes into ``--out``: ``P<world>-s<seed>-<mode>.csv`` (one row per step), ``....json`` (final
+numbers and a digest of the final weights), and with ``--report`` (implied after a grid):
+``summary.md``, ``train-gap.png`` (validation loss minus fp32 per mode, mean +- std over seeds)
+and ``train-comm.png`` (communication-only time per step, compute apart).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import glob
+import hashlib
+import json
 import math
 import os
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from giftcomm.perf.common import Progress
+COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err_l2", "err_white", "t_step",
+           "t_compute", "t_transform", "t_comm", "t_geometry"]
+PASSTHROUGH = ("fp32", "bf16", "fp16")
+DEFAULT_MODES = ("fp32,bf16,e4m3-n,e4m3-s,e4m3-n-gift,e4m3-s-gift,nvfp4-n,nvfp4-s,nvfp4-n-gift,nvfp4-s-gift,"
+                 "mxfp4-n,mxfp4-n-gift")
+MEASURE_DAMPING = 1e-3  # the metric of the whitened error: full KFAC whitening (G+dI)^-1/2 X (A+dI)^-1/2
 
-MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "fp8-euclid": ("e4m3", False), "gift": ("e4m3", True)}
-COLUMNS = ["mode", "step", "train_loss", "val_loss", "lr", "grad_rel_err", "t_step", "t_compute", "t_transform",
-           "t_comm", "t_geometry", "t_mpi_ref"]
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    fmt: str
+    rounding: str
+    gift: bool
+    damping: float | None  # None: the library's default
+
+
+def parse_mode(name: str) -> Mode:
+    parts = name.split("-")
+    fmt, rounding, gift, damping = parts[0], "nearest", False, None
+    for p in parts[1:]:
+        if p in ("n", "s"):
+            rounding = "nearest" if p == "n" else "stochastic"
+        elif p.startswith("gift"):
+            gift = True
+            if "@" in p:
+                damping = float(p.split("@", 1)[1])
+        else:
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-gift[@DAMPING]]")
+    return Mode(name, fmt, rounding, gift, damping)
 
 
 @dataclass
-class RunConfig:
-    """Resolved settings of one run (see ``--help``)."""
-
-    model: str
-    steps: int
-    batch: int
-    seq_len: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    clip: float
-    val_every: int
-    val_batches: int
-    bucket_mb: float
-    block: int
-    kfac_every: int
-    kfac_tokens: int
-    kfac_decay: float
-    refresh: int
-    max_rank: int
-    flops_per_gain: float
-    corpus_bytes: int | None
-    seed: int
+class Config:
+    dim: int = 96
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 256
+    seq_len: int = 64
+    steps: int = 150
+    batch: int = 4  # sequences per rank per step
+    lr: float = 3e-3
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    val_every: int = 25
+    val_batches: int = 64
+    kfac_every: int = 5
+    kfac_tokens: int = 128
+    kfac_decay: float = 0.5
+    refresh: int = 25
+    max_rank: int = 32
+    bucket_mb: float = 25.0
+    corpus_bytes: int | None = 4_000_000
 
 
-def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(prog="python -m studies train", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--comm", default="fp32,bf16,fp8-euclid,gift", help="comma-separated modes: " + ",".join(MODES))
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200; 40 with --quick)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny model and short run for CI")
-    p.add_argument("--out", default="perf/results", help="output folder")
-    p.add_argument("--model", choices=["small", "tiny"], default=None, help="default small; tiny with --quick")
-    p.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 8)")
-    p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 1e-3; 3e-3 --quick)")
-    p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then cosine to 10%%")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    p.add_argument("--val-every", type=int, default=None, help="steps between validation evaluations")
-    p.add_argument("--val-batches", type=int, default=None, help="validation sequences per evaluation (all ranks)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--kfac-every", type=int, default=None, help="steps between KFAC captures (gift)")
-    p.add_argument("--kfac-tokens", type=int, default=256, help="token rows sampled per layer per capture")
-    p.add_argument("--kfac-decay", type=float, default=0.5,
-                   help="EMA factor of the KFAC running averages, per capture (0: latest capture only)")
-    p.add_argument("--refresh", type=int, default=None, help="steps between factor syncs / geometry rebuilds")
-    p.add_argument("--max-rank", type=int, default=32, help="selective policy: max eigenpairs per side")
-    p.add_argument("--flops-per-gain", type=float, default=1024.0,
-                   help="selective policy: flop/element of forward+inverse worth a gain of 1 (CPU default: 1024)")
-    p.add_argument("--no-plot", action="store_true")
-    a = p.parse_args(argv)
-    modes = [m.strip() for m in a.comm.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        p.error(f"unknown --comm mode(s) {bad}; choose from {list(MODES)}")
-    q = a.quick
-
-    def pick(v, full, quick):
-        return v if v is not None else (quick if q else full)
-
-    cfg = RunConfig(
-        model=pick(a.model, "small", "tiny"), steps=pick(a.steps, 200, 40), batch=pick(a.batch, 8, 4),
-        seq_len=0, lr=pick(a.lr, 1e-3, 3e-3), warmup=pick(a.warmup, 30, 4), weight_decay=a.weight_decay,
-        clip=a.clip, val_every=pick(a.val_every, 25, 10), val_batches=pick(a.val_batches, 64, 16),
-        bucket_mb=a.bucket_mb, block=a.block, kfac_every=pick(a.kfac_every, 10, 2), kfac_tokens=a.kfac_tokens,
-        kfac_decay=a.kfac_decay,
-        refresh=pick(a.refresh, 50, 10), max_rank=a.max_rank,
-        flops_per_gain=a.flops_per_gain, corpus_bytes=2_000_000 if q else None, seed=a.seed,
-    )
-    if cfg.refresh % cfg.kfac_every:
-        p.error("--refresh must be a multiple of --kfac-every (factors are synced right after a capture)")
-    return modes, cfg, a
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
+def lr_at(step: int, cfg: Config) -> float:
     """Linear warm-up to cfg.lr, then cosine decay to 10% of it at the last step."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -121,35 +109,78 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def batch_starts(seed: int, step: int, n_global: int, data_len: int, seq_len: int) -> np.ndarray:
-    """Start offsets (n_global,) of the step's global batch: the same in every mode and on every
-    rank (rank r takes rows r*B:(r+1)*B)."""
+    """Start offsets (n_global,) of the step's global batch: the same in every mode and on every rank."""
     return np.random.default_rng([seed, 1, step]).integers(0, data_len - seq_len - 1, n_global)
 
 
-def run_mode(mode: str, cfg: RunConfig, corpus, comm, out_dir: str) -> list[dict]:
-    """Train one mode from scratch; returns the per-step rows (rank 0 writes the CSV)."""
+class MpiCtx:
+    """One rank per process: giftcomm runs over the mpi4py communicator."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.transport = comm, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+
+class Exchange:
+    """The allgather of P loopback threads (a list in rank order)."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size)
+
+
+class LoopCtx:
+    def __init__(self, group, exchange: Exchange, rank: int) -> None:
+        self.transport, self.ex = group.transports[rank], exchange
+        self.rank, self.size = rank, group.size
+
+    def allgather(self, obj):
+        self.ex.barrier.wait()
+        self.ex.slots[self.rank] = obj
+        self.ex.barrier.wait()
+        out = list(self.ex.slots)
+        self.ex.barrier.wait()
+        return out
+
+
+_INIT_LOCK = threading.Lock()
+
+
+def make_model(cfg: Config, seed: int):
     import torch
-    from mpi4py import MPI
+
+    from studies.workloads.llama import Llama, LlamaConfig
+
+    with _INIT_LOCK:  # torch's global generator: one virtual rank at a time
+        torch.manual_seed(seed)
+        return Llama(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, seq_len=cfg.seq_len))
+
+
+def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[dict], dict]:
+    """One rank of one run. Returns (per-step rows, final numbers); identical on every rank."""
+    import torch
 
     from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries
-    from giftcomm.geometry import SelectivePolicy
-    from studies.workloads.llama import CONFIGS, Llama
+    from giftcomm.geometry import Geometry, SelectivePolicy
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    fmt, use_geometry = MODES[mode]
-    torch.manual_seed(cfg.seed)
-    model = Llama(CONFIGS[cfg.model])
-    seq = model.cfg.seq_len
+    rank, size = ctx.rank, ctx.size
+    model = make_model(cfg, seed)
+    seq = cfg.seq_len
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sync = GradSync(model, comm=comm, fmt=fmt, block=cfg.block, op="avg", bucket_mb=cfg.bucket_mb)
-    capture = None
-    policy = SelectivePolicy(max_rank=cfg.max_rank, flops_per_gain=cfg.flops_per_gain)
-    if use_geometry:
-        capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=cfg.seed * 1000 + rank,
-                              decay=cfg.kfac_decay)
-    val_rng = np.random.default_rng([cfg.seed, 2])
-    val_starts = val_rng.integers(0, len(corpus.val) - seq - 1, cfg.val_batches)
+    sync = GradSync(model, comm=ctx.transport, fmt=mode.fmt, block=None, op="avg", bucket_mb=cfg.bucket_mb,
+                    rounding=mode.rounding)
+    # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
+    capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=seed * 1000 + rank,
+                          decay=cfg.kfac_decay)
+    policy = SelectivePolicy(max_rank=cfg.max_rank)
+    gkw = {} if mode.damping is None else {"damping": mode.damping}
+    val_starts = np.random.default_rng([seed, 2]).integers(0, len(corpus.val) - seq - 1, cfg.val_batches)
     mine_val = val_starts[rank::size]
+    metric = None
+    chosen = ""
 
     def validate() -> float:
         model.eval()
@@ -159,183 +190,301 @@ def run_mode(mode: str, cfg: RunConfig, corpus, comm, out_dir: str) -> list[dict
                 b = torch.from_numpy(corpus.batch("val", mine_val[i : i + cfg.batch], seq))
                 total += float(model.loss(b)) * len(b)
         model.train()
-        return comm.allreduce(total, op=MPI.SUM) / len(val_starts)
+        return float(sum(ctx.allgather(total))) / len(val_starts)
 
     rows = []
-    bar = Progress(cfg.steps, f"{mode} ", rank == 0)
     for step in range(cfg.steps):
-        t_start = time.perf_counter()
+        t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = batch_starts(cfg.seed, step, cfg.batch * size, len(corpus.train), seq)
+        starts = batch_starts(seed, step, cfg.batch * size, len(corpus.train), seq)
         batch = torch.from_numpy(corpus.batch("train", starts[rank * cfg.batch : (rank + 1) * cfg.batch], seq))
-        if capture is not None:
-            capture.step(step)
-            capture.seconds = 0.0
+        capture.step(step)
+        capture.seconds = 0.0
         sync.zero_grad()
         loss = model.loss(batch)
         loss.backward()
-        t_fwbw = time.perf_counter() - t_start
-        t_geo = capture.seconds if capture is not None else 0.0
-        if capture is not None and step % cfg.refresh == 0:
+        t_fwbw = time.perf_counter() - t0
+        t_geo = capture.seconds
+        if step % cfg.refresh == 0:
             tg = time.perf_counter()
-            capture.estimator.sync(comm)
-            sync.set_geometries(build_geometries(capture.estimator, sync.layouts, policy))
+            capture.estimator.sync(ctx.transport)
+            factors = [{n: (sa, sg) for n, (sg, sa) in capture.estimator.spectra.items() if n in lay}
+                       for lay in sync.layouts]
+            metric = [Geometry.from_kfac(lay, f, damping=MEASURE_DAMPING) for lay, f in zip(sync.layouts, factors)]
+            if mode.gift:
+                geoms = build_geometries(capture.estimator, sync.layouts, policy, **gkw)
+                sync.set_geometries(geoms)
+                chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
             t_geo += time.perf_counter() - tg
         measure = step % cfg.val_every == 0 or step == cfg.steps - 1
         local = [b.copy() for b in sync.flat_grads()] if measure else None
-        t_ref = 0.0
-        if mode == "fp32":  # MPI's own allreduce of the same buckets, for reference only
-            bufs = [b.copy() for b in sync.flat_grads()]
-            comm.Barrier()
-            tr = time.perf_counter()
-            for buf in bufs:
-                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            t_ref = time.perf_counter() - tr
-        times = sync.sync()
-        rel_err = float("nan")
+        times = sync.sync(seed=step)
+        e2 = ew = float("nan")
         if measure:
-            num = den = 0.0
-            for loc, red in zip(local, sync.flat_grads()):
-                exact = np.empty(loc.size, np.float64)
-                comm.Allreduce(loc.astype(np.float64), exact, op=MPI.SUM)
+            allg = ctx.allgather(local)
+            n2 = d2 = nw = dw = 0.0
+            for i, (red, geo) in enumerate(zip(sync.flat_grads(), metric)):
+                exact = np.zeros(red.size, np.float64)
+                for r in range(size):
+                    exact += allg[r][i]
                 exact /= size
-                num += float(np.sum((red - exact) ** 2))
-                den += float(np.sum(exact**2))
-            rel_err = math.sqrt(num / den) if den > 0 else 0.0
+                n2 += float(np.sum((red - exact) ** 2))
+                d2 += float(np.sum(exact**2))
+                we = geo.forward(exact.astype(np.float32)).astype(np.float64)
+                wr = geo.forward(np.array(red, np.float32)).astype(np.float64)
+                nw += float(np.sum((wr - we) ** 2))
+                dw += float(np.sum(we**2))
+            e2, ew = math.sqrt(n2 / d2), math.sqrt(nw / dw)
         tc = time.perf_counter()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
-        t_opt = time.perf_counter() - tc
-        t_step = time.perf_counter() - t_start
-        local_times = np.array([t_step, t_fwbw + t_opt - (capture.seconds if capture else 0.0), times.transform,
-                                times.comm, t_geo, t_ref])
-        worst = np.empty_like(local_times)
-        comm.Allreduce(local_times, worst, op=MPI.MAX)
-        train_loss = comm.allreduce(float(loss.detach()), op=MPI.SUM) / size
-        val_loss = validate() if measure else float("nan")
-        row = dict(mode=mode, step=step, train_loss=train_loss, val_loss=val_loss, lr=lr, grad_rel_err=rel_err)
-        row.update(zip(COLUMNS[6:], worst.tolist()))
-        rows.append(row)
-        bar.update(f"loss {train_loss:.3f}" + (f" val {val_loss:.3f}" if measure else ""))
-    bar.close()
-    if capture is not None:
-        capture.remove()
-        if rank == 0:
-            print(f"[gift] last geometry of bucket 0:\n{sync.geometries[0].summary()}", file=sys.stderr)
-    if rank == 0:
-        write_csv(os.path.join(out_dir, f"train-{mode}.csv"), rows)
-    return rows
+        t_step = time.perf_counter() - t0
+        mine = [t_step, t_fwbw + time.perf_counter() - tc - capture.seconds, times.transform, times.comm, t_geo,
+                float(loss.detach())]
+        every = np.array(ctx.allgather(mine))
+        worst = every[:, :5].max(axis=0)
+        train_loss = float(np.sum(every[:, 5])) / size
+        val = validate() if measure else float("nan")
+        rows.append(dict(mode=mode.name, world=size, seed=seed, step=step, train_loss=train_loss, val_loss=val, lr=lr,
+                         err_l2=e2, err_white=ew, **dict(zip(COLUMNS[9:], worst.tolist()))))
+    capture.remove()
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    final = dict(mode=mode.name, world=size, seed=seed, val_loss=rows[-1]["val_loss"], digest=h.hexdigest(),
+                 geometry=chosen)
+    return rows, final
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
+def write_run(out: str, rows: list[dict], final: dict) -> None:
+    stem = os.path.join(out, f"P{final['world']}-s{final['seed']}-{final['mode']}")
+    with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (f"{v:.7g}" if isinstance(v, float) else v) for k, v in r.items()})
+    with open(stem + ".json", "w") as f:
+        json.dump(final, f, indent=1)
 
 
-def read_csvs(out_dir: str) -> dict[str, list[dict]]:
-    """mode -> rows of every train-<mode>.csv in out_dir (numbers as floats)."""
-    runs = {}
-    for mode in MODES:
-        path = os.path.join(out_dir, f"train-{mode}.csv")
-        if os.path.exists(path):
-            with open(path) as f:
-                runs[mode] = [{k: (v if k == "mode" else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus):
+    from giftcomm import LoopbackGroup
+
+    group = LoopbackGroup(world, timeout=3600.0)
+    ex = Exchange(world)
+    results: list = [None] * world
+    errors: list = []
+
+    def body(r: int) -> None:
+        try:
+            results[r] = train_rank(LoopCtx(group, ex, r), mode, cfg, seed, corpus)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
+            ex.barrier.abort()
+
+    # giftcomm matches calls across ranks by the calling thread's name: every virtual rank uses the same one
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name="giftcomm-train") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    digests = {res[1]["digest"] for res in results}
+    if len(digests) != 1:
+        raise RuntimeError(f"{mode.name}: virtual ranks ended with different weights")
+    return results[0]
+
+
+# ---------------------------------------------------------------- statistics and plots
+
+
+def load_runs(out: str) -> dict:
+    """(world, mode) -> {seed: rows}."""
+    runs: dict = {}
+    for path in sorted(glob.glob(os.path.join(out, "P*-s*-*.csv"))):
+        with open(path) as f:
+            rows = [{k: (v if k == "mode" else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+        if rows:
+            runs.setdefault((int(rows[0]["world"]), rows[0]["mode"]), {})[int(rows[0]["seed"])] = rows
     return runs
 
 
-def summary_table(runs: dict[str, list[dict]]) -> str:
-    """Markdown: per mode, final losses, mean gradient error and mean step-time split (ms)."""
-    lines = ["| mode | steps | train loss (last 10) | final val loss | grad rel. err (mean) | step ms | compute ms "
-             "| transform ms | comm ms | geometry ms | MPI_Allreduce ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for mode, rows in runs.items():
-        last = rows[-10:]
-        vals = [r["val_loss"] for r in rows if not math.isnan(r["val_loss"])]
-        errs = [r["grad_rel_err"] for r in rows if not math.isnan(r["grad_rel_err"])]
-        ms = lambda k: 1e3 * float(np.mean([r[k] for r in rows[1:] or rows]))  # noqa: E731 (skip step 0)
-        ref = f"{ms('t_mpi_ref'):.1f}" if mode == "fp32" else "-"
-        lines.append(f"| {mode} | {len(rows)} | {np.mean([r['train_loss'] for r in last]):.4f} | "
-                     f"{vals[-1] if vals else float('nan'):.4f} | {np.mean(errs) if errs else float('nan'):.2e} | "
-                     f"{ms('t_step'):.0f} | {ms('t_compute'):.0f} | {ms('t_transform'):.1f} | {ms('t_comm'):.1f} | "
-                     f"{ms('t_geometry'):.1f} | {ref} |")
+def _mean_measured(rows, key):
+    v = [r[key] for r in rows if not math.isnan(r[key])]
+    return float(np.mean(v)) if v else float("nan")
+
+
+def stats(runs: dict) -> list[dict]:
+    """Per (world, mode): mean/std over seeds of the final validation loss, of its paired gap to
+    fp32 (same seed), of the gradient errors; and the share of the Euclidean twin's gap GIFT recovers."""
+    out = []
+    for (world, mode), by_seed in sorted(runs.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
+        ref = runs.get((world, "fp32"), {})
+        seeds = sorted(s for s in by_seed if s in ref)
+        final = np.array([by_seed[s][-1]["val_loss"] for s in seeds])
+        gaps = np.array([by_seed[s][-1]["val_loss"] - ref[s][-1]["val_loss"] for s in seeds])
+        l2 = np.array([_mean_measured(by_seed[s], "err_l2") for s in seeds])
+        wh = np.array([_mean_measured(by_seed[s], "err_white") for s in seeds])
+        comm = np.array([np.mean([r["t_comm"] + r["t_transform"] for r in by_seed[s][1:]]) for s in seeds])
+        fp32_final = np.array([ref[s][-1]["val_loss"] for s in seeds])
+        sd = lambda a: float(np.std(a, ddof=1)) if len(a) > 1 else float("nan")  # noqa: E731
+        out.append(dict(world=world, mode=mode, n=len(seeds), val=float(final.mean()), val_sd=sd(final),
+                        gap=float(gaps.mean()), gap_sd=sd(gaps), gap_pct=100 * float(gaps.mean() / fp32_final.mean()),
+                        l2=float(l2.mean()), l2_sd=sd(l2), white=float(wh.mean()), white_sd=sd(wh),
+                        comm_ms=1e3 * float(comm.mean()), gaps=gaps))
+    index = {(s["world"], s["mode"]): s for s in out}
+    for s in out:
+        m = parse_mode(s["mode"])
+        s["recovered"] = float("nan")
+        s["vs_euclid"] = ""
+        if m.gift:
+            twin = index.get((s["world"], "-".join([m.fmt, m.rounding[0]])))
+            if twin is not None:
+                d = twin["gaps"] - s["gaps"]  # paired over seeds: > 0 GIFT better
+                s["recovered"] = 100 * float(d.mean() / twin["gap"]) if twin["gap"] > 0 else float("nan")
+                sd_d = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
+                s["vs_euclid"] = f"{d.mean():+.4f} ± {sd_d:.4f}" + (" *" if abs(d.mean()) > 2 * sd_d else "")
+    return out
+
+
+def _order(mode: str) -> tuple:
+    m = parse_mode(mode)
+    fmts = ["fp32", "bf16", "fp16", "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2", "nvfp4", "mxfp4"]
+    return (fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.gift, m.damping or 0.0)
+
+
+def summary_table(st: list[dict]) -> str:
+    lines = ["| P | mode | seeds | final val loss | gap to fp32 (paired) | gap % | gap > 2 sd? | L2 grad err "
+             "| whitened grad err | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in st:
+        sig = "" if s["mode"] == "fp32" else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
+        rec = "-" if math.isnan(s["recovered"]) else f"{s['recovered']:.0f}%"
+        lines.append(f"| {s['world']} | {s['mode']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
+                     f"{s['gap']:+.4f} ± {s['gap_sd']:.4f} | {s['gap_pct']:+.2f}% | {sig} | "
+                     f"{s['l2']:.4f} ± {s['l2_sd']:.4f} | {s['white']:.4f} ± {s['white_sd']:.4f} | "
+                     f"{s['vs_euclid'] or '-'} | {rec} | {s['comm_ms']:.1f} |")
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, list[dict]], path: str) -> None:
-    """Three panels: training loss (EMA-smoothed), validation loss, mean step-time split."""
+def plot(st: list[dict], out: str) -> None:
     from studies.plotting import pyplot, save
 
     plt = pyplot()
+    worlds = sorted({s["world"] for s in st})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.8), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        rows = [s for s in st if s["world"] == w and s["mode"] != "fp32"]
+        x = np.arange(len(rows))
+        colors = ["tab:green" if parse_mode(s["mode"]).gift else "tab:gray" for s in rows]
+        ax.bar(x, [s["gap"] for s in rows], yerr=[s["gap_sd"] for s in rows], color=colors, capsize=3)
+        for xi, s in zip(x, rows):
+            ax.plot([xi] * len(s["gaps"]), s["gaps"], "k.", ms=4)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks(x, [s["mode"] for s in rows], rotation=60, ha="right", fontsize=8)
+        ax.set(title=f"P = {w}: final val loss − fp32 (same seed), mean ± sd, dots = seeds", ylabel="nats/byte")
+        ax.grid(alpha=0.3, axis="y")
+    save(fig, os.path.join(out, "train-gap.png"))
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.5), squeeze=False)
+    runs = load_runs(out)
+    for ax, w in zip(axes[0], worlds):
+        rows = [s for s in st if s["world"] == w]
+        parts = {"t_comm": [], "t_transform": []}
+        for s in rows:
+            by_seed = runs[(w, s["mode"])]
+            for k in parts:
+                parts[k].append(1e3 * np.mean([np.mean([r[k] for r in rr[1:]]) for rr in by_seed.values()]))
+        x = np.arange(len(rows))
+        ax.bar(x, parts["t_comm"], label="collective (codec + transfers)")
+        ax.bar(x, parts["t_transform"], bottom=parts["t_comm"], label="GIFT transform")
+        ax.set_xticks(x, [s["mode"] for s in rows], rotation=60, ha="right", fontsize=8)
+        ax.set(title=f"P = {w} (loopback threads): communication ms/step, compute excluded", ylabel="ms")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    save(fig, os.path.join(out, "train-comm.png"))
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
-    for mode, rows in runs.items():
-        steps = [r["step"] for r in rows]
-        loss, s = [], None
-        for r in rows:
-            s = r["train_loss"] if s is None else 0.9 * s + 0.1 * r["train_loss"]
-            loss.append(s)
-        ax[0].plot(steps, loss, label=mode)
-        v = [(r["step"], r["val_loss"]) for r in rows if not math.isnan(r["val_loss"])]
-        ax[1].plot([x for x, _ in v], [y for _, y in v], marker="o", ms=3, label=mode)
-    ax[0].set(title="training loss (EMA 0.9)", xlabel="step", ylabel="nats/byte")
-    ax[1].set(title="validation loss", xlabel="step", ylabel="nats/byte")
-    parts = ["t_compute", "t_transform", "t_comm", "t_geometry"]
-    bottom = np.zeros(len(runs))
-    for part in parts:
-        h = np.array([1e3 * np.mean([r[part] for r in rows[1:] or rows]) for rows in runs.values()])
-        ax[2].bar(list(runs), h, bottom=bottom, label=part[2:])
-        bottom += h
-    ax[2].set(title="mean time per step (max over ranks)", ylabel="ms")
-    for a in ax:
-        a.legend(fontsize=8)
-        a.grid(alpha=0.3)
-    save(fig, path)
+
+def report(out: str, header: str = "", no_plot: bool = False) -> str:
+    st = stats(load_runs(out))
+    table = summary_table(st)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("# giftcomm training grid\n\n" + header + table + "\n")
+    if not no_plot:
+        plot(st, out)
+    return table
+
+
+# ---------------------------------------------------------------- CLI
+
+QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
+               kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``python -m studies train``); returns the exit status."""
-    modes, cfg, args = parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m studies train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    p.add_argument("--world", default="4,16", help="comma-separated world sizes (default 4,16)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--transport", choices=["loopback", "mpi"], default="loopback")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
+    p.add_argument("--out", default="perf/results/train-grid")
+    p.add_argument("--report", action="store_true", help="only recompute summary.md and the plots from --out")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    if a.report:
+        print(report(a.out, no_plot=a.no_plot))
+        return 0
     import torch
-    from mpi4py import MPI
 
     from studies.workloads.corpus import load_corpus
-    from studies.workloads.llama import CONFIGS, Llama
 
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    cfg = Config(**asdict(QUICK)) if a.quick else Config()
+    if a.steps is not None:
+        cfg.steps = a.steps
+    modes = [parse_mode(m.strip()) for m in a.modes.split(",") if m.strip()]
+    worlds = [int(w) for w in a.world.split(",")]
+    seeds = [int(s) for s in a.seeds.split(",")]
     corpus = load_corpus(max_bytes=cfg.corpus_bytes)
-    digests = comm.allgather(corpus.digest)
-    if any(d != digests[0] for d in digests):
-        raise RuntimeError(f"ranks read different corpora: {digests}")
-    out_dir = args.out
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        if os.environ.get("OMP_NUM_THREADS") != "1" and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
-            print("giftcomm train: set OMP_NUM_THREADS=1 (NumPy's BLAS threads oversubscribe the cores "
-                  "when several ranks share a machine)", file=sys.stderr)
-        n = Llama(CONFIGS[cfg.model]).num_parameters()
-        print(f"giftcomm train: {size} ranks, model {cfg.model} ({n / 1e6:.2f}M params), corpus {corpus.digest} "
-              f"({len(corpus.train)} train / {len(corpus.val)} val bytes, {corpus.files[0]}+{corpus.files[1]} files), "
-              f"{cfg.steps} steps x {cfg.batch * size} seqs, modes {modes}", file=sys.stderr)
-    for mode in modes:
-        run_mode(mode, cfg, corpus, comm, out_dir)
-    if rank == 0:
-        runs = read_csvs(out_dir)
-        table = summary_table(runs)
-        with open(os.path.join(out_dir, "train-summary.md"), "w") as f:
-            f.write(f"# giftcomm train: {size} ranks, model {cfg.model}, {cfg.steps} steps, seed {cfg.seed}\n\n")
-            f.write(f"Command: `mpiexec -n {size} python -m studies train {' '.join(argv or sys.argv[1:])}`\n\n")
-            f.write(table + "\n")
-        print(table)
-        if not args.no_plot:
-            plot(runs, os.path.join(out_dir, "train-curves.png"))
+    mpi_ctx = None
+    if a.transport == "mpi":
+        from mpi4py import MPI
+
+        mpi_ctx = MpiCtx(MPI.COMM_WORLD)
+        if worlds != [mpi_ctx.size]:
+            p.error(f"--transport mpi runs at the number of processes ({mpi_ctx.size}); got --world {a.world}")
+    lead = mpi_ctx is None or mpi_ctx.rank == 0
+    if lead:
+        os.makedirs(a.out, exist_ok=True)
+        n = make_model(cfg, 0).num_parameters()
+        print(f"giftcomm train: {a.transport}, {n / 1e3:.0f}k params, {cfg.steps} steps x {cfg.batch} seqs/rank, "
+              f"worlds {worlds}, seeds {seeds}, {len(modes)} modes", file=sys.stderr)
+    t_all = time.perf_counter()
+    for world in worlds:
+        for seed in seeds:
+            for mode in modes:
+                t0 = time.perf_counter()
+                if mpi_ctx is not None:
+                    rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus)
+                else:
+                    rows, final = run_loopback(mode, cfg, seed, world, corpus)
+                if lead:
+                    write_run(a.out, rows, final)
+                    print(f"P={world} seed={seed} {mode.name:<16} val {final['val_loss']:.4f} "
+                          f"l2 {_mean_measured(rows, 'err_l2'):.4f} white {_mean_measured(rows, 'err_white'):.4f} "
+                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    if lead:
+        cost = time.perf_counter() - t_all
+        print(f"giftcomm train: grid took {cost:.0f} s", file=sys.stderr)
+        header = (f"Command: `python -m studies train {' '.join(argv if argv is not None else sys.argv[1:])}` "
+                  f"({a.transport}; this invocation {cost:.0f} s wall). Config: {asdict(cfg)}\n\n")
+        print(report(a.out, header, no_plot=a.no_plot))
     return 0
 
 

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from ... import api
-from ...formats import DEFAULT_BLOCK
 from .buckets import GradBucket, make_buckets
 
 __all__ = ["GradSync", "SyncTimes"]
@@ -86,14 +85,18 @@ class GradSync:
 
     model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm: mpi4py
     communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block, op, algorithm,
-    slice_elems: as for ``giftcomm.allreduce`` (op="avg" averages like DDP). bucket_mb: bucket
-    size in MiB.
+    slice_elems, rounding: as for ``giftcomm.allreduce`` (op="avg" averages like DDP). bucket_mb:
+    bucket size in MiB. With ``rounding="stochastic"`` each ``sync(seed=...)`` call gives bucket i
+    the seed ``seed * 4096 + i`` (seed defaults to the number of earlier sync calls, the same on
+    every rank that calls sync in step).
     """
 
-    def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
+    def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
-                 slice_elems: int | None = None) -> None:
+                 slice_elems: int | None = None, rounding: str = "nearest") -> None:
         self.comm, self.fmt, self.block, self.op = comm, fmt, block, op
+        self.rounding = rounding
+        self.calls = 0  # sync() calls so far: the seed of stochastic rounding when sync() gets none
         self.algorithm, self.slice_elems = algorithm, slice_elems
         self.buckets: list[GradBucket] = make_buckets(model, bucket_mb)
         self.geometries: list[Any] = [None] * len(self.buckets)
@@ -120,9 +123,12 @@ class GradSync:
         for b in self.buckets:
             b.zero()
 
-    def sync(self) -> SyncTimes:
+    def sync(self, seed: int | None = None) -> SyncTimes:
         """Collective: replace every gradient by its reduction over all ranks, in place.
+        seed: the call's stochastic-rounding seed (e.g. the step; default: the call count).
         Returns the wall-time split (transform / comm)."""
+        seed = self.calls if seed is None else int(seed)
+        self.calls += 1
         times = SyncTimes()
         t0 = time.perf_counter()
         for b, g in zip(self.buckets, self.geometries):
@@ -130,7 +136,9 @@ class GradSync:
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
             with _torch_stream(b.tensor):
                 api.gift_allreduce(b.buffer, tg, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block,
-                                   out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems)
+                                   out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems,
+                                   rounding=self.rounding,
+                                   seed=seed * 4096 + b.index if self.rounding == "stochastic" else None)
             if tg is not None:
                 times.transform += tg.seconds
         times.total = time.perf_counter() - t0
