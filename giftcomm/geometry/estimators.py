@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .geometry import Geometry
+from .geometry import DEFAULT_DAMPING, Geometry
 from .layout import Layout, as_layout
 from .policy import SelectivePolicy, select
 from .spectral import Spectrum
@@ -132,7 +132,7 @@ class KfacEstimator:
         self.last_report = report
         return report
 
-    def geometry(self, rank=None, damping: float = 1e-3, policy: SelectivePolicy | None = None) -> Geometry:
+    def geometry(self, rank=None, damping: float = DEFAULT_DAMPING, policy: SelectivePolicy | None = None) -> Geometry:
         """The Geometry of the last ``sync`` (identical on every rank). With ``policy`` the
         selective policy decides per segment; otherwise every synced segment is whitened with
         ``rank`` (as in ``Geometry.from_kfac``)."""
@@ -184,7 +184,7 @@ class GradientFactorEstimator:
             return {}
         return {n: (self._r[n], self._l[n]) for n in self.segments}
 
-    def geometry(self, rank=None, damping: float = 1e-3, policy: SelectivePolicy | None = None) -> Geometry:
+    def geometry(self, rank=None, damping: float = DEFAULT_DAMPING, policy: SelectivePolicy | None = None) -> Geometry:
         """Geometry from the current factors (same on every rank fed the same buffers)."""
         if policy is not None:
             return select(self.layout, self.factors(), policy, damping)

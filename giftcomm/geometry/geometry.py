@@ -17,7 +17,7 @@ from .sides import HadamardSide, IdentitySide
 from .spectral import Spectrum
 from .transform import SegmentTransform, SideChoice, identity_transform, kfac_transform
 
-__all__ = ["Geometry", "as_spectrum", "spectra_from_factors"]
+__all__ = ["DEFAULT_DAMPING", "Geometry", "as_spectrum", "spectra_from_factors"]
 
 _FINGERPRINT_TAG = b"giftcomm.geometry/v1"
 
@@ -50,6 +50,12 @@ def spectra_from_factors(layout: Layout, factors: Mapping) -> dict[str, tuple[Sp
             )
         out[name] = (sg, sa)
     return out
+
+
+# Default damping delta, relative to each factor's mean eigenvalue: 0.03 (was 1e-3). Estimated
+# factors are noisy in their small eigenvalues; 1e-3 amplifies quantization error along them (the
+# training grid in docs/results.md and the fidelity study); see docs/method.md "Damping".
+DEFAULT_DAMPING = 0.03
 
 
 def check_damping(damping: float) -> float:
@@ -184,7 +190,7 @@ class Geometry:
         return cls(layout, [identity_transform(s) for s in layout])
 
     @classmethod
-    def from_kfac(cls, layout, factors: Mapping, rank=None, damping: float = 1e-3) -> Geometry:
+    def from_kfac(cls, layout, factors: Mapping, rank=None, damping: float = DEFAULT_DAMPING) -> Geometry:
         """KFAC whitening ``Y = P_G^-1/2 X P_A^-1/2`` of every segment that has factors.
 
         layout: Layout or list of (name, shape). factors: name -> (A, G), A (n, n) over the input
@@ -198,7 +204,7 @@ class Geometry:
                                 lambda seg: _rank_choice(rank, seg.name, *seg.matrix_shape))
 
     @classmethod
-    def diagonal(cls, layout, factors: Mapping, damping: float = 1e-3) -> Geometry:
+    def diagonal(cls, layout, factors: Mapping, damping: float = DEFAULT_DAMPING) -> Geometry:
         """Row/column scaling ``Y = diag(g)^-1/2 X diag(a)^-1/2`` (damped, unit mean).
 
         factors: name -> (a, g), each a 1-D vector (e.g. column and row mean squares of

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .geometry import Geometry, check_damping, spectra_from_factors
+from .geometry import DEFAULT_DAMPING, Geometry, check_damping, spectra_from_factors
 from .layout import as_layout
 from .spectral import Spectrum, anisotropy, damped, lowrank_damped, rank_for_energy, side_error_factor
 from .transform import SegmentTransform, identity_transform, kfac_transform
@@ -285,7 +285,7 @@ def _rejected(seg, t: SegmentTransform, why: str) -> SegmentTransform:
     return out
 
 
-def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damping: float = 1e-3) -> Geometry:
+def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damping: float = DEFAULT_DAMPING) -> Geometry:
     """Build a Geometry choosing per segment identity / low-rank / full whitening by ``policy``.
 
     layout, factors, damping: as for ``Geometry.from_kfac``. policy: a SelectivePolicy

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ... import api
 from ...formats import DEFAULT_BLOCK, check_block, get_format, message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
+from ...geometry.geometry import DEFAULT_DAMPING
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
@@ -198,7 +199,7 @@ class GiftState:
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, fmt: str = "e4m3",
                  block: int = DEFAULT_BLOCK, start_gift_iter: int = 0, geometry: str = "none",
                  estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
-                 policy: Optional[SelectivePolicy] = None, damping: float = 1e-3, param_names: Any = None,
+                 policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
         try:

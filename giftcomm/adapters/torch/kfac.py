@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ...geometry import Geometry, KfacEstimator, Layout, SelectivePolicy, select
+from ...geometry.geometry import DEFAULT_DAMPING
 from ...geometry.sync import sync_spectra
 from .buckets import named_trainable
 
@@ -141,7 +142,7 @@ class KfacCapture:
 
 
 def build_geometries(estimator: KfacEstimator, layouts: Sequence[Layout], policy: SelectivePolicy | None = None,
-                     damping: float = 1e-3) -> list[Geometry]:
+                     damping: float = DEFAULT_DAMPING) -> list[Geometry]:
     """One Geometry per bucket layout from the estimator's synced spectra, chosen per segment by
     the selective policy (segments without factors get the identity). Identical on every rank
     after ``estimator.sync(comm)``."""
@@ -158,7 +159,7 @@ def build_geometries(estimator: KfacEstimator, layouts: Sequence[Layout], policy
 def geometries_from_factors(comm: Any, model_layout_: Layout, segments: Sequence[str],
                             factors: Mapping[str, tuple[np.ndarray, np.ndarray]], counts: Mapping[str, int],
                             layouts: Mapping[int, Layout], policy: SelectivePolicy | None = None,
-                            damping: float = 1e-3, mode: str = "broadcast") -> dict[int, tuple[Layout, Geometry]]:
+                            damping: float = DEFAULT_DAMPING, mode: str = "broadcast") -> dict[int, tuple[Layout, Geometry]]:
     """Collective over ``comm`` (any giftcomm Transport, an mpi4py communicator, or None): sync
     a snapshot of KFAC factors (``factors``: segment -> (A (n, n), G (m, m)); ``counts``: batches
     per segment, as :class:`KfacEstimator` keeps them) and build one geometry per bucket layout
