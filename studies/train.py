@@ -6,7 +6,8 @@ stdlib's sources. Every run of one seed starts from the same weights and sees th
 ``FMT[-n|-s][-gift[@DAMPING]]``: the wire format (fp32, bf16, fp16, e4m3, e5m2, mxfp8, nvfp4,
 mxfp4, ...), nearest (n, default) or stochastic (s) rounding with the step as seed, and Euclidean
 (no suffix) or GIFT (KFAC factors captured from the nn.Linear layers, low-rank selective policy,
-``@DAMPING`` overrides the library's default damping).
+``@DAMPING`` overrides the library's default damping; ``-giftfull``: full KFAC whitening of every
+Linear weight instead of the policy).
 
 Two transports, one code path (``train_rank``):
   loopback (default) one process, P virtual ranks as threads over ``giftcomm.LoopbackGroup``,
@@ -59,21 +60,22 @@ class Mode:
     rounding: str
     gift: bool
     damping: float | None  # None: the library's default
+    full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
 
 
 def parse_mode(name: str) -> Mode:
     parts = name.split("-")
-    fmt, rounding, gift, damping = parts[0], "nearest", False, None
+    fmt, rounding, gift, damping, full = parts[0], "nearest", False, None, False
     for p in parts[1:]:
         if p in ("n", "s"):
             rounding = "nearest" if p == "n" else "stochastic"
         elif p.startswith("gift"):
-            gift = True
+            gift, full = True, p.startswith("giftfull")
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-gift[@DAMPING]]")
-    return Mode(name, fmt, rounding, gift, damping)
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-gift|-giftfull[@DAMPING]]")
+    return Mode(name, fmt, rounding, gift, damping, full)
 
 
 @dataclass
@@ -214,7 +216,10 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[di
                        for lay in sync.layouts]
             metric = [Geometry.from_kfac(lay, f, damping=MEASURE_DAMPING) for lay, f in zip(sync.layouts, factors)]
             if mode.gift:
-                geoms = build_geometries(capture.estimator, sync.layouts, policy, **gkw)
+                if mode.full:
+                    geoms = [Geometry.from_kfac(lay, f, **gkw) for lay, f in zip(sync.layouts, factors)]
+                else:
+                    geoms = build_geometries(capture.estimator, sync.layouts, policy, **gkw)
                 sync.set_geometries(geoms)
                 chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
             t_geo += time.perf_counter() - tg
@@ -331,11 +336,14 @@ def stats(runs: dict) -> list[dict]:
         wh = np.array([_mean_measured(by_seed[s], "err_white") for s in seeds])
         comm = np.array([np.mean([r["t_comm"] + r["t_transform"] for r in by_seed[s][1:]]) for s in seeds])
         fp32_final = np.array([ref[s][-1]["val_loss"] for s in seeds])
+        # a second, less noisy loss: training loss over the last 20 steps (20 x P x batch sequences)
+        tail = lambda rows: float(np.mean([r["train_loss"] for r in rows[-20:]]))  # noqa: E731
+        tgaps = np.array([tail(by_seed[s]) - tail(ref[s]) for s in seeds])
         sd = lambda a: float(np.std(a, ddof=1)) if len(a) > 1 else float("nan")  # noqa: E731
         out.append(dict(world=world, mode=mode, n=len(seeds), val=float(final.mean()), val_sd=sd(final),
                         gap=float(gaps.mean()), gap_sd=sd(gaps), gap_pct=100 * float(gaps.mean() / fp32_final.mean()),
                         l2=float(l2.mean()), l2_sd=sd(l2), white=float(wh.mean()), white_sd=sd(wh),
-                        comm_ms=1e3 * float(comm.mean()), gaps=gaps))
+                        tgap=float(tgaps.mean()), tgap_sd=sd(tgaps), comm_ms=1e3 * float(comm.mean()), gaps=gaps, by_seed=dict(zip(seeds, gaps.tolist()))))
     index = {(s["world"], s["mode"]): s for s in out}
     for s in out:
         m = parse_mode(s["mode"])
@@ -343,9 +351,12 @@ def stats(runs: dict) -> list[dict]:
         s["vs_euclid"] = ""
         if m.gift:
             twin = index.get((s["world"], "-".join([m.fmt, m.rounding[0]])))
-            if twin is not None:
-                d = twin["gaps"] - s["gaps"]  # paired over seeds: > 0 GIFT better
-                s["recovered"] = 100 * float(d.mean() / twin["gap"]) if twin["gap"] > 0 else float("nan")
+            common = sorted(set(twin["by_seed"]) & set(s["by_seed"])) if twin is not None else []
+            if common:
+                # paired over seeds: > 0 GIFT better
+                d = np.array([twin["by_seed"][k] - s["by_seed"][k] for k in common])
+                tg = float(np.mean([twin["by_seed"][k] for k in common]))
+                s["recovered"] = 100 * float(d.mean() / tg) if tg > 0 else float("nan")
                 sd_d = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
                 s["vs_euclid"] = f"{d.mean():+.4f} ± {sd_d:.4f}" + (" *" if abs(d.mean()) > 2 * sd_d else "")
     return out
@@ -359,14 +370,15 @@ def _order(mode: str) -> tuple:
 
 def summary_table(st: list[dict]) -> str:
     lines = ["| P | mode | seeds | final val loss | gap to fp32 (paired) | gap % | gap > 2 sd? | L2 grad err "
-             "| whitened grad err | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| whitened grad err | train-loss gap (last 20 steps) | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in st:
         sig = "" if s["mode"] == "fp32" else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
         rec = "-" if math.isnan(s["recovered"]) else f"{s['recovered']:.0f}%"
         lines.append(f"| {s['world']} | {s['mode']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
                      f"{s['gap']:+.4f} ± {s['gap_sd']:.4f} | {s['gap_pct']:+.2f}% | {sig} | "
-                     f"{s['l2']:.4f} ± {s['l2_sd']:.4f} | {s['white']:.4f} ± {s['white_sd']:.4f} | "
+                     f"{s['l2']:.4f} ± {s['l2_sd']:.4f} | {s['white']:.3f} ± {s['white_sd']:.3f} | "
+                     f"{s['tgap']:+.4f} ± {s['tgap_sd']:.4f} | "
                      f"{s['vs_euclid'] or '-'} | {rec} | {s['comm_ms']:.1f} |")
     return "\n".join(lines)
 
