@@ -343,7 +343,8 @@ def stats(runs: dict) -> list[dict]:
         out.append(dict(world=world, mode=mode, n=len(seeds), val=float(final.mean()), val_sd=sd(final),
                         gap=float(gaps.mean()), gap_sd=sd(gaps), gap_pct=100 * float(gaps.mean() / fp32_final.mean()),
                         l2=float(l2.mean()), l2_sd=sd(l2), white=float(wh.mean()), white_sd=sd(wh),
-                        tgap=float(tgaps.mean()), tgap_sd=sd(tgaps), comm_ms=1e3 * float(comm.mean()), gaps=gaps, by_seed=dict(zip(seeds, gaps.tolist()))))
+                        tgap=float(tgaps.mean()), tgap_sd=sd(tgaps), comm_ms=1e3 * float(comm.mean()), gaps=gaps,
+                        by_seed=dict(zip(seeds, gaps.tolist()))))
     index = {(s["world"], s["mode"]): s for s in out}
     for s in out:
         m = parse_mode(s["mode"])

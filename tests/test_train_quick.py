@@ -40,7 +40,7 @@ def test_train_grid_quick(tmp_path):
           "--out", str(tmp_path)])
     runs = load_runs(str(tmp_path))
     assert set(runs) == {(2, m) for m in MODES.split(",")}
-    for (world, mode), by_seed in runs.items():
+    for (_world, mode), by_seed in runs.items():
         assert sorted(by_seed) == [0, 1]
         for seed, rows in by_seed.items():
             with open(tmp_path / f"P2-s{seed}-{mode}.csv") as f:
