@@ -446,10 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=["loopback", "mpi"], default="loopback")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
-    p.add_argument("--out", default="perf/results/train-grid")
+    p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
     p.add_argument("--report", action="store_true", help="only recompute summary.md and the plots from --out")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = "perf/results/train-quick" if a.quick else "perf/results/train-grid"
     if a.report:
         print(report(a.out, no_plot=a.no_plot))
         return 0
