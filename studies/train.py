@@ -18,11 +18,11 @@ Two transports, one code path (``train_rank``):
 
 ::
 
-    OMP_NUM_THREADS=1 python -m studies train                       # the full grid (see --help)
+    OMP_NUM_THREADS=1 python -m studies train       # default grid (docs/results.md lists the runs committed)
     OMP_NUM_THREADS=1 python -m studies train --quick               # CI: tiny, < 60 s
     OMP_NUM_THREADS=1 mpiexec -n 4 python -m studies train --transport mpi --world 4 --seeds 0 \\
         --modes nvfp4-s-gift --steps 20 --out /tmp/mpi                # the MPI equivalence check
-    python -m studies train --report perf/results/train-grid        # statistics + plots only
+    python -m studies train --report --out perf/results/train-grid  # statistics + plots only
 
 Writes into ``--out``: ``P<world>-s<seed>-<mode>.csv`` (one row per step), ``....json`` (final
 numbers and a digest of the final weights), and with ``--report`` (implied after a grid):
