@@ -57,17 +57,10 @@ class Report:
 
 
 def _events_ms(cp, fn, warmup: int = 5, reps: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
+    """Median milliseconds of ``fn()`` by CUDA events (giftcomm.perf.device_bench's timer)."""
+    from giftcomm.perf.device_bench import event_timer
+
+    return event_timer(cp, warmup, reps)(fn)
 
 
 def sec_device(rep: Report) -> None:
