@@ -405,7 +405,9 @@ def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: f
     bit; only rank 0 returns the rows, other ranks return None).
     Row keys: method, bytes_per_value, rel_l2, whitened, whitened_pooled, flipped, zeroed,
     adam_cos, transformed (fraction of elements), gflop (forward + inverse, whole buffer),
-    per_segment_whitened (name -> ratio), per_segment_l2, mpi_equals_sim (None without comm).
+    per_segment_whitened (name -> ratio), per_segment_l2, mpi_equals_sim (None without comm),
+    per_step_rel_l2 / per_step_whitened (one value per step of ``case.grads``; the other error
+    columns are the last step's).
     """
     root = comm is None or comm.Get_rank() == 0
     if comm is not None and comm.Get_size() != case.ranks:
@@ -452,6 +454,9 @@ def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: f
             "per_segment_l2": {s.name: relative_l2(results[-1][s.offset:s.stop], exact[-1][s.offset:s.stop])
                                for s in case.layout},
             "mpi_equals_sim": None if comm is None else bool(equal),
+            # every captured step on its own (the columns above are the last step's)
+            "per_step_rel_l2": [relative_l2(r, e) for r, e in zip(results, exact)],
+            "per_step_whitened": [metric.aggregate(metric.ratios(r, e)) for r, e in zip(results, exact)],
         })
         if progress:
             r = rows[-1]
@@ -473,6 +478,24 @@ def format_table(rows: Sequence[dict], reference: str = "e4m3 block256") -> str:
         out.append(f"| {r['method']} | {r['bytes_per_value']:.4f} | {r['rel_l2']:.3e} | {l2x} | "
                    f"{r['whitened']:.3e} | {wx} | {r['flipped']:.2e} | {r['zeroed']:.2e} | "
                    f"{r['adam_cos']:.6f} | {r['transformed']:.0%} | {r['gflop']:.3g} | {eq} |")
+    return "\n".join(out)
+
+
+def format_per_step(rows: Sequence[dict], reference: str = "e4m3 block256") -> str:
+    """Markdown table: per captured step, each method's whitened-error gain (ref / whitened) and L2
+    ratio (L2 / ref) against the ``reference`` row, then min / median / max over the steps."""
+    ref = next((r for r in rows if r["method"] == reference), None)
+    if ref is None or "per_step_whitened" not in ref:
+        return ""
+    steps = len(ref["per_step_whitened"])
+    out = ["| method | " + " | ".join(f"step {i} gain / L2x" for i in range(steps)) + " | gain min-median-max | L2x min-median-max |",
+           "| --- |" + " ---: |" * (steps + 2)]
+    for r in rows:
+        g = [rw / w if w > 0 else float("nan") for rw, w in zip(ref["per_step_whitened"], r["per_step_whitened"])]
+        l2 = [x / rx if rx > 0 else float("nan") for x, rx in zip(r["per_step_rel_l2"], ref["per_step_rel_l2"])]
+        cells = " | ".join(f"{a:.2f}x / {b:.2f}" for a, b in zip(g, l2))
+        out.append(f"| {r['method']} | {cells} | {min(g):.2f} - {float(np.median(g)):.2f} - {max(g):.2f} | "
+                   f"{min(l2):.2f} - {float(np.median(l2)):.2f} - {max(l2):.2f} |")
     return "\n".join(out)
 
 
@@ -673,8 +696,12 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "algorithm": alg,
                                 "rows": rows})
                 summary.append((case.name, alg, rows))
-                md += ["", f"### {case.name}, {alg}", "",
-                       format_table(rows, rows[0]["method"] if a.fmts else "e4m3 block256")]
+                refname = rows[0]["method"] if a.fmts else "e4m3 block256"
+                md += ["", f"### {case.name}, {alg}", "", format_table(rows, refname)]
+                per_step = format_per_step(rows, refname)
+                if per_step:
+                    md += ["", f"Per captured step (gain = {refname} whitened / method whitened; "
+                           f"L2x = method rel L2 / {refname} rel L2):", "", per_step]
     if not root:
         return 0
     if a.fmts:

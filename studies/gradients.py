@@ -1,7 +1,9 @@
 """Capture real data-parallel gradients and KFAC factors from the small Llama-style model.
 
 ``python -m studies.gradients [--config small] [--train-steps 120] [--capture-steps 3]
-[--ranks 4] [--batch 16] [--out PATH]``
+[--ranks 4] [--batch 16] [--out PATH] [--capture-at 30,120,240]``
+
+(``--capture-at``: several training phases of one run, one file each; see ``capture``.)
 
 1. Train ``studies.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
    SwiGLU 688, tied embedding, ~5.3M parameters) with AdamW (lr 3e-3, warm-up 20 steps, weight
@@ -108,8 +110,14 @@ class _KfacHooks:
 
 def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 3, ranks: int = 4,
             batch: int = 16, lr: float = 3e-3, kfac_rows: int = 512, seed: int = 0,
-            out: str = DEFAULT_PATH, log=sys.stderr) -> str:
-    """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path."""
+            out: str = DEFAULT_PATH, log=sys.stderr, capture_at: list[int] | None = None) -> str | list[str]:
+    """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path.
+
+    ``capture_at`` (training phases, e.g. [30, 120, 240]): one training run whose cosine schedule
+    spans ``max(capture_at)`` plus all capture steps; after each listed number of training steps
+    (counting the earlier phases' capture steps, which also step the optimiser) the capture block
+    runs and is saved to ``<out stem>-step<N>.npz`` (written as soon as it is taken, so a study can
+    start on it); returns the list of paths. ``train_steps`` is ignored then."""
     import torch
 
     from studies.workloads.corpus import load_corpus
@@ -127,7 +135,8 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    total_steps = train_steps + capture_steps
+    phases = sorted(set(capture_at)) if capture_at else [train_steps]
+    total_steps = phases[-1] + capture_steps * len(phases)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     hooks = _KfacHooks(model, kfac_rows, seed)
@@ -139,19 +148,39 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
         starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=batch)
         return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len))
 
-    hooks.mode = "ema"
-    for step in range(train_steps):
-        opt.zero_grad(set_to_none=True)
-        loss = model.loss(get_batch())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if log and (step % 20 == 0 or step == train_steps - 1):
-            print(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", file=log, flush=True)
+    paths, done = [], 0
+    stem = out[:-4] if out.endswith(".npz") else out
+    for phase in phases:
+        hooks.mode = "ema"
+        for step in range(done, phase):
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(get_batch())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if log and (step % 20 == 0 or step == phase - 1):
+                print(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", file=log, flush=True)
+        done = phase
+        path = out if capture_at is None else f"{stem}-step{phase}.npz"
+        paths.append(_capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps, ranks, batch,
+                                    losses, t0, log, path, dict(
+                                        config=config, cfg=cfg, train_steps=phase, lr=lr, kfac_rows=kfac_rows,
+                                        seed=seed, corpus=corpus.digest, schedule_steps=total_steps)))
+    hooks.remove()
+    return paths if capture_at is not None else paths[0]
+
+
+def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps, ranks, batch, losses, t0, log,
+                   out, meta) -> str:
+    import torch
+
     ema = {k: (a.copy(), g.copy()) for k, (a, g) in hooks.ema.items()}
     hooks.mode = "total"
+    hooks.total.clear()
+    hooks.count.clear()
+    first = len(losses)
     grads = np.empty((capture_steps, ranks, n), np.float32)
     shard = batch // ranks
     for s in range(capture_steps):
@@ -171,22 +200,26 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
         sched.step()
         if log:
             print(f"capture step {s}: shard losses {losses[-ranks:]}", file=log, flush=True)
-    hooks.remove()
+    hooks.mode = None
     metric = {k: (a / hooks.count[k], g / hooks.count[k]) for k, (a, g) in hooks.total.items()}
     arrays = {"grads": grads}
     for k in ema:
         arrays[f"A/{k}"], arrays[f"G/{k}"] = (x.astype(np.float32) for x in ema[k])
         arrays[f"MA/{k}"], arrays[f"MG/{k}"] = (x.astype(np.float32) for x in metric[k])
-    info = {"config": config, "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            "parameters": n, "train_steps": train_steps, "capture_steps": capture_steps, "ranks": ranks,
-            "batch": batch, "lr": lr, "kfac_rows": kfac_rows, "seed": seed, "corpus": corpus.digest,
-            "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[train_steps - 5:train_steps])),
-            "capture_losses": losses[train_steps:], "seconds": time.perf_counter() - t0,
+    cfg = meta["cfg"]
+    info = {"config": meta["config"], "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "parameters": n, "train_steps": meta["train_steps"], "capture_steps": capture_steps, "ranks": ranks,
+            "batch": batch, "lr": meta["lr"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
+            "corpus": meta["corpus"], "schedule_steps": meta["schedule_steps"],
+            "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[max(0, first - 5):first])),
+            "capture_losses": losses[first:], "seconds": time.perf_counter() - t0,
             "torch": torch.__version__}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     np.savez(out, names=np.array([k for k, _ in params]),
              shapes=np.array(json.dumps([list(p.shape) for _, p in params])),
              info=np.array(json.dumps(info)), **arrays)
+    if log:
+        print(f"saved {out}", file=log, flush=True)
     return out
 
 
@@ -223,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kfac-rows", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_PATH)
+    p.add_argument("--capture-at", default=None,
+                   help="training phases of one run, e.g. 30,120,240: capture after each (files <out>-step<N>.npz)")
     a = p.parse_args(argv)
-    path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out)
-    print(path)
+    at = [int(x) for x in a.capture_at.split(",")] if a.capture_at else None
+    path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out,
+                   capture_at=at)
+    print("\n".join(path) if isinstance(path, list) else path)
     return 0
 
 
