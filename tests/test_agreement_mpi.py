@@ -82,15 +82,12 @@ def assert_same_error_everywhere(comm, fn, field: str) -> None:
     assert want in message, message
 
 
-def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
-    """(callable) the call of the rank that is odd (True) or like the others, for ``field``."""
-    kw: dict = dict(comm=t, algorithm=algorithm)
-    geometry = None
-    if field == "count":
-        x = np.ones(N + 1, np.float32) if odd else x
-    elif field == "dtype":
-        x = x.astype(np.float64) if odd else x
-    elif field == "fmt":
+def _common_case(field: str, odd: bool, x: np.ndarray, kw: dict) -> tuple[np.ndarray, bool]:
+    """The fields every collective agrees on alike: (x, True) after making the odd rank's call
+    differ in ``field`` (in ``x`` or ``kw``), or (x, False) for a field this does not know."""
+    if field == "dtype":
+        return (x.astype(np.float64) if odd else x), True
+    if field == "fmt":
         kw["fmt"] = "e5m2" if odd else "e4m3"
     elif field == "block":
         kw["block"] = 128 if odd else 256
@@ -98,6 +95,24 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
         kw["op"] = "avg" if odd else "sum"
     elif field == "slice":
         kw["slice_elems"] = 512 if odd else 1024
+    elif field == "rounding":
+        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
+    elif field == "seed":
+        kw.update(rounding="stochastic", seed=8 if odd else 7)
+    else:
+        return x, False
+    return x, True
+
+
+def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
+    """(callable) the call of the rank that is odd (True) or like the others, for ``field``."""
+    kw: dict = dict(comm=t, algorithm=algorithm)
+    geometry = None
+    x, known = _common_case(field, odd, x, kw)
+    if known:
+        pass
+    elif field == "count":
+        x = np.ones(N + 1, np.float32) if odd else x
     elif field == "geometry":
         geometry = _Geometry(x.size, 2 if odd else 1)
     elif field == "algorithm":
@@ -108,10 +123,6 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
         pass  # the transport differs (see the test)
     elif field == "caller":
         return _in_thread("giftcomm-odd-thread" if odd else None, lambda: gc.gift_allreduce(x, geometry, **kw))
-    elif field == "rounding":
-        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
-    elif field == "seed":
-        kw.update(rounding="stochastic", seed=8 if odd else 7)
     else:  # a field added to MATCH without a case here
         raise AssertionError(f"no test case for the agreed field {field!r}: add one")
     return lambda: gc.gift_allreduce(x, geometry, **kw)
@@ -172,22 +183,9 @@ def test_one_rank_differs_in_a_reduce_scatter_field(comm, transport, field):
     odd = comm.rank == comm.size - 1
     x = np.ones(N, np.float32)
     kw: dict = dict(comm=transport, algorithm="ring")
+    x, _ = _common_case(field, odd, x, kw)
     if field == "count":
         x = np.ones(N + 256, np.float32) if odd else x
-    elif field == "dtype":
-        x = x.astype(np.float64) if odd else x
-    elif field == "fmt":
-        kw["fmt"] = "e5m2" if odd else "e4m3"
-    elif field == "block":
-        kw["block"] = 128 if odd else 256
-    elif field == "op":
-        kw["op"] = "avg" if odd else "sum"
-    elif field == "slice":
-        kw["slice_elems"] = 512 if odd else 1024
-    elif field == "rounding":
-        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
-    elif field == "seed":
-        kw.update(rounding="stochastic", seed=8 if odd else 7)
     name = "giftcomm-odd-thread" if odd and field == "caller" else None
     assert_same_error_everywhere(comm, _in_thread(name, lambda: gc.reduce_scatter(x, **kw)), field)
 
@@ -197,19 +195,8 @@ def test_one_rank_differs_in_an_allgather_field(comm, transport, field):
     odd = comm.rank == comm.size - 1
     shard = np.ones(100 + comm.rank, np.float32)  # lengths may differ: not a disagreement
     kw: dict = dict(comm=transport)
-    if field == "dtype":
-        shard = shard.astype(np.float64) if odd else shard
-    elif field == "fmt":
-        kw["fmt"] = "e5m2" if odd else "e4m3"
-    elif field == "block":
-        kw["block"] = 128 if odd else 256
-    elif field == "slice":
-        kw["slice_elems"] = 512 if odd else 1024
-    elif field == "rounding":
-        kw.update(rounding="stochastic" if odd else "nearest", seed=7 if odd else None)
-    elif field == "seed":
-        kw.update(rounding="stochastic", seed=8 if odd else 7)
-    elif field == "out":
+    shard, _ = _common_case(field, odd, shard, kw)
+    if field == "out":
         total = sum(100 + r for r in range(comm.size))
         kw["out"] = np.empty(total - 1 if odd else total, np.float32)
     name = "giftcomm-odd-thread" if odd and field == "caller" else None
