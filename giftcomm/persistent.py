@@ -26,13 +26,16 @@ import numpy as np
 
 from . import _xp
 from .api import agree_allreduce, held, run_allreduce
+from .codec import native_available
 from .collectives import oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
 from .collectives.plan import Call
+from .errors import CommAborted
 from .formats import Format, check_key
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
+from .transport.channel import WORDS, PlanChannel, native_channel
 
 __all__ = ["AllreducePlan", "plan_allreduce", "ONESHOT_MAX_BYTES"]
 
@@ -47,16 +50,22 @@ class AllreducePlan:
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, call: Call, algorithm: str, nodes: np.ndarray, slice_n: int, word: int) -> None:
+    def __init__(self, t: Transport, call: Call, algorithm: str, nodes: np.ndarray, slice_n: int, word: int,
+                 channel: bool) -> None:
         self.transport, self.algorithm = t, algorithm
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
         self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
         self._wire = call.wire(t.rank)
         self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
-        self._header = np.zeros(4, np.int64)
+        self._header = np.zeros(WORDS, np.int64)
         self._piggyback = algorithm == "oneshot" and t.memory == HOST and not call.imp.device
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
+        self._state = t.state if channel else None
+        # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
+        self._fast = (channel and algorithm == "oneshot" and not self._stochastic and call.imp.source == "numpy"
+                      and call.arr.dtype == np.float32)
+        self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
@@ -81,38 +90,87 @@ class AllreducePlan:
         """The allreduce of ``x`` (the template's shape, dtype and kind) with the planned
         arguments: an array of x's shape and dtype in x's framework (``out`` if given); ``seed``
         (stochastic plans: this call's) and ``timeout`` as for :func:`giftcomm.allreduce`."""
-        t = self.transport
-        with held(t, timeout):
-            error: Exception | None = None
-            call = None
-            try:
-                call = self._local(x, out, seed)
-            except Exception as exc:  # joins the check below: every rank raises it
-                error = exc
-            head = self._header
-            head[0] = 0 if error is None else error_code(error)
-            head[1], head[2] = self._word, planning.caller()
-            head[3] = 0 if call is None or call.seed is None else call.seed - (1 << 64) * (call.seed >= 1 << 63)
-            wire = self._wire if call is None or call.seed is None else self._wire_for(call.seed)
-            if self._piggyback:
-                flat = self._zeros if call is None else planning.flat_values(call)
-                got = oneshot.exchange(t, flat, wire, head)
-                table = got.headers()
-                self._check(table, error)
-                assert call is not None
-                into = planning.direct_out(call) if self._acc == np.float32 else None
-                total = oneshot.reduce(got, self._zeros.size, t.size, wire, self._acc, into)
-                if into is not None:
-                    if call.op == "avg":
-                        planning.divide(total, t.size)
-                    return out
-                return planning.finish(total, call, t.size, self.shape, out)
-            self._check(t.allgather_int64(head), error)
-            assert call is not None
-            return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+        state = self._state
+        channel = None if state is None else state.channel
+        if (state is not None and channel is not None and self._fast and seed is None and timeout is None and type(x) is np.ndarray
+                and x.shape == self.shape and (out is None or (type(out) is np.ndarray and out.shape == self.shape))):
+            # every check of the slow path, in C or above: dtype, contiguity, writability, shape
+            res = np.empty(self.shape, np.float32) if out is None else out
+            t = self.transport
+            with state.lock:
+                status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
+                                             self._wire.block, None, self._avg, t.timeout)
+                if status == 0:
+                    return res
+                if status != 3:  # 3: not for the fast path; nothing was posted
+                    self._failed(channel, status, None)
+        with held(self.transport, timeout):
+            return self._call(x, out, seed, channel)
 
-    def _wire_for(self, seed: int) -> Any:
-        return replace(self._wire, seed=seed)
+    def _call(self, x: Any, out: Any, seed: int | None, channel: PlanChannel | None) -> Any:
+        t = self.transport
+        error: Exception | None = None
+        call = None
+        try:
+            call = self._local(x, out, seed)
+        except Exception as exc:  # joins the check below: every rank raises it
+            error = exc
+        head = self._header
+        head[0] = 0 if error is None else error_code(error)
+        head[1], head[2] = self._word, planning.caller()
+        head[3] = 0 if call is None or call.seed is None else call.seed - (1 << 64) * (call.seed >= 1 << 63)
+        wire = self._wire if call is None or call.seed is None else replace(self._wire, seed=call.seed)
+        if channel is not None:
+            return self._over_channel(channel, call, error, wire, out)
+        if self._piggyback:
+            flat = self._zeros if call is None else planning.flat_values(call)
+            got = oneshot.exchange(t, flat, wire, head)
+            self._check(got.headers(), error)
+            assert call is not None
+            return self._reduce([got.message(q) for q in range(t.size)], call, wire, out)
+        self._check(t.allgather_int64(head), error)
+        assert call is not None
+        return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+
+    def _over_channel(self, channel: PlanChannel, call: Call | None, error: Exception | None, wire: Any,
+                      out: Any) -> Any:
+        """One call through the node-shared channel, the message encoded here (any dtype, any
+        rounding; a failing rank posts its header alone)."""
+        t = self.transport
+        parity, nbytes = channel.native.parity(), wire.nbytes(self._zeros.size)
+        if call is not None and self.algorithm == "oneshot":
+            wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
+        head = self._header
+        status = channel.native.call(int(head[0]), int(head[1]), int(head[2]), int(head[3]), None, None,
+                                     self._fmt_code, wire.block, None, False, t.timeout)
+        self._failed(channel, status, error)
+        assert call is not None
+        if self.algorithm != "oneshot":
+            return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+        return self._reduce([channel.payload(q, parity, nbytes) for q in range(t.size)], call, wire, out)
+
+    def _reduce(self, messages: list[Any], call: Call, wire: Any, out: Any) -> Any:
+        """The one-shot sum of every rank's message, finished like :func:`giftcomm.allreduce`."""
+        t = self.transport
+        into = planning.direct_out(call) if self._acc == np.float32 else None
+        total = oneshot.reduce(messages, self._zeros.size, wire, self._acc, into)
+        if into is not None:
+            if call.op == "avg":
+                planning.divide(total, t.size)
+            return out
+        return planning.finish(total, call, t.size, self.shape, out)
+
+    def _failed(self, channel: PlanChannel, status: int, error: Exception | None) -> None:
+        """Raise what a channel call's status says (on every rank alike): the deadline passed
+        (2), the channel is closed after an earlier failure (4), or some rank failed or ran
+        another plan (1, read from the headers)."""
+        if status == 4:
+            raise CommAborted("giftcomm plan: the shared-memory channel is unusable after an earlier timeout or "
+                              "interrupt (or its transport's state was released); make a new communicator and plan")
+        if status == 2:
+            late = tuple(int(q) for q in np.flatnonzero(channel.table[:, 0] == -1))
+            self.transport.expired("giftcomm plan (shared-memory channel)", late, self.transport.timeout)
+        self._check(channel.table, error)
 
     def _check(self, table: np.ndarray, error: Exception | None) -> None:
         """Raise on every rank when any rank failed locally or ran another plan / thread."""
@@ -154,4 +212,15 @@ def plan_allreduce(
         t.state.plans += 1
         word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
         slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
-        return AllreducePlan(t, call, chosen, nodes, slice_n, word)
+        return AllreducePlan(t, call, chosen, nodes, slice_n, word, _channel(t, call, chosen))
+
+
+def _channel(t: Transport, call: Call, algorithm: str) -> bool:
+    """Whether the plan's calls go through the node-shared channel (collective: every rank
+    alike): host arrays, every rank able to run the native channel, and a channel to be had."""
+    able = (t.memory == HOST and not call.imp.device and t.shared_memory and native_channel() is not None
+            and native_available())
+    if not t.allgather_int64(np.array([int(able)], np.int64))[:, 0].all():
+        return False
+    wire = call.wire(t.rank)
+    return t.plan_channel(wire.nbytes(call.arr.size) if algorithm == "oneshot" else 0) is not None

@@ -20,6 +20,8 @@
  * while the kernels run. Exact aliasing of an input and an output of the same call (msg_in is
  * msg_out, or sum_out is local) is allowed; partial overlap is not.
  *
+ * Channel: the plan channel over node-shared memory (native/gc_channel.c).
+ *
  * Private helpers for tests and benchmarks: _isa() -> the kernel variant in use ("generic",
  * "avx2", "avx512", "avx512vbmi"); _isas() -> the variants this CPU can run; _set_isa(name). The variant is
  * chosen at import: the best one the CPU supports, or GIFTCOMM_NATIVE_ISA if set (an unknown or
@@ -32,6 +34,7 @@
 #include <string.h>
 
 #include "gc_codec.h"
+#include "gc_channel.h"
 
 static const gc_kernels *g_kernels = &gc_kernels_generic;
 
@@ -106,6 +109,15 @@ static size_t msg_nbytes(size_t n, int fmt, size_t block)
     if (is_mx(fmt))
         return gc_payload_bytes(n, fmt) + (n + 31) / 32;
     return n * (size_t)fmt_itemsize(fmt);
+}
+
+const gc_kernels *gc_active_kernels(void) { return g_kernels; }
+
+size_t gc_message_nbytes(size_t n, int fmt, size_t block)
+{
+    if (!fmt_itemsize(fmt) || block < 1 || block > GC_MAX_BLOCK || (is_mx(fmt) && block != gc_fixed_block(fmt)))
+        return SIZE_MAX;
+    return msg_nbytes(n, fmt, block);
 }
 
 /* key (None or int in [0, 2^64)) and offset -> *rng; returns 1 (stochastic), 0 (nearest), -1 error */
@@ -419,6 +431,10 @@ PyMODINIT_FUNC PyInit__codec_native(void)
         }
     }
     PyObject *mod = PyModule_Create(&moduledef);
+    if (mod && gc_channel_register(mod) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
     const char *env = getenv("GIFTCOMM_NATIVE_ISA");
     if (mod && env && *env) {
         int r = set_isa(env);

@@ -92,3 +92,88 @@ def test_plans_over_mpi(rng):
             with pytest.raises(ValueError, match="rank"):
                 plan(xs[r][:-1] if r == p - 1 else xs[r])
         assert same(plan(xs[r]), want)  # the plan stays usable after an agreed error
+
+
+def _shared_inputs(comm, rng, n: int, dtype=np.float32) -> list[np.ndarray]:
+    """Every rank's input, the same list on every rank (rank 0's seed)."""
+    gen = np.random.default_rng(comm.bcast(int(rng.integers(2**31)), root=0))
+    return [gen.standard_normal(n).astype(dtype) for _ in range(comm.size)]
+
+
+def _channel_of(comm):
+    from giftcomm.transport import resolve
+
+    return resolve(comm).state.channel
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "mxfp8", "bf16", "fp32"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_channel_plans_equal_the_simulation_on_every_call(rng, fmt, op):
+    """On one node a one-shot plan's calls go through the shared-memory channel (native encode,
+    exchange and rank-order sum); every call, with and without out= (in place too), equals the
+    simulation bit for bit."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    r = comm.rank
+    for n in (1, 255, 4096):
+        xs = _shared_inputs(comm, rng, n)
+        plan = gc.plan_allreduce(xs[r], comm=comm, op=op, fmt=fmt)
+        assert plan.algorithm == "oneshot" and _channel_of(comm) is not None
+        want = simulate_allreduce(xs, fmt, None, op, "oneshot")[r]
+        for _ in range(3):  # both slots, and a slot reused
+            assert same(plan(xs[r]), want)
+        out = np.full(n, np.nan, np.float32)
+        assert plan(xs[r], out=out) is out and same(out, want)
+        mine = xs[r].copy()
+        plan(mine, out=mine)
+        assert same(mine, want)
+
+
+@pytest.mark.mpi
+def test_channel_slow_paths_equal_the_simulation(rng):
+    """Stochastic rounding, 16-bit input and a larger (ring) plan also go through the channel
+    (the message encoded in Python, or the header alone); a bigger plan grows the channel and
+    the older plan keeps working."""
+    import ml_dtypes
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    r = comm.rank
+    xs = _shared_inputs(comm, rng, 1000)
+    sr = gc.plan_allreduce(xs[r], comm=comm, fmt="nvfp4", rounding="stochastic")
+    for seed in (3, 2**63 + 5):
+        assert same(sr(xs[r], seed=seed), simulate_allreduce(xs, "nvfp4", None, "sum", "oneshot",
+                                                             rounding="stochastic", seed=seed)[r])
+    halves = [x.astype(ml_dtypes.bfloat16) for x in xs]
+    bf = gc.plan_allreduce(halves[r], comm=comm, op="avg")
+    assert same(bf(halves[r]), simulate_allreduce(halves, "e4m3", None, "avg", "oneshot")[r])
+    small = gc.plan_allreduce(xs[r], comm=comm)
+    big_in = _shared_inputs(comm, rng, 32768, np.float16)  # 64 KiB in, 128 KiB of fp32 on the wire
+    big = gc.plan_allreduce(big_in[r], comm=comm, fmt="fp32")
+    assert big.algorithm == "oneshot"
+    assert same(big(big_in[r]), simulate_allreduce(big_in, "fp32", None, "sum", "oneshot")[r])
+    assert same(small(xs[r]), simulate_allreduce(xs, "e4m3", None, "sum", "oneshot")[r])
+    ring_in = _shared_inputs(comm, rng, 50000)
+    ring = gc.plan_allreduce(ring_in[r], comm=comm, algorithm="ring")
+    assert same(ring(ring_in[r]), simulate_allreduce(ring_in, "e4m3", None, "sum", "ring")[r])
+
+
+@pytest.mark.mpi
+@pytest.mark.multirank
+def test_channel_disagreements_raise_on_every_rank(rng):
+    """Over the channel: a float64 array on the last rank (the others on the native fast path),
+    and ranks calling different plans, raise the same error on every rank; the plans stay usable."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    p, r = comm.size, comm.rank
+    xs = _shared_inputs(comm, rng, 300)
+    a = gc.plan_allreduce(xs[r], comm=comm)
+    b = gc.plan_allreduce(xs[r][:200], comm=comm)
+    with pytest.raises(ValueError, match=r"bad input on rank\(s\) " + str(p - 1)):
+        a(xs[r].astype(np.float64) if r == p - 1 else xs[r])
+    with pytest.raises(ValueError, match="ranks disagree on plan"):
+        a(xs[r]) if r == 0 else b(xs[r][:200])
+    assert same(a(xs[r]), simulate_allreduce(xs, "e4m3", None, "sum", "oneshot")[r])

@@ -13,7 +13,7 @@ same call costs no extra round trip). Host or device arrays; headers only on hos
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -62,21 +62,22 @@ def exchange(t: Transport, x: Any, wire: Wire, header: np.ndarray | None = None)
     return got
 
 
-def reduce(got: Exchanged, n: int, p: int, wire: Wire, acc_t: np.dtype, out: Any = None) -> Any:
-    """The sum of the P messages of ``got`` (``n`` values each) in rank order, in ``acc_t``:
-    float32 accumulates into ``out`` (float32, n) when given."""
+def reduce(messages: Sequence[Any], n: int, wire: Wire, acc_t: np.dtype, out: Any = None) -> Any:
+    """The sum of every rank's message (``n`` values each, in rank order) in ``acc_t``: float32
+    accumulates into ``out`` (float32, n) when given."""
     with np.errstate(invalid="ignore", over="ignore"):
         if acc_t == np.float32:
-            total = wire.decode(got.message(0), n, out=out)
-            for q in range(1, p):
-                wire.accumulate(got.message(q), total)
+            total = wire.decode(messages[0], n, out=out)
+            for msg in messages[1:]:
+                wire.accumulate(msg, total)
             return total
-        total = wire.decode(got.message(0), n).astype(acc_t)
-        for q in range(1, p):
-            total += wire.decode(got.message(q), n).astype(acc_t)
+        total = wire.decode(messages[0], n).astype(acc_t)
+        for msg in messages[1:]:
+            total += wire.decode(msg, n).astype(acc_t)
         return total
 
 
 def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None) -> Any:
     """The one-shot sum of ``x`` over all ranks (``out`` if given and float32)."""
-    return reduce(exchange(t, x, wire), x.size, t.size, wire, acc_t, out)
+    got = exchange(t, x, wire)
+    return reduce([got.message(q) for q in range(t.size)], x.size, wire, acc_t, out)

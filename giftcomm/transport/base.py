@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from ..errors import CommTimeout
+from .channel import PlanChannel, channel_window_nbytes, native_channel
 from .shared_window import SharedWindow, grown_size
 
 PIPELINED, GROUPED = "pipelined", "grouped"
@@ -61,6 +63,7 @@ class TransportState:
     window: the node-shared window, or None. splits: sub-transports by (name, members).
     lock: held by a collective for its whole duration (calls from several threads run one at a
     time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
+    channel: the persistent plans' one-shot channel in node-shared memory, or None.
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
@@ -69,6 +72,7 @@ class TransportState:
     splits: dict[tuple[str, tuple[int, ...]], "Transport"] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     plans: int = 0
+    channel: PlanChannel | None = None
 
 
 class Transport(ABC):
@@ -81,6 +85,9 @@ class Transport(ABC):
     shared_memory: bool = False
     """True when every rank can map every other rank's memory, so that :meth:`shared_window`
     gives a window (the same on every rank)."""
+    crowded: bool = False
+    """True when this node runs more of the ranks than it has cores: a waiting rank then yields
+    its core while it spins."""
     _state: TransportState | None = None
     _timeout: float | None = None
 
@@ -191,6 +198,32 @@ class Transport(ABC):
             st.window = self.allocate_window(grown_size(nbytes))
         return st.window
 
+    def plan_channel(self, capacity: int) -> PlanChannel | None:
+        """The persistent plans' channel (:class:`~giftcomm.transport.channel.PlanChannel`) with
+        room for ``capacity`` payload bytes per message, or None when the ranks share no memory
+        or this build has no native channel (then on every rank alike: the caller agrees on
+        :func:`~giftcomm.transport.channel.native_channel` first). Collective, with the same
+        ``capacity`` everywhere; kept and reused, and replaced (older references then closed)
+        only to grow, in 64 KiB steps."""
+        if not self.shared_memory or native_channel() is None:
+            return None
+        st = self.state
+        if st.channel is None or st.channel.capacity < capacity:
+            if st.channel is not None:
+                st.channel.release()
+                st.channel = None
+            room = grown_size(capacity)
+            win = self.allocate_window(channel_window_nbytes(room))
+            st.channel = None if win is None else PlanChannel(win, self.rank, room, self.crowded)
+        return st.channel
+
+    def expired(self, what: str, peers: tuple[int, ...], seconds: float) -> None:
+        """Apply the timeout policy to a wait for ``peers`` that passed its deadline of
+        ``seconds`` outside a :class:`Request` (the plan channel's): raise
+        :class:`~giftcomm.errors.CommTimeout` (MPI transports may end the job instead)."""
+        raise CommTimeout(f"giftcomm: {what} timed out on rank {self.rank} of {self.size} after {seconds:g} s "
+                          f"waiting for rank(s) {', '.join(map(str, peers))}", what, peers, seconds, self.rank)
+
     def split(self, members: Sequence[int], name: str) -> "Transport":
         """A transport over the parent ranks ``members`` (which include this rank), cached by name.
 
@@ -213,6 +246,9 @@ class Transport(ABC):
         st, self._state = self._state, None
         if st is not None and st.window is not None:
             st.window.release()
+        if st is not None and st.channel is not None:
+            st.channel.release()
+            st.channel = None
 
 
 class QueuedRequest(Request):

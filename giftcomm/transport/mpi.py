@@ -116,7 +116,7 @@ class MpiTransport(Transport):
     "abort" or "raise" (None: $GIFTCOMM_ON_TIMEOUT). Creating a transport is collective.
     """
 
-    _yield = True  # until the node layout is known: yield while spinning
+    crowded = True  # until the node layout is known: yield while spinning
     _token = np.zeros(2, np.uint8)  # the barrier's one-byte messages (in, out)
 
     def __init__(self, comm: MPI.Comm, shared_memory: bool | None = None, timeout: float | None = None,
@@ -147,7 +147,7 @@ class MpiTransport(Transport):
                 env_error = str(exc)
         self._env_error = env_error
         self._nodes = self._find_nodes()
-        self._yield = _crowded(self._nodes, self.rank)
+        self.crowded = _crowded(self._nodes, self.rank)
         one_node = bool((self._nodes == 0).all())
         if shared_memory and not one_node:
             raise ValueError(f"shared_memory=True needs every rank on one node; these span {self._nodes.max() + 1}")
@@ -170,7 +170,7 @@ class MpiTransport(Transport):
                     return
                 if time.monotonic() - start > _SPIN_S:
                     break
-                if self._yield:  # more ranks than cores on this node: let the peer run
+                if self.crowded:  # more ranks than cores on this node: let the peer run
                     os.sched_yield()
             while True:
                 waited = time.monotonic() - start
@@ -229,6 +229,9 @@ class MpiTransport(Transport):
         raise CommTimeout(f"{msg}; this transport is unusable from now on", what,
                           tuple(range(self.size)) if peers is None else peers, limit, self.rank)
 
+    def expired(self, what: str, peers: tuple[int, ...], seconds: float) -> None:
+        self._expired(None, what, peers, seconds)
+
     def _arrive(self, comm: MPI.Comm, what: str) -> None:
         """A barrier with a deadline before a blocking collective that has no nonblocking form
         (Comm_dup, Comm_split, Win_allocate_shared, Win_free): once every rank has arrived, the
@@ -269,7 +272,7 @@ class MpiTransport(Transport):
         t.user_comm, t.comm = sub, sub
         t.rank, t.size = sub.Get_rank(), sub.Get_size()
         t._nodes = self._nodes[list(members)]
-        t._yield = self._yield
+        t.crowded = self.crowded
         t._health, t.on_timeout, t.timeout = self._health, self.on_timeout, self.timeout
         return t
 
