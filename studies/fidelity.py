@@ -9,8 +9,12 @@
 - ``cost``: forward + inverse time of the geometries against the predicted time of the FP8
   collective (see ``cost_main``).
 
-Every method reduces the same per-rank float32 buffers at P ranks (``op="avg"``, ring algorithm)
-and is compared with the float64 mean. With ``--mpi`` (under ``mpiexec -n P``) the reductions run
+Every method reduces the same per-rank float32 buffers at P ranks (``op="avg"``, the ring
+algorithm unless ``--algos`` names others: ring, direct, doubling, hierarchical:L for nodes of L
+ranks) and is compared with the float64 mean. ``--fmt A,B --rounding nearest,stochastic`` runs
+the formats study instead of the default method list: per wire format and rounding, Euclidean,
+GIFT full, GIFT low rank and the default policy at the same bytes (stochastic rounding seeded
+with ``--seed`` + the step index). With ``--mpi`` (under ``mpiexec -n P``) the reductions run
 through ``giftcomm.allreduce`` / ``giftcomm.gift_allreduce`` over MPI and every result is checked,
 bit for bit, against ``giftcomm.reference.simulate_*`` of the same inputs (column ``mpi==sim``);
 without it the reference simulator alone is used.
@@ -285,6 +289,7 @@ class Method:
     per_tensor: bool = False
     rounding: str = "nearest"  # or "stochastic": seeded per step (seed + step index)
     seed: int = 0
+    geometry: str | None = None  # the geometry's name, shared by methods that build the same one (cached)
 
 
 def _spectra(factors: Mapping) -> dict:
@@ -322,27 +327,35 @@ def default_methods(ranks: Sequence[int] = (8, 32, 128), policy: SelectivePolicy
     return methods
 
 
+ROUNDINGS = ("nearest", "stochastic")
+
+
 def format_methods(fmts: Sequence[str], roundings: Sequence[str] = ("nearest",), ranks: Sequence[int] = (32,),
-                   policy: SelectivePolicy | None = None, damping: float = 1e-3) -> list[Method]:
+                   policy: SelectivePolicy | None = None, damping: float = 1e-3, seed: int = 0) -> list[Method]:
     """For each wire format and rounding: Euclidean, GIFT full, GIFT low rank k (each of ``ranks``)
     and the selective policy, all in that format with its own block (256 for e4m3/e5m2, 16 for
     nvfp4, 32 for the MX formats): the same bytes per value within a (format, rounding) group.
-    Labels: "<fmt>[ sr] <geometry>", geometry one of euclid, gift full, gift k=K, gift policy."""
+    Labels: "<fmt>[ sr] <geometry>", geometry one of euclid, gift full, gift k=K, gift policy.
+    Stochastic rounding is seeded with ``seed`` + the step index."""
     pol = policy or SelectivePolicy()
     dmp = float(damping)
+    for rnd in roundings:
+        if rnd not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {rnd!r}; known: {ROUNDINGS}")
     out = []
     for fmt in fmts:
         blk = resolve_block(fmt, None)
         for rnd in roundings:
             tag = f"{fmt}{' sr' if rnd == 'stochastic' else ''}"
-            kw = dict(fmt=fmt, block=blk, rounding=rnd)
-            out.append(Method(f"{tag} euclid", **kw))
+            kw = dict(fmt=fmt, block=blk, rounding=rnd, seed=int(seed))
+            out.append(Method(f"{tag} euclid", geometry="euclid", **kw))
             out.append(Method(f"{tag} gift full", build=lambda c, sp: Geometry.from_kfac(c.layout, sp, damping=dmp),
-                              **kw))
+                              geometry="gift full", **kw))
             for k in ranks:
-                out.append(Method(f"{tag} gift k={k}", **kw,
+                out.append(Method(f"{tag} gift k={k}", **kw, geometry=f"gift k={k}",
                                   build=lambda c, sp, k=k: Geometry.from_kfac(c.layout, sp, rank=k, damping=dmp)))
-            out.append(Method(f"{tag} gift policy", build=lambda c, sp: select(c.layout, sp, pol, dmp), **kw))
+            out.append(Method(f"{tag} gift policy", build=lambda c, sp: select(c.layout, sp, pol, dmp),
+                              geometry="gift policy", **kw))
     return out
 
 
@@ -370,14 +383,14 @@ def _method_bytes(method: Method, layout: Layout) -> float:
 def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, algorithm: str,
                 step: int = 0) -> np.ndarray:
     """The reference simulator's result (rank 0's; all ranks are identical), flat float32."""
+    alg, lkw = _alg(algorithm)
     if method.per_tensor:
         out = np.empty(layout.size, np.float32)
         for s in layout:
             blk = check_block(min(max(s.size, 1), MAX_BLOCK))
             out[s.offset:s.stop] = simulate_allreduce([x[s.offset:s.stop] for x in inputs], method.fmt, blk,
-                                                      "avg", algorithm)[0]
+                                                      "avg", alg, **lkw, **_rkw(method, step))[0]
         return out
-    alg, lkw = _alg(algorithm)
     return simulate_gift_allreduce(inputs, geo, method.fmt, method.block, "avg", alg, **lkw,
                                    **_rkw(method, step))[0]
 
@@ -385,25 +398,29 @@ def _reduce_sim(method: Method, geo, inputs: list[np.ndarray], layout: Layout, a
 def _reduce_mpi(method: Method, geo, mine: np.ndarray, layout: Layout, comm, algorithm: str,
                 step: int = 0) -> np.ndarray:
     """This rank's result of giftcomm.allreduce / gift_allreduce over ``comm``, flat float32."""
+    alg, lkw = _alg(algorithm)
     if method.per_tensor:
         out = np.empty(layout.size, np.float32)
         for s in layout:
             blk = min(max(s.size, 1), MAX_BLOCK)
             out[s.offset:s.stop] = giftcomm.allreduce(mine[s.offset:s.stop], comm=comm, op="avg", fmt=method.fmt,
-                                                 block=blk, algorithm=algorithm)
+                                                      block=blk, algorithm=alg, **lkw, **_rkw(method, step))
         return out
     return giftcomm.gift_allreduce(mine, geo, comm=comm, op="avg", fmt=method.fmt, block=method.block,
-                                   algorithm=_alg(algorithm)[0], **_rkw(method, step))
+                                   algorithm=alg, **lkw, **_rkw(method, step))
 
 
 def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: float = 1e-3,
-             algorithm: str = "ring", progress: bool = False) -> list[dict] | None:
+             algorithm: str = "ring", progress: bool = False, cache: dict | None = None) -> list[dict] | None:
     """Run every method on every step of ``case``; return one dict of metrics per method.
 
     comm: None (reference simulator only) or an mpi4py communicator of ``case.ranks`` ranks
     (collective; each rank reduces its own buffers, rank 0 also simulates and compares bit for
-    bit; only rank 0 returns the rows, other ranks return None).
-    Row keys: method, bytes_per_value, rel_l2, whitened, whitened_pooled, flipped, zeroed,
+    bit; only rank 0 returns the rows, other ranks return None). algorithm: ring, direct,
+    doubling, hierarchical:L (nodes of L ranks). cache: a dict kept across calls on the same
+    ``case`` (e.g. one per algorithm): the factor spectra and the geometries of methods with a
+    ``geometry`` name are computed once.
+    Row keys: method, fmt, rounding, algorithm, geometry, bytes_per_value, rel_l2, whitened, whitened_pooled, flipped, zeroed,
     adam_cos, transformed (fraction of elements), gflop (forward + inverse, whole buffer),
     per_segment_whitened (name -> ratio), per_segment_l2, mpi_equals_sim (None without comm),
     per_step_rel_l2 / per_step_whitened (one value per step of ``case.grads``; the other error
@@ -412,14 +429,28 @@ def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: f
     root = comm is None or comm.Get_rank() == 0
     if comm is not None and comm.Get_size() != case.ranks:
         raise ValueError(f"case has {case.ranks} ranks of data but the communicator has {comm.Get_size()}")
-    spectra = _spectra(case.factors)
+    cache = {} if cache is None else cache
+    if cache.get("case") is not case:
+        cache.clear()
+        cache["case"] = case
+    if "spectra" not in cache:
+        cache["spectra"] = _spectra(case.factors)
+    spectra = cache["spectra"]
     metric = WhiteningMetric(case.layout, case.metric, metric_damping) if root else None
     exact = [np.mean([x.astype(np.float64) for x in step], axis=0) for step in case.grads]
     exact_update = adam_update(exact) if root else None
     rows = []
     for method in methods:
         t0 = time.perf_counter()
-        geo = method.build(case, spectra) if method.build else None
+        if method.build is None:
+            geo = None
+        elif method.geometry is None:
+            geo = method.build(case, spectra)
+        else:
+            key = ("geometry", method.geometry)
+            if key not in cache:
+                cache[key] = method.build(case, spectra)
+            geo = cache[key]
         results, equal = [], True
         for si, step in enumerate(case.grads):
             if comm is None:
@@ -441,6 +472,10 @@ def evaluate(case: Case, methods: Sequence[Method], comm=None, metric_damping: f
         transformed = 0 if geo is None else sum(t.segment.size for t in geo.transforms if not t.is_identity)
         rows.append({
             "method": method.label,
+            "fmt": method.fmt,
+            "rounding": method.rounding,
+            "algorithm": algorithm,
+            "geometry": method.geometry or method.label,
             "bytes_per_value": _method_bytes(method, case.layout),
             "rel_l2": relative_l2(results[-1], exact[-1]),
             "whitened": metric.aggregate(ratios),
@@ -499,29 +534,80 @@ def format_per_step(rows: Sequence[dict], reference: str = "e4m3 block256") -> s
     return "\n".join(out)
 
 
+def _variants(rows: Sequence[dict]) -> list[tuple[str, dict, dict]]:
+    """(label prefix, euclid row, geometry -> GIFT row) per (format, rounding) group of
+    format_methods()'s rows; geometry one of "gift full", "gift k=K", "gift policy"."""
+    by = {r["method"]: r for r in rows}
+    out = []
+    for lab in [r["method"][: -len(" euclid")] for r in rows if r["method"].endswith(" euclid")]:
+        gifts = {m[len(lab) + 1:]: r for m, r in by.items() if m.startswith(f"{lab} gift ")}
+        out.append((lab, by[lab + " euclid"], gifts))
+    return out
+
+
+def _fmt_rounding(lab: str, row: dict) -> tuple[str, str]:
+    """(format, rounding) of a row (older rows without the keys: from the label)."""
+    if "fmt" in row:
+        return row["fmt"], row["rounding"]
+    return lab.removesuffix(" sr"), "stochastic" if lab.endswith(" sr") else "nearest"
+
+
 def format_summary(blocks: Sequence[tuple[str, str, Sequence[dict]]]) -> str:
     """One line per (case, algorithm, format, rounding) of format_methods()'s rows: the Euclidean
     whitened and L2 errors, and for each GIFT geometry its gain (Euclidean whitened / GIFT
     whitened: > 1 is better) and its L2 ratio (GIFT L2 / Euclidean L2: > 1 is worse), at the
     same bytes per value. blocks: (case name, algorithm, rows)."""
-    out = ["| case | algorithm | format | B/value | euclid whitened | euclid L2 | full: gain / L2x | "
+    out = ["| case | algorithm | format | rounding | B/value | euclid whitened | euclid L2 | full: gain / L2x | "
            "low rank: gain / L2x | policy: gain / L2x |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for case, alg, rows in blocks:
-        by = {r["method"]: r for r in rows}
-        for lab in [r["method"][: -len(" euclid")] for r in rows if r["method"].endswith(" euclid")]:
-            e = by[lab + " euclid"]
+        for lab, e, gifts in _variants(rows):
             cells = []
             for geo in ("gift full", "gift k=", "gift policy"):
-                g = next((r for m, r in by.items() if m.startswith(f"{lab} {geo}")), None)
+                name = next((m for m in gifts if m.startswith(geo)), None)
+                g = gifts.get(name)
                 if g is None or g["whitened"] <= 0 or e["rel_l2"] <= 0:
                     cells.append("-")
                     continue
-                name = g["method"][len(lab) + 1:].replace("gift ", "")
-                tag = f"{name}: " if geo == "gift k=" else ""
+                tag = f"{name.removeprefix('gift ')}: " if geo == "gift k=" else ""
                 cells.append(f"{tag}{e['whitened'] / g['whitened']:.2f}x / {g['rel_l2'] / e['rel_l2']:.2f}")
-            out.append(f"| {case} | {alg} | {lab} | {e['bytes_per_value']:.4f} | {e['whitened']:.3e} | "
+            fmt, rnd = _fmt_rounding(lab, e)
+            out.append(f"| {case} | {alg} | {fmt} | {rnd} | {e['bytes_per_value']:.4f} | {e['whitened']:.3e} | "
                        f"{e['rel_l2']:.3e} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def format_errors(blocks: Sequence[tuple[str, str, Sequence[dict]]]) -> str:
+    """The absolute errors behind format_summary(): per format, rounding and algorithm (rows
+    grouped by format and rounding, algorithms side by side), the whitened-norm and the relative
+    L2 error of Euclidean, GIFT full, GIFT low rank and the default policy. One case only (the
+    first block's)."""
+    if not blocks:
+        return ""
+    case = blocks[0][0]
+    lines: dict[tuple[str, str], list[str]] = {}
+    head = None
+    for c, alg, rows in blocks:
+        if c != case:
+            continue
+        for lab, e, gifts in _variants(rows):
+            names = ["euclid"] + [m.removeprefix("gift ") for m in gifts]
+            head = head or names
+            fmt, rnd = _fmt_rounding(lab, e)
+            cols = [e] + list(gifts.values())
+            w = " | ".join(f"{r['whitened']:.3g}" for r in cols)
+            l2 = " | ".join(f"{r['rel_l2']:.3g}" for r in cols)
+            best = min(gifts.values(), key=lambda r: r["whitened"]) if gifts else None
+            gain = f"{e['whitened'] / best['whitened']:.2f}x ({best['method'][len(lab) + 6:]})" if best else "-"
+            lines.setdefault((fmt, rnd), []).append(
+                f"| {fmt} | {rnd} | {e['bytes_per_value']:.4f} | {alg} | {w} | {l2} | {gain} |")
+    if head is None:
+        return ""
+    out = ["| format | rounding | B/value | algorithm | " + " | ".join(f"whitened {n}" for n in head) + " | "
+           + " | ".join(f"L2 {n}" for n in head) + " | best GIFT gain |",
+           "| --- | --- | ---: | --- |" + " ---: |" * (2 * len(head)) + " ---: |"]
+    for v in lines.values():
+        out += v
     return "\n".join(out)
 
 
@@ -580,6 +666,23 @@ def _load() -> str:
         return "n/a"
 
 
+def _commit() -> str:
+    """The checkout's HEAD commit (short), '+dirty' when tracked files under studies/ or giftcomm/
+    differ from it; 'unknown' outside git."""
+    import subprocess
+
+    from studies import ROOT
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "studies", "giftcomm"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty (studies/ or giftcomm/)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
 
@@ -590,7 +693,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("what", nargs="?", default="synthetic", choices=["synthetic", "real", "cost"])
     p.add_argument("--mpi", action="store_true", help="reduce over MPI.COMM_WORLD and check against the simulator")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (synthetic, without --mpi)")
-    p.add_argument("--steps", type=int, default=3, help="steps of gradients (Adam state length)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of gradients (Adam state length): synthetic: generated (default 3); real: the "
+                        "first N captured steps (default: all)")
     p.add_argument("--conds", type=float, nargs="+", default=[1e2, 1e3, 1e4, 1e5])
     p.add_argument("--spectra", nargs="+", default=["power", "exp"], choices=["power", "exp"])
     p.add_argument("--shapes", type=_shapes, default=[(256, 512), (512, 256)], help="e.g. 256x512,512x256")
@@ -602,15 +707,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="real: build geometries from the EMA factors before the capture (default) or from "
                         "the capture batches' own factors (the metric's: an oracle)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
-    p.add_argument("--algorithm", default="ring")
-    p.add_argument("--fmts", default=None,
-                   help="formats study: comma-separated wire formats (e.g. e4m3,nvfp4,mxfp4); each gets euclid, "
-                        "gift full, gift k (the first of --ks) and gift policy in its own block; with --roundings "
-                        "and --algorithms, plus a summary table")
-    p.add_argument("--roundings", default="nearest", help="formats study: nearest,stochastic")
-    p.add_argument("--algorithms", default=None,
-                   help="formats study: comma-separated algorithms (default: --algorithm); "
-                        "hierarchical:L = nodes of L ranks")
+    p.add_argument("--algos", default="ring",
+                   help="comma-separated algorithms, each run on every case: ring, direct, doubling, "
+                        "hierarchical:L (nodes of L ranks) (default ring)")
+    p.add_argument("--fmt", default=None,
+                   help="formats study: comma-separated wire formats (e.g. e4m3,nvfp4,mxfp4,mxfp8); each gets euclid, "
+                        "gift full, gift k (the first of --ks) and gift policy with the format's own block, per "
+                        "--rounding, plus a summary table (default: the default method list, all e4m3/256)")
+    p.add_argument("--rounding", default="nearest",
+                   help="formats study: comma-separated roundings: nearest, stochastic (seeded with --seed + the "
+                        "step index) (default nearest)")
+    # the spellings of earlier runs (perf/results); one spelling per idea across the studies
+    p.add_argument("--algorithm", "--algorithms", dest="algos", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--fmts", dest="fmt", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--roundings", dest="rounding", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     add_json(p, help="write the results here")
     add_out(p, help="write the markdown tables here")
     p.add_argument("--png", metavar="FILE", default=None, help="write a PNG plot here")
@@ -649,11 +759,12 @@ def main(argv: list[str] | None = None) -> int:
     root = comm is None or comm.Get_rank() == 0
     ranks = comm.Get_size() if comm is not None else a.ranks
     policy, extra = _policies(a)
-    if a.fmts:
-        methods = format_methods(a.fmts.split(","), a.roundings.split(","), a.ks[:1], policy, a.damping)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    if a.fmt:
+        methods = format_methods(split(a.fmt), split(a.rounding), a.ks[:1], policy, a.damping, a.seed)
     else:
         methods = default_methods(a.ks, policy, extra, a.damping)
-    algorithms = a.algorithms.split(",") if a.algorithms else [a.algorithm]
+    algorithms = split(a.algos)
     summary = []
     if a.methods:
         keep = [x.strip() for x in a.methods.split(",")]
@@ -662,23 +773,27 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(sys.argv[1:] if argv is None else argv),
               f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; P = {ranks}; "
               f"{'MPI (checked against the simulator)' if comm is not None else 'reference simulator'}; "
-              f"algorithm {a.algorithm}; damping {a.damping:g}; metric damping {a.metric_damping:g}; loadavg at start {_load()}"]
+              f"algorithm{'s' if len(algorithms) > 1 else ''} {', '.join(algorithms)}; damping {a.damping:g}; "
+              f"metric damping {a.metric_damping:g}; seed {a.seed}; loadavg at start {_load()}",
+              f"commit: {_commit()}"]
     t_start = time.perf_counter()
     results, md = [], list(header)
     if a.what == "synthetic":
         cases = [(sp, c) for sp in a.spectra for c in a.conds]
         for sp, cond in cases:
-            case = synthetic_case(a.shapes, cond, sp, ranks, a.steps, a.seed)
+            case = synthetic_case(a.shapes, cond, sp, ranks, a.steps or 3, a.seed)
             if root and not a.no_progress:
                 print(f"[{case.name}]", file=sys.stderr, flush=True)
+            cache: dict = {}
             for alg in algorithms:
-                rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress)
+                rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress,
+                                cache=cache)
                 if root:
                     results.append({"case": case.info | {"name": case.name}, "ranks": ranks, "algorithm": alg,
                                     "rows": rows})
                     summary.append((case.name, alg, rows))
-                    md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps} steps), {alg}", "",
-                           format_table(rows, rows[0]["method"] if a.fmts else "e4m3 block256")]
+                    md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps or 3} steps), {alg}", "",
+                           format_table(rows, rows[0]["method"] if a.fmt else "e4m3 block256")]
     else:
         from studies.gradients import load_case
 
@@ -688,15 +803,20 @@ def main(argv: list[str] | None = None) -> int:
         if a.geometry_factors == "capture":
             case.factors = case.metric
             case.name += " [geometry from the capture batches' factors]"
+        if a.steps:
+            case.grads = case.grads[: a.steps]
+            case.name += f" [first {len(case.grads)} captured step{'s' if len(case.grads) > 1 else ''}]"
         if comm is None and case.ranks != a.ranks and root:
             print(f"note: the data has {case.ranks} ranks' gradients; simulating P = {case.ranks}", file=sys.stderr)
+        cache = {}
         for alg in algorithms:
-            rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress)
+            rows = evaluate(case, methods, comm, a.metric_damping, alg, progress=root and not a.no_progress,
+                            cache=cache)
             if root:
                 results.append({"case": case.info | {"name": case.name}, "ranks": case.ranks, "algorithm": alg,
                                 "rows": rows})
                 summary.append((case.name, alg, rows))
-                refname = rows[0]["method"] if a.fmts else "e4m3 block256"
+                refname = rows[0]["method"] if a.fmt else "e4m3 block256"
                 md += ["", f"### {case.name}, {alg}", "", format_table(rows, refname)]
                 per_step = format_per_step(rows, refname)
                 if per_step:
@@ -704,10 +824,14 @@ def main(argv: list[str] | None = None) -> int:
                            f"L2x = method rel L2 / {refname} rel L2):", "", per_step]
     if not root:
         return 0
-    if a.fmts:
+    if a.fmt:
         md[len(header):len(header)] = ["", "### Summary: GIFT vs Euclidean at the same bytes per value "
                                        "(gain = euclid whitened / gift whitened; L2x = gift L2 / euclid L2)", "",
-                                       format_summary(summary)]
+                                       format_summary(summary), "",
+                                       f"### Errors per format, rounding and algorithm ({summary[0][0]}; whitened = "
+                                       "whitened-norm relative error, L2 = relative L2 error; best GIFT gain = "
+                                       "euclid whitened / the smallest GIFT whitened)", "",
+                                       format_errors(summary)]
     md.append("")
     md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
     _emit("\n".join(md), a.out, a.json, {"header": header, "results": results})
