@@ -3,8 +3,10 @@
 
     mpiexec -n P python perf/small_calls.py [--fmt e4m3] [--sizes 1K,4K,16K,64K] [--calls 400]
 
-For every size: the median over 9 repeats of the mean microseconds per call (each repeat after a
-barrier), and the plan's time over MPI_Allreduce's. e4m3 on the wire for giftcomm, float32 input.
+For every size: the median over 9 rounds of the mean microseconds per call (each timing after a
+barrier; the three contenders take turns within every round, so that a busy moment of the machine
+falls on all of them), and the plan's time over MPI_Allreduce's. e4m3 on the wire for giftcomm,
+float32 input.
 """
 from __future__ import annotations
 
@@ -18,15 +20,17 @@ import giftcomm
 from giftcomm.perf.sizes import parse_size
 
 
-def per_call_us(fn, calls: int, comm) -> float:
-    times = []
+def per_call_us(fns, calls: int, comm) -> list[float]:
+    """Median microseconds per call of each function, over 9 interleaved rounds."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(9):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls)
-    return float(np.median(times)) * 1e6
+        for fn, got in zip(fns, times):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            got.append((time.perf_counter() - t0) / calls)
+    return [float(np.median(t)) * 1e6 for t in times]
 
 
 def main() -> None:
@@ -47,9 +51,8 @@ def main() -> None:
         for _ in range(50):
             giftcomm.allreduce(x, fmt=args.fmt, out=out)
             plan(x, out=out)
-        plain = per_call_us(lambda: giftcomm.allreduce(x, fmt=args.fmt, out=out), args.calls, comm)
-        planned = per_call_us(lambda: plan(x, out=out), args.calls, comm)
-        mpi = per_call_us(lambda: comm.Allreduce(x, out), args.calls, comm)
+        plain, planned, mpi = per_call_us([lambda: giftcomm.allreduce(x, fmt=args.fmt, out=out),
+                                           lambda: plan(x, out=out), lambda: comm.Allreduce(x, out)], args.calls, comm)
         if comm.rank == 0:
             print(f"  {4 * n:>8} {plain:>10.1f} {planned:>8.1f} {mpi:>9.1f} {planned / mpi:>8.2f}x  {plan.algorithm}",
                   flush=True)

@@ -199,24 +199,29 @@ PLAN_STALL = """
 x = np.ones(256, np.float32)
 plan = gc.plan_allreduce(x, comm=comm)
 plan(x)
+calls = {"plan": lambda: plan(x), "plain": lambda: gc.allreduce(x, comm=comm)}
+first = os.environ["FIRST"]
 if rank == 1:
     os.kill(os.getpid(), signal.SIGSTOP)  # stalled: never comes back by itself
 t0 = time.monotonic()
-report("stalled", lambda: plan(x))
+report("stalled", calls[first])
 print(f"WAITED rank={rank} {time.monotonic() - t0:.2f}", flush=True)
-report("again", lambda: plan(x))
-report("plain", lambda: gc.allreduce(x, comm=comm))
+t0 = time.monotonic()
+report("again", calls["plan"])
+report("plain", calls["plain"])
+print(f"REFUSED rank={rank} {time.monotonic() - t0:.2f}", flush=True)
 os._exit(0)
 """
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("policy", ["raise", "abort"])
-def test_a_stalled_peer_times_out_a_plan_on_the_shared_memory_channel(tmp_path, policy):
+@pytest.mark.parametrize("policy,first", [("raise", "plan"), ("raise", "plain"), ("abort", "plan")])
+def test_a_stalled_peer_times_out_a_plan_on_the_shared_memory_channel(tmp_path, policy, first):
     """A persistent plan's shared-memory channel waits under the same deadline and policy as
-    messages: CommTimeout naming the stalled rank (then the plan and the transport refuse
-    further calls), or the job ends."""
-    r = run_mpi(tmp_path, 3, PLAN_STALL, GIFTCOMM_TIMEOUT="2", GIFTCOMM_ON_TIMEOUT=policy, GIFTCOMM_SHARED_MEMORY="1")
+    messages: CommTimeout naming the stalled rank, or the end of the job. After a timeout, of a
+    plan or of any other wait, the plan and the transport refuse further calls at once."""
+    r = run_mpi(tmp_path, 3, PLAN_STALL, GIFTCOMM_TIMEOUT="2", GIFTCOMM_ON_TIMEOUT=policy, GIFTCOMM_SHARED_MEMORY="1",
+                FIRST=first)
     if policy == "abort":
         assert r.returncode != 0 and "calling MPI_Abort" in r.stdout, r.stdout[-3000:]
         assert "timed out" in r.stdout and "after 2 s waiting for rank 1" in r.stdout, r.stdout[-3000:]
@@ -224,11 +229,11 @@ def test_a_stalled_peer_times_out_a_plan_on_the_shared_memory_channel(tmp_path, 
     got, again, plain = results(r.stdout, "stalled"), results(r.stdout, "again"), results(r.stdout, "plain")
     assert sorted(got) == [0, 2], r.stdout[-3000:]
     for q in (0, 2):
-        assert got[q].startswith("CommTimeout") and "after 2 s waiting for rank 1" in got[q], got[q]
+        assert got[q].startswith("CommTimeout") and "after 2 s waiting for" in got[q], got[q]
         assert again[q].startswith("CommAborted") and plain[q].startswith("CommAborted"), (again[q], plain[q])
-    waited = {int(line.split("=")[1].split()[0]): float(line.split()[-1]) for line in r.stdout.splitlines()
-              if line.startswith("WAITED")}
-    assert all(2 <= w < 10 for w in waited.values()), waited
+    for tag, low, high in (("WAITED", 2, 10), ("REFUSED", 0, 1)):
+        took = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith(tag)]
+        assert len(took) == 2 and all(low <= w < high for w in took), (tag, took)
 
 
 @needs_mpiexec

@@ -202,6 +202,8 @@ class MpiTransport(Transport):
             h.failure = why
         if req is not None:
             h.orphans.append(req)
+        if self._state is not None and self._state.channel is not None:  # the plans' channel refuses calls too
+            self._state.channel.native.close()
 
     def _describe(self, peers: tuple[int, ...] | None) -> str:
         if peers is None:
