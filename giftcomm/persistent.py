@@ -98,8 +98,12 @@ class AllreducePlan:
             res = np.empty(self.shape, np.float32) if out is None else out
             t = self.transport
             with state.lock:
-                status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
-                                             self._wire.block, None, self._avg, t.timeout)
+                try:
+                    status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
+                                                 self._wire.block, None, self._avg, t.timeout)
+                except BaseException:  # Ctrl-C while waiting: the channel closed itself
+                    t.interrupted("giftcomm plan (shared-memory channel)")
+                    raise
                 if status == 0:
                     return res
                 if status != 3:  # 3: not for the fast path; nothing was posted
@@ -141,8 +145,12 @@ class AllreducePlan:
         if call is not None and self.algorithm == "oneshot":
             wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
         head = self._header
-        status = channel.native.call(int(head[0]), int(head[1]), int(head[2]), int(head[3]), None, None,
-                                     self._fmt_code, wire.block, None, False, t.timeout)
+        try:
+            status = channel.native.call(int(head[0]), int(head[1]), int(head[2]), int(head[3]), None, None,
+                                         self._fmt_code, wire.block, None, False, t.timeout)
+        except BaseException:
+            t.interrupted("giftcomm plan (shared-memory channel)")
+            raise
         self._failed(channel, status, error)
         assert call is not None
         if self.algorithm != "oneshot":

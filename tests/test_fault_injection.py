@@ -274,23 +274,26 @@ def test_waiting_does_not_burn_a_core(tmp_path):
 
 # --- interrupts ---------------------------------------------------------------------------------------
 LOOP = """
-x = np.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20, np.float32)
+plan = os.environ.get("PLAN") == "1"  # a persistent plan's small calls, over the shared-memory channel
+x = np.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 256 if plan else 1 << 20, np.float32)
 out = np.empty_like(x)
-gc.allreduce(x, comm=comm, out=out)
+call = gc.plan_allreduce(x, comm=comm) if plan else lambda x, out: gc.allreduce(x, comm=comm, out=out)
+call(x, out=out)
 if rank == 0:
     print("started", flush=True)
 while True:
-    gc.allreduce(x, comm=comm, out=out)
+    call(x, out=out)
 """
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGINT, signal.SIGTERM], ids=["int", "int-again", "term"])
-def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
+@pytest.mark.parametrize("sig,plan", [(signal.SIGINT, "0"), (signal.SIGINT, "0"), (signal.SIGTERM, "0"),
+                                      (signal.SIGINT, "1")], ids=["int", "int-again", "term", "int-plan"])
+def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig, plan):
     before = own_shm_files()
     script = _script(tmp_path, LOOP)
     proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(GIFTCOMM_SHARED_MEMORY="1"),
+                            stderr=subprocess.STDOUT, text=True, env=_env(GIFTCOMM_SHARED_MEMORY="1", PLAN=plan),
                             start_new_session=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)

@@ -224,6 +224,12 @@ class Transport(ABC):
         raise CommTimeout(f"giftcomm: {what} timed out on rank {self.rank} of {self.size} after {seconds:g} s "
                           f"waiting for rank(s) {', '.join(map(str, peers))}", what, peers, seconds, self.rank)
 
+    def interrupted(self, what: str) -> None:
+        """Note that an exception (KeyboardInterrupt) ended a wait of ``what`` outside a
+        :class:`Request`: MPI transports become unusable, as after an interrupted message wait
+        (the in-process transports have nothing to mark)."""
+        return None
+
     def split(self, members: Sequence[int], name: str) -> "Transport":
         """A transport over the parent ranks ``members`` (which include this rank), cached by name.
 

@@ -234,6 +234,11 @@ class MpiTransport(Transport):
     def expired(self, what: str, peers: tuple[int, ...], seconds: float) -> None:
         self._expired(None, what, peers, seconds)
 
+    def interrupted(self, what: str) -> None:
+        global _interrupted
+        self._fail(f"interrupt during {what}")
+        _interrupted = True
+
     def _arrive(self, comm: MPI.Comm, what: str) -> None:
         """A barrier with a deadline before a blocking collective that has no nonblocking form
         (Comm_dup, Comm_split, Win_allocate_shared, Win_free): once every rank has arrived, the
