@@ -75,8 +75,8 @@ def _allreduce_flat(t: Transport, flat: Any, wire: Wire, algorithm: str, nodes: 
                     out: Any = None) -> Any:
     """The sum of ``flat`` over all ranks, decoded (float32), by the chosen algorithm.
 
-    ``out``: an optional float32 (size,) array the ring and direct algorithms decode into
-    directly (no fresh result array: at 16 MiB its page faults cost more than the decode).
+    ``out``: an optional float32 (size,) array the ring, direct and doubling algorithms decode
+    into directly (no fresh result array: at 16 MiB its page faults cost more than the decode).
     """
     acc_t = accumulation_dtype(flat.dtype)
     bounds = shared_chunk_bounds(flat.size, t.size, wire.block)
@@ -85,7 +85,7 @@ def _allreduce_flat(t: Transport, flat: Any, wire: Wire, algorithm: str, nodes: 
         if total is not None:  # None: no room for the window (every rank alike); send messages
             return total
     if algorithm == "doubling":
-        return doubling.allreduce(t, flat, wire, acc_t)
+        return doubling.allreduce(t, flat, wire, acc_t, out=out)
     if algorithm == "oneshot":
         return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
     if algorithm.startswith("hierarchical"):

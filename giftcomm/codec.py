@@ -133,7 +133,7 @@ _warned = False
 
 def native_available() -> bool:
     """True when the native C kernels are loaded (and not disabled by GIFTCOMM_NATIVE=0)."""
-    return _native is not None and config.cached_flag("GIFTCOMM_NATIVE")
+    return _native is not None and config.flag("GIFTCOMM_NATIVE")
 
 
 def native_variant() -> str | None:
@@ -155,15 +155,16 @@ def use_native_variant(name: str) -> None:
     _native._set_isa(name)
 
 
-def kernels_for(xp: Any) -> Kernels:
+def kernels_for(xp: Any, cached: bool = False) -> Kernels:
     """The trusted kernels for arrays of backend ``xp`` (``numpy`` or ``cupy``). Reads
-    GIFTCOMM_NATIVE once per call: a collective asks once and keeps the answer."""
+    GIFTCOMM_NATIVE now, or with ``cached`` (the collectives, once a call) at most once a second
+    (config.cached_flag)."""
     global _warned
     if xp is not np:
         from .cuda.codec import CudaKernels
 
         return CudaKernels
-    if native_available():
+    if _native is not None and (config.cached_flag if cached else config.flag)("GIFTCOMM_NATIVE"):
         return NativeKernels
     if _native is None and not _warned:
         _warned = True

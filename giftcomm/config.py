@@ -9,6 +9,7 @@ must not silently mean "on"). docs/api.md lists the same table.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 __all__ = ["Variable", "VARIABLES", "flag", "cached_flag", "choice", "number", "path", "raw"]
@@ -67,17 +68,20 @@ def flag(name: str) -> bool:
     raise ValueError(f"{name}={os.environ.get(name)!r} is not a boolean: use one of {', '.join(_TRUE + _FALSE)}")
 
 
-_flags: dict[tuple[str, str | None], bool] = {}
+RECHECK_S = 1.0
+"""Per-call paths read a variable at most this often (seconds); see :func:`cached_flag`."""
+_flags: dict[str, tuple[float, bool]] = {}
 
 
 def cached_flag(name: str) -> bool:
-    """:func:`flag`, parsed once per distinct value (for per-call paths: one dictionary look-up
-    when the variable has not changed)."""
-    key = (name, os.environ.get(name))
-    value = _flags.get(key)
-    if value is None:
-        value = _flags[key] = flag(name)
-    return value
+    """:func:`flag` for per-call paths: read and parsed at most once every :data:`RECHECK_S`
+    seconds, the last answer in between (one clock read), so a change made while the program
+    runs takes effect within a second."""
+    now = time.monotonic()
+    seen = _flags.get(name)
+    if seen is None or now - seen[0] >= RECHECK_S:
+        seen = _flags[name] = (now, flag(name))
+    return seen[1]
 
 
 def choice(name: str) -> str | None:

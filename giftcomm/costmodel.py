@@ -127,7 +127,7 @@ def calibration_path() -> Path:
 
 
 def _calibration_file() -> str:
-    # plain strings: load_calibration runs on every "auto" call, and pathlib costs ~0.1 ms
+    # plain strings: pathlib costs ~0.1 ms
     env = config.raw("GIFTCOMM_CALIBRATION")
     if env:
         return os.path.expanduser(env) if env.startswith("~") else env
@@ -167,6 +167,16 @@ def load_calibration() -> Calibration:
     cal = _load_calibration(path)
     _last = (path, now, cal)
     return cal
+
+
+def _in_force() -> Calibration:
+    """:func:`load_calibration` for the per-call path of ``auto`` (:func:`choose`): at most once a
+    second; in between, the calibration it gave last, without reading the environment or the
+    file (so a changed GIFTCOMM_CALIBRATION, like a changed file, is noticed within a second)."""
+    last = _last
+    if last is not None and time.monotonic() - last[1] < _RECHECK_S:
+        return last[2]
+    return load_calibration()
 
 
 def forget_calibration() -> None:
@@ -377,7 +387,7 @@ def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration 
     (Until the error study, the tie-break was :func:`quantizations`, which misorders recursive
     doubling against the ring and the hierarchical ring: see docs/scaling.md.)"""
     if cal is None:  # the calibration in force: remember the answers it gave
-        cal = load_calibration()
+        cal = _in_force()
         key = (n, topo, fmt, block, id(cal))
         if key not in _choices:
             if len(_choices) > 4096:

@@ -57,6 +57,7 @@ def agree(
     """Run ``prepare()`` locally, then check on all ranks that it succeeded everywhere and agrees.
 
     ``prepare`` returns (plan, signature) where signature maps each name in ``fields`` to an int;
+    ``must_match``, the fields every rank must have alike, are the first of ``fields``;
     any exception it raises is caught and reported by every rank (TypeError and ValueError as
     themselves, anything else as RuntimeError naming the original type). Returns (plan, table):
     table is the (size, len(fields)) int64 array of every rank's fields, so callers can read
@@ -65,19 +66,18 @@ def agree(
     """
     plan: T | None = None
     error: Exception | None = None
-    vec = np.zeros(1 + len(fields), np.int64)
     try:
         plan, sig = prepare()
-        vec[1:] = [sig[k] for k in fields]
+        vec = np.array([0, *map(sig.__getitem__, fields)], np.int64)
     except Exception as exc:  # every failure joins the agreement, so no rank is left waiting
         error = exc
-        vec = error_row(exc, vec.size)
+        vec = error_row(exc, 1 + len(fields))
     table = transport.allgather_int64(vec)
-    if table[:, 0].any():
-        raise_failures(transport, what, table, error)
-    cols = _match_columns(fields, must_match)
-    if (table[1:, cols] != table[0, cols]).any():  # one vectorized test; name the field only then
-        for key, col in zip(must_match, cols):
+    k = _checked_columns(fields, must_match)
+    if not _uniform(table, k):  # a rank failed, or the ranks disagree: find which, and say it
+        if table[:, 0].any():
+            raise_failures(transport, what, table, error)
+        for col, key in enumerate(must_match, 1):
             column = table[:, col]
             if np.any(column != column[0]):
                 values = ", ".join(f"rank {r}: {_describe(key, int(v))}" for r, v in enumerate(column))
@@ -103,12 +103,23 @@ def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
 
 
 @functools.lru_cache(maxsize=64)
-def _match_columns(fields: tuple[str, ...], must_match: tuple[str, ...]) -> np.ndarray:
-    """Columns of the agreed table (error code first) that every rank must have alike (shared,
-    so read-only)."""
-    cols = np.array([1 + fields.index(key) for key in must_match], np.intp)
-    cols.flags.writeable = False
-    return cols
+def _checked_columns(fields: tuple[str, ...], must_match: tuple[str, ...]) -> int:
+    """How many leading columns of the agreed table must be alike on every rank: the error code
+    and ``must_match``, which must be the first fields (one contiguous comparison)."""
+    if fields[: len(must_match)] != must_match:
+        raise ValueError(f"the fields every rank must have alike must come first: {must_match} of {fields}")
+    return 1 + len(must_match)
+
+
+def _uniform(table: np.ndarray, k: int) -> bool:
+    """No rank failed (column 0 is 0) and every row has the first row's first ``k`` columns.
+    Python lists for a few ranks (a NumPy comparison costs more there), NumPy for many."""
+    if len(table) > 16:
+        head = table[:, :k]
+        return not head[0, 0] and not (head[1:] != head[0]).any()
+    rows = table.tolist()
+    want = rows[0][:k]
+    return not want[0] and all(row[:k] == want for row in rows)
 
 
 def _describe(key: str, value: int) -> str:

@@ -29,8 +29,9 @@ def _decoded(wire: Wire, msg: Any, n: int, acc_t: np.dtype) -> Any:
     return wire.decode(msg, n).astype(acc_t, copy=False)
 
 
-def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype) -> Any:
-    """Sum of the flat vector ``x`` over all ranks, as float32 values decoded from one message.
+def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None) -> Any:
+    """Sum of the flat vector ``x`` over all ranks, as float32 values decoded from one message
+    (into ``out``, a float32 array of ``x.size``, when given).
 
     Stochastic rounding: round i's messages are keyed by the group ``rank >> i`` (the ranks that
     hold one partial sum encode it alike), stage 1 + i; a folded rank's first message by its
@@ -46,7 +47,7 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype) -> Any:
         wire.at(party=wire.party, stage=0).encode(acc, mine)
         t.isend(mine, r - p2, tag=0).wait()
         t.irecv(theirs, r - p2, tag=1).wait()
-        return wire.decode(theirs, n)
+        return wire.decode(theirs, n, out)
     with np.errstate(invalid="ignore", over="ignore"):
         if r + p2 < p:
             t.irecv(theirs, r + p2, tag=0).wait()
@@ -60,4 +61,4 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype) -> Any:
     wire.at(party=0, stage=1 + rounds).encode(acc, mine)
     if r + p2 < p:
         t.isend(mine, r + p2, tag=1).wait()
-    return wire.decode(mine, n)
+    return wire.decode(mine, n, out)

@@ -37,9 +37,9 @@ FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorith
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
 MATCH = FIELDS[:-1]
 """Fields every rank must have alike ("chosen" may differ: auto on different calibrations; rank 0's wins)."""
-GATHER_FIELDS = ("count", "dtype", "fmt", "block", "slice", "caller", "rounding", "seed", "out")
-"""allgather's agreed signature (count: this rank's shard length; out: its out's size, -1 if none)."""
 GATHER_MATCH = ("dtype", "fmt", "block", "slice", "caller", "rounding", "seed")
+GATHER_FIELDS = (*GATHER_MATCH, "count", "out")
+"""allgather's agreed signature (count: this rank's shard length; out: its out's size, -1 if none)."""
 
 
 @dataclass
@@ -250,7 +250,7 @@ def gathered_counts(table: np.ndarray) -> tuple[np.ndarray, int]:
     """Every rank's shard length and their total, from allgather's agreed table. Raises
     ValueError when a rank's ``out`` does not hold the total: every rank sees the same table, so
     every rank raises it."""
-    counts = table[:, 0]
+    counts = table[:, GATHER_FIELDS.index("count")]
     total_n = int(counts.sum())
     wrong = [r for r, m in enumerate(table[:, GATHER_FIELDS.index("out")]) if m not in (-1, total_n)]
     if wrong:

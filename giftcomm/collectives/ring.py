@@ -28,6 +28,7 @@ cached per layout (:func:`layout_of`)."""
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,11 +64,12 @@ def auto_slice_elems(n: int, nranks: int, one_node: bool = False) -> int:
 class SlicedMessage:
     """The slices of one chunk: element offsets (into the chunk) and byte offsets (into its message).
 
-    ``elems[k]:elems[k+1]`` are slice k's values; ``bytes[k]:bytes[k+1]`` its wire message.
+    ``elems[k]:elems[k+1]`` are slice k's values; ``bytes[k]:bytes[k+1]`` its wire message (Python
+    ints: the per-slice loops index with them). ``nslices`` slices, ``nbytes`` bytes in all.
     """
 
-    elems: np.ndarray
-    bytes: np.ndarray
+    elems: tuple[int, ...]
+    bytes: tuple[int, ...]
 
     @property
     def nslices(self) -> int:
@@ -75,7 +77,7 @@ class SlicedMessage:
 
     @property
     def nbytes(self) -> int:
-        return int(self.bytes[-1])
+        return self.bytes[-1]
 
 
 @functools.lru_cache(maxsize=512)
@@ -84,18 +86,12 @@ def slice_chunk(count: int, fmt: Format, block: int, slice_elems: int) -> Sliced
     the format's ``slice_unit`` (its block; nvfp4's group of 1024 values), so that slicing never
     changes the bytes of a block or group.
 
-    Cached: a training loop asks for the same few layouts on every call. The result is shared,
-    so its arrays are read-only."""
+    Cached: a training loop asks for the same few layouts on every call."""
     unit = fmt.slice_unit(block)
     step = max(slice_elems // unit, 1) * unit
-    elems = np.append(np.arange(0, count, step, dtype=np.int64), np.int64(count))
-    if count == 0:
-        elems = np.zeros(2, np.int64)
-    sizes = [message_nbytes(int(n), fmt, block) for n in np.diff(elems)]
-    offs = np.zeros(len(elems), np.int64)
-    np.cumsum(sizes, out=offs[1:])
-    elems.flags.writeable = offs.flags.writeable = False
-    return SlicedMessage(elems, offs)
+    elems = [*range(0, count, step), count] if count else [0, 0]
+    sizes = [message_nbytes(b - a, fmt, block) for a, b in zip(elems, elems[1:])]
+    return SlicedMessage(tuple(elems), (0, *itertools.accumulate(sizes)))
 
 
 @dataclass(frozen=True)

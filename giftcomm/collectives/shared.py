@@ -113,10 +113,10 @@ def allreduce(
     scatter = _direct_scatter if direct else _ring_scatter
     owners = scatter(t, win, x, bounds, layout, wire, acc_t)
     values = np.empty(int(layout.elem_offs[-1]), np.float32) if out is None else out
-    order = [(t.rank + i) % t.size for i in range(t.size)]  # own chunk first: it is still in cache
-    for c in order:
-        sl, base = layout.slices[c], int(layout.elem_offs[c])
-        for k in range(sl.nslices):
-            a, b = base + sl.elems[k], base + sl.elems[k + 1]
-            wire.decode(message_piece(owners[c], sl, k), int(b - a), out=values[a:b])
+    for i in range(t.size):
+        c = (t.rank + i) % t.size  # own chunk first: it is still in cache
+        elems, offs, base, msg = layout.slices[c].elems, layout.slices[c].bytes, int(layout.elem_offs[c]), owners[c]
+        for k in range(len(elems) - 1):
+            a, b = elems[k], elems[k + 1]
+            wire.decode(msg[offs[k] : offs[k + 1]], b - a, out=values[base + a : base + b])
     return values

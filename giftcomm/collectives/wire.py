@@ -37,7 +37,7 @@ class Wire:
 
     @classmethod
     def of(cls, fmt: Format, block: int, xp: Any = np, seed: int | None = None, party: int = 0) -> "Wire":
-        return _wire(fmt, block, xp, kernels_for(xp), seed if fmt.scaled else None, party)  # type: ignore[arg-type]
+        return _wire(fmt, block, xp, kernels_for(xp, cached=True), seed if fmt.scaled else None, party)  # type: ignore[arg-type]
 
     def with_format(self, fmt: Format) -> "Wire":
         """The same backend, block and rounding with another format (the hierarchical algorithm's
@@ -45,7 +45,10 @@ class Wire:
         return replace(self, fmt=fmt, seed=self.seed if fmt.scaled else None)
 
     def at(self, party: int | None = None, stage: int | None = None, base: int | None = None) -> "Wire":
-        """This wire with another party, stage or base offset."""
+        """This wire with another party, stage or base offset; itself when it rounds to nearest
+        (they decide only the random bits of stochastic rounding)."""
+        if self.seed is None:
+            return self
         return replace(self, party=self.party if party is None else party, stage=self.stage if stage is None else stage,
                        base=self.base if base is None else base)
 
