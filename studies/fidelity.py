@@ -225,6 +225,25 @@ class Case:
         return len(self.grads[0])
 
 
+def subset_case(case: Case, pattern: str) -> Case:
+    """``case`` restricted to the segments whose name matches the regular expression ``pattern``
+    (``re.search``): their values of every rank's gradient (in layout order), their factors and
+    metric factors. The name gets a note of what was kept."""
+    import re
+
+    rx = re.compile(pattern)
+    keep = [seg for seg in case.layout if rx.search(seg.name)]
+    if not keep:
+        raise ValueError(f"no segment of the case matches {pattern!r}")
+    layout = Layout([(seg.name, tuple(seg.shape)) for seg in keep])
+    grads = [[np.concatenate([x[seg.offset:seg.stop] for seg in keep]) for x in step] for step in case.grads]
+    names = {seg.name for seg in keep}
+    note = (f" [segments /{pattern}/: {len(keep)} of {len(case.layout)} tensors, "
+            f"{layout.size / 1e6:.2f}M of {case.layout.size / 1e6:.2f}M values]")
+    return Case(case.name + note, layout, grads, {k: v for k, v in case.factors.items() if k in names},
+                {k: v for k, v in case.metric.items() if k in names}, dict(case.info, segments=pattern))
+
+
 def kron_factor(rng: np.random.Generator, d: int, cond: float, spectrum: str = "power") -> np.ndarray:
     """A (d, d) SPD float64 factor in a random orthonormal basis with eigenvalues from 1 down to
     ``1/cond``: ``power`` (``j^-alpha``, alpha = log(cond)/log(d)) or ``exp`` (log-spaced)."""
@@ -701,6 +720,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=_shapes, default=[(256, 512), (512, 256)], help="e.g. 256x512,512x256")
     p.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128], help="low-rank k of the GIFT rows")
     p.add_argument("--data", default=None, help="real: the .npz from `python -m studies.gradients`")
+    p.add_argument("--segments", default=None, metavar="REGEX",
+                   help="real: only the parameters whose name matches this regular expression (e.g. "
+                        "'blocks\\.[036]\\.' for 3 of the 7 blocks; default: all)")
     p.add_argument("--metric-damping", type=float, default=1e-3)
     p.add_argument("--damping", type=float, default=1e-3, help="damping of the geometries")
     p.add_argument("--geometry-factors", default="ema", choices=["ema", "capture"],
@@ -803,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.geometry_factors == "capture":
             case.factors = case.metric
             case.name += " [geometry from the capture batches' factors]"
+        if a.segments:
+            case = subset_case(case, a.segments)
         if a.steps:
             case.grads = case.grads[: a.steps]
             case.name += f" [first {len(case.grads)} captured step{'s' if len(case.grads) > 1 else ''}]"

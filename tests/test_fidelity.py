@@ -348,3 +348,21 @@ def test_earlier_option_spellings_still_parse():
     assert fid._parser().parse_args(["real"]).algos == "ring"
     with pytest.raises(ValueError, match="unknown rounding"):
         fid.format_methods(["e4m3"], ["up"])
+
+
+def test_segments_subset_keeps_the_matching_tensors_values_and_factors(tmp_path, rng):
+    from studies.gradients import load_case
+
+    case = load_case(str(_capture(tmp_path / "grads.npz", rng, shapes=((8, 12), (12, 8), (6, 10)))))
+    sub = fid.subset_case(case, r"^(w1|b1|w2)$")
+    assert [s.name for s in sub.layout] == ["w1", "b1", "w2"] and set(sub.factors) == set(sub.metric) == {"w1", "w2"}
+    for step, full in zip(sub.grads, case.grads):
+        for x, y in zip(step, full):
+            for seg in sub.layout:
+                src = case.layout[seg.name]
+                assert np.array_equal(x[seg.offset:seg.stop], y[src.offset:src.stop])
+    assert "3 of 6 tensors" in sub.name and sub.ranks == case.ranks
+    rows = fid.evaluate(sub, fid.format_methods(["mxfp4"], ["nearest"], (2,)))
+    assert {r["method"] for r in rows} == {"mxfp4 euclid", "mxfp4 gift full", "mxfp4 gift k=2", "mxfp4 gift policy"}
+    with pytest.raises(ValueError, match="no segment"):
+        fid.subset_case(case, "nothing")
