@@ -140,14 +140,6 @@ def _source_of(obj: Any) -> str:
     return "dlpack"
 
 
-def _torch_bf16_bits(t: Any) -> Any:
-    """A torch bfloat16 tensor's bits as an int16 tensor view (no copy): DLPack consumers that do
-    not know bfloat16 (NumPy, older CuPy) take that instead."""
-    import torch
-
-    return t.view(torch.int16)
-
-
 def import_array(obj: Any) -> Imported:
     """Take any array in, zero-copy.
 
@@ -168,7 +160,9 @@ def import_array(obj: Any) -> Imported:
     bf16 = dtype_name == "bfloat16"
     if hasattr(obj, "__dlpack__"):
         device = is_device_array(obj)
-        producer = _torch_bf16_bits(obj) if bf16 and source == "torch" else obj
+        # a torch bfloat16 tensor goes as its bits, an int16 view (no copy): DLPack consumers that
+        # do not know bfloat16 (NumPy, older CuPy) take that instead
+        producer = obj.view(sys.modules["torch"].int16) if bf16 and source == "torch" else obj
         if device:
             arr = _cupy().from_dlpack(producer)
             if bf16:

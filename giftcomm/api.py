@@ -46,10 +46,6 @@ class GeometryLike(Protocol):
     def fingerprint(self) -> int: ...
 
 
-def _transport(comm: Any, x: Any) -> Transport:
-    return resolve(comm, device=is_device_array(x))
-
-
 class held:
     """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
     Threads), with its waits' deadline set to ``timeout`` seconds when given."""
@@ -153,19 +149,12 @@ def gift_allreduce(
     rank. Raises TypeError/ValueError on every rank when any rank's input is bad or the ranks
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
-    t = _transport(comm, x)
+    t = resolve(comm, device=is_device_array(x))
     with held(t, timeout):
-        return _gift_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm, local_size, slice_elems,
-                               rounding, seed)
-
-
-def _gift_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any,
-                    block: int | None, out: Any, algorithm: str, local_size: int | None, slice_elems: int | None,
-                    rounding: str, seed: int | None) -> Any:
-    call, geo, chosen, nodes = agree_allreduce(t, caller, x, geometry, op, fmt, block, out, algorithm, local_size,
-                                               slice_elems, rounding, seed)
-    slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
-    return run_allreduce(t, call, geo, chosen, nodes, slice_n, out)
+        call, geo, chosen, nodes = agree_allreduce(t, planning.caller(), x, geometry, op, fmt, block, out, algorithm,
+                                                   local_size, slice_elems, rounding, seed)
+        return run_allreduce(t, call, geo, chosen, nodes, slice_elems or planning.auto_slice(t, max(call.arr.size, 1)),
+                             out)
 
 
 def agree_allreduce(t: Transport, caller: int, x: Any, geometry: GeometryLike | None, op: str, fmt: Any,
@@ -278,34 +267,28 @@ def reduce_scatter(
     so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
     float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
     """
-    t = _transport(comm, x)
+    t = resolve(comm, device=is_device_array(x))
     with held(t, timeout):
-        return _reduce_scatter(t, planning.caller(), x, op, fmt, block, out, algorithm, slice_elems, rounding, seed)
+        caller = planning.caller()
 
+        def prepare() -> tuple[tuple[Call, np.ndarray], dict[str, int]]:
+            call = planning.validate(x, "x", fmt, block, op, slice_elems, rounding=rounding, seed=seed)
+            call.sig["caller"] = caller
+            planning.check_transport(t, call)
+            bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
+            planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
+            planning.plan_algorithm(t, call, algorithm, None, ("auto", "ring", "direct"))
+            return (call, bounds), call.sig
 
-def _reduce_scatter(t: Transport, caller: int, x: Any, op: str, fmt: Any, block: int | None, out: Any,
-                    algorithm: str, slice_elems: int | None, rounding: str, seed: int | None) -> Any:
-    allowed = ("auto", "ring", "direct")
-
-    def prepare() -> tuple[tuple[Call, np.ndarray], dict[str, int]]:
-        call = planning.validate(x, "x", fmt, block, op, slice_elems, rounding=rounding, seed=seed)
-        call.sig["caller"] = caller
-        planning.check_transport(t, call)
-        bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
-        planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
-        planning.plan_algorithm(t, call, algorithm, None, allowed)
-        return (call, bounds), call.sig
-
-    (call, bounds), table = agree(t, "giftcomm.reduce_scatter", prepare, FIELDS, MATCH)
-    flat = planning.flat_values(call)
-    acc_t = accumulation_dtype(flat.dtype)
-    shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
-    if flat.size == 0:
-        return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
-    rs = direct.reduce_scatter if planning.chosen_algorithm(table) == "direct" else ring.reduce_scatter
-    slice_n = slice_elems or planning.auto_slice(t, flat.size)
-    total, _ = rs(t, flat, bounds, call.wire(t.rank), acc_t, slice_n)
-    return planning.finish(total, call, t.size, shard_shape, out)
+        (call, bounds), table = agree(t, "giftcomm.reduce_scatter", prepare, FIELDS, MATCH)
+        flat = planning.flat_values(call)
+        acc_t = accumulation_dtype(flat.dtype)
+        shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
+        if flat.size == 0:
+            return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
+        rs = direct.reduce_scatter if planning.chosen_algorithm(table) == "direct" else ring.reduce_scatter
+        total, _ = rs(t, flat, bounds, call.wire(t.rank), acc_t, slice_elems or planning.auto_slice(t, flat.size))
+        return planning.finish(total, call, t.size, shard_shape, out)
 
 
 def allgather(
@@ -326,31 +309,26 @@ def allgather(
     bit-identical everywhere. The inverse of :func:`reduce_scatter`'s layout. ``out``: a 1-D
     array of the shard's dtype and framework holding all the gathered values.
     """
-    t = _transport(comm, shard)
+    t = resolve(comm, device=is_device_array(shard))
     with held(t, timeout):
-        return _allgather(t, planning.caller(), shard, fmt, block, out, slice_elems, rounding, seed)
+        caller = planning.caller()
 
+        def prepare() -> tuple[Call, dict[str, int]]:
+            call = planning.validate(shard, "shard", fmt, block, None, slice_elems, reduces=False, rounding=rounding,
+                                     seed=seed)
+            call.sig["caller"] = caller
+            planning.check_transport(t, call)
+            planning.check_out(call, out, None)
+            if call.out is not None and call.out.ndim != 1:
+                raise ValueError(f"out must be 1-D, got shape {tuple(call.out.shape)}")
+            sig = {k: call.sig.get(k, 0) for k in GATHER_FIELDS}
+            sig["out"] = -1 if call.out is None else int(call.out.size)
+            return call, sig
 
-def _allgather(t: Transport, caller: int, shard: Any, fmt: Any, block: int | None, out: Any, slice_elems: int | None,
-               rounding: str, seed: int | None) -> Any:
-    def prepare() -> tuple[Call, dict[str, int]]:
-        call = planning.validate(shard, "shard", fmt, block, None, slice_elems, reduces=False, rounding=rounding,
-                                 seed=seed)
-        call.sig["caller"] = caller
-        planning.check_transport(t, call)
-        planning.check_out(call, out, None)
-        if call.out is not None and call.out.ndim != 1:
-            raise ValueError(f"out must be 1-D, got shape {tuple(call.out.shape)}")
-        sig = {k: call.sig.get(k, 0) for k in GATHER_FIELDS}
-        sig["out"] = -1 if call.out is None else int(call.out.size)
-        return call, sig
-
-    call, table = agree(t, "giftcomm.allgather", prepare, GATHER_FIELDS, GATHER_MATCH)
-    counts, total_n = planning.gathered_counts(table)
-    flat = planning.flat_values(call)
-    wire = call.wire(t.rank)
-    slice_n = slice_elems or planning.auto_slice(t, total_n)
-    sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, slice_n)
-    own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
-    values = ring.allgather(t, own, counts, wire, slice_n)
-    return planning.finish(values, call, t.size, (total_n,), out, op="sum")
+        call, table = agree(t, "giftcomm.allgather", prepare, GATHER_FIELDS, GATHER_MATCH)
+        counts, total_n = planning.gathered_counts(table)
+        flat, wire = planning.flat_values(call), call.wire(t.rank)
+        slice_n = slice_elems or planning.auto_slice(t, total_n)
+        sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, slice_n)
+        own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
+        return planning.finish(ring.allgather(t, own, counts, wire, slice_n), call, t.size, (total_n,), out, op="sum")

@@ -176,7 +176,7 @@ def kernels_for(xp: Any, cached: bool = False) -> Kernels:
 
 
 # ------------------------------------------------------------------------- argument checks
-def _values(xp: Any, x: Any, name: str) -> Any:
+def _values(xp: Any, x: Any) -> Any:
     """``x`` as a contiguous 1-D float32 array of backend ``xp`` (a view when it already is)."""
     return xp.ascontiguousarray(xp.asarray(x), dtype=np.float32).reshape(-1)
 
@@ -228,11 +228,10 @@ def encode(x: Any, fmt: str | Format = "e4m3", block: int | None = None, out: An
     ``rounding="stochastic"``: unbiased rounding of the elements with Philox4x32-10 bits keyed by
     ``key`` (int in [0, 2**64)) for element indices ``offset + i``; ValueError for a pass-through
     format (bf16, fp16, fp32)."""
-    f = get_format(fmt)
-    block = resolve_block(f, block)
+    f, block = get_format(fmt), resolve_block(fmt, block)
     k = _key_of(f, rounding, key, offset)
     xp = array_module(x)
-    x = _values(xp, x, "x")
+    x = _values(xp, x)
     msg = _message_out(xp, out, message_nbytes(x.size, f, block))
     kernels_for(xp).encode(x, f, block, msg, k, int(offset))
     return msg
@@ -240,8 +239,7 @@ def encode(x: Any, fmt: str | Format = "e4m3", block: int | None = None, out: An
 
 def decode(message: Any, count: int, fmt: str | Format = "e4m3", block: int | None = None, out: Any = None) -> Any:
     """Decode one wire message of ``count`` values into a float32 vector (``out`` if given)."""
-    f = get_format(fmt)
-    block = resolve_block(f, block)
+    f, block = get_format(fmt), resolve_block(fmt, block)
     xp = array_module(message)
     message = _check_message(xp, message, count, f, block)
     res = xp.empty(count, np.float32) if out is None else _values_out(xp, out, count, "out")
@@ -258,11 +256,10 @@ def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", bloc
     receives the float32 sum itself (the owner keeps it after the last hop). ``out`` must not
     overlap ``message``. ``rounding``, ``key``, ``offset``: as :func:`encode`, for the re-encode.
     """
-    f = get_format(fmt)
-    block = resolve_block(f, block)
+    f, block = get_format(fmt), resolve_block(fmt, block)
     k = _key_of(f, rounding, key, offset)
     xp = array_module(local)
-    local = _values(xp, local, "local")
+    local = _values(xp, local)
     message = _check_message(xp, message, local.size, f, block)
     msg = _message_out(xp, out, message_nbytes(local.size, f, block))
     if sum_out is not None:
@@ -275,8 +272,7 @@ def decode_add_encode(message: Any, local: Any, fmt: str | Format = "e4m3", bloc
 
 def decode_accumulate(message: Any, acc: Any, fmt: str | Format = "e4m3", block: int | None = None) -> Any:
     """``acc += decode(message)`` in place; ``acc`` is a contiguous float32 vector."""
-    f = get_format(fmt)
-    block = resolve_block(f, block)
+    f, block = get_format(fmt), resolve_block(fmt, block)
     xp = array_module(acc)
     if acc.dtype != np.float32 or not acc.flags.c_contiguous:
         raise ValueError("acc must be a contiguous float32 array")

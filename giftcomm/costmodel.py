@@ -24,6 +24,8 @@ import stat
 import tempfile
 import time
 import warnings
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -128,10 +130,8 @@ def calibration_path() -> Path:
 
 def _calibration_file() -> str:
     # plain strings: pathlib costs ~0.1 ms
-    env = config.raw("GIFTCOMM_CALIBRATION")
-    if env:
-        return os.path.expanduser(env) if env.startswith("~") else env
-    return _default_calibration_file(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME"))
+    return (config.path("GIFTCOMM_CALIBRATION")
+            or _default_calibration_file(os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME")))
 
 
 @functools.lru_cache(maxsize=8)
@@ -261,9 +261,11 @@ class Topology:
     nodes: int
     local_size: int
 
-
-def _codec_rate(cal: Calibration, fmt: str) -> float:
-    return cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
+    @classmethod
+    def of(cls, nodes: Iterable[int]) -> Topology:
+        """Rank r on node ``nodes[r]`` (any ids; local_size 0 when the nodes differ in size)."""
+        sizes = list(Counter(int(v) for v in nodes).values())
+        return cls(sum(sizes), len(sizes), sizes[0] if len(set(sizes)) == 1 else 0)
 
 
 def _overlapped(cal: Calibration, wire: float, codec: float) -> float:
@@ -299,7 +301,7 @@ def _predict_messages(algorithm: str, n: int, topo: Topology, fmt: str, block: i
     link = cal.net if topo.nodes > 1 else cal.shm
     shared = LinkCost(link.alpha, link.beta * _nic_share(cal, topo))  # all ranks of a node send at once
     bpv = bytes_per_value(fmt, block)
-    fused = _codec_rate(cal, fmt)
+    fused = cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
     step = link.alpha + cal.step_overhead
     if algorithm == "ring":
         wire = 2 * (p - 1) / p * n * bpv * link.beta
@@ -382,10 +384,7 @@ FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantiza
 
 def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None) -> str:
     """The ``auto`` algorithm: among those predicted within FIDELITY_SLACK of the fastest, the one
-    with the smallest predicted error (:func:`error_growth`; ties: the faster).
-
-    (Until the error study, the tie-break was :func:`quantizations`, which misorders recursive
-    doubling against the ring and the hierarchical ring: see docs/scaling.md.)"""
+    with the smallest predicted error (:func:`error_growth`; ties: the faster)."""
     if cal is None:  # the calibration in force: remember the answers it gave
         cal = _in_force()
         key = (n, topo, fmt, block, id(cal))

@@ -169,18 +169,16 @@ def check_rounding(rounding: str, fmt: str | Format | None = None) -> str:
     return rounding
 
 
-def check_key(key: int) -> int:
-    """Validate a stochastic-rounding key: an int in [0, 2**64)."""
+def check_key(key: int, name: str = "key") -> int:
+    """Validate a stochastic-rounding key (``name``: what it is): an int in [0, 2**64)."""
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= int(key) < 1 << 64:
-        raise ValueError(f"key must be an int in [0, 2**64), got {key!r}")
+        raise ValueError(f"{name} must be an int in [0, 2**64), got {key!r}")
     return int(key)
 
 
 def check_offset(offset: int) -> int:
     """Validate an element-index offset of stochastic rounding: an int in [0, 2**64)."""
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= int(offset) < 1 << 64:
-        raise ValueError(f"offset must be an int in [0, 2**64), got {offset!r}")
-    return int(offset)
+    return check_key(offset, "offset")
 
 
 def num_blocks(count: int, block: int) -> int:

@@ -8,7 +8,6 @@ and the communicator stays usable.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -73,7 +72,8 @@ def agree(
         error = exc
         vec = error_row(exc, 1 + len(fields))
     table = transport.allgather_int64(vec)
-    k = _checked_columns(fields, must_match)
+    k = 1 + len(must_match)  # the error code and must_match: one contiguous comparison
+    assert fields[: k - 1] == must_match, f"{must_match} must be the first of {fields}"
     if not _uniform(table, k):  # a rank failed, or the ranks disagree: find which, and say it
         if table[:, 0].any():
             raise_failures(transport, what, table, error)
@@ -100,15 +100,6 @@ def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
         row = error_row(exc, 1)
     raise_failures(transport, what, transport.allgather_int64(row), error)
     return result  # type: ignore[return-value]
-
-
-@functools.lru_cache(maxsize=64)
-def _checked_columns(fields: tuple[str, ...], must_match: tuple[str, ...]) -> int:
-    """How many leading columns of the agreed table must be alike on every rank: the error code
-    and ``must_match``, which must be the first fields (one contiguous comparison)."""
-    if fields[: len(must_match)] != must_match:
-        raise ValueError(f"the fields every rank must have alike must come first: {must_match} of {fields}")
-    return 1 + len(must_match)
 
 
 def _uniform(table: np.ndarray, k: int) -> bool:

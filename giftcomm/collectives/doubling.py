@@ -20,11 +20,6 @@ from .wire import Wire
 from .workspace import workspace_of
 
 
-def largest_power_of_two(p: int) -> int:
-    """The largest power of two <= p (p >= 1)."""
-    return 1 << (p.bit_length() - 1)
-
-
 def _decoded(wire: Wire, msg: Any, n: int, acc_t: np.dtype) -> Any:
     return wire.decode(msg, n).astype(acc_t, copy=False)
 
@@ -37,7 +32,7 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None
     hold one partial sum encode it alike), stage 1 + i; a folded rank's first message by its
     rank, stage 0."""
     p, r, n = t.size, t.rank, x.size
-    p2 = largest_power_of_two(p)
+    p2 = 1 << (p.bit_length() - 1)  # the largest power of two <= P
     nbytes = wire.nbytes(n)
     ws = workspace_of(t, wire.xp)
     mine, theirs = ws.get("rd_mine", nbytes), ws.get("rd_theirs", nbytes)

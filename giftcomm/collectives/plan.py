@@ -22,7 +22,7 @@ from ..costmodel import Topology, choose
 from ..formats import Format, check_key, check_rounding, get_format, resolve_block
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
 from .agree import DTYPE_CODES, OP_CODES
-from .hierarchical import check_uniform, contiguous_nodes, node_groups
+from .hierarchical import check_uniform, contiguous_nodes
 from .ring import auto_slice_elems
 from .wire import Wire
 
@@ -161,9 +161,7 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
     cache = t.state.topology
     if local_size not in cache:
         nodes = t.node_ids() if local_size is None else contiguous_nodes(t.size, local_size)
-        groups = node_groups(nodes)
-        uniform = len({len(g) for g in groups}) == 1
-        cache[local_size] = nodes, Topology(t.size, len(groups), len(groups[0]) if uniform else 0)
+        cache[local_size] = nodes, Topology.of(nodes)
     return cache[local_size]
 
 

@@ -105,11 +105,6 @@ class TransformPlan:
                 stack([p.right_inv if p.right_inv is not None else _inv(p.right) for p in ps]) if has_r else None,
             ))
 
-    @classmethod
-    def from_pairs(cls, size: int, pairs: Sequence[tuple], xp: Any = np) -> "TransformPlan":
-        """From tuples ``(start, m, n, left, right[, left_inv, right_inv])``."""
-        return cls(size, [SegmentPair(*t) for t in pairs], xp)
-
     def _apply(self, flat: Any, inverse: bool) -> Any:
         xp = self.xp
         if _xp.array_module(flat) is not xp:

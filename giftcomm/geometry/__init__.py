@@ -10,17 +10,5 @@ from .policy import SelectivePolicy, TransformTimeModel, collective_seconds, sel
 from .spectral import Spectrum
 from .sync import SyncReport
 
-__all__ = [
-    "Geometry",
-    "Layout",
-    "Segment",
-    "Spectrum",
-    "KfacEstimator",
-    "GradientFactorEstimator",
-    "SyncReport",
-    "SelectivePolicy",
-    "select",
-    "TransformTimeModel",
-    "collective_seconds",
-    "row_col_mean_squares",
-]
+__all__ = ["Geometry", "Layout", "Segment", "Spectrum", "KfacEstimator", "GradientFactorEstimator", "SyncReport", "SelectivePolicy",
+           "select", "TransformTimeModel", "collective_seconds", "row_col_mean_squares"]

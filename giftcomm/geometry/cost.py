@@ -109,12 +109,7 @@ def format_cost_table(rows: list[CostRow]) -> str:
                    f"{r.flops / 1e9:.2f} | {r.seconds * 1e3:.1f} | {gfs:.1f} | {r.seconds / (m * n) * 1e9:.2f} |")
     out += ["", "| model | transform | k | s per block | s per model (all blocks) | GFLOP per model |",
             "| --- | --- | --- | ---: | ---: | ---: |"]
-    keys = []
-    for r in rows:
-        key = (r.model, r.transform, r.rank)
-        if key not in keys:
-            keys.append(key)
-    for model, transform, rank in keys:
+    for model, transform, rank in dict.fromkeys((r.model, r.transform, r.rank) for r in rows):
         sel = [r for r in rows if (r.model, r.transform, r.rank) == (model, transform, rank)]
         per_block = sum(r.seconds * r.count for r in sel)
         gflop = sum(r.flops * r.count for r in sel) * MODELS[model]["blocks"] / 1e9
@@ -127,6 +122,8 @@ def measure_sync(comm, model: str = "llama-300m", repeats: int = 2, seed: int = 
     """Collective: time KfacEstimator.sync in both modes for one block's factors (7 segments).
 
     Returns mode -> list of SyncReport (from the slowest rank: max of seconds over ranks)."""
+    from mpi4py import MPI
+
     from .estimators import KfacEstimator
 
     rng = np.random.default_rng([seed, comm.Get_rank()])
@@ -143,16 +140,10 @@ def measure_sync(comm, model: str = "llama-300m", repeats: int = 2, seed: int = 
         for _ in range(repeats + 1):
             comm.Barrier()
             rep = est.sync(comm, mode=mode)
-            rep.seconds = comm.allreduce(rep.seconds, op=_mpi_max())
+            rep.seconds = comm.allreduce(rep.seconds, op=MPI.MAX)
             results[mode].append(rep)
         results[mode] = results[mode][1:]
     return results
-
-
-def _mpi_max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def _machine() -> str:

@@ -16,14 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "Spectrum",
-    "damped",
-    "lowrank_damped",
-    "rank_for_energy",
-    "anisotropy",
-    "side_error_factor",
-]
+__all__ = ["Spectrum", "damped", "lowrank_damped", "rank_for_energy", "anisotropy", "side_error_factor"]
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ import numpy as np
 
 import giftcomm
 from giftcomm import codec, config
+from giftcomm.api import ALGORITHMS
 from giftcomm.costmodel import choose
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce
@@ -62,7 +63,6 @@ from .sizes import format_size, parse_size, size_range
 SHARED_MEMORY = {"auto": None, "on": True, "off": False}  # --shared-memory -> MpiTransport(shared_memory=)
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 NCCL_TYPE = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16"}
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 
 
 @dataclass
@@ -261,15 +261,14 @@ def placement(comm: Any, t: Any) -> list[dict[str, Any]]:
 
 
 def _ranges(cpus: list[int]) -> str:
-    out: list[str] = []
+    """[0, 1, 2, 5] -> "0-2,5" ("?" for none)."""
+    runs: list[list[int]] = []
     for c in cpus:
-        if out and "-" not in out[-1].split(",")[-1] and int(out[-1]) == c - 1:
-            out[-1] = f"{out[-1]}-{c}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == c - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out) or "?"
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "?"
 
 
 def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentParser:

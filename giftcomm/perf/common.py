@@ -130,14 +130,8 @@ def topology(transport: Any, local_size: int | None = None) -> tuple[np.ndarray,
 
     Nodes come from ``transport.node_ids()``, or with ``local_size`` K each run of K consecutive
     ranks is one node (as the API's ``local_size=`` does). Uneven nodes give local_size 0."""
-    p = transport.size
-    if local_size:
-        nodes = np.arange(p) // int(local_size)
-    else:
-        nodes = np.asarray(transport.node_ids())
-    counts = np.unique(nodes, return_counts=True)[1]
-    uniform = len(set(counts.tolist())) == 1
-    return nodes, Topology(p, len(counts), int(counts[0]) if uniform else 0)
+    nodes = np.arange(transport.size) // int(local_size) if local_size else np.asarray(transport.node_ids())
+    return nodes, Topology.of(nodes)
 
 
 def split_list(text: str) -> list[str]:

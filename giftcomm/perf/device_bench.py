@@ -181,36 +181,22 @@ def format_gift(g: dict[str, float], n: int, links=LINK_GBITS) -> str:
 
 
 # ------------------------------------------------------------------------------ measuring
-def event_timer(cp: Any, warmup: int, reps: int) -> Callable[[Callable[[], Any]], float]:
+def event_timer(cp: Any, warmup: int, reps: int, wall: bool = False) -> Callable[[Callable[[], Any]], float]:
     """A function timing ``fn()`` on the device: ``warmup`` calls, then the median of ``reps``
-    CUDA-event timings, in milliseconds."""
+    timings in milliseconds: CUDA events around ``fn()``, or with ``wall`` the host's clock
+    from before ``fn()`` until the device is synchronized."""
     def t(fn: Callable[[], Any]) -> float:
         for _ in range(warmup):
             fn()
         cp.cuda.Device().synchronize()
         ms = []
         for _ in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a, b, t0 = cp.cuda.Event(), cp.cuda.Event(), time.perf_counter()
             a.record()
             fn()
             b.record()
-            b.synchronize()
-            ms.append(cp.cuda.get_elapsed_time(a, b))
-        return float(np.median(ms))
-    return t
-
-
-def _wall_timer(cp: Any, warmup: int, reps: int) -> Callable[[Callable[[], Any]], float]:
-    def t(fn: Callable[[], Any]) -> float:
-        for _ in range(warmup):
-            fn()
-        cp.cuda.Device().synchronize()
-        ms = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            cp.cuda.Device().synchronize()
-            ms.append(1e3 * (time.perf_counter() - t0))
+            (cp.cuda.Device() if wall else b).synchronize()
+            ms.append(1e3 * (time.perf_counter() - t0) if wall else cp.cuda.get_elapsed_time(a, b))
         return float(np.median(ms))
     return t
 
@@ -330,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     timed = event_timer(cp, args.warmup, args.reps)
-    wall = _wall_timer(cp, args.warmup, args.reps)
+    wall = event_timer(cp, args.warmup, args.reps, wall=True)
     n = 1 << args.log2n
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]

@@ -66,10 +66,13 @@ def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dty
     return [a.reshape(-1) for a in arrays], dtype, shape
 
 
-def _ring_chunk_sums(flat: list[np.ndarray], w: _Wire, parties: Sequence[int] | None = None,
-                     base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """The owner's high-precision sum of each chunk, after the ring reduce-scatter. ``parties``:
-    the ranks of the members (default 0..P-1); ``base``: the index of flat[q][0] in the buffer."""
+def _chunk_sums(flat: list[np.ndarray], w: _Wire, direct: bool = False, parties: Sequence[int] | None = None,
+                base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """The owner's high-precision sum of each chunk after the ring (or ``direct``) reduce-scatter,
+    and the chunk bounds. Ring: chunk c starts at rank c+1 and travels right, re-encoded at every
+    hop; rank c adds last. Direct: the contributions in rank order, each other rank's quantized
+    once, the owner's own exact. ``parties``: the ranks of the members (default 0..P-1);
+    ``base``: the index of flat[q][0] in the buffer."""
     p = len(flat)
     parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
@@ -79,36 +82,16 @@ def _ring_chunk_sums(flat: list[np.ndarray], w: _Wire, parties: Sequence[int] | 
         for c in range(p):
             lo, hi = bounds[c], bounds[c + 1]
             part = [x[lo:hi].astype(acc_t) for x in flat]
-            if p == 1:
-                sums.append(part[0])
-                continue
-            # Chunk c starts at rank c+1 and travels right; rank c adds last.
-            msg = w.encode(part[(c + 1) % p], parties[(c + 1) % p], base + lo)
-            for k in range(2, p + 1):
-                acc = w.decode(msg, hi - lo).astype(acc_t) + part[(c + k) % p]
-                if k < p:
-                    msg = w.encode(acc, parties[(c + k) % p], base + lo)
-            sums.append(acc)
-    return sums, bounds
-
-
-def _direct_chunk_sums(flat: list[np.ndarray], w: _Wire, parties: Sequence[int] | None = None,
-                       base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """The owner's sum of each chunk after the direct reduce-scatter: contributions in rank
-    order, each other rank's quantized once, the owner's own exact."""
-    p = len(flat)
-    parties = list(range(p)) if parties is None else list(parties)
-    acc_t = accumulation_dtype(flat[0].dtype)
-    bounds = chunk_bounds(flat[0].size, p, w.block)
-    sums = []
-    with np.errstate(invalid="ignore", over="ignore"):
-        for c in range(p):
-            lo, hi = bounds[c], bounds[c + 1]
-            acc = None
-            for src in range(p):
-                value = (flat[src][lo:hi].astype(acc_t) if src == c
-                         else w.q(flat[src][lo:hi], parties[src], base + lo).astype(acc_t))
-                acc = value if acc is None else acc + value
+            if direct or p == 1:
+                acc = part[0] if c == 0 else w.q(part[0], parties[0], base + lo).astype(acc_t)
+                for src in range(1, p):
+                    acc = acc + (part[src] if src == c else w.q(part[src], parties[src], base + lo).astype(acc_t))
+            else:
+                msg = w.encode(part[(c + 1) % p], parties[(c + 1) % p], base + lo)
+                for k in range(2, p + 1):
+                    acc = w.decode(msg, hi - lo).astype(acc_t) + part[(c + k) % p]
+                    if k < p:
+                        msg = w.encode(acc, parties[(c + k) % p], base + lo)
             sums.append(acc)
     return sums, bounds
 
@@ -150,13 +133,12 @@ def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_f
     nodes = [flat[j : j + local_size] for j in range(0, p, local_size)]
     local_bounds = chunk_bounds(flat[0].size, local_size, w.block)
     local = w.passthrough(local_fmt)
-    node_sums = [_ring_chunk_sums(members, local)[0] for members in nodes]
+    node_sums = [_chunk_sums(members, local)[0] for members in nodes]
     result = np.empty(flat[0].size, acc_t)
-    cross_sums = _direct_chunk_sums if inter == "direct" else _ring_chunk_sums
     for lr in range(local_size):
         parties = [j + lr for j in range(0, p, local_size)]  # the ranks of cross group lr
         base = int(local_bounds[lr])
-        sums, bounds = cross_sums([ns[lr] for ns in node_sums], w, parties, base)
+        sums, bounds = _chunk_sums([ns[lr] for ns in node_sums], w, inter == "direct", parties, base)
         chunk = _gathered(sums, bounds, w, acc_t, parties, base)
         # the node-local allgather carries these float32 values exactly (fp32 pass-through)
         result[local_bounds[lr] : local_bounds[lr + 1]] = chunk.astype(np.float32)
@@ -214,7 +196,7 @@ def simulate_reduce_scatter(
     if algorithm not in ("ring", "direct"):
         raise ValueError(f"reduce_scatter algorithm must be 'ring' or 'direct', got {algorithm!r}")
     flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = (_direct_chunk_sums if algorithm == "direct" else _ring_chunk_sums)(flat, w)
+    sums, _ = _chunk_sums(flat, w, algorithm == "direct")
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
@@ -264,10 +246,8 @@ def simulate_allreduce(
     acc_t = accumulation_dtype(dtype)
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
-    elif algorithm == "ring":
-        result = _gathered(*_ring_chunk_sums(flat, w), w, acc_t)
-    elif algorithm == "direct":
-        result = _gathered(*_direct_chunk_sums(flat, w), w, acc_t)
+    elif algorithm in ("ring", "direct"):
+        result = _gathered(*_chunk_sums(flat, w, algorithm == "direct"), w, acc_t)
     elif algorithm == "doubling":
         result = _doubling_sum(flat, w)
     elif algorithm == "oneshot":

@@ -140,12 +140,11 @@ class TorchDistTransport(Transport):
         """Overwrite ``buf`` with ``root``'s (``dist.broadcast``), in place."""
         if self.size == 1:
             return
-        if buf.dtype == np.float64 and buf.flags.c_contiguous and buf.flags.writeable:
-            dist.broadcast(torch.from_numpy(buf.reshape(-1)), self._global[root], group=self.group)
-            return
-        tmp = np.ascontiguousarray(buf, dtype=np.float64)
+        inplace = buf.dtype == np.float64 and buf.flags.c_contiguous and buf.flags.writeable
+        tmp = buf if inplace else np.ascontiguousarray(buf, dtype=np.float64)
         dist.broadcast(torch.from_numpy(tmp.reshape(-1)), self._global[root], group=self.group)
-        buf[...] = tmp
+        if not inplace:
+            buf[...] = tmp
 
     def free(self) -> None:
         """Destroy the private group (optional; torch frees it at destroy_process_group)."""

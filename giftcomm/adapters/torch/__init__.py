@@ -10,16 +10,5 @@ from .ddp import GiftState, gift_hook
 from .grad_sync import GradSync, SyncTimes
 from .kfac import KfacCapture, build_geometries, model_layout
 
-__all__ = [
-    "GiftState",
-    "gift_hook",
-    "GradSync",
-    "SyncTimes",
-    "KfacCapture",
-    "build_geometries",
-    "model_layout",
-    "GradBucket",
-    "make_buckets",
-    "named_trainable",
-    "numpy_view",
-]
+__all__ = ["GiftState", "gift_hook", "GradSync", "SyncTimes", "KfacCapture", "build_geometries", "model_layout", "GradBucket",
+           "make_buckets", "named_trainable", "numpy_view"]
