@@ -238,15 +238,9 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
 
 
 def _rate(fn, n: int, budget_s: float) -> float:
-    """Values per second of ``fn`` (which processes n values): median of repeated calls."""
-    fn()
-    ts: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(ts) < 5 or (time.perf_counter() < t_end and len(ts) < 200):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return n / STAT[0](ts)
+    """Values per second of ``fn`` (which processes n values): the statistic of 5 to 200 calls,
+    as many as take about ``budget_s`` seconds."""
+    return n / time_calls(fn, 200, warmup=1, stat=STAT_NAME[0], budget_s=budget_s, min_iters=5)[0]
 
 
 def measure_codec_rates(n: int = 1 << 22, fmt: str = "e4m3", block: int = 256, budget_s: float = 0.5,
@@ -340,16 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     comm = world.Dup()
     t = MpiTransport(comm)
-    if args.local_size:
-        if world.size % args.local_size:
-            if world.rank == 0:
-                print(f"--local-size {args.local_size} must divide {world.size}", file=sys.stderr)
-            return 2
-        nodes = np.arange(world.size) // args.local_size
-        layout = f"--local-size {args.local_size}"
-    else:
-        nodes = t.node_ids()
-        layout = "MPI_COMM_TYPE_SHARED"
+    if args.local_size and world.size % args.local_size:
+        if world.rank == 0:
+            print(f"--local-size {args.local_size} must divide {world.size}", file=sys.stderr)
+        return 2
+    nodes, topo = topology(t, args.local_size)
+    layout = f"--local-size {args.local_size}" if args.local_size else "MPI_COMM_TYPE_SHARED"
     small = [parse_size(s) for s in args.small.split(",")]
     lo, hi = (parse_size(s) for s in args.large.split(","))
     large = size_range(lo, hi, 2)
@@ -372,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"kept {getattr(previous, name)} from {previous.source}")
             continue
         links[name], raw[name] = measure_link(comm, pair, small, large, args.reps, args.budget)
-    multi = len(set(nodes.tolist())) > 1
+    multi = topo.nodes > 1
     step_link = links.get("net" if multi else "shm") or getattr(previous, "net" if multi else "shm")
     call_ovh, step_ovh, raw["overheads"] = measure_overheads(comm, step_link.alpha)
     rates = None
@@ -392,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.nics_per_node is not None:
         cal.nics_per_node = args.nics_per_node
     if args.overlap_bytes and parse_size(args.overlap_bytes) > 0:
-        topo = topology(t, args.local_size)[1]
         cal.overlap, raw["overlap"] = measure_overlap(comm, cal, topo, parse_size(args.overlap_bytes))
     if comm.rank == 0:
         raw.update(stat=args.stat, P=world.size, nodes=nodes.tolist(), layout=layout, host=platform.node(),

@@ -47,7 +47,8 @@ def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float) -> 
 
 
 def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) -> dict[str, Callable[[], object]]:
-    """Closures for the four operations on preallocated buffers, for impl 'native' or 'numpy'."""
+    """Closures for the four operations on preallocated buffers, for impl 'native' or 'numpy': the
+    trusted kernels giftcomm runs on the host (codec.NativeKernels, codec.ReferenceKernels)."""
     f = get_format(fmt)
     n = x.size
     msg = ref.encode(x, f, block)
@@ -55,29 +56,12 @@ def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) 
     enc_out = np.empty_like(msg_out)
     dec_out = np.empty(n, np.float32)
     acc = np.zeros(n, np.float32)
-    if impl == "native":
-        nat = codec.NativeKernels
-        return {
-            "encode": lambda: nat.encode(x, f, block, enc_out),
-            "decode": lambda: nat.decode(msg, n, f, block, dec_out),
-            "decode_add_encode": lambda: nat.decode_add_encode(msg, local, f, block, msg_out, None),
-            "decode_accumulate": lambda: nat.decode_accumulate(msg, acc, f, block),
-        }
-
-    def dae():
-        with np.errstate(invalid="ignore", over="ignore"):
-            total = ref.decode(msg, n, f, block) + local
-        return ref.encode(total, f, block, out=msg_out)
-
-    def accumulate():
-        with np.errstate(invalid="ignore", over="ignore"):
-            acc.__iadd__(ref.decode(msg, n, f, block))
-
+    k = codec.NativeKernels if impl == "native" else codec.ReferenceKernels
     return {
-        "encode": lambda: ref.encode(x, f, block, out=enc_out),
-        "decode": lambda: ref.decode(msg, n, f, block),
-        "decode_add_encode": dae,
-        "decode_accumulate": accumulate,
+        "encode": lambda: k.encode(x, f, block, enc_out),
+        "decode": lambda: k.decode(msg, n, f, block, dec_out),
+        "decode_add_encode": lambda: k.decode_add_encode(msg, local, f, block, msg_out, None),
+        "decode_accumulate": lambda: k.decode_accumulate(msg, acc, f, block),
     }
 
 
