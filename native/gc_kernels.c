@@ -17,11 +17,13 @@
 #if defined(GC_HAVE_X86_VARIANTS)
 #pragma GCC push_options
 #pragma GCC target("avx2")
+#define GC_X256 1
 #define GC_SUFFIX avx2
 #define GC_ISA_NAME "avx2"
 #include "gc_kernels.h"
 #undef GC_SUFFIX
 #undef GC_ISA_NAME
+#undef GC_X256
 #pragma GCC pop_options
 
 #pragma GCC push_options

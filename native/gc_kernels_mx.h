@@ -14,11 +14,293 @@
 #define GCE_NAN(ek) ((ek) == 2 ? 0u : 0x7fu)
 #define GC_INF_BITS 0x7f800000u
 
+/* ---- SIMD layer of the AVX-512 (GC_X512) and AVX2 (GC_X256) variants ----
+ *
+ * GV_* are the few integer / float operations that the vector Philox generator and the E2M1
+ * rounding need, as 16-lane AVX-512 or 8-lane AVX2 intrinsics (GV_W lanes of 32 bits), so that
+ * both variants run the same code. The generic variant has none of it and uses the scalar code.
+ */
+#if (defined(GC_X512) || defined(GC_X256)) && !defined(GC_NO_VEC_MX)
+#include <immintrin.h>
+#define GC_VEC_MX 1
+
+#if defined(GC_X512)
+#define GV_I __m512i
+#define GV_F __m512
+#define GV_W 16
+#define GV_SET1(v) _mm512_set1_epi32((int)(v))
+#define GV_SET1_64(v) _mm512_set1_epi64((long long)(v))
+#define GV_SET1PS(v) _mm512_set1_ps(v)
+#define GV_ZERO() _mm512_setzero_si512()
+#define GV_ADD(a, b) _mm512_add_epi32(a, b)
+#define GV_SUB(a, b) _mm512_sub_epi32(a, b)
+#define GV_ADD64(a, b) _mm512_add_epi64(a, b)
+#define GV_AND(a, b) _mm512_and_si512(a, b)
+#define GV_OR(a, b) _mm512_or_si512(a, b)
+#define GV_XOR(a, b) _mm512_xor_si512(a, b)
+#define GV_XOR3(a, b, c) _mm512_ternarylogic_epi32(a, b, c, 0x96)
+#define GV_SRLI(a, n) _mm512_srli_epi32(a, n)
+#define GV_SLLI(a, n) _mm512_slli_epi32(a, n)
+#define GV_SRLV(a, n) _mm512_srlv_epi32(a, n)
+#define GV_SLLV(a, n) _mm512_sllv_epi32(a, n)
+#define GV_SRLI64(a, n) _mm512_srli_epi64(a, n)
+#define GV_MINU(a, b) _mm512_min_epu32(a, b)
+#define GV_MAXU(a, b) _mm512_max_epu32(a, b)
+#define GV_MULU(a, b) _mm512_mul_epu32(a, b)
+#define GV_SWAP(a) _mm512_shuffle_epi32(a, _MM_PERM_CDAB)
+#define GV_EVEN_ODD(e, o) _mm512_mask_shuffle_epi32(e, (__mmask16)0xAAAA, o, _MM_PERM_CDAB)
+#define GV_IOTA2() _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14)
+#define GV_LOADPS(p) _mm512_loadu_ps(p)
+#define GV_MULPS(a, b) _mm512_mul_ps(a, b)
+#define GV_ADDPS(a, b) _mm512_add_ps(a, b)
+#define GV_CASTI(f) _mm512_castps_si512(f)
+#define GV_CASTF(i) _mm512_castsi512_ps(i)
+#define GV_STOREI(p, v) _mm512_storeu_si512((void *)(p), v)
+
+/* c + 1 where s < lo (unsigned): the carry out of lo + r when s = lo + r */
+GC_INLINE __m512i K(v_addc)(__m512i c, __m512i s, __m512i lo)
+{
+    return _mm512_mask_add_epi32(c, _mm512_cmplt_epu32_mask(s, lo), c, GV_SET1(1));
+}
+
+/* (c & 7) | the sign bit of u at bit 3 */
+GC_INLINE __m512i K(v_sign4)(__m512i c, __m512i u)
+{
+    return _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(u, 28), GV_SET1(7), 0xE4); /* c & 7 | s & ~7 */
+}
+
+/* bits of min(|y|, 6) (vrangeps: the smaller magnitude, sign cleared) */
+GC_INLINE __m512i K(v_absclip6)(__m512 y)
+{
+    return _mm512_castps_si512(_mm512_range_ps(y, _mm512_set1_ps(6.0f), 0x0A));
+}
+
+/* entry e & 15 of a 16-word table whose entries 15, 0, 1 are t15, t0, t1 */
+GC_INLINE __m512i K(v_lut3)(__m512i e, uint32_t t15, uint32_t t0, uint32_t t1)
+{
+    return _mm512_permutexvar_epi32(e, _mm512_setr_epi32((int)t0, (int)t1, 0, 0, 0, 0, 0, 0,
+                                                         0, 0, 0, 0, 0, 0, 0, (int)t15));
+}
+#else /* GC_X256 */
+#define GV_I __m256i
+#define GV_F __m256
+#define GV_W 8
+#define GV_SET1(v) _mm256_set1_epi32((int)(v))
+#define GV_SET1_64(v) _mm256_set1_epi64x((long long)(v))
+#define GV_SET1PS(v) _mm256_set1_ps(v)
+#define GV_ZERO() _mm256_setzero_si256()
+#define GV_ADD(a, b) _mm256_add_epi32(a, b)
+#define GV_SUB(a, b) _mm256_sub_epi32(a, b)
+#define GV_ADD64(a, b) _mm256_add_epi64(a, b)
+#define GV_AND(a, b) _mm256_and_si256(a, b)
+#define GV_OR(a, b) _mm256_or_si256(a, b)
+#define GV_XOR(a, b) _mm256_xor_si256(a, b)
+#define GV_XOR3(a, b, c) _mm256_xor_si256(_mm256_xor_si256(a, b), c)
+#define GV_SRLI(a, n) _mm256_srli_epi32(a, n)
+#define GV_SLLI(a, n) _mm256_slli_epi32(a, n)
+#define GV_SRLV(a, n) _mm256_srlv_epi32(a, n)
+#define GV_SLLV(a, n) _mm256_sllv_epi32(a, n)
+#define GV_SRLI64(a, n) _mm256_srli_epi64(a, n)
+#define GV_MINU(a, b) _mm256_min_epu32(a, b)
+#define GV_MAXU(a, b) _mm256_max_epu32(a, b)
+#define GV_MULU(a, b) _mm256_mul_epu32(a, b)
+#define GV_SWAP(a) _mm256_shuffle_epi32(a, 0xB1)
+#define GV_EVEN_ODD(e, o) _mm256_blend_epi32(e, _mm256_shuffle_epi32(o, 0xB1), 0xAA)
+#define GV_IOTA2() _mm256_setr_epi64x(0, 2, 4, 6)
+#define GV_LOADPS(p) _mm256_loadu_ps(p)
+#define GV_MULPS(a, b) _mm256_mul_ps(a, b)
+#define GV_ADDPS(a, b) _mm256_add_ps(a, b)
+#define GV_CASTI(f) _mm256_castps_si256(f)
+#define GV_CASTF(i) _mm256_castsi256_ps(i)
+#define GV_STOREI(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), v)
+
+GC_INLINE __m256i K(v_addc)(__m256i c, __m256i s, __m256i lo)
+{
+    /* s >= lo (no carry): -1, else 0; so c + 1 + that */
+    __m256i nc = _mm256_cmpeq_epi32(_mm256_max_epu32(s, lo), s);
+    return _mm256_add_epi32(_mm256_add_epi32(c, GV_SET1(1)), nc);
+}
+
+GC_INLINE __m256i K(v_sign4)(__m256i c, __m256i u)
+{
+    return _mm256_or_si256(_mm256_and_si256(c, GV_SET1(7)), _mm256_and_si256(_mm256_srli_epi32(u, 28), GV_SET1(8)));
+}
+
+GC_INLINE __m256i K(v_absclip6)(__m256 y)
+{
+    return _mm256_min_epu32(_mm256_and_si256(_mm256_castps_si256(y), GV_SET1(0x7fffffffu)), GV_SET1(0x40c00000u));
+}
+
+/* entry e & 7 of an 8-word table whose entries 7, 0, 1 are t15, t0, t1 (15 & 7 = 7) */
+GC_INLINE __m256i K(v_lut3)(__m256i e, uint32_t t15, uint32_t t0, uint32_t t1)
+{
+    return _mm256_permutevar8x32_epi32(_mm256_setr_epi32((int)t0, (int)t1, 0, 0, 0, 0, 0, (int)t15), e);
+}
+#endif
+
+/* Philox4x32-10 (gc_philox_w0) on one half of the lanes: the counters are 64-bit lanes (c0 in the
+ * low word, c1 the high word), the state words sit in the low 32 bits of 64-bit lanes. mul_epu32
+ * reads only those low words and gives the whole 64-bit product, whose high word the 32-bit swap
+ * brings down; the high words of the state are never read, so they may hold anything. */
+GC_INLINE GV_I K(vphilox_half)(GV_I ctr, uint32_t k0, uint32_t k1)
+{
+    const GV_I m0 = GV_SET1(0xD2511F53u), m1 = GV_SET1(0xCD9E8D57u);
+    /* round 1: c2 = c3 = 0, so M1 * c2 = 0 */
+    GV_I p0 = GV_MULU(ctr, m0), p1;
+    GV_I c0 = GV_XOR(GV_SRLI64(ctr, 32), GV_SET1(k0));
+    GV_I c2 = GV_XOR(GV_SWAP(p0), GV_SET1(k1));
+    GV_I c1 = GV_ZERO(), c3 = p0;
+    for (int r = 1; r < 9; r++) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+        p0 = GV_MULU(c0, m0);
+        p1 = GV_MULU(c2, m1);
+        c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
+        c2 = GV_XOR3(GV_SWAP(p0), c3, GV_SET1(k1));
+        c1 = p1;
+        c3 = p0;
+    }
+    /* round 10: only word 0 is kept */
+    k0 += 0x9E3779B9u;
+    return GV_XOR3(GV_SWAP(GV_MULU(c2, m1)), c1, GV_SET1(k0));
+}
+
+/* word 0 of Philox4x32-10 for counters idx .. idx + GV_W - 1 (mod 2^64): lane i = gc_philox_w0 of
+ * idx + i. Even and odd elements run as two half-width streams, merged at the end. */
+GC_INLINE GV_I K(vphilox)(uint64_t idx, uint32_t k0, uint32_t k1)
+{
+    GV_I base = GV_ADD64(GV_SET1_64(idx), GV_IOTA2());
+    GV_I e = K(vphilox_half)(base, k0, k1);
+    GV_I o = K(vphilox_half)(GV_ADD64(base, GV_SET1_64(1)), k0, k1);
+    return GV_EVEN_ODD(e, o);
+}
+
+/* The same when every counter's high word is h (no 2^32 boundary among them; the usual case):
+ * then round 1's new c0 = h ^ k0 is one scalar for all lanes, round 2's M0 * c0 one scalar
+ * product, and its low word round 3's c3, so rounds 1-3 need 3 multiplies instead of 5 per half.
+ * ctr: the low words of the even elements' counters in the low words of 64-bit lanes. */
+GC_INLINE GV_I K(vphilox_half_u)(GV_I ctr, uint32_t h, uint32_t k0, uint32_t k1)
+{
+    const GV_I m0 = GV_SET1(0xD2511F53u), m1 = GV_SET1(0xCD9E8D57u);
+    /* round 1: c1 = h, c2 = c3 = 0 */
+    GV_I p0 = GV_MULU(ctr, m0), p1;
+    uint32_t s0 = h ^ k0;
+    GV_I c2 = GV_XOR(GV_SWAP(p0), GV_SET1(k1));
+    GV_I c3 = p0;
+    /* round 2: c0 = s0, c1 = 0 */
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+    uint64_t q = (uint64_t)s0 * 0xD2511F53u;
+    p1 = GV_MULU(c2, m1);
+    GV_I c0 = GV_XOR(GV_SWAP(p1), GV_SET1(k0));
+    c2 = GV_XOR(c3, GV_SET1((uint32_t)(q >> 32) ^ k1));
+    GV_I c1 = p1;
+    /* round 3: c3 = low word of q */
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+    p0 = GV_MULU(c0, m0);
+    p1 = GV_MULU(c2, m1);
+    c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
+    c2 = GV_XOR(GV_SWAP(p0), GV_SET1((uint32_t)q ^ k1));
+    c1 = p1;
+    c3 = p0;
+    for (int r = 3; r < 9; r++) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+        p0 = GV_MULU(c0, m0);
+        p1 = GV_MULU(c2, m1);
+        c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
+        c2 = GV_XOR3(GV_SWAP(p0), c3, GV_SET1(k1));
+        c1 = p1;
+        c3 = p0;
+    }
+    k0 += 0x9E3779B9u;
+    return GV_XOR3(GV_SWAP(GV_MULU(c2, m1)), c1, GV_SET1(k0));
+}
+
+/* GV_W words for counters (h << 32) + the low words in ctr (even elements; odd = ctr + 1) */
+GC_INLINE GV_I K(vphilox_u)(GV_I ctr, uint32_t h, uint32_t k0, uint32_t k1)
+{
+    GV_I e = K(vphilox_half_u)(ctr, h, k0, k1);
+    GV_I o = K(vphilox_half_u)(GV_ADD64(ctr, GV_SET1_64(1)), h, k0, k1);
+    return GV_EVEN_ODD(e, o);
+}
+
+/* whether counters idx0 .. idx0 + len - 1 (len >= 1) share their high word */
+GC_INLINE int K(same_hi)(uint64_t idx0, size_t len)
+{
+    return ((idx0 ^ (idx0 + (len - 1u))) >> 32) == 0;
+}
+
+/* E2M1 code (sign at bit 3) of y, round to nearest even: gc_qmag(min(|y|, 6), -, 1, 0, 0). The FPU
+ * rounds: a = min(|y|, 6) plus a magic number whose ulp is the E2M1 step of a's range (2^22: step
+ * 0.5 below 2; 2^23: step 1 in [2, 4); 2^24: step 2 in [4, 6]), so the sum's low bits count the
+ * steps k. The magic is raised by 2R ulps (R = the range, 0..2; an even number of ulps, so ties
+ * still go to an even k), which makes the sum's low 3 bits k + 2R = the code. The range comes
+ * from max(a, 1)'s exponent 127..129, whose low bits index a three-entry table. */
+GC_INLINE GV_I K(v_e2m1_rn)(GV_F y)
+{
+    GV_I a = K(v_absclip6)(y);
+    GV_I magic = K(v_lut3)(GV_SRLI(GV_MAXU(a, GV_SET1(0x3f800000u)), 23), 0x4a800000u, 0x4b000002u, 0x4b800004u);
+    GV_I sum = GV_CASTI(GV_ADDPS(GV_CASTF(a), GV_CASTF(magic)));
+    return K(v_sign4)(sum, GV_CASTI(y));
+}
+
+/* E2M1 code of y rounded stochastically with the random words r: gc_qmag(min(|y|, 6), r, 1, 0, 1)
+ * lane for lane. With t = the magic sum above but truncated instead of rounded (AVX-512's embedded
+ * rounding), its low bits are the code of floor(a / step) and rem = a - (t - magic) the exact
+ * remainder; F = rem * 2^32 / step (a power of two, exact) truncated to an integer is the scalar
+ * code's 32 fraction bits, and the code goes up where F + r carries out of 32 bits. AVX2 has no
+ * truncating add: it runs the scalar integer formula (vector shifts by 32 or more give 0, as the
+ * scalar code's clamped shifts do for these operands; for a float32-subnormal a both give 0). */
+#if defined(GC_X512)
+GC_INLINE __m512i K(v_e2m1_sr)(__m512 y, __m512i r)
+{
+    __m512 a = _mm512_range_ps(y, _mm512_set1_ps(6.0f), 0x0A);
+    __m512i e = _mm512_srli_epi32(_mm512_max_epu32(_mm512_castps_si512(a), GV_SET1(0x3f800000u)), 23);
+    __m512 magic = _mm512_castsi512_ps(K(v_lut3)(e, 0x4a800000u, 0x4b000002u, 0x4b800004u));
+    __m512 t = _mm512_add_round_ps(a, magic, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m512 rem = _mm512_sub_ps(a, _mm512_sub_ps(t, magic));
+    __m512 scale = _mm512_castsi512_ps(K(v_lut3)(e, 0x50000000u, 0x4f800000u, 0x4f000000u)); /* 2^33, 2^32, 2^31 */
+    __m512i f = _mm512_cvttps_epu32(_mm512_mul_ps(rem, scale));
+    __m512i c = K(v_addc)(_mm512_castps_si512(t), _mm512_add_epi32(f, r), f);
+    return K(v_sign4)(c, _mm512_castps_si512(y));
+}
+#else
+GC_INLINE GV_I K(v_e2m1_sr)(GV_F y, GV_I r)
+{
+    GV_I a = K(v_absclip6)(y);
+    GV_I ef = GV_SRLI(a, 23);
+    GV_I sig = GV_OR(GV_AND(a, GV_SET1(0x7fffffu)), GV_SET1(0x800000u)); /* ef = 0: any sig gives 0 below */
+    GV_I em = GV_MINU(ef, GV_SET1(127));                                  /* d = 22 + (127 - em) */
+    GV_I hi = GV_SRLV(sig, GV_SUB(GV_SET1(149), em));
+    GV_I lo = GV_OR(GV_SLLV(sig, GV_SUB(em, GV_SET1(117))), GV_SRLV(sig, GV_SUB(GV_SET1(117), em)));
+    GV_I c = GV_ADD(hi, GV_SLLI(GV_SUB(ef, em), 1));                      /* + (max(e, 0) << 1) */
+    c = K(v_addc)(c, GV_ADD(lo, r), lo);
+    return K(v_sign4)(c, GV_CASTI(y));
+}
+#endif
+#else
+#define GC_VEC_MX 0
+#endif
+
 /* Philox bits of elements idx0 .. idx0 + len - 1 */
 GC_INLINE void K(rbits)(const gc_rng *g, uint64_t idx0, size_t len, uint32_t *restrict r)
 {
     const uint32_t k0 = g->k0, k1 = g->k1;
-    for (size_t i = 0; i < len; i++) {
+    size_t i = 0;
+#if GC_VEC_MX
+    if (len >= GV_W && K(same_hi)(idx0, len)) {
+        GV_I ctr = GV_ADD64(GV_SET1_64(idx0), GV_IOTA2());
+        for (; i + GV_W <= len; i += GV_W) {
+            GV_STOREI(r + i, K(vphilox_u)(ctr, (uint32_t)(idx0 >> 32), k0, k1));
+            ctr = GV_ADD64(ctr, GV_SET1_64(GV_W));
+        }
+    }
+    for (; i + GV_W <= len; i += GV_W)
+        GV_STOREI(r + i, K(vphilox)(idx0 + i, k0, k1));
+#endif
+    for (; i < len; i++) {
         uint64_t idx = idx0 + i;
         r[i] = gc_philox_w0((uint32_t)idx, (uint32_t)(idx >> 32), k0, k1);
     }
@@ -241,46 +523,175 @@ GC_INLINE void K(nv_dec_chunk)(const uint8_t *restrict pay, const uint8_t *restr
     }
 }
 
-#if defined(GC_X512) && !defined(GC_NO_X512_MX)
-/* ---- AVX-512 paths of the 4-bit formats (round to nearest, whole 1024-value chunks) ----
- *
- * Same arithmetic as the scalar code above, sixteen lanes at a time, so the bytes are identical:
- *   amax      per block, 16 blocks at once: a four-level transpose-and-max of 16 vectors
- *             (level k keeps, for each block, half as many partial maxima as level k - 1).
- *   scales    nvfp4's E4M3 block scales (round, bump up when below t, at least 1, 1 / (d * s2)) and
- *             MX's E8M0 exponents, for 16 blocks per vector.
- *   E2M1      round to nearest even by the FPU: |y| clipped to 6, plus a power of two whose ulp is
- *             the E2M1 step of |y|'s range (0.5 below 2, 1 below 4, 2 above), so the sum's low bits
- *             count the steps; equal to the thresholds of K(qloop) on every float32 (ties 0.25,
- *             1.25, 2.5, 5 go down, 0.75, 1.75, 3.5 up).
- *   nibbles   pack: 64-bit lanes c[2j] | c[2j+1] << 32, OR-shifted by 28, truncated to bytes
- *             (vpmovqb); unpack: low / high nibbles interleaved, widened, looked up in a 16-entry
- *             float table (vpermps) - E2M1 decodes exactly, so table[c] * d = gc_de2m1(c) * d.
- * The partial last chunk of a message and stochastic rounding take the scalar code.
- */
-#include <immintrin.h>
-
-#define GCV_I(v) _mm512_set1_epi32((int)(v))
-
-GC_INLINE __m512i K(v_e2m1_rn)(__m512 y)
+#if GC_VEC_MX
+/* Prefetch hints for the next chunk of a decode, at value i of this one: its output line of 16
+ * floats (read by the accumulate, written by the decode), and a payload line every 128 values.
+ * The streams are sequential, but the hardware prefetchers alone leave the kernels waiting on
+ * L3 (up to 1.5x slower on the development host). A prefetch never faults, also past the end. */
+GC_INLINE void K(v_prefetch_next)(const uint8_t *pay, const float *out, size_t i)
 {
-    __m512i u = _mm512_castps_si512(y);
-    __m512i a = _mm512_min_epu32(_mm512_and_si512(u, GCV_I(0x7fffffffu)), GCV_I(0x40c00000u));
-    /* magic 2^22, 2^23, 2^24 for |y| < 2, [2, 4), [4, 6]: its ulp is that range's E2M1 step */
-    __m512i eb = _mm512_and_si512(_mm512_max_epu32(a, GCV_I(0x3f800000u)), GCV_I(0x7f800000u));
-    __m512i sum = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a),
-                                                    _mm512_castsi512_ps(_mm512_add_epi32(eb, GCV_I(22u << 23)))));
-    /* steps k = sum - magic (low bits of sum); code = k + 2 * (e - 127), e = 127..129: mod 8,
-     * sum + (eb >> 22) + 2; then the low 3 bits with the sign at bit 3 */
-    __m512i c = _mm512_add_epi32(_mm512_add_epi32(sum, _mm512_srli_epi32(eb, 22)), GCV_I(2));
-    return _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(u, 28), GCV_I(7), 0xE4); /* c & 7 | s & ~7 */
+    __builtin_prefetch(out + GC_CHUNK + i, 1, 3);
+    if (i % 128 == 0)
+        __builtin_prefetch(pay + GC_CHUNK / 2 + i / 2, 0, 3);
 }
 
-/* 16 codes (int32 lanes, < 16) -> 8 bytes, value 2j in the low nibble */
-GC_INLINE void K(v_pack16)(__m512i c, uint8_t *p)
+/* ---- SIMD paths of the 4-bit formats: whole 1024-value chunks, both roundings ----
+ *
+ * Same arithmetic as the scalar code above, GV_W lanes at a time, so the bytes are identical.
+ * Encode is two passes over the chunk (in L1):
+ *   scales    per-block amax for many blocks at once by a transpose-and-max of one vector of |bits|
+ *             per block (each level keeps, for each block, half as many partial maxima), then
+ *             nvfp4's E4M3 block scales (round, bump up when below t, at least 1, 1 / (d * s2)) or
+ *             MX's E8M0 exponents, one vector of blocks at a time, into a per-block multiplier;
+ *   elements  4 vectors per step: x * multiplier, rounded to E2M1 (K(v_e2m1_rn), or K(v_e2m1_sr)
+ *             with the words of K(vphilox) for the same element indices), NaN blocks zeroed, and
+ *             the 4 GV_W codes packed into nibbles (two packus steps to bytes in a known order, the
+ *             pairs ORed into one byte, then one permute puts the bytes in message order).
+ * Decode looks the 16 E2M1 values up in a table (exact, so table[c] * d = gc_de2m1(c) * d) and
+ * multiplies by the block scale. The partial last chunk of a message takes the scalar code.
+ */
+#if defined(GC_X512)
+
+/* one level of the transpose-max: p and q hold 16/g blocks of g partials each (g = 2 * half) */
+GC_INLINE __m512i K(v_tmax)(__m512i p, __m512i q, const int half)
 {
-    __m512i t = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
-    _mm_storel_epi64((__m128i *)p, _mm512_cvtepi64_epi8(t));
+    __m512i ia;
+    if (half == 8)
+        ia = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    else if (half == 4)
+        ia = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    else if (half == 2)
+        ia = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    else
+        ia = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i ib = _mm512_add_epi32(ia, GV_SET1(half));
+    return _mm512_max_epu32(_mm512_permutex2var_epi32(p, ia, q), _mm512_permutex2var_epi32(p, ib, q));
+}
+
+/* lane b = max of v[b]'s 16 lanes (v: 16 vectors of |bits|) */
+GC_INLINE __m512i K(v_amax16)(__m512i v[16])
+{
+    for (int i = 0; i < 8; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 8);
+    for (int i = 0; i < 4; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 4);
+    for (int i = 0; i < 2; i++)
+        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 2);
+    return K(v_tmax)(v[0], v[1], 1);
+}
+
+/* gc_d8(c, 0) for codes c in 0 .. 0x7e (no sign, no NaN) */
+GC_INLINE __m512 K(v_d8pos)(__m512i m)
+{
+    __m512i nb = _mm512_add_epi32(_mm512_slli_epi32(m, 20), GV_SET1(120u << 23));
+    __m512 sb = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(m, 20), GV_SET1(121u << 23))),
+                              _mm512_set1_ps(0x1p-6f));
+    return _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(m, GV_SET1(8)), _mm512_castsi512_ps(nb), sb);
+}
+
+/* gc_d8(c, 0) for any byte c */
+GC_INLINE __m512 K(v_d8)(__m512i c)
+{
+    __m512i m = _mm512_and_si512(c, GV_SET1(0x7f));
+    __m512i b = _mm512_castps_si512(K(v_d8pos)(m));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(m, GV_SET1(0x7f)), GV_SET1(0x7fc00000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(b, _mm512_slli_epi32(_mm512_and_si512(c, GV_SET1(0x80)), 24)));
+}
+
+/* nvfp4 group of 1024 values: block scales sc[64], group scale gs, multipliers rr[64]; returns
+ * the non-finite blocks as bits */
+GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+{
+    __m512i bm[4];
+    const __m512i absm = GV_SET1(0x7fffffffu), inf = GV_SET1(GC_INF_BITS);
+    for (int k = 0; k < 4; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 256 * k + 16 * i)), absm);
+        bm[k] = K(v_amax16)(v);
+    }
+    __m512i gv = _mm512_setzero_si512();
+    uint64_t nanb = 0;
+    for (int k = 0; k < 4; k++) {
+        __mmask16 bad = _mm512_cmpge_epu32_mask(bm[k], inf);
+        nanb |= (uint64_t)bad << (16 * k);
+        gv = _mm512_max_epu32(gv, _mm512_maskz_mov_epi32((__mmask16)~bad, bm[k]));
+    }
+    uint32_t g = _mm512_reduce_max_epu32(gv);
+    float gf = gc_float(g);
+    int tiny = gf < 0x1p-100f;
+    float s2 = tiny ? 1.0f : gf / 2688.0f, q2 = tiny ? 0.0f : 448.0f / gf;
+    for (int k = 0; k < 4; k++) {
+        __m512i m = bm[k];
+        __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(q2)), _mm512_set1_ps(448.0f));
+        __m512i a = _mm512_castps_si512(t);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), GV_SET1(1));
+        __m512i rn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, GV_SET1(0x7ffffu)), odd), 20),
+                                      GV_SET1(120u << 3));
+        __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(16384.0f))), GV_SET1(0x46800000u));
+        __m512i bs = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, GV_SET1(121u << 23)), rn, rs);
+        bs = _mm512_mask_add_epi32(bs, _mm512_cmp_ps_mask(K(v_d8pos)(bs), t, _CMP_LT_OQ), bs, GV_SET1(1));
+        bs = _mm512_max_epu32(bs, GV_SET1(1));
+        __m512 rb = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(K(v_d8pos)(bs), _mm512_set1_ps(s2)));
+        __mmask16 bad = (__mmask16)(nanb >> (16 * k));
+        __mmask16 live = tiny ? 0 : (__mmask16)(~bad & _mm512_cmpneq_epi32_mask(m, _mm512_setzero_si512()));
+        bs = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(live, bs), bad, GV_SET1(0x7f));
+        _mm512_store_ps(rr + 16 * k, _mm512_maskz_mov_ps(live, rb));
+        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(bs));
+    }
+    gc_store_f32(gs, s2);
+    return nanb;
+}
+
+/* mxfp4 chunk of 1024 values (32 blocks): E8M0 scales sc[32], multipliers mult[32]; returns the
+ * non-finite blocks as bits */
+GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, float *restrict mult)
+{
+    const __m512i absm = GV_SET1(0x7fffffffu), inf = GV_SET1(GC_INF_BITS);
+    uint64_t nanb = 0;
+    for (int k = 0; k < 2; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) {
+            const float *p = x + 512 * k + 32 * i;
+            v[i] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p)), absm),
+                                    _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p + 16)), absm));
+        }
+        __m512i m = K(v_amax16)(v);
+        __mmask16 bad = _mm512_cmpge_epu32_mask(m, inf);
+        nanb |= (uint64_t)bad << (16 * k);
+        __m512i code = _mm512_sub_epi32(_mm512_max_epu32(_mm512_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
+        _mm512_store_si512(mult + 16 * k, _mm512_slli_epi32(_mm512_sub_epi32(GV_SET1(254), code), 23));
+        code = _mm512_mask_mov_epi32(code, bad, GV_SET1(0xff));
+        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(code));
+    }
+    return nanb;
+}
+
+#if defined(GC_LUT8)
+/* byte j of the packed output (codes 2j, 2j+1 of the 64) sits at this byte of the packus result:
+ * block k = j / 8, pair q = j % 8 -> 16 * (q / 2) + 4 * k + 2 * (q % 2) */
+static const uint8_t K(pack_order)[64] __attribute__((aligned(64))) = {
+    0, 2, 16, 18, 32, 34, 48, 50, 4, 6, 20, 22, 36, 38, 52, 54,
+    8, 10, 24, 26, 40, 42, 56, 58, 12, 14, 28, 30, 44, 46, 60, 62,
+    0, 2, 16, 18, 32, 34, 48, 50, 4, 6, 20, 22, 36, 38, 52, 54,
+    8, 10, 24, 26, 40, 42, 56, 58, 12, 14, 28, 30, 44, 46, 60, 62};
+#endif
+
+/* 64 codes (c[v] lane i = code 16 v + i, each < 16) -> 32 bytes, code 2j in the low nibble of byte j.
+ * packus_epi32 then packus_epi16 leave, in 128-bit lane L, codes 4L..4L+3 of c[0], c[1], c[2], c[3]
+ * as four 4-byte groups; ORing each 16-bit word with itself >> 4 puts a pair's byte in its low byte. */
+GC_INLINE void K(v_pack4)(const __m512i c[4], uint8_t *p)
+{
+    __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+    b = _mm512_or_si512(b, _mm512_srli_epi16(b, 4));
+#if defined(GC_LUT8)
+    b = _mm512_permutexvar_epi8(_mm512_load_si512(K(pack_order)), b);
+    _mm256_storeu_si256((__m256i *)p, _mm512_castsi512_si256(b));
+#else
+    /* 4-byte group 4L + k -> 4k + L, then the low byte of every word */
+    b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi16_epi8(b));
+#endif
 }
 
 /* 8 bytes -> the 16 E2M1 values */
@@ -302,7 +713,7 @@ GC_INLINE __m512 K(v_addf)(__m512 a, __m512 b)
 {
     __m512 s = _mm512_add_ps(a, b);
     __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-    return _mm512_mask_mov_ps(s, nan, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), GCV_I(0x400000u))));
+    return _mm512_mask_mov_ps(s, nan, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), GV_SET1(0x400000u))));
 }
 
 GC_INLINE void K(v_store)(float *o, __m512 v, const int acc)
@@ -310,150 +721,21 @@ GC_INLINE void K(v_store)(float *o, __m512 v, const int acc)
     _mm512_storeu_ps(o, acc ? K(v_addf)(_mm512_loadu_ps(o), v) : v);
 }
 
-/* one level of the transpose-max: p and q hold 16/g blocks of g partials each (g = 2 * half) */
-GC_INLINE __m512i K(v_tmax)(__m512i p, __m512i q, const int half)
-{
-    __m512i ia;
-    if (half == 8)
-        ia = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    else if (half == 4)
-        ia = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    else if (half == 2)
-        ia = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    else
-        ia = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    __m512i ib = _mm512_add_epi32(ia, GCV_I(half));
-    return _mm512_max_epu32(_mm512_permutex2var_epi32(p, ia, q), _mm512_permutex2var_epi32(p, ib, q));
-}
-
-/* lane b = max of v[b]'s 16 lanes (v: 16 vectors of |bits|) */
-GC_INLINE __m512i K(v_amax16)(__m512i v[16])
-{
-    for (int i = 0; i < 8; i++)
-        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 8);
-    for (int i = 0; i < 4; i++)
-        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 4);
-    for (int i = 0; i < 2; i++)
-        v[i] = K(v_tmax)(v[2 * i], v[2 * i + 1], 2);
-    return K(v_tmax)(v[0], v[1], 1);
-}
-
-/* gc_d8(c, 0) for codes c in 0 .. 0x7e (no sign, no NaN) */
-GC_INLINE __m512 K(v_d8pos)(__m512i m)
-{
-    __m512i nb = _mm512_add_epi32(_mm512_slli_epi32(m, 20), GCV_I(120u << 23));
-    __m512 sb = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(m, 20), GCV_I(121u << 23))),
-                              _mm512_set1_ps(0x1p-6f));
-    return _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(m, GCV_I(8)), _mm512_castsi512_ps(nb), sb);
-}
-
-/* gc_d8(c, 0) for any byte c */
-GC_INLINE __m512 K(v_d8)(__m512i c)
-{
-    __m512i m = _mm512_and_si512(c, GCV_I(0x7f));
-    __m512i b = _mm512_castps_si512(K(v_d8pos)(m));
-    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(m, GCV_I(0x7f)), GCV_I(0x7fc00000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(b, _mm512_slli_epi32(_mm512_and_si512(c, GCV_I(0x80)), 24)));
-}
-
-/* nvfp4 group of exactly 1024 values, nearest */
-static void K(nv_group_x512)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc, uint8_t *gs)
-{
-    __m512i bm[4];
-    const __m512i absm = GCV_I(0x7fffffffu), inf = GCV_I(GC_INF_BITS);
-    for (int k = 0; k < 4; k++) {
-        __m512i v[16];
-        for (int i = 0; i < 16; i++)
-            v[i] = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 256 * k + 16 * i)), absm);
-        bm[k] = K(v_amax16)(v);
-    }
-    __m512i gv = _mm512_setzero_si512();
-    uint64_t nanb = 0;
-    for (int k = 0; k < 4; k++) {
-        __mmask16 bad = _mm512_cmpge_epu32_mask(bm[k], inf);
-        nanb |= (uint64_t)bad << (16 * k);
-        gv = _mm512_max_epu32(gv, _mm512_maskz_mov_epi32((__mmask16)~bad, bm[k]));
-    }
-    uint32_t g = _mm512_reduce_max_epu32(gv);
-    float gf = gc_float(g);
-    int tiny = gf < 0x1p-100f;
-    float s2 = tiny ? 1.0f : gf / 2688.0f, q2 = tiny ? 0.0f : 448.0f / gf;
-    float rr[64] __attribute__((aligned(64)));
-    for (int k = 0; k < 4; k++) {
-        __m512i m = bm[k];
-        __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(q2)), _mm512_set1_ps(448.0f));
-        __m512i a = _mm512_castps_si512(t);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), GCV_I(1));
-        __m512i rn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, GCV_I(0x7ffffu)), odd), 20),
-                                      GCV_I(120u << 3));
-        __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(16384.0f))), GCV_I(0x46800000u));
-        __m512i bs = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, GCV_I(121u << 23)), rn, rs);
-        bs = _mm512_mask_add_epi32(bs, _mm512_cmp_ps_mask(K(v_d8pos)(bs), t, _CMP_LT_OQ), bs, GCV_I(1));
-        bs = _mm512_max_epu32(bs, GCV_I(1));
-        __m512 rb = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(K(v_d8pos)(bs), _mm512_set1_ps(s2)));
-        __mmask16 bad = (__mmask16)(nanb >> (16 * k));
-        __mmask16 live = tiny ? 0 : (__mmask16)(~bad & _mm512_cmpneq_epi32_mask(m, _mm512_setzero_si512()));
-        bs = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(live, bs), bad, GCV_I(0x7f));
-        _mm512_store_ps(rr + 16 * k, _mm512_maskz_mov_ps(live, rb));
-        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(bs));
-    }
-    for (int b = 0; b < 64; b++) {
-        __m512i c = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * b), _mm512_set1_ps(rr[b])));
-        if ((nanb >> b) & 1u)
-            c = _mm512_setzero_si512();
-        K(v_pack16)(c, pay + 8 * b);
-    }
-    gc_store_f32(gs, s2);
-}
-
-/* mxfp4 chunk of exactly 1024 values (32 blocks), nearest */
-static void K(mx4_chunk_x512)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc)
-{
-    const __m512i absm = GCV_I(0x7fffffffu), inf = GCV_I(GC_INF_BITS);
-    uint32_t mult[32] __attribute__((aligned(64)));
-    uint32_t nanb = 0;
-    for (int k = 0; k < 2; k++) {
-        __m512i v[16];
-        for (int i = 0; i < 16; i++) {
-            const float *p = x + 512 * k + 32 * i;
-            v[i] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p)), absm),
-                                    _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p + 16)), absm));
-        }
-        __m512i m = K(v_amax16)(v);
-        __mmask16 bad = _mm512_cmpge_epu32_mask(m, inf);
-        nanb |= (uint32_t)bad << (16 * k);
-        __m512i code = _mm512_sub_epi32(_mm512_max_epu32(_mm512_srli_epi32(m, 23), GCV_I(GCE_EMAX(2))), GCV_I(GCE_EMAX(2)));
-        _mm512_store_si512(mult + 16 * k, _mm512_slli_epi32(_mm512_sub_epi32(GCV_I(254), code), 23));
-        code = _mm512_mask_mov_epi32(code, bad, GCV_I(0xff));
-        _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(code));
-    }
-    for (int b = 0; b < 32; b++) {
-        __m512 s = _mm512_castsi512_ps(_mm512_set1_epi32((int)mult[b]));
-        __m512i c0 = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), s));
-        __m512i c1 = K(v_e2m1_rn)(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), s));
-        if ((nanb >> b) & 1u) {
-            c0 = _mm512_setzero_si512();
-            c1 = c0;
-        }
-        K(v_pack16)(c0, pay + 16 * b);
-        K(v_pack16)(c1, pay + 16 * b + 8);
-    }
-}
-
 /* nvfp4 group of exactly 1024 values: out = v, or out += v */
-static void K(nv_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
-                           float *restrict out, const int acc)
+static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                        float *restrict out, const int acc)
 {
-    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GCV_I(0x7fc00000u));
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
     const __m512 s2 = _mm512_set1_ps(gc_load_f32(gs));
     float d[64] __attribute__((aligned(64)));
     uint64_t nanb = 0;
     for (int k = 0; k < 4; k++) {
         __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * k)));
         _mm512_store_ps(d + 16 * k, _mm512_mul_ps(K(v_d8)(c), s2));
-        nanb |= (uint64_t)_mm512_cmpeq_epi32_mask(_mm512_and_si512(c, GCV_I(0x7f)), GCV_I(0x7f)) << (16 * k);
+        nanb |= (uint64_t)_mm512_cmpeq_epi32_mask(_mm512_and_si512(c, GV_SET1(0x7f)), GV_SET1(0x7f)) << (16 * k);
     }
     for (int b = 0; b < 64; b++) {
+        K(v_prefetch_next)(pay, out, 16 * b);
         __m512 v = _mm512_mul_ps(K(v_unpack16)(pay + 8 * b, tab), _mm512_set1_ps(d[b]));
         if ((nanb >> b) & 1u)
             v = qnan;
@@ -462,10 +744,12 @@ static void K(nv_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict 
 }
 
 /* mxfp4 chunk of exactly 1024 values */
-static void K(mx4_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict sc, float *restrict out, const int acc)
+static void K(mx4_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, float *restrict out, const int acc)
 {
-    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GCV_I(0x7fc00000u));
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
     for (int b = 0; b < 32; b++) {
+        K(v_prefetch_next)(pay, out, 32 * b);
+        K(v_prefetch_next)(pay, out, 32 * b + 16);
         uint32_t c = sc[b];
         __m512 s = _mm512_set1_ps(gc_de8m0(c));
         __m512 v0 = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b, tab), s);
@@ -478,10 +762,287 @@ static void K(mx4_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict
         K(v_store)(out + 32 * b + 16, v1, acc);
     }
 }
-#define GC_MX_X512 1
-#else
-#define GC_MX_X512 0
-#endif
+
+#else /* GC_X256 */
+
+/* lane j = max of v[j]'s 8 lanes (unsigned), for 8 vectors: pairs of 32-bit, then 64-bit
+ * interleaves (in-lane), then the two 128-bit halves */
+GC_INLINE __m256i K(t8max)(const __m256i v[8])
+{
+    __m256i t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm256_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    return _mm256_max_epu32(_mm256_permute2x128_si256(u[0], u[1], 0x20), _mm256_permute2x128_si256(u[0], u[1], 0x31));
+}
+
+GC_INLINE uint32_t K(hmax8)(__m256i v)
+{
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+
+GC_INLINE __m256i K(v_abs)(const float *p)
+{
+    return _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(p)), GV_SET1(0x7fffffffu));
+}
+
+/* gc_d8(c, 0) for codes c in 0 .. 0x7e (no sign, no NaN) */
+GC_INLINE __m256 K(v_d8pos)(__m256i m)
+{
+    __m256i s = _mm256_slli_epi32(m, 20);
+    __m256i nb = _mm256_add_epi32(s, GV_SET1(120u << 23));
+    __m256 sb = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(s, GV_SET1(121u << 23))), _mm256_set1_ps(0x1p-6f));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(nb), sb, _mm256_castsi256_ps(_mm256_cmpgt_epi32(GV_SET1(8), m)));
+}
+
+/* gc_d8(c, 0) for any byte c */
+GC_INLINE __m256 K(v_d8)(__m256i c)
+{
+    __m256i m = _mm256_and_si256(c, GV_SET1(0x7f));
+    __m256i b = _mm256_castps_si256(K(v_d8pos)(m));
+    b = _mm256_blendv_epi8(b, GV_SET1(0x7fc00000u), _mm256_cmpeq_epi32(m, GV_SET1(0x7f)));
+    return _mm256_castsi256_ps(_mm256_or_si256(b, _mm256_slli_epi32(_mm256_and_si256(c, GV_SET1(0x80)), 24)));
+}
+
+/* 4 vectors of 8 values 0..255 -> 32 bytes in order */
+GC_INLINE void K(v_bytes32)(__m256i b0, __m256i b1, __m256i b2, __m256i b3, uint8_t *p)
+{
+    __m256i t = _mm256_packus_epi16(_mm256_packus_epi32(b0, b1), _mm256_packus_epi32(b2, b3));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+{
+    const __m256i fin = GV_SET1(0x7f7fffffu), zero = _mm256_setzero_si256();
+    __m256i bm[8], gv = zero;
+    uint64_t nanb = 0;
+    for (int k = 0; k < 8; k++) {
+        __m256i v[8];
+        for (int i = 0; i < 8; i++) {
+            const float *p = x + 128 * k + 16 * i;
+            v[i] = _mm256_max_epu32(K(v_abs)(p), K(v_abs)(p + 8));
+        }
+        bm[k] = K(t8max)(v);
+        __m256i bad = _mm256_cmpgt_epi32(bm[k], fin); /* |bits| < 2^31: signed compare */
+        nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) << (8 * k);
+        gv = _mm256_max_epu32(gv, _mm256_andnot_si256(bad, bm[k]));
+    }
+    float gf = gc_float(K(hmax8)(gv));
+    int tiny = gf < 0x1p-100f;
+    float s2 = tiny ? 1.0f : gf / 2688.0f, q2 = tiny ? 0.0f : 448.0f / gf;
+    __m256i bsv[8];
+    for (int k = 0; k < 8; k++) {
+        __m256i m = bm[k];
+        __m256 t = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(q2)), _mm256_set1_ps(448.0f));
+        __m256i a = _mm256_castps_si256(t);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), GV_SET1(1));
+        __m256i rn = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, GV_SET1(0x7ffffu)), odd), 20),
+                                      GV_SET1(120u << 3));
+        __m256i rs = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(16384.0f))), GV_SET1(0x46800000u));
+        __m256i bs = _mm256_blendv_epi8(rn, rs, _mm256_cmpgt_epi32(GV_SET1(121u << 23), a));
+        bs = _mm256_sub_epi32(bs, _mm256_castps_si256(_mm256_cmp_ps(K(v_d8pos)(bs), t, _CMP_LT_OQ)));
+        bs = _mm256_max_epi32(bs, GV_SET1(1));
+        __m256 rb = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(K(v_d8pos)(bs), _mm256_set1_ps(s2)));
+        __m256i bad = _mm256_cmpgt_epi32(m, fin);
+        __m256i live = tiny ? zero : _mm256_andnot_si256(_mm256_or_si256(bad, _mm256_cmpeq_epi32(m, zero)), GV_SET1(-1));
+        bsv[k] = _mm256_or_si256(_mm256_and_si256(live, bs), _mm256_and_si256(bad, GV_SET1(0x7f)));
+        _mm256_store_ps(rr + 8 * k, _mm256_and_ps(_mm256_castsi256_ps(live), rb));
+    }
+    K(v_bytes32)(bsv[0], bsv[1], bsv[2], bsv[3], sc);
+    K(v_bytes32)(bsv[4], bsv[5], bsv[6], bsv[7], sc + 32);
+    gc_store_f32(gs, s2);
+    return nanb;
+}
+
+GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, float *restrict mult)
+{
+    const __m256i fin = GV_SET1(0x7f7fffffu);
+    __m256i cv[4];
+    uint64_t nanb = 0;
+    for (int k = 0; k < 4; k++) {
+        __m256i v[8];
+        for (int i = 0; i < 8; i++) {
+            const float *p = x + 256 * k + 32 * i;
+            v[i] = _mm256_max_epu32(_mm256_max_epu32(K(v_abs)(p), K(v_abs)(p + 8)),
+                                    _mm256_max_epu32(K(v_abs)(p + 16), K(v_abs)(p + 24)));
+        }
+        __m256i m = K(t8max)(v);
+        __m256i bad = _mm256_cmpgt_epi32(m, fin);
+        nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) << (8 * k);
+        __m256i code = _mm256_sub_epi32(_mm256_max_epu32(_mm256_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
+        _mm256_store_si256((__m256i *)(void *)(mult + 8 * k), _mm256_slli_epi32(_mm256_sub_epi32(GV_SET1(254), code), 23));
+        cv[k] = _mm256_blendv_epi8(code, GV_SET1(0xff), bad);
+    }
+    K(v_bytes32)(cv[0], cv[1], cv[2], cv[3], sc);
+    return nanb;
+}
+
+/* 32 codes (c[v] lane i = code 8 v + i, each < 16) -> 16 bytes, code 2j in the low nibble of byte j.
+ * After the packus steps, 128-bit half h holds codes 4h..4h+3 of c[0], c[1], c[2], c[3] as 4-byte
+ * groups; the pairs ORed into bytes, the even bytes gathered (8 per half, 2 per group), and the
+ * 2-byte units of the two halves interleaved. */
+GC_INLINE void K(v_pack4)(const __m256i c[4], uint8_t *p)
+{
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    b = _mm256_or_si256(b, _mm256_srli_epi16(b, 4));
+    b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i *)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+/* bytes 3 and 2 of the E2M1 values' float32 bits (the low two are zero), by code (sign at bit 3) */
+#define GC_E2M1_HI 0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -0x80, -0x41, -0x41, -0x41, -0x40, -0x40, -0x40, -0x40
+#define GC_E2M1_LO 0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40, 0x00, 0x00, -0x80, -0x40, 0x00, 0x40, -0x80, -0x40
+
+/* 16 bytes -> the 32 E2M1 values in v[0..3]. The codes are ordered so that 128-bit half h holds
+ * 4-code groups h, 2 + h, 4 + h, 6 + h; the two looked-up bytes of a value, interleaved into words
+ * and then into the top of 32-bit lanes (zero low words), then come out in order. */
+GC_INLINE void K(v_unpack32)(const uint8_t *p, __m256 v[4])
+{
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m256i th = _mm256_setr_epi8(GC_E2M1_HI, GC_E2M1_HI), tl = _mm256_setr_epi8(GC_E2M1_LO, GC_E2M1_LO);
+    const __m256i z = _mm256_setzero_si256();
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)), _mm_unpackhi_epi8(lo, hi), 1);
+    c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    __m256i h = _mm256_shuffle_epi8(th, c), l = _mm256_shuffle_epi8(tl, c);
+    __m256i wa = _mm256_unpacklo_epi8(l, h), wb = _mm256_unpackhi_epi8(l, h);
+    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wa));
+    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wa));
+    v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wb));
+    v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wb));
+}
+
+GC_INLINE __m256 K(v_addf)(__m256 a, __m256 b)
+{
+    __m256 s = _mm256_add_ps(a, b);
+    __m256 q = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(a), GV_SET1(0x400000u)));
+    return _mm256_blendv_ps(s, q, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+GC_INLINE void K(v_store)(float *o, __m256 v, const int acc)
+{
+    _mm256_storeu_ps(o, acc ? K(v_addf)(_mm256_loadu_ps(o), v) : v);
+}
+
+static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                        float *restrict out, const int acc)
+{
+    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
+    const __m256 s2 = _mm256_set1_ps(gc_load_f32(gs));
+    float d[64] __attribute__((aligned(32)));
+    uint64_t nanb = 0;
+    for (int k = 0; k < 8; k++) {
+        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * k)));
+        _mm256_store_ps(d + 8 * k, _mm256_mul_ps(K(v_d8)(c), s2));
+        __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(c, GV_SET1(0x7f)), GV_SET1(0x7f));
+        nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(nan)) << (8 * k);
+    }
+    for (int b = 0; b < 64; b += 2) {
+        __m256 v[4];
+        K(v_prefetch_next)(pay, out, 16 * b);
+        K(v_prefetch_next)(pay, out, 16 * b + 16);
+        K(v_unpack32)(pay + 8 * b, v);
+        __m256 d0 = _mm256_set1_ps(d[b]), d1 = _mm256_set1_ps(d[b + 1]);
+        v[0] = _mm256_mul_ps(v[0], d0);
+        v[1] = _mm256_mul_ps(v[1], d0);
+        v[2] = _mm256_mul_ps(v[2], d1);
+        v[3] = _mm256_mul_ps(v[3], d1);
+        if ((nanb >> b) & 3u) {
+            if ((nanb >> b) & 1u)
+                v[0] = v[1] = qnan;
+            if ((nanb >> b) & 2u)
+                v[2] = v[3] = qnan;
+        }
+        for (int i = 0; i < 4; i++)
+            K(v_store)(out + 16 * b + 8 * i, v[i], acc);
+    }
+}
+
+static void K(mx4_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, float *restrict out, const int acc)
+{
+    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
+    for (int b = 0; b < 32; b++) {
+        uint32_t c = sc[b];
+        __m256 s = _mm256_set1_ps(gc_de8m0(c)), v[4];
+        K(v_prefetch_next)(pay, out, 32 * b);
+        K(v_prefetch_next)(pay, out, 32 * b + 16);
+        K(v_unpack32)(pay + 16 * b, v);
+        for (int i = 0; i < 4; i++)
+            v[i] = c == 0xffu ? qnan : _mm256_mul_ps(v[i], s);
+        for (int i = 0; i < 4; i++)
+            K(v_store)(out + 32 * b + 8 * i, v[i], acc);
+    }
+}
+#endif /* GC_X256 */
+
+/* E2M1 codes of one whole chunk with multipliers mult[block] (blocks of 1 << bsh values), the
+ * blocks set in nanb all-zero codes, packed into pay[512]. Rounding sr: 0 nearest; 1 stochastic
+ * with the Philox words of elements idx0 + i, whose counters share the high word; 2 the same for
+ * any counters. */
+GC_INLINE void K(v_e2m1_chunk)(const float *restrict x, const float *restrict mult, const int bsh, uint64_t nanb,
+                               uint8_t *restrict pay, uint64_t idx0, uint32_t k0, uint32_t k1, const int sr)
+{
+    const uint64_t step_blocks = ((uint64_t)1 << ((4 * GV_W) >> bsh)) - 1u;
+    const uint32_t h = (uint32_t)(idx0 >> 32);
+    GV_I ctr = GV_ADD64(GV_SET1_64(idx0), GV_IOTA2());
+    for (size_t j = 0; j < GC_CHUNK; j += 4 * GV_W) {
+        GV_I c[4];
+        for (int v = 0; v < 4; v++) {
+            size_t o = j + (size_t)v * GV_W;
+            if (v * GV_W % 16 == 0) /* the next chunk, one 64-byte line per 16 values (as above) */
+                __builtin_prefetch(x + GC_CHUNK + o, 0, 3);
+            GV_F y = GV_MULPS(GV_LOADPS(x + o), GV_SET1PS(mult[o >> bsh]));
+            if (sr == 1) {
+                c[v] = K(v_e2m1_sr)(y, K(vphilox_u)(ctr, h, k0, k1));
+                ctr = GV_ADD64(ctr, GV_SET1_64(GV_W));
+            } else if (sr == 2) {
+                c[v] = K(v_e2m1_sr)(y, K(vphilox)(idx0 + o, k0, k1));
+            } else {
+                c[v] = K(v_e2m1_rn)(y);
+            }
+        }
+        if ((nanb >> (j >> bsh)) & step_blocks)
+            for (int v = 0; v < 4; v++)
+                if ((nanb >> ((j + (size_t)v * GV_W) >> bsh)) & 1u)
+                    c[v] = GV_ZERO();
+        K(v_pack4)(c, pay + j / 2);
+    }
+}
+
+/* the element pass of a chunk with either rounding */
+GC_INLINE void K(v_e2m1_pass)(const float *restrict x, const float *restrict mult, const int bsh, uint64_t nanb,
+                              uint8_t *restrict pay, uint64_t idx0, const gc_rng *rng)
+{
+    if (!rng)
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, 0, 0, 0, 0);
+    else if (K(same_hi)(idx0, GC_CHUNK))
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 1);
+    else /* the chunk straddles a multiple of 2^32 elements */
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 2);
+}
+
+static void K(nv_group_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc, uint8_t *gs,
+                          uint64_t idx0, const gc_rng *rng)
+{
+    float rr[64] __attribute__((aligned(64)));
+    uint64_t nanb = K(nv_scales)(x, sc, gs, rr);
+    K(v_e2m1_pass)(x, rr, 4, nanb, pay, idx0, rng);
+}
+
+static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc,
+                           uint64_t idx0, const gc_rng *rng)
+{
+    float mult[32] __attribute__((aligned(64)));
+    uint64_t nanb = K(mx4_scales)(x, sc, mult);
+    K(v_e2m1_pass)(x, mult, 5, nanb, pay, idx0, rng);
+}
+#endif /* GC_VEC_MX */
 
 /* ---- whole messages: ek and packing from the format code ---- */
 #define GC_MX_EK(fmt) ((fmt) == GC_MXFP8 ? 0 : (fmt) == GC_MXFP8E5 ? 1 : 2)
@@ -495,13 +1056,13 @@ static void K(mx4_dec_x512)(const uint8_t *restrict pay, const uint8_t *restrict
 GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, uint8_t *sc, uint8_t *gs,
                             uint64_t idx0, const gc_rng *rng)
 {
-#if GC_MX_X512
-    if (len == GC_CHUNK && !rng && fmt == GC_NVFP4) {
-        K(nv_group_x512)(x, pay, sc, gs);
+#if GC_VEC_MX
+    if (len == GC_CHUNK && fmt == GC_NVFP4) {
+        K(nv_group_v)(x, pay, sc, gs, idx0, rng);
         return;
     }
-    if (len == GC_CHUNK && !rng && fmt == GC_MXFP4) {
-        K(mx4_chunk_x512)(x, pay, sc);
+    if (len == GC_CHUNK && fmt == GC_MXFP4) {
+        K(mx4_chunk_v)(x, pay, sc, idx0, rng);
         return;
     }
 #endif
@@ -516,13 +1077,13 @@ GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, u
 GC_INLINE void K(dec_chunk)(int fmt, const uint8_t *pay, const uint8_t *sc, const uint8_t *gs, size_t len,
                             float *out, const int acc)
 {
-#if GC_MX_X512
+#if GC_VEC_MX
     if (len == GC_CHUNK && fmt == GC_NVFP4) {
-        K(nv_dec_x512)(pay, sc, gs, out, acc);
+        K(nv_dec_v)(pay, sc, gs, out, acc);
         return;
     }
     if (len == GC_CHUNK && fmt == GC_MXFP4) {
-        K(mx4_dec_x512)(pay, sc, out, acc);
+        K(mx4_dec_v)(pay, sc, out, acc);
         return;
     }
 #endif
@@ -576,6 +1137,7 @@ static void K(dae_mx)(int fmt, const uint8_t *msg_in, const float *local, size_t
             K(dec_chunk)(fmt, pay, sc, gs, len, buf, 0);
         }
         const float *l = local + i0;
+        GC_PREFETCH_AHEAD(l, len, n - i0); /* the next chunk of local (4 KiB ahead) */
         for (size_t i = 0; i < len; i++)
             dst[i] = gc_addf(buf[i], l[i]);
         GC_CHUNK_PTRS(fmt, msg_out, n, i0, pay, sc, gs);
