@@ -355,6 +355,7 @@ const gc_kernels GC_CAT(gc_kernels, GC_SUFFIX) = {
 #undef GC_CAT2
 #undef GC_LUT8_DECODE
 #undef GC_VEC_MX
+#undef GC_BMV
 #undef GC_E2M1_HI
 #undef GC_E2M1_LO
 #undef GV_I

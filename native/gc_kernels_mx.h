@@ -535,6 +535,17 @@ GC_INLINE void K(v_prefetch_next)(const uint8_t *pay, const float *out, size_t i
         __builtin_prefetch(pay + GC_CHUNK / 2 + i / 2, 0, 3);
 }
 
+/* the same for the fused hop: its input payload, local and the sums (when sum_out) */
+GC_INLINE void K(v_prefetch_hop)(const uint8_t *pay, const float *l, const float *dst, size_t i)
+{
+    __builtin_prefetch(l + GC_CHUNK + i, 0, 3);
+    __builtin_prefetch(dst + GC_CHUNK + i, 1, 3);
+    if (i % 128 == 0)
+        __builtin_prefetch(pay + GC_CHUNK / 2 + i / 2, 0, 3);
+}
+
+#define GC_BMV 8 /* vectors of block amax per chunk: at most 64 blocks / 8 lanes */
+
 /* ---- SIMD paths of the 4-bit formats: whole 1024-value chunks, both roundings ----
  *
  * Same arithmetic as the scalar code above, GV_W lanes at a time, so the bytes are identical.
@@ -598,18 +609,23 @@ GC_INLINE __m512 K(v_d8)(__m512i c)
     return _mm512_castsi512_ps(_mm512_or_si512(b, _mm512_slli_epi32(_mm512_and_si512(c, GV_SET1(0x80)), 24)));
 }
 
-/* nvfp4 group of 1024 values: block scales sc[64], group scale gs, multipliers rr[64]; returns
- * the non-finite blocks as bits */
-GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+/* block amax (|bits|) of an nvfp4 group: bm[k] lane i = block 16 k + i */
+GC_INLINE void K(nv_amax)(const float *restrict x, __m512i bm[GC_BMV])
 {
-    __m512i bm[4];
-    const __m512i absm = GV_SET1(0x7fffffffu), inf = GV_SET1(GC_INF_BITS);
+    const __m512i absm = GV_SET1(0x7fffffffu);
     for (int k = 0; k < 4; k++) {
         __m512i v[16];
         for (int i = 0; i < 16; i++)
             v[i] = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 256 * k + 16 * i)), absm);
         bm[k] = K(v_amax16)(v);
     }
+}
+
+/* nvfp4 group from its block amax: block scales sc[64], group scale gs, multipliers rr[64];
+ * returns the non-finite blocks as bits */
+GC_INLINE uint64_t K(nv_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+{
+    const __m512i inf = GV_SET1(GC_INF_BITS);
     __m512i gv = _mm512_setzero_si512();
     uint64_t nanb = 0;
     for (int k = 0; k < 4; k++) {
@@ -643,12 +659,10 @@ GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, u
     return nanb;
 }
 
-/* mxfp4 chunk of 1024 values (32 blocks): E8M0 scales sc[32], multipliers mult[32]; returns the
- * non-finite blocks as bits */
-GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, float *restrict mult)
+/* block amax of an mxfp4 chunk (32 blocks): bm[k] lane i = block 16 k + i */
+GC_INLINE void K(mx4_amax)(const float *restrict x, __m512i bm[GC_BMV])
 {
-    const __m512i absm = GV_SET1(0x7fffffffu), inf = GV_SET1(GC_INF_BITS);
-    uint64_t nanb = 0;
+    const __m512i absm = GV_SET1(0x7fffffffu);
     for (int k = 0; k < 2; k++) {
         __m512i v[16];
         for (int i = 0; i < 16; i++) {
@@ -656,7 +670,18 @@ GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, 
             v[i] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p)), absm),
                                     _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p + 16)), absm));
         }
-        __m512i m = K(v_amax16)(v);
+        bm[k] = K(v_amax16)(v);
+    }
+}
+
+/* mxfp4 chunk from its block amax: E8M0 scales sc[32], multipliers mult[32]; returns the
+ * non-finite blocks as bits */
+GC_INLINE uint64_t K(mx4_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult)
+{
+    const __m512i inf = GV_SET1(GC_INF_BITS);
+    uint64_t nanb = 0;
+    for (int k = 0; k < 2; k++) {
+        __m512i m = bm[k];
         __mmask16 bad = _mm512_cmpge_epu32_mask(m, inf);
         nanb |= (uint64_t)bad << (16 * k);
         __m512i code = _mm512_sub_epi32(_mm512_max_epu32(_mm512_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
@@ -721,19 +746,26 @@ GC_INLINE void K(v_store)(float *o, __m512 v, const int acc)
     _mm512_storeu_ps(o, acc ? K(v_addf)(_mm512_loadu_ps(o), v) : v);
 }
 
-/* nvfp4 group of exactly 1024 values: out = v, or out += v */
-static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
-                        float *restrict out, const int acc)
+/* the decode scales d[64] = gc_d8(sc) * s2 of an nvfp4 group; returns its NaN blocks as bits */
+GC_INLINE uint64_t K(nv_dscales)(const uint8_t *restrict sc, const uint8_t *gs, float *restrict d)
 {
-    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
     const __m512 s2 = _mm512_set1_ps(gc_load_f32(gs));
-    float d[64] __attribute__((aligned(64)));
     uint64_t nanb = 0;
     for (int k = 0; k < 4; k++) {
         __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * k)));
         _mm512_store_ps(d + 16 * k, _mm512_mul_ps(K(v_d8)(c), s2));
         nanb |= (uint64_t)_mm512_cmpeq_epi32_mask(_mm512_and_si512(c, GV_SET1(0x7f)), GV_SET1(0x7f)) << (16 * k);
     }
+    return nanb;
+}
+
+/* nvfp4 group of exactly 1024 values: out = v, or out += v */
+static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                        float *restrict out, const int acc)
+{
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
+    float d[64] __attribute__((aligned(64)));
+    uint64_t nanb = K(nv_dscales)(sc, gs, d);
     for (int b = 0; b < 64; b++) {
         K(v_prefetch_next)(pay, out, 16 * b);
         __m512 v = _mm512_mul_ps(K(v_unpack16)(pay + 8 * b, tab), _mm512_set1_ps(d[b]));
@@ -760,6 +792,58 @@ static void K(mx4_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc
         }
         K(v_store)(out + 32 * b, v0, acc);
         K(v_store)(out + 32 * b + 16, v1, acc);
+    }
+}
+
+/* Pass 1 of the fused hop on a whole chunk: dst = gc_addf(decode(msg_in's chunk), l), and the
+ * block amax of dst (as K(nv_amax) / K(mx4_amax) of dst) while the sums are in registers. */
+GC_INLINE void K(nv_dae1)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                          const float *l, float *dst, __m512i bm[GC_BMV])
+{
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
+    const __m512i absm = GV_SET1(0x7fffffffu);
+    float d[64] __attribute__((aligned(64)));
+    uint64_t nanb = K(nv_dscales)(sc, gs, d);
+    for (int k = 0; k < 4; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) {
+            int b = 16 * k + i;
+            K(v_prefetch_hop)(pay, l, dst, 16 * (size_t)b);
+            __m512 e = _mm512_mul_ps(K(v_unpack16)(pay + 8 * b, tab), _mm512_set1_ps(d[b]));
+            if ((nanb >> b) & 1u)
+                e = qnan;
+            __m512 t = K(v_addf)(e, _mm512_loadu_ps(l + 16 * b));
+            _mm512_storeu_ps(dst + 16 * b, t);
+            v[i] = _mm512_and_si512(_mm512_castps_si512(t), absm);
+        }
+        bm[k] = K(v_amax16)(v);
+    }
+}
+
+GC_INLINE void K(mx4_dae1)(const uint8_t *restrict pay, const uint8_t *restrict sc, const float *l, float *dst,
+                           __m512i bm[GC_BMV])
+{
+    const __m512 tab = K(v_e2m1_table)(), qnan = _mm512_castsi512_ps(GV_SET1(0x7fc00000u));
+    const __m512i absm = GV_SET1(0x7fffffffu);
+    for (int k = 0; k < 2; k++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) {
+            int b = 16 * k + i;
+            uint32_t c = sc[b];
+            __m512 s = _mm512_set1_ps(gc_de8m0(c)), e[2];
+            K(v_prefetch_hop)(pay, l, dst, 32 * (size_t)b);
+            K(v_prefetch_hop)(pay, l, dst, 32 * (size_t)b + 16);
+            e[0] = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b, tab), s);
+            e[1] = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b + 8, tab), s);
+            __m512i a = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                __m512 t = K(v_addf)(c == 0xffu ? qnan : e[h], _mm512_loadu_ps(l + 32 * b + 16 * h));
+                _mm512_storeu_ps(dst + 32 * b + 16 * h, t);
+                a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(t), absm));
+            }
+            v[i] = a;
+        }
+        bm[k] = K(v_amax16)(v);
     }
 }
 
@@ -815,11 +899,8 @@ GC_INLINE void K(v_bytes32)(__m256i b0, __m256i b1, __m256i b2, __m256i b3, uint
     _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+GC_INLINE void K(nv_amax)(const float *restrict x, __m256i bm[GC_BMV])
 {
-    const __m256i fin = GV_SET1(0x7f7fffffu), zero = _mm256_setzero_si256();
-    __m256i bm[8], gv = zero;
-    uint64_t nanb = 0;
     for (int k = 0; k < 8; k++) {
         __m256i v[8];
         for (int i = 0; i < 8; i++) {
@@ -827,6 +908,15 @@ GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, u
             v[i] = _mm256_max_epu32(K(v_abs)(p), K(v_abs)(p + 8));
         }
         bm[k] = K(t8max)(v);
+    }
+}
+
+GC_INLINE uint64_t K(nv_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict sc, uint8_t *gs, float *restrict rr)
+{
+    const __m256i fin = GV_SET1(0x7f7fffffu), zero = _mm256_setzero_si256();
+    __m256i gv = zero;
+    uint64_t nanb = 0;
+    for (int k = 0; k < 8; k++) {
         __m256i bad = _mm256_cmpgt_epi32(bm[k], fin); /* |bits| < 2^31: signed compare */
         nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) << (8 * k);
         gv = _mm256_max_epu32(gv, _mm256_andnot_si256(bad, bm[k]));
@@ -858,11 +948,8 @@ GC_INLINE uint64_t K(nv_scales)(const float *restrict x, uint8_t *restrict sc, u
     return nanb;
 }
 
-GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, float *restrict mult)
+GC_INLINE void K(mx4_amax)(const float *restrict x, __m256i bm[GC_BMV])
 {
-    const __m256i fin = GV_SET1(0x7f7fffffu);
-    __m256i cv[4];
-    uint64_t nanb = 0;
     for (int k = 0; k < 4; k++) {
         __m256i v[8];
         for (int i = 0; i < 8; i++) {
@@ -870,7 +957,17 @@ GC_INLINE uint64_t K(mx4_scales)(const float *restrict x, uint8_t *restrict sc, 
             v[i] = _mm256_max_epu32(_mm256_max_epu32(K(v_abs)(p), K(v_abs)(p + 8)),
                                     _mm256_max_epu32(K(v_abs)(p + 16), K(v_abs)(p + 24)));
         }
-        __m256i m = K(t8max)(v);
+        bm[k] = K(t8max)(v);
+    }
+}
+
+GC_INLINE uint64_t K(mx4_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult)
+{
+    const __m256i fin = GV_SET1(0x7f7fffffu);
+    __m256i cv[4];
+    uint64_t nanb = 0;
+    for (int k = 0; k < 4; k++) {
+        __m256i m = bm[k];
         __m256i bad = _mm256_cmpgt_epi32(m, fin);
         nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) << (8 * k);
         __m256i code = _mm256_sub_epi32(_mm256_max_epu32(_mm256_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
@@ -930,12 +1027,9 @@ GC_INLINE void K(v_store)(float *o, __m256 v, const int acc)
     _mm256_storeu_ps(o, acc ? K(v_addf)(_mm256_loadu_ps(o), v) : v);
 }
 
-static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
-                        float *restrict out, const int acc)
+GC_INLINE uint64_t K(nv_dscales)(const uint8_t *restrict sc, const uint8_t *gs, float *restrict d)
 {
-    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
     const __m256 s2 = _mm256_set1_ps(gc_load_f32(gs));
-    float d[64] __attribute__((aligned(32)));
     uint64_t nanb = 0;
     for (int k = 0; k < 8; k++) {
         __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * k)));
@@ -943,6 +1037,15 @@ static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc,
         __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(c, GV_SET1(0x7f)), GV_SET1(0x7f));
         nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(nan)) << (8 * k);
     }
+    return nanb;
+}
+
+static void K(nv_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                        float *restrict out, const int acc)
+{
+    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
+    float d[64] __attribute__((aligned(32)));
+    uint64_t nanb = K(nv_dscales)(sc, gs, d);
     for (int b = 0; b < 64; b += 2) {
         __m256 v[4];
         K(v_prefetch_next)(pay, out, 16 * b);
@@ -977,6 +1080,63 @@ static void K(mx4_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc
             v[i] = c == 0xffu ? qnan : _mm256_mul_ps(v[i], s);
         for (int i = 0; i < 4; i++)
             K(v_store)(out + 32 * b + 8 * i, v[i], acc);
+    }
+}
+
+GC_INLINE void K(nv_dae1)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
+                          const float *l, float *dst, __m256i bm[GC_BMV])
+{
+    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
+    const __m256i absm = GV_SET1(0x7fffffffu);
+    float d[64] __attribute__((aligned(32)));
+    uint64_t nanb = K(nv_dscales)(sc, gs, d);
+    for (int k = 0; k < 8; k++) {
+        __m256i v[8];
+        for (int i = 0; i < 8; i += 2) {
+            int b = 8 * k + i;
+            __m256 e[4];
+            K(v_prefetch_hop)(pay, l, dst, 16 * (size_t)b);
+            K(v_prefetch_hop)(pay, l, dst, 16 * (size_t)b + 16);
+            K(v_unpack32)(pay + 8 * b, e);
+            for (int j = 0; j < 4; j++) {
+                int bj = b + (j >> 1);
+                __m256 t = (nanb >> bj) & 1u ? qnan : _mm256_mul_ps(e[j], _mm256_set1_ps(d[bj]));
+                t = K(v_addf)(t, _mm256_loadu_ps(l + 16 * b + 8 * j));
+                _mm256_storeu_ps(dst + 16 * b + 8 * j, t);
+                e[j] = t;
+            }
+            v[i] = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(e[0]), absm),
+                                    _mm256_and_si256(_mm256_castps_si256(e[1]), absm));
+            v[i + 1] = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(e[2]), absm),
+                                        _mm256_and_si256(_mm256_castps_si256(e[3]), absm));
+        }
+        bm[k] = K(t8max)(v);
+    }
+}
+
+GC_INLINE void K(mx4_dae1)(const uint8_t *restrict pay, const uint8_t *restrict sc, const float *l, float *dst,
+                           __m256i bm[GC_BMV])
+{
+    const __m256 qnan = _mm256_castsi256_ps(GV_SET1(0x7fc00000u));
+    const __m256i absm = GV_SET1(0x7fffffffu);
+    for (int k = 0; k < 4; k++) {
+        __m256i v[8];
+        for (int i = 0; i < 8; i++) {
+            int b = 8 * k + i;
+            uint32_t c = sc[b];
+            __m256 s = _mm256_set1_ps(gc_de8m0(c)), e[4];
+            K(v_prefetch_hop)(pay, l, dst, 32 * (size_t)b);
+            K(v_prefetch_hop)(pay, l, dst, 32 * (size_t)b + 16);
+            K(v_unpack32)(pay + 16 * b, e);
+            __m256i a = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256 t = K(v_addf)(c == 0xffu ? qnan : _mm256_mul_ps(e[j], s), _mm256_loadu_ps(l + 32 * b + 8 * j));
+                _mm256_storeu_ps(dst + 32 * b + 8 * j, t);
+                a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_castps_si256(t), absm));
+            }
+            v[i] = a;
+        }
+        bm[k] = K(t8max)(v);
     }
 }
 #endif /* GC_X256 */
@@ -1027,19 +1187,30 @@ GC_INLINE void K(v_e2m1_pass)(const float *restrict x, const float *restrict mul
         K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 2);
 }
 
+/* encode of a whole chunk; bm: its block amax, when the caller has them */
 static void K(nv_group_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc, uint8_t *gs,
-                          uint64_t idx0, const gc_rng *rng)
+                          uint64_t idx0, const gc_rng *rng, const GV_I *bm_in)
 {
     float rr[64] __attribute__((aligned(64)));
-    uint64_t nanb = K(nv_scales)(x, sc, gs, rr);
+    GV_I bm[GC_BMV];
+    if (!bm_in) {
+        K(nv_amax)(x, bm);
+        bm_in = bm;
+    }
+    uint64_t nanb = K(nv_scales_bm)(bm_in, sc, gs, rr);
     K(v_e2m1_pass)(x, rr, 4, nanb, pay, idx0, rng);
 }
 
 static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc,
-                           uint64_t idx0, const gc_rng *rng)
+                           uint64_t idx0, const gc_rng *rng, const GV_I *bm_in)
 {
     float mult[32] __attribute__((aligned(64)));
-    uint64_t nanb = K(mx4_scales)(x, sc, mult);
+    GV_I bm[GC_BMV];
+    if (!bm_in) {
+        K(mx4_amax)(x, bm);
+        bm_in = bm;
+    }
+    uint64_t nanb = K(mx4_scales_bm)(bm_in, sc, mult);
     K(v_e2m1_pass)(x, mult, 5, nanb, pay, idx0, rng);
 }
 #endif /* GC_VEC_MX */
@@ -1058,11 +1229,11 @@ GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, u
 {
 #if GC_VEC_MX
     if (len == GC_CHUNK && fmt == GC_NVFP4) {
-        K(nv_group_v)(x, pay, sc, gs, idx0, rng);
+        K(nv_group_v)(x, pay, sc, gs, idx0, rng, NULL);
         return;
     }
     if (len == GC_CHUNK && fmt == GC_MXFP4) {
-        K(mx4_chunk_v)(x, pay, sc, idx0, rng);
+        K(mx4_chunk_v)(x, pay, sc, idx0, rng, NULL);
         return;
     }
 #endif
@@ -1132,6 +1303,26 @@ static void K(dae_mx)(int fmt, const uint8_t *msg_in, const float *local, size_t
     for (size_t i0 = 0; i0 < n; i0 += GC_CHUNK) {
         size_t len = n - i0 < GC_CHUNK ? n - i0 : GC_CHUNK;
         float *dst = sum_out ? sum_out + i0 : buf;
+#if GC_VEC_MX
+        if (len == GC_CHUNK && gc_is_packed(fmt)) { /* one pass decodes, adds and finds the block amax */
+            GV_I bm[GC_BMV];
+            const gc_rng *r = rng;
+            uint64_t idx0 = rng ? rng->offset + i0 : 0u;
+            {
+                GC_CHUNK_PTRS(fmt, (uint8_t *)msg_in, n, i0, pay, sc, gs);
+                if (fmt == GC_NVFP4)
+                    K(nv_dae1)(pay, sc, gs, local + i0, dst, bm);
+                else
+                    K(mx4_dae1)(pay, sc, local + i0, dst, bm);
+            }
+            GC_CHUNK_PTRS(fmt, msg_out, n, i0, pay, sc, gs);
+            if (fmt == GC_NVFP4)
+                K(nv_group_v)(dst, pay, sc, gs, idx0, r, bm);
+            else
+                K(mx4_chunk_v)(dst, pay, sc, idx0, r, bm);
+            continue;
+        }
+#endif
         {
             GC_CHUNK_PTRS(fmt, (uint8_t *)msg_in, n, i0, pay, sc, gs);
             K(dec_chunk)(fmt, pay, sc, gs, len, buf, 0);
