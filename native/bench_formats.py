@@ -1,15 +1,20 @@
 """Values per second of the native codec kernels for every block-scaled format and both roundings.
 
-    python native/bench_formats.py [--n 4M] [--repeats 7] [--isa avx512vbmi] [--data wide|normal]
+    python native/bench_formats.py [--n 4M] [--repeats 7] [--rounds 1] [--isa avx512vbmi]
+                                   [--data wide|normal] [--formats e4m3,nvfp4,mxfp4]
 
 One row per (format, rounding, kernel): the median time of ``repeats`` calls on ``n`` values
 (float32 inputs, 1-D; e4m3/e5m2 with block 256, the MX formats and nvfp4 with their own block),
 as values per second and as input GB/s (4 bytes per value). Single-threaded, like the kernels.
+With ``--rounds R`` the whole table is measured R times, every round going through all formats
+in turn (so that a slow spell of a shared host falls on all of them alike); each row then shows
+the median over the rounds and the lowest and highest round.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 
 import numpy as np
@@ -25,10 +30,23 @@ def _size(s: str) -> int:
     return int(s[:-1] if mult > 1 else s) * mult
 
 
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + (" (native/ modified)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", default="4M")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--isa", default=None)
     p.add_argument("--data", choices=("wide", "normal"), default="normal")
     p.add_argument("--formats", default=",".join(FORMATS))
@@ -46,8 +64,8 @@ def main() -> None:
         x *= np.exp2(rng.uniform(-20, 19, n)).astype(np.float32)
     local = rng.standard_normal(n).astype(np.float32)
     k = codec.NativeKernels
-    print(f"# native variant {codec.native_variant()}; n = {n}; data {a.data}; median of {a.repeats}")
-    print(f"{'format':<11} {'rounding':<10} {'kernel':<18} {'Gvalues/s':>9} {'GB/s in':>8}")
+    rows: dict[tuple[str, str, str], list[float]] = {}
+    calls: list[tuple[tuple[str, str, str], object]] = []
     for name in a.formats.split(","):
         f = get_format(name)
         block = resolve_block(f, None)
@@ -56,22 +74,37 @@ def main() -> None:
         dec = np.empty(n, np.float32)
         k.encode(x, f, block, msg)
         for rounding, key in (("nearest", None), ("stochastic", 1234)):
-            calls = {
-                "encode": lambda: k.encode(x, f, block, out, key, 0),
-                "decode_add_encode": lambda: k.decode_add_encode(msg, local, f, block, out, None, key, 0),
+            fns = {
+                "encode": lambda f=f, b=block, o=out, key=key: k.encode(x, f, b, o, key, 0),
+                "decode_add_encode": lambda f=f, b=block, m=msg, o=out, key=key:
+                    k.decode_add_encode(m, local, f, b, o, None, key, 0),
             }
             if rounding == "nearest":
-                calls["decode"] = lambda: k.decode(msg, n, f, block, dec)
-                calls["decode_accumulate"] = lambda: k.decode_accumulate(msg, dec, f, block)
-            for kname, fn in calls.items():
+                fns["decode"] = lambda f=f, b=block, m=msg, d=dec: k.decode(m, n, f, b, d)
+                fns["decode_accumulate"] = lambda f=f, b=block, m=msg, d=dec: k.decode_accumulate(m, d, f, b)
+            for kname, fn in fns.items():
+                calls.append(((name, rounding, kname), fn))
+                rows[(name, rounding, kname)] = []
+    for _ in range(a.rounds):
+        for row, fn in calls:
+            fn()
+            ts = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
                 fn()
-                ts = []
-                for _ in range(a.repeats):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                t = float(np.median(ts))
-                print(f"{name:<11} {rounding:<10} {kname:<18} {n / t / 1e9:9.3f} {4 * n / t / 1e9:8.2f}")
+                ts.append(time.perf_counter() - t0)
+            rows[row].append(n / float(np.median(ts)) / 1e9)
+    print(f"# native variant {codec.native_variant()}; n = {n}; data {a.data}; median of {a.repeats}"
+          + (f", median of {a.rounds} rounds (lowest, highest round)" if a.rounds > 1 else "")
+          + f"; commit {_commit()}")
+    print(f"{'format':<11} {'rounding':<10} {'kernel':<18} {'Gvalues/s':>9} {'GB/s in':>8}"
+          + (f"  {'rounds low-high':>15}" if a.rounds > 1 else ""))
+    for (name, rounding, kname), v in rows.items():
+        med = float(np.median(v))
+        line = f"{name:<11} {rounding:<10} {kname:<18} {med:9.3f} {4 * med:8.2f}"
+        if a.rounds > 1:
+            line += f"  {min(v):7.3f}-{max(v):.3f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -640,13 +640,14 @@ GC_INLINE uint64_t K(nv_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict s
     for (int k = 0; k < 4; k++) {
         __m512i m = bm[k];
         __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(q2)), _mm512_set1_ps(448.0f));
+        /* the smallest E4M3 value >= t: the scalar code's round-to-nearest plus the bump up is the
+         * ceiling, integer for normal results, a round-up magic add below 2^-6 */
         __m512i a = _mm512_castps_si512(t);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), GV_SET1(1));
-        __m512i rn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, GV_SET1(0x7ffffu)), odd), 20),
-                                      GV_SET1(120u << 3));
-        __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(16384.0f))), GV_SET1(0x46800000u));
+        __m512i rn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(a, GV_SET1(0xfffffu)), 20), GV_SET1(120u << 3));
+        __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_round_ps(t, _mm512_set1_ps(16384.0f),
+                                                                              _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)),
+                                      GV_SET1(0x46800000u));
         __m512i bs = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, GV_SET1(121u << 23)), rn, rs);
-        bs = _mm512_mask_add_epi32(bs, _mm512_cmp_ps_mask(K(v_d8pos)(bs), t, _CMP_LT_OQ), bs, GV_SET1(1));
         bs = _mm512_max_epu32(bs, GV_SET1(1));
         __m512 rb = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(K(v_d8pos)(bs), _mm512_set1_ps(s2)));
         __mmask16 bad = (__mmask16)(nanb >> (16 * k));
@@ -719,12 +720,14 @@ GC_INLINE void K(v_pack4)(const __m512i c[4], uint8_t *p)
 #endif
 }
 
-/* 8 bytes -> the 16 E2M1 values */
+/* 8 bytes -> the 16 E2M1 values: lane i gets the 4-byte half holding nibble i, shifted down by
+ * 4 * (i % 8); vpermps reads only the low 4 bits of the index */
 GC_INLINE __m512 K(v_unpack16)(const uint8_t *p, __m512 tab)
 {
-    __m128i b = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), tab);
+    __m512i b = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)p));
+    __m512i w = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), b);
+    __m512i c = _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm512_permutexvar_ps(c, tab);
 }
 
 GC_INLINE __m512 K(v_e2m1_table)(void)
@@ -928,13 +931,11 @@ GC_INLINE uint64_t K(nv_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict s
     for (int k = 0; k < 8; k++) {
         __m256i m = bm[k];
         __m256 t = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(q2)), _mm256_set1_ps(448.0f));
+        /* the smallest E4M3 value >= t (see the AVX-512 code); below 2^-6, ceil(t * 2^9) */
         __m256i a = _mm256_castps_si256(t);
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), GV_SET1(1));
-        __m256i rn = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, GV_SET1(0x7ffffu)), odd), 20),
-                                      GV_SET1(120u << 3));
-        __m256i rs = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(16384.0f))), GV_SET1(0x46800000u));
+        __m256i rn = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(a, GV_SET1(0xfffffu)), 20), GV_SET1(120u << 3));
+        __m256i rs = _mm256_cvttps_epi32(_mm256_ceil_ps(_mm256_mul_ps(t, _mm256_set1_ps(512.0f))));
         __m256i bs = _mm256_blendv_epi8(rn, rs, _mm256_cmpgt_epi32(GV_SET1(121u << 23), a));
-        bs = _mm256_sub_epi32(bs, _mm256_castps_si256(_mm256_cmp_ps(K(v_d8pos)(bs), t, _CMP_LT_OQ)));
         bs = _mm256_max_epi32(bs, GV_SET1(1));
         __m256 rb = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(K(v_d8pos)(bs), _mm256_set1_ps(s2)));
         __m256i bad = _mm256_cmpgt_epi32(m, fin);
@@ -1146,7 +1147,8 @@ GC_INLINE void K(mx4_dae1)(const uint8_t *restrict pay, const uint8_t *restrict 
  * with the Philox words of elements idx0 + i, whose counters share the high word; 2 the same for
  * any counters. */
 GC_INLINE void K(v_e2m1_chunk)(const float *restrict x, const float *restrict mult, const int bsh, uint64_t nanb,
-                               uint8_t *restrict pay, uint64_t idx0, uint32_t k0, uint32_t k1, const int sr)
+                               uint8_t *restrict pay, uint64_t idx0, uint32_t k0, uint32_t k1, const int sr,
+                               size_t pf)
 {
     const uint64_t step_blocks = ((uint64_t)1 << ((4 * GV_W) >> bsh)) - 1u;
     const uint32_t h = (uint32_t)(idx0 >> 32);
@@ -1155,8 +1157,8 @@ GC_INLINE void K(v_e2m1_chunk)(const float *restrict x, const float *restrict mu
         GV_I c[4];
         for (int v = 0; v < 4; v++) {
             size_t o = j + (size_t)v * GV_W;
-            if (v * GV_W % 16 == 0) /* the next chunk, one 64-byte line per 16 values (as above) */
-                __builtin_prefetch(x + GC_CHUNK + o, 0, 3);
+            if (pf && v * GV_W % 16 == 0) /* the chunk pf values ahead, one 64-byte line per 16 values */
+                __builtin_prefetch(x + pf + o, 0, 3);
             GV_F y = GV_MULPS(GV_LOADPS(x + o), GV_SET1PS(mult[o >> bsh]));
             if (sr == 1) {
                 c[v] = K(v_e2m1_sr)(y, K(vphilox_u)(ctr, h, k0, k1));
@@ -1177,14 +1179,14 @@ GC_INLINE void K(v_e2m1_chunk)(const float *restrict x, const float *restrict mu
 
 /* the element pass of a chunk with either rounding */
 GC_INLINE void K(v_e2m1_pass)(const float *restrict x, const float *restrict mult, const int bsh, uint64_t nanb,
-                              uint8_t *restrict pay, uint64_t idx0, const gc_rng *rng)
+                              uint8_t *restrict pay, uint64_t idx0, const gc_rng *rng, size_t pf)
 {
     if (!rng)
-        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, 0, 0, 0, 0);
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, 0, 0, 0, 0, pf);
     else if (K(same_hi)(idx0, GC_CHUNK))
-        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 1);
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 1, pf);
     else /* the chunk straddles a multiple of 2^32 elements */
-        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 2);
+        K(v_e2m1_chunk)(x, mult, bsh, nanb, pay, idx0, rng->k0, rng->k1, 2, pf);
 }
 
 /* encode of a whole chunk; bm: its block amax, when the caller has them */
@@ -1198,7 +1200,7 @@ static void K(nv_group_v)(const float *restrict x, uint8_t *restrict pay, uint8_
         bm_in = bm;
     }
     uint64_t nanb = K(nv_scales_bm)(bm_in, sc, gs, rr);
-    K(v_e2m1_pass)(x, rr, 4, nanb, pay, idx0, rng);
+    K(v_e2m1_pass)(x, rr, 4, nanb, pay, idx0, rng, bm_in == bm ? GC_CHUNK : 0);
 }
 
 static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc,
@@ -1211,7 +1213,7 @@ static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8
         bm_in = bm;
     }
     uint64_t nanb = K(mx4_scales_bm)(bm_in, sc, mult);
-    K(v_e2m1_pass)(x, mult, 5, nanb, pay, idx0, rng);
+    K(v_e2m1_pass)(x, mult, 5, nanb, pay, idx0, rng, bm_in == bm ? GC_CHUNK : 0);
 }
 #endif /* GC_VEC_MX */
 
