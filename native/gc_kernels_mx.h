@@ -799,7 +799,9 @@ static void K(mx4_dec_v)(const uint8_t *restrict pay, const uint8_t *restrict sc
 }
 
 /* Pass 1 of the fused hop on a whole chunk: dst = gc_addf(decode(msg_in's chunk), l), and the
- * block amax of dst (as K(nv_amax) / K(mx4_amax) of dst) while the sums are in registers. */
+ * block amax of dst (as K(nv_amax) / K(mx4_amax) of dst) while the sums are in registers. The
+ * decoded operand is finite outside NaN blocks, where gc_addf is a plain add (a NaN in l comes
+ * out quieted either way); a NaN block's sums are gc_addf(qNaN, l) = the quiet NaN. */
 GC_INLINE void K(nv_dae1)(const uint8_t *restrict pay, const uint8_t *restrict sc, const uint8_t *gs,
                           const float *l, float *dst, __m512i bm[GC_BMV])
 {
@@ -813,9 +815,9 @@ GC_INLINE void K(nv_dae1)(const uint8_t *restrict pay, const uint8_t *restrict s
             int b = 16 * k + i;
             K(v_prefetch_hop)(pay, l, dst, 16 * (size_t)b);
             __m512 e = _mm512_mul_ps(K(v_unpack16)(pay + 8 * b, tab), _mm512_set1_ps(d[b]));
+            __m512 t = _mm512_add_ps(e, _mm512_loadu_ps(l + 16 * b));
             if ((nanb >> b) & 1u)
-                e = qnan;
-            __m512 t = K(v_addf)(e, _mm512_loadu_ps(l + 16 * b));
+                t = qnan;
             _mm512_storeu_ps(dst + 16 * b, t);
             v[i] = _mm512_and_si512(_mm512_castps_si512(t), absm);
         }
@@ -840,7 +842,7 @@ GC_INLINE void K(mx4_dae1)(const uint8_t *restrict pay, const uint8_t *restrict 
             e[1] = _mm512_mul_ps(K(v_unpack16)(pay + 16 * b + 8, tab), s);
             __m512i a = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {
-                __m512 t = K(v_addf)(c == 0xffu ? qnan : e[h], _mm512_loadu_ps(l + 32 * b + 16 * h));
+                __m512 t = c == 0xffu ? qnan : _mm512_add_ps(e[h], _mm512_loadu_ps(l + 32 * b + 16 * h));
                 _mm512_storeu_ps(dst + 32 * b + 16 * h, t);
                 a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(t), absm));
             }
@@ -1101,8 +1103,9 @@ GC_INLINE void K(nv_dae1)(const uint8_t *restrict pay, const uint8_t *restrict s
             K(v_unpack32)(pay + 8 * b, e);
             for (int j = 0; j < 4; j++) {
                 int bj = b + (j >> 1);
-                __m256 t = (nanb >> bj) & 1u ? qnan : _mm256_mul_ps(e[j], _mm256_set1_ps(d[bj]));
-                t = K(v_addf)(t, _mm256_loadu_ps(l + 16 * b + 8 * j));
+                __m256 t = _mm256_add_ps(_mm256_mul_ps(e[j], _mm256_set1_ps(d[bj])), _mm256_loadu_ps(l + 16 * b + 8 * j));
+                if ((nanb >> bj) & 1u)
+                    t = qnan;
                 _mm256_storeu_ps(dst + 16 * b + 8 * j, t);
                 e[j] = t;
             }
@@ -1131,7 +1134,7 @@ GC_INLINE void K(mx4_dae1)(const uint8_t *restrict pay, const uint8_t *restrict 
             K(v_unpack32)(pay + 16 * b, e);
             __m256i a = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                __m256 t = K(v_addf)(c == 0xffu ? qnan : _mm256_mul_ps(e[j], s), _mm256_loadu_ps(l + 32 * b + 8 * j));
+                __m256 t = c == 0xffu ? qnan : _mm256_add_ps(_mm256_mul_ps(e[j], s), _mm256_loadu_ps(l + 32 * b + 8 * j));
                 _mm256_storeu_ps(dst + 32 * b + 8 * j, t);
                 a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_castps_si256(t), absm));
             }
