@@ -36,8 +36,9 @@ def _commit() -> str:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return head + (" (native/ modified)" if dirty else "")
+                               text=True, check=True).stdout.split()
+        files = [os.path.basename(f) for f in dirty[1::2]]
+        return head + (f" (uncommitted in native/: {', '.join(files)})" if files else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
