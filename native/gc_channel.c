@@ -55,6 +55,7 @@
 
 enum { HEADER_OFF = 64, PAYLOAD_OFF = 128, WORDS = 4 };
 #define SPIN_S 0.002        /* spin this long before sleeping (short waits keep their latency) */
+#define YIELD_AFTER_S 5e-5  /* then yield while spinning: a peer this late may be waiting for our core */
 #define MAX_SLEEP_S 0.0002  /* longest sleep between looks once spinning stopped */
 #define SIGNAL_EVERY_S 0.01 /* look for signals (Ctrl-C) this often while sleeping */
 
@@ -153,7 +154,7 @@ static int wait_peers(Channel *c, int s, uint64_t n, double timeout, PyThreadSta
     while (!all_arrived(c, s, n)) {
         double t = now_s(), waited = t - start;
         if (waited < SPIN_S) {
-            if (c->crowded)
+            if (c->crowded || waited > YIELD_AFTER_S)
                 sched_yield();
             continue;
         }

@@ -47,6 +47,7 @@ log = logging.getLogger("giftcomm")
 TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 INTERRUPT_EXIT_CODE = 130  # as a shell reports SIGINT
 _SPIN_S = 2e-3  # poll without sleeping this long first: the waits of a healthy collective keep their latency
+_YIELD_AFTER_S = 5e-5  # a peer later than this is likely waiting for a core (other jobs): spin yielding it
 _MAX_SLEEP_S = 2e-4  # the longest sleep between two polls: a late peer is noticed within ~0.3 ms
 _ALL = None  # "peers": every other rank (a collective)
 
@@ -168,9 +169,10 @@ class MpiTransport(Transport):
             while True:  # spin: short waits keep their latency
                 if test():
                     return
-                if time.monotonic() - start > _SPIN_S:
+                spun = time.monotonic() - start
+                if spun > _SPIN_S:
                     break
-                if self.crowded:  # more ranks than cores on this node: let the peer run
+                if self.crowded or spun > _YIELD_AFTER_S:  # let a peer that waits for this core run
                     os.sched_yield()
             while True:
                 waited = time.monotonic() - start
