@@ -138,31 +138,36 @@ GC_INLINE __m256i K(v_lut3)(__m256i e, uint32_t t15, uint32_t t0, uint32_t t1)
 }
 #endif
 
+/* Philox rounds r0+1 .. 9 on the state (c0, c1, c2, c3) left by round r0 with keys k0, k1 of
+ * round r0, then round 10, of which only word 0 is kept. */
+GC_INLINE GV_I K(vphilox_tail)(GV_I c0, GV_I c1, GV_I c2, GV_I c3, uint32_t k0, uint32_t k1, int r0)
+{
+    const GV_I m0 = GV_SET1(0xD2511F53u), m1 = GV_SET1(0xCD9E8D57u);
+    for (int r = r0; r < 9; r++) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+        GV_I p0 = GV_MULU(c0, m0), p1 = GV_MULU(c2, m1);
+        c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
+        c2 = GV_XOR3(GV_SWAP(p0), c3, GV_SET1(k1));
+        c1 = p1;
+        c3 = p0;
+    }
+    k0 += 0x9E3779B9u;
+    return GV_XOR3(GV_SWAP(GV_MULU(c2, m1)), c1, GV_SET1(k0));
+}
+
 /* Philox4x32-10 (gc_philox_w0) on one half of the lanes: the counters are 64-bit lanes (c0 in the
  * low word, c1 the high word), the state words sit in the low 32 bits of 64-bit lanes. mul_epu32
  * reads only those low words and gives the whole 64-bit product, whose high word the 32-bit swap
  * brings down; the high words of the state are never read, so they may hold anything. */
 GC_INLINE GV_I K(vphilox_half)(GV_I ctr, uint32_t k0, uint32_t k1)
 {
-    const GV_I m0 = GV_SET1(0xD2511F53u), m1 = GV_SET1(0xCD9E8D57u);
     /* round 1: c2 = c3 = 0, so M1 * c2 = 0 */
-    GV_I p0 = GV_MULU(ctr, m0), p1;
+    GV_I p0 = GV_MULU(ctr, GV_SET1(0xD2511F53u));
     GV_I c0 = GV_XOR(GV_SRLI64(ctr, 32), GV_SET1(k0));
     GV_I c2 = GV_XOR(GV_SWAP(p0), GV_SET1(k1));
     GV_I c1 = GV_ZERO(), c3 = p0;
-    for (int r = 1; r < 9; r++) {
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-        p0 = GV_MULU(c0, m0);
-        p1 = GV_MULU(c2, m1);
-        c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
-        c2 = GV_XOR3(GV_SWAP(p0), c3, GV_SET1(k1));
-        c1 = p1;
-        c3 = p0;
-    }
-    /* round 10: only word 0 is kept */
-    k0 += 0x9E3779B9u;
-    return GV_XOR3(GV_SWAP(GV_MULU(c2, m1)), c1, GV_SET1(k0));
+    return K(vphilox_tail)(c0, c1, c2, c3, k0, k1, 1);
 }
 
 /* word 0 of Philox4x32-10 for counters idx .. idx + GV_W - 1 (mod 2^64): lane i = gc_philox_w0 of
@@ -204,18 +209,7 @@ GC_INLINE GV_I K(vphilox_half_u)(GV_I ctr, uint32_t h, uint32_t k0, uint32_t k1)
     c2 = GV_XOR(GV_SWAP(p0), GV_SET1((uint32_t)q ^ k1));
     c1 = p1;
     c3 = p0;
-    for (int r = 3; r < 9; r++) {
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-        p0 = GV_MULU(c0, m0);
-        p1 = GV_MULU(c2, m1);
-        c0 = GV_XOR3(GV_SWAP(p1), c1, GV_SET1(k0));
-        c2 = GV_XOR3(GV_SWAP(p0), c3, GV_SET1(k1));
-        c1 = p1;
-        c3 = p0;
-    }
-    k0 += 0x9E3779B9u;
-    return GV_XOR3(GV_SWAP(GV_MULU(c2, m1)), c1, GV_SET1(k0));
+    return K(vphilox_tail)(c0, c1, c2, c3, k0, k1, 3);
 }
 
 /* GV_W words for counters (h << 32) + the low words in ctr (even elements; odd = ctr + 1) */

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -190,13 +190,7 @@ class Transport(ABC):
         """
         if not self.shared_memory:
             return None
-        st = self.state
-        if st.window is None or st.window.nbytes < nbytes:
-            if st.window is not None:
-                st.window.release()
-                st.window = None
-            st.window = self.allocate_window(grown_size(nbytes))
-        return st.window
+        return self._kept("window", lambda w: w.nbytes >= nbytes, lambda: self.allocate_window(grown_size(nbytes)))
 
     def plan_channel(self, capacity: int) -> PlanChannel | None:
         """The persistent plans' channel (:class:`~giftcomm.transport.channel.PlanChannel`) with
@@ -207,15 +201,25 @@ class Transport(ABC):
         only to grow, in 64 KiB steps."""
         if not self.shared_memory or native_channel() is None:
             return None
-        st = self.state
-        if st.channel is None or st.channel.capacity < capacity:
-            if st.channel is not None:
-                st.channel.release()
-                st.channel = None
+
+        def make() -> PlanChannel | None:
             room = grown_size(capacity)
             win = self.allocate_window(channel_window_nbytes(room))
-            st.channel = None if win is None else PlanChannel(win, self.rank, room, self.crowded)
-        return st.channel
+            return None if win is None else PlanChannel(win, self.rank, room, self.crowded)
+
+        return self._kept("channel", lambda c: c.capacity >= capacity, make)
+
+    def _kept(self, name: str, fits: Callable[[Any], bool], make: Callable[[], Any]) -> Any:
+        """The state's ``name`` (the window or the channel) when it ``fits``; else it is released
+        and replaced by ``make()`` (collective: every rank decides alike)."""
+        st = self.state
+        held = getattr(st, name)
+        if held is None or not fits(held):
+            if held is not None:
+                held.release()
+                setattr(st, name, None)
+            setattr(st, name, make())
+        return getattr(st, name)
 
     def expired(self, what: str, peers: tuple[int, ...], seconds: float) -> None:
         """Apply the timeout policy to a wait for ``peers`` that passed its deadline of
