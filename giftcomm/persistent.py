@@ -142,9 +142,12 @@ class AllreducePlan:
         rounding; a failing rank posts its header alone)."""
         t = self.transport
         parity, nbytes = channel.native.parity(), wire.nbytes(self._zeros.size)
-        if call is not None and self.algorithm == "oneshot":
-            wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
         head = self._header
+        if call is not None and self.algorithm == "oneshot":
+            try:  # a failure here still posts (the error code): no rank is left waiting
+                wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
+            except Exception as exc:
+                error, head[0] = exc, error_code(exc)
         try:
             status = channel.native.call(int(head[0]), int(head[1]), int(head[2]), int(head[3]), None, None,
                                          self._fmt_code, wire.block, None, False, t.timeout)

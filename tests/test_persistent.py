@@ -177,3 +177,28 @@ def test_channel_disagreements_raise_on_every_rank(rng):
     with pytest.raises(ValueError, match="ranks disagree on plan"):
         a(xs[r]) if r == 0 else b(xs[r][:200])
     assert same(a(xs[r]), simulate_allreduce(xs, "e4m3", None, "sum", "oneshot")[r])
+
+
+@pytest.mark.mpi
+@pytest.mark.multirank
+def test_channel_encode_failure_on_one_rank_raises_on_every_rank(rng, monkeypatch):
+    """A failure after the local checks (here: reading the array on the last rank, on the
+    channel's Python path) still reaches the other ranks: the same error everywhere, no wait."""
+    from mpi4py import MPI
+
+    import giftcomm.persistent as persistent
+
+    comm = MPI.COMM_WORLD
+    p, r = comm.size, comm.rank
+    xs = _shared_inputs(comm, rng, 500)
+    plan = gc.plan_allreduce(xs[r], comm=comm, rounding="stochastic")  # stochastic: the Python path
+    if r == p - 1:
+        def broken(call):
+            raise ZeroDivisionError("cannot read the array")
+
+        monkeypatch.setattr(persistent.planning, "flat_values", broken)
+    with pytest.raises(RuntimeError, match=rf"bad input on rank\(s\) {p - 1}.*ZeroDivisionError"):
+        plan(xs[r], seed=9)
+    monkeypatch.undo()
+    assert same(plan(xs[r], seed=9), simulate_allreduce(xs, "e4m3", None, "sum", "oneshot", rounding="stochastic",
+                                                        seed=9)[r])
