@@ -5,11 +5,14 @@ the per-call work of :func:`giftcomm.allreduce` that does not change between cal
 loop — validating the arguments, agreeing on them across ranks, choosing the algorithm, the slice
 and the layouts — once, when it is made (collectively). Each call then checks locally that its
 array matches the plan (shape, dtype, kind) and that every rank is running the same plan, with
-one int64 word per rank:
+four int64 words per rank (error code, plan, calling thread, seed) that travel with the data:
 
-- with the one-shot algorithm on host arrays the word travels ahead of the data in the same
-  message (no extra round trip);
-- otherwise one small gather of the words precedes the data (the cost of the agreement, without
+- on one node with host arrays, through the transport's plan channel in node-shared memory
+  (giftcomm.transport.channel): each rank posts its words and its encoded message in its own
+  slot and reads everyone's in place after one handshake; float32 NumPy arrays rounded to
+  nearest with the one-shot algorithm run the whole call in C;
+- elsewhere, with the one-shot algorithm on host arrays, ahead of the data in the same message;
+- otherwise in one small gather before the data (the cost of the agreement, without
   re-planning).
 
 A call with a bad array on any rank, or ranks calling different plans, raises the same exception
