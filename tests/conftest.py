@@ -44,3 +44,33 @@ def assert_same_error(errors: list, cls: type, *fragments: str) -> None:
     assert len({str(e) for e in errors}) == 1, [str(e) for e in errors]
     for frag in fragments:
         assert frag in str(errors[0]), (frag, str(errors[0]))
+
+
+def spawn_ranks(world: int, tmp_path, process_args) -> list:
+    """Run ``world`` spawned processes (torch's spawn context); ``process_args(rank, out_file)``
+    gives each one's (target, args), and the target pickles its result into ``out_file``. Every
+    process must exit 0 within 240 s (a late one is killed); returns the results in rank order."""
+    import pickle
+
+    import torch
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    outs = [os.path.join(tmp_path, f"rank{r}.pkl") for r in range(world)]
+    procs = []
+    for r in range(world):
+        target, args = process_args(r, outs[r])
+        procs.append(ctx.Process(target=target, args=args))
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(240)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    assert codes == [0] * world, f"rank exit codes {codes}"
+    res = []
+    for f in outs:
+        with open(f, "rb") as fh:
+            res.append(pickle.load(fh))
+    return res

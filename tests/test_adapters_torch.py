@@ -12,6 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from conftest import spawn_ranks
 
 import giftcomm
 from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries, make_buckets, model_layout, numpy_view
@@ -32,24 +33,8 @@ def _mlp(seed: int, widths=(24, 40, 16)) -> torch.nn.Module:
 
 def _spawn_world(target, world: int, tmp_path, *args) -> list[dict]:
     """Run target(rank, world, init_file, out_file, *args) in ``world`` spawned processes."""
-    ctx = torch.multiprocessing.get_context("spawn")
     init = os.path.join(tmp_path, "rendezvous")
-    outs = [os.path.join(tmp_path, f"rank{r}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=target, args=(r, world, init, outs[r], *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"rank exit codes {codes}"
-    res = []
-    for f in outs:
-        with open(f, "rb") as fh:
-            res.append(pickle.load(fh))
-    return res
+    return spawn_ranks(world, tmp_path, lambda r, out: (target, (r, world, init, out, *args)))
 
 
 def _init(rank: int, world: int, init: str) -> None:

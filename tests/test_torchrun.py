@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import spawn_ranks
 
 import giftcomm
 from giftcomm.reference import simulate_allreduce
@@ -28,24 +29,8 @@ def _free_port() -> int:
 
 
 def _spawn(target, world: int, tmp_path, *args) -> list[dict]:
-    ctx = torch.multiprocessing.get_context("spawn")
     port = _free_port()
-    outs = [os.path.join(tmp_path, f"rank{r}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=_torchrun_env, args=(target, r, world, port, outs[r], *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"rank exit codes {codes}"
-    res = []
-    for f in outs:
-        with open(f, "rb") as fh:
-            res.append(pickle.load(fh))
-    return res
+    return spawn_ranks(world, tmp_path, lambda r, out: (_torchrun_env, (target, r, world, port, out, *args)))
 
 
 def _torchrun_env(target, rank, world, port, out, *args):
