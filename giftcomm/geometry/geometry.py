@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .._xp import array_module
 from .apply import ApplyPlan
 from .layout import Layout, as_layout
@@ -52,10 +53,6 @@ def spectra_from_factors(layout: Layout, factors: Mapping) -> dict[str, tuple[Sp
     return out
 
 
-# Default damping delta, relative to each factor's mean eigenvalue: 0.03 (was 1e-3). Estimated
-# factors are noisy in their small eigenvalues; 1e-3 amplifies quantization error along them (the
-# training grid in docs/results.md and the fidelity study); see docs/method.md "Damping".
-DEFAULT_DAMPING = 0.03
 
 
 def check_damping(damping: float) -> float:

@@ -1,0 +1,117 @@
+"""The call options: one validated record shared by every entry point.
+
+:class:`CallOptions` holds what a caller may choose about *how* values are reduced — the wire
+format, block, rounding, seed, algorithm, pipelining slice, timeout and op — independently of
+*what* is reduced (the array, ``out``, the communicator). The four collectives, persistent
+plans, the DDP hook's :class:`~giftcomm.adapters.torch.GiftState`, the FSDP2 comm, ``GradSync``
+and the JAX adapter all build one (``CallOptions.of(**kwargs)``) and validate it once against the
+format rules, so a bad option fails where it is given, with one message wording for every entry
+point. Defaults live here (and :data:`DEFAULT_DAMPING` for the geometries).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from .formats import Format, check_key, check_rounding, get_format, resolve_block
+
+__all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES"]
+
+DEFAULT_DAMPING = 0.03
+"""The geometries' damping delta, relative to each factor's mean eigenvalue (docs/method.md)."""
+
+OPS = ("sum", "avg")
+"""The reductions giftcomm computes."""
+
+
+def _positive_int_or_none(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """How one collective call reduces its values (validated: build with :meth:`of`).
+
+    fmt: wire format name (``giftcomm.formats.FORMATS``: "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2",
+    "mxfp4", "nvfp4", "bf16", "fp16", "fp32"). block: values per scale, None meaning the
+    format's own (16 nvfp4, 32 MX, 256 otherwise); after validation :attr:`resolved_block` is
+    the int used. rounding: "nearest" or "stochastic" (scaled formats only). seed: int in
+    [0, 2**64) identifying the call for stochastic rounding (None: none given yet; an adapter
+    derives per-step seeds from it). algorithm: a name of the algorithm table or "auto".
+    slice_elems: values per pipelined slice (None: automatic). timeout: seconds each wait may
+    wait for its peers (None: the transport's, $GIFTCOMM_TIMEOUT). op: "sum" or "avg".
+    """
+
+    fmt: str = "e4m3"
+    block: int | None = None
+    rounding: str = "nearest"
+    seed: int | None = None
+    algorithm: str = "auto"
+    slice_elems: int | None = None
+    timeout: float | None = None
+    op: str = "sum"
+
+    @classmethod
+    def of(cls, owner: str = "", **kwargs: Any) -> CallOptions:
+        """Build and validate; ``owner`` (e.g. "GiftState") prefixes error messages. Unknown
+        keywords raise TypeError naming them."""
+        unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"{owner + ': ' if owner else ''}unknown option(s) {', '.join(unknown)}; "
+                            f"options are {', '.join(OPTION_NAMES)}")
+        try:
+            return cls(**kwargs).validated()
+        except (TypeError, ValueError) as exc:
+            if not owner:
+                raise
+            raise type(exc)(f"{owner}: {exc}") from None
+
+    def validated(self) -> CallOptions:
+        """This record with fmt as its canonical name and every field checked (ValueError or
+        TypeError, with the same words whichever entry point called it)."""
+        f = get_format(self.fmt)
+        resolve_block(f, self.block)
+        check_rounding(self.rounding, f)
+        seed = None if self.seed is None else check_key(self.seed, "seed")
+        if self.op not in OPS:
+            raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
+        if not isinstance(self.algorithm, str):
+            raise ValueError(f"algorithm must be a str, got {self.algorithm!r}")
+        slice_elems = _positive_int_or_none(self.slice_elems, "slice_elems")
+        timeout = self.timeout
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.floating, np.integer)):
+                raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+            timeout = float(timeout)
+            if not (timeout >= 0 and np.isfinite(timeout)):
+                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
+        return replace(self, fmt=f.name, block=None if self.block is None else int(self.block), seed=seed,
+                       slice_elems=slice_elems, timeout=timeout)
+
+    @property
+    def format(self) -> Format:
+        """The wire format record."""
+        return get_format(self.fmt)
+
+    @property
+    def resolved_block(self) -> int:
+        """The block size calls use: ``block`` or the format's own."""
+        return resolve_block(self.format, self.block)
+
+    def replace(self, **changes: Any) -> CallOptions:
+        """A validated copy with ``changes``."""
+        return replace(self, **changes).validated()
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments of the collectives (``giftcomm.allreduce(x, **o.as_kwargs())``)."""
+        return asdict(self)
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CallOptions))
+"""The option keywords every entry point takes."""
