@@ -9,13 +9,14 @@ import pytest
 from conftest import outcomes, same
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import CHOICES
 from giftcomm.reference import simulate_allreduce
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 @pytest.mark.parametrize("n", [0, 7, 300, 40000])
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct", "oneshot"])
+@pytest.mark.parametrize("algorithm", CHOICES)
 @pytest.mark.parametrize("group", [gc.LoopbackGroup, DeviceLoopbackGroup])
 def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
     dtype = (np.float32, np.float64, np.float16)[int(rng.integers(3))]
