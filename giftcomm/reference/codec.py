@@ -348,6 +348,7 @@ def decode(message: np.ndarray, count: int, fmt: str | Format = "e4m3", block: i
         values = payload.view(f.wire_dtype).astype(np.float32)
     if not f.scaled:
         return values
+    assert scales is not None  # every scaled format's message carries block scales
     with np.errstate(invalid="ignore", over="ignore"):
         if f.scale_kind == "f32":
             values *= np.repeat(scales, block)[:count]
