@@ -186,20 +186,24 @@ class SelectivePolicy:
     def __post_init__(self):
         # "auto": the time budget DEFAULT_BUDGET, unless an exchange rate flops_per_gain is given
         # (then the per-segment rule); flops_per_gain None means DEFAULT_FLOPS_PER_GAIN
-        if isinstance(self.budget, str):
-            if self.budget != "auto":
-                raise ValueError(f"budget must be None, a number >= 0 or 'auto', got {self.budget!r}")
-            object.__setattr__(self, "budget", None if self.flops_per_gain is not None else DEFAULT_BUDGET)
-        if self.flops_per_gain is None:
-            object.__setattr__(self, "flops_per_gain", DEFAULT_FLOPS_PER_GAIN)
+        budget = self.budget
+        if isinstance(budget, str):
+            if budget != "auto":
+                raise ValueError(f"budget must be None, a number >= 0 or 'auto', got {budget!r}")
+            budget = None if self.flops_per_gain is not None else DEFAULT_BUDGET
+            object.__setattr__(self, "budget", budget)
+        rate = self.flops_per_gain
+        if rate is None:
+            rate = DEFAULT_FLOPS_PER_GAIN
+            object.__setattr__(self, "flops_per_gain", rate)
         if not 0.0 < self.energy <= 1.0:
             raise ValueError(f"energy must be in (0, 1], got {self.energy}")
         if self.max_rank is not None and self.max_rank < 1:
             raise ValueError(f"max_rank must be >= 1 or None, got {self.max_rank}")
-        if self.min_size < 0 or self.flops_per_gain < 0:
+        if self.min_size < 0 or rate < 0:
             raise ValueError("min_size and flops_per_gain must be >= 0")
-        if self.budget is not None and not self.budget >= 0:
-            raise ValueError(f"budget must be None or >= 0, got {self.budget}")
+        if budget is not None and not budget >= 0:
+            raise ValueError(f"budget must be None or >= 0, got {budget}")
         if self.ranks < 1 or not self.bandwidth > 0 or not self.wire_bytes_per_value > 0:
             raise ValueError("ranks must be >= 1, bandwidth and wire_bytes_per_value > 0")
         if self.rank_rule not in ("utility", "energy"):
