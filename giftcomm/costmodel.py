@@ -171,18 +171,20 @@ def write_calibration(path: str | os.PathLike, text: str) -> None:
 
 
 def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
-            cal: Calibration | None = None) -> float:
+            cal: Calibration | None = None, channel: bool = False) -> float:
     """Predicted seconds for one allreduce of ``n`` values (float32 input) with this algorithm.
 
-    ``call_overhead`` plus the algorithm's formula (:attr:`Algorithm.time`; docs/scaling.md);
-    ``inf`` for a hierarchical algorithm on a topology without at least 2 nodes of at least 2
-    ranks. ValueError for a name not in the table."""
+    ``call_overhead`` plus the algorithm's formula (:attr:`Algorithm.time`, or with ``channel``
+    -- a persistent plan's calls through the node-shared channel -- :attr:`Algorithm.channel_time`
+    where the row has one; docs/scaling.md); ``inf`` for a hierarchical algorithm on a topology
+    without at least 2 nodes of at least 2 ranks. ValueError for a name not in the table."""
     row = algorithms.row(algorithm)
     cal = cal or load_calibration()
     if topo.ranks == 1:
         t = n / cal.encode_rate + n / cal.decode_rate
     else:
-        t = row.time(n, topo, fmt, block, cal)
+        formula = row.channel_time if channel and row.channel_time is not None else row.time
+        t = formula(n, topo, fmt, block, cal)
     return t if math.isinf(t) else cal.call_overhead + t
 
 
@@ -206,22 +208,26 @@ _choices: dict[tuple, str] = {}  # choose() memo for the loaded calibration (key
 FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantizations
 
 
-def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None) -> str:
+def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None,
+           channel: bool = False) -> str:
     """The ``auto`` algorithm: among the table's rows that ``auto`` may choose and that can run on
     ``topo`` (the hierarchical ones need at least 2 nodes of at least 2 ranks), those predicted
     within FIDELITY_SLACK of the fastest; of those, the one with the smallest predicted error
-    (:func:`error_growth`; ties: the faster, then table order)."""
+    (:func:`error_growth`; ties: the faster, then a one-exchange row -- on one rank every
+    algorithm is the same local encode and decode, and one exchange has no steps at all -- then
+    table order). ``channel``: for a persistent plan whose calls go through the node-shared
+    channel (:func:`predict`)."""
     if cal is None:  # the calibration in force: remember the answers it gave
         cal = _in_force()
-        key = (n, topo, fmt, block, id(cal))
+        key = (n, topo, fmt, block, id(cal), channel)
         if key not in _choices:
             if len(_choices) > 4096:
                 _choices.clear()
-            _choices[key] = choose(n, topo, fmt, block, cal)
+            _choices[key] = choose(n, topo, fmt, block, cal, channel)
         return _choices[key]
     multi_node = topo.nodes > 1 and topo.local_size > 1
     candidates = [a.name for a in algorithms.TABLE if a.auto and (multi_node or not a.needs_nodes)]
-    times = {a: predict(a, n, topo, fmt, block, cal) for a in candidates}
+    times = {a: predict(a, n, topo, fmt, block, cal, channel) for a in candidates}
     best = min(times.values())
     near = [a for a in candidates if times[a] <= best * FIDELITY_SLACK]
-    return min(near, key=lambda a: (round(error_growth(a, topo), 9), times[a]))
+    return min(near, key=lambda a: (round(error_growth(a, topo), 9), times[a], not algorithms.BY_NAME[a].one_exchange))

@@ -32,7 +32,7 @@ from .codec import native_available
 from .collectives import engine, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
-from .collectives.algorithms import AUTO, TABLE, Algorithm
+from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted
 from .formats import Format, check_key
@@ -40,12 +40,8 @@ from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import WORDS, PlanChannel, native_channel
 
-__all__ = ["AllreducePlan", "plan_allreduce", "ONESHOT_MAX_BYTES"]
+__all__ = ["AllreducePlan", "plan_allreduce"]
 
-ONESHOT_MAX_BYTES = 64 << 10
-"""A plan with ``algorithm="auto"`` takes the one-shot algorithm up to this many input bytes per
-rank (and at most 8 ranks): one exchange, with the check word inside it on host arrays."""
-_ONE_EXCHANGE = next(a for a in TABLE if a.one_exchange)
 
 class AllreducePlan:
     """A planned allreduce over one transport; call it with arrays shaped like the template.
@@ -208,19 +204,20 @@ def plan_allreduce(
     timeout: float | None = None,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
-    :func:`giftcomm.allreduce`). ``algorithm="auto"`` takes the one-shot algorithm up to
-    :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice. With
+    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
+    plain call; where the plan's calls go through the node-shared channel, the one-shot
+    algorithm is predicted there (no messages: codec work and one handshake), so it is taken for
+    larger buffers than by the plain call (giftcomm.costmodel.choose, ``channel``). With
     ``rounding="stochastic"`` every call passes its own ``seed=``.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
                                timeout, op)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size)
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
+                                channel=_able(t, _xp.is_device_array(x)))
         call, chosen = job.call, job.algorithm
         assert chosen is not None and job.nodes is not None
-        if algorithm == AUTO and t.size <= 8 and call.arr.nbytes <= ONESHOT_MAX_BYTES:
-            chosen = _ONE_EXCHANGE
         # the same word on every rank: the agreed signature and the plan's number on this transport
         # (plans are made collectively, so every rank counts them alike)
         t.state.plans += 1
@@ -228,12 +225,17 @@ def plan_allreduce(
         return AllreducePlan(t, call, chosen, job.nodes, job.slice_n, word, _channel(t, call, chosen))
 
 
+def _able(t: Transport, device: bool) -> bool:
+    """Whether this rank could run a plan's calls through the node-shared channel: host arrays on
+    a host shared-memory transport, with the native channel built."""
+    return (t.memory == HOST and not device and bool(t.shared_memory) and native_channel() is not None
+            and native_available())
+
+
 def _channel(t: Transport, call: Call, algorithm: Algorithm) -> bool:
     """Whether the plan's calls go through the node-shared channel (collective: every rank
     alike): host arrays, every rank able to run the native channel, and a channel to be had."""
-    able = (t.memory == HOST and not call.imp.device and t.shared_memory and native_channel() is not None
-            and native_available())
-    if not t.allgather_int64(np.array([int(able)], np.int64))[:, 0].all():
+    if not t.allgather_int64(np.array([int(_able(t, call.imp.device))], np.int64))[:, 0].all():
         return False
     wire = call.wire(t.rank)
     return t.plan_channel(wire.nbytes(call.arr.size) if algorithm.one_exchange else 0) is not None

@@ -45,8 +45,12 @@ class Algorithm:
     messages and codec for ``n`` float32 values (without the per-call overhead; ``inf`` where it
     cannot run). growth(topo): squared relative error in units of one quantization of one
     rank's values. quantizations(topo): how often a value is (re)quantized, at most. steps(p):
-    sequential message steps on ``p`` ranks, each costing alpha + step_overhead (None: they
-    depend on the node layout; perf calibrate fits its overheads on the other rows).
+    sequential message steps on ``p`` ranks, each costing alpha + step_overhead (None: not a
+    chain of such steps -- the hierarchical ones depend on the node layout, oneshot posts its
+    messages at once; perf calibrate fits the per-step overheads on the other rows).
+    channel_time: the prediction when a persistent plan's calls go through the node-shared
+    channel (giftcomm.transport.channel), for rows whose data then moves differently (None: as
+    ``time``).
     """
 
     name: str
@@ -59,6 +63,7 @@ class Algorithm:
     growth: Callable[[Topology], float]
     quantizations: Callable[[Topology], int]
     steps: Callable[[int], int] | None
+    channel_time: Time | None = None
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
@@ -107,18 +112,21 @@ def _doubling_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibratio
     return _doubling_steps(topo.ranks) * per_round
 
 
-def _oneshot_steps(p: int) -> int:
-    return p - 1
-
-
 def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
-    """One exchange: P-1 messages of the whole encoded vector per rank, every rank sending at
-    once (NICs shared), counted as P-1 steps (one core posts and completes them one by one);
-    encode once, decode one message and accumulate P-1; not pipelined (wire + codec)."""
+    """One exchange: every rank posts its P-1 messages of the whole encoded vector at once, so
+    one latency (alpha) and P-1 messages' software cost (step_overhead each); every rank sends
+    at once (NICs shared); encode once, decode one message and accumulate P-1; not pipelined
+    (wire + codec)."""
     p, (link, shared) = topo.ranks, _links(topo, cal)
     wire = (p - 1) * n * bytes_per_value(fmt, block) * shared.beta
     codec = n / cal.encode_rate + n / cal.decode_rate + (p - 1) * n / cal.accumulate_rate
-    return _oneshot_steps(p) * (link.alpha + cal.step_overhead) + wire + codec
+    return link.alpha + (p - 1) * cal.step_overhead + wire + codec
+
+
+def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """Through a plan's node-shared channel: each rank encodes into its own slot, one handshake
+    (a shared-memory latency), then reads every slot in place: the codec work alone."""
+    return cal.shm.alpha + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
 
 
 def _hierarchical_time(inner: str) -> Time:
@@ -167,8 +175,9 @@ TABLE: tuple[Algorithm, ...] = (
               time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
               quantizations=lambda topo: 2, steps=None),
     # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
-    Algorithm("oneshot", 6, auto=False, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
-              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=_oneshot_steps),
+    Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
+              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
+              channel_time=_oneshot_channel_time),
 )
 
 NAMES: tuple[str, ...] = tuple(a.name for a in TABLE)

@@ -108,7 +108,9 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
 class Job:
     """One agreed call: the call record, its options, the algorithm every rank runs (None for
     allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
-    and the chunk bounds (reduce-scatter) or every rank's shard length (allgather)."""
+    and the chunk bounds (reduce-scatter) or every rank's shard length (allgather). channel: the
+    call plans a persistent plan whose calls would go through the node-shared channel (so
+    ``auto`` predicts the one-exchange rows' cost there)."""
 
     call: Call
     opts: CallOptions
@@ -118,6 +120,7 @@ class Job:
     slice_n: int = 0
     bounds: np.ndarray | None = None
     counts: np.ndarray | None = None
+    channel: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,10 @@ class Kind:
 
 
 def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-               local_size: int | None = None) -> Job:
+               local_size: int | None = None, channel: bool = False) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
-    the agreed :class:`Job`, or the same exception on every rank."""
+    the agreed :class:`Job`, or the same exception on every rank. ``channel``: see :class:`Job`
+    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe)."""
     caller = planning.caller()
 
     def prepare() -> tuple[Job, dict[str, int]]:
@@ -150,7 +154,7 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
         call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
-        job = Job(call, opts)
+        job = Job(call, opts, channel=channel)
         return job, kind.prepare(t, job, out, geometry, local_size)
 
     job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
@@ -281,7 +285,7 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
             raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
         call.sig["geometry"] = int(geo.fingerprint())
     job.geometry = geo
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size)
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel)
     call.sig["shared_memory"] = int(t.shared_memory)
     return call.sig
 

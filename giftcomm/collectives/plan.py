@@ -162,16 +162,17 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 
 
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
-                   allowed: tuple[str, ...] = CHOICES) -> np.ndarray:
+                   allowed: tuple[str, ...] = CHOICES, channel: bool = False) -> np.ndarray:
     """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's, or for
-    a restricted ``allowed`` set the first reduce-scatter row when the choice is not in it) in
-    the signature; returns the node layout."""
+    a restricted ``allowed`` set the first reduce-scatter row when the choice is not in it;
+    ``channel``: for a plan whose calls would go through the node-shared channel) in the
+    signature; returns the node layout."""
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
-        chosen = choose(call.arr.size, topo, call.fmt.name, call.block)
+        chosen = choose(call.arr.size, topo, call.fmt.name, call.block, channel=channel)
         chosen = chosen if chosen in allowed else _SCATTER_DEFAULT
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes
