@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .._xp import array_module
+from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .apply import ApplyPlan
 from .layout import Layout, as_layout
 from .sides import HadamardSide, IdentitySide
