@@ -64,6 +64,43 @@ def test_time_rounds_interleaves_the_contenders_and_keeps_them_apart():
     assert b == pytest.approx(float(np.median(durations[:, 1])) / calls)
 
 
+def test_device_timer_reads_cuda_events_or_the_host_clock_to_a_synchronize():
+    """giftcomm.perf.device_bench.event_timer on a stand-in for CuPy's events: milliseconds, the
+    median over reps, warm-up calls untimed, the device synchronized before every repeat."""
+    from giftcomm.perf.device_bench import event_timer
+
+    log: list[str] = []
+    elapsed = iter([3.0, 1.0, 2.0])  # ms between the events of each repeat
+
+    class FakeEvent:
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("event sync")
+
+    class FakeDevice:
+        def synchronize(self):
+            log.append("device sync")
+
+    class Cuda:
+        Event, Device = FakeEvent, FakeDevice
+
+        @staticmethod
+        def get_elapsed_time(a, b):
+            return next(elapsed)
+
+    class Cp:
+        cuda = Cuda
+
+    assert event_timer(Cp, 2, 3)(lambda: log.append("call")) == pytest.approx(2.0)
+    assert log[:2] == ["call", "call"]
+    assert log[2:] == ["device sync", "record", "call", "record", "event sync"] * 3
+    log.clear()
+    wall = event_timer(Cp, 0, 2, wall=True)(lambda: log.append("call"))
+    assert log == ["device sync", "record", "call", "record", "device sync"] * 2 and 0 <= wall < 1e3
+
+
 def test_the_real_clock_measures_elapsed_time():
     import time
 
