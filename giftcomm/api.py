@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .collectives import direct, doubling, hierarchical, oneshot, ring, shared
+from .collectives import layout as shard_layout
 from .collectives import plan as planning
 from .collectives.agree import agree, confirm
 from .collectives.plan import ALGORITHMS, FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
@@ -259,13 +260,19 @@ def reduce_scatter(
     rounding: str = "nearest",
     seed: int | None = None,
     timeout: float | None = None,
+    layout: str = "blocks",
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
-    The shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P, block)`` of the flattened
-    buffer: whole blocks, dealt out evenly. It is the owner's high-precision sum, not re-quantized,
-    so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
-    float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
+    layout "blocks" (default): the shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P,
+    block)`` of the flattened buffer: whole blocks, dealt out evenly; then
+    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
+    float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
+    be a multiple of P (ValueError on every rank otherwise) and the shard is elements
+    ``[rank*n/P, (rank+1)*n/P)``; each shard's scale blocks count from the shard's start
+    (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not
+    re-quantized, bit-identical to ``giftcomm.reference.simulate_reduce_scatter`` with the same
+    layout. algorithm: "ring", "direct" or "auto".
     """
     t = resolve(comm, device=is_device_array(x))
     with held(t, timeout):
@@ -275,18 +282,19 @@ def reduce_scatter(
             call = planning.validate(x, "x", fmt, block, op, slice_elems, rounding=rounding, seed=seed)
             call.sig["caller"] = caller
             planning.check_transport(t, call)
-            bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
+            bounds = shard_layout.plan_layout(call, t.size, layout)
             planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
             planning.plan_algorithm(t, call, algorithm, None, ("auto", "ring", "direct"))
             return (call, bounds), call.sig
 
-        (call, bounds), table = agree(t, "giftcomm.reduce_scatter", prepare, FIELDS, MATCH)
+        (call, bounds), table = agree(t, "giftcomm.reduce_scatter", prepare, shard_layout.SCATTER_FIELDS,
+                                      shard_layout.SCATTER_MATCH)
         flat = planning.flat_values(call)
         acc_t = accumulation_dtype(flat.dtype)
         shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
         if flat.size == 0:
             return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
-        rs = direct.reduce_scatter if planning.chosen_algorithm(table) == "direct" else ring.reduce_scatter
+        rs = direct.reduce_scatter if shard_layout.chosen_algorithm(table) == "direct" else ring.reduce_scatter
         total, _ = rs(t, flat, bounds, call.wire(t.rank), acc_t, slice_elems or planning.auto_slice(t, flat.size))
         return planning.finish(total, call, t.size, shard_shape, out)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..costmodel import Topology, choose
 from ..formats import Format, check_rounding, get_format, resolve_block
-from ..partition import accumulation_dtype, chunk_bounds
+from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
 from .codec import decode, encode
 from .rounding import call_key
 
@@ -67,16 +67,17 @@ def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dty
 
 
 def _chunk_sums(flat: list[np.ndarray], w: _Wire, direct: bool = False, parties: Sequence[int] | None = None,
-                base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+                base: int = 0, layout: str = "blocks") -> tuple[list[np.ndarray], np.ndarray]:
     """The owner's high-precision sum of each chunk after the ring (or ``direct``) reduce-scatter,
     and the chunk bounds. Ring: chunk c starts at rank c+1 and travels right, re-encoded at every
     hop; rank c adds last. Direct: the contributions in rank order, each other rank's quantized
     once, the owner's own exact. ``parties``: the ranks of the members (default 0..P-1);
-    ``base``: the index of flat[q][0] in the buffer."""
+    ``base``: the index of flat[q][0] in the buffer; ``layout``: the chunks' layout
+    (giftcomm.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
     p = len(flat)
     parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
-    bounds = chunk_bounds(flat[0].size, p, w.block)
+    bounds = shard_bounds(flat[0].size, p, w.block, layout)
     sums = []
     with np.errstate(invalid="ignore", over="ignore"):
         for c in range(p):
@@ -186,17 +187,18 @@ def _oneshot_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
 
 def simulate_reduce_scatter(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum", algorithm: str = "ring",
-    *, rounding: str = "nearest", seed: int | None = None,
+    *, rounding: str = "nearest", seed: int | None = None, layout: str = "blocks",
 ) -> list[np.ndarray]:
     """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
-    algorithm: "ring" or "direct" (the reduce-scatter halves of those allreduces).
+    algorithm: "ring" or "direct" (the reduce-scatter halves of those allreduces). layout:
+    "blocks" or "equal", as for giftcomm.reduce_scatter.
     """
     w = _Wire.of(fmt, block, rounding, seed)
     if algorithm not in ("ring", "direct"):
         raise ValueError(f"reduce_scatter algorithm must be 'ring' or 'direct', got {algorithm!r}")
     flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = _chunk_sums(flat, w, algorithm == "direct")
+    sums, _ = _chunk_sums(flat, w, algorithm == "direct", layout=layout)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
