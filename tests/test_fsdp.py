@@ -223,3 +223,37 @@ def test_bad_input_raises_on_every_rank_before_data_moves(fsdp_results):
     assert "SUM, AVG or PREMUL_SUM" in e["op"]
     assert "must hold" in e["divide"]
     assert "RuntimeError" in e["no-fsdp"] and "fully_shard" in e["no-fsdp"]
+
+
+# ------------------------------------------------------------------------------------ HSDP
+def _hsdp_worker(rank, world):
+    """A (replicate 2, shard 2) mesh: giftcomm reduce-scatters within each shard group; FSDP's own
+    all-reduce across the replicas follows."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from giftcomm.adapters.torch import register_reduce_scatter
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = {}
+    for case in ("own", "fp32", "e4m3"):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        model = _model()
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if case != "own":
+            register_reduce_scatter(model, fmt=case)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        out[case] = {n: p.grad.to_local().detach().numpy().copy() for n, p in model.named_parameters()}
+    return out
+
+
+def test_hsdp_two_dimensional_mesh(tmp_path):
+    for r in _spawn(_hsdp_worker, 4, tmp_path):
+        for name, p in r["own"].items():
+            assert _rel(r["fp32"][name], p) < 1e-6, name
+            assert 0 < _rel(r["e4m3"][name], p) < 0.08, name

@@ -62,15 +62,13 @@ _SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed 
 
 def _require_fsdp2() -> Any:
     """``torch.distributed.fsdp.FSDPModule`` with ``set_custom_reduce_scatter``, or RuntimeError."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        FSDPModule = None  # noqa: N806
-    if FSDPModule is None or not hasattr(FSDPModule, "set_custom_reduce_scatter") \
-            or _ReduceScatterProtocol is object:
+    import torch.distributed.fsdp as fsdp
+
+    found = getattr(fsdp, "FSDPModule", None)
+    if found is None or not hasattr(found, "set_custom_reduce_scatter") or _ReduceScatterProtocol is object:
         raise RuntimeError(f"giftcomm's FSDP2 comm needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter and "
                            f"the ReduceScatter protocol); this is torch {torch.__version__}")
-    return FSDPModule
+    return found
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -197,7 +195,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         geo = self._geometry_for(call, input_tensor, group, size)
         opts = self.options
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
-        kw = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
+        kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
                   slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed, timeout=opts.timeout,
                   layout="equal")
         with _on_current_stream(input_tensor):
@@ -212,7 +210,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         if async_op:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result([output_tensor])
-            return torch._C._distributed_c10d._create_work_from_future(fut)
+            return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
 
     # ------------------------------------------------------------------ internals
@@ -353,9 +351,11 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
         model.register_forward_pre_hook(step_capture)
         options["capture"] = capture
     names = {id(p): n for n, p in model.named_parameters()}
-    comms = []
+    comms: list[GiftReduceScatter] = []
+    host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
+    device: dict[Any, Transport] = {}
     for i, module in enumerate(modules):
-        state = module._get_fsdp_state()  # the public setter checks this too, but after building
+        state = module._get_fsdp_state()  # type: ignore[operator]  # the public setter checks too, but later
         groups = list(state._fsdp_param_groups)
         if not groups:  # an FSDP module whose parameters all belong to nested ones
             continue
@@ -364,11 +364,12 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
                              "parameter groups (per-parameter meshes); one comm cannot serve several")
         group = groups[0]
         comm = GiftReduceScatter(index=i, **options)
+        comm._host, comm._device = host, device
         fsdp_params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         shapes = [tuple(fp._orig_size) for fp in fsdp_params]
         dims = [int(fp.fsdp_placement.dim) for fp in fsdp_params]
         pnames = [names.get(id(fp.sharded_param), f"module{i}.param{j}") for j, fp in enumerate(fsdp_params)]
         comm.bind(pnames, shapes, dims, int(group.mesh_info.shard_mesh_size))
-        module.set_custom_reduce_scatter(comm)
+        module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
         comms.append(comm)
     return comms
