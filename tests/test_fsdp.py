@@ -87,7 +87,7 @@ def _train(rank, world, steps, gift=None, reduce_dtype=None, factor=None, record
         opt.zero_grad()
         losses.append(float(loss))
     out = {"grads": grads, "losses": losses, "gift_calls": [c.gift_calls for c in comms],
-           "calls": [r.calls for r in recorders]}
+           "calls": [r.calls for r in recorders], "geometries": [c.geometry for c in comms]}
     return out
 
 
@@ -112,7 +112,7 @@ def _worker(rank, world):
     res["warmup"] = _train(rank, world, 2, gift=dict(fmt="e4m3", warmup=1))
     # GIFT: KFAC captured on the first forward, geometry built at the first reduce-scatter
     res["gift"] = _train(rank, world, 3, gift=dict(fmt="e4m3", geometry="kfac", capture="model", capture_every=1),
-                         grads_at=2)
+                         grads_at=2, record=True)
     res["own3"] = _train(rank, world, 3, grads_at=2)
     res["errors"] = _bad_inputs(rank, world)
     return res
@@ -211,6 +211,26 @@ def test_gift_kfac_geometry_trains_close_to_fsdp2_own(fsdp_results):
             assert abs(a - b) < 0.05 * abs(b)
         for name, p in r["own3"]["grads"].items():
             assert _rel(r["gift"]["grads"][name], p) < 0.2, name
+
+
+def test_gift_shards_are_the_inverse_of_the_reduced_forward_rows(fsdp_results):
+    """Each GIFT call: shard r == geometry.shard(r).inverse(simulated equal-layout reduce-scatter of
+    every rank's forward_rows) (to float32 rounding: the BLAS of this process may sum in another order)."""
+    world = len(fsdp_results)
+    geos = fsdp_results[0]["gift"]["geometries"]
+    assert any(g is not None for g in geos)
+    for k, geo in enumerate(geos):
+        for j in range(len(fsdp_results[0]["gift"]["calls"][k])):
+            xs = [r["gift"]["calls"][k][j][0] for r in fsdp_results]
+            if geo is None:
+                want = simulate_reduce_scatter(xs, "e4m3", None, "avg", layout="equal")
+            else:
+                rows = [geo.forward_rows(x.reshape(world, -1)).reshape(-1) for x in xs]
+                sums = simulate_reduce_scatter(rows, "e4m3", None, "avg", layout="equal")
+                want = [geo.shard(r).inverse(sums[r]) for r in range(world)]
+            for r in range(world):
+                got = fsdp_results[r]["gift"]["calls"][k][j][1]
+                np.testing.assert_allclose(got, want[r], rtol=1e-4, atol=1e-6 * np.abs(want[r]).max())
 
 
 def test_bad_input_raises_on_every_rank_before_data_moves(fsdp_results):
