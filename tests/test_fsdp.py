@@ -108,6 +108,8 @@ def _worker(rank, world):
         res[name] = _train(rank, world, 1, gift=gift, record=True)
     res["own-bf16"] = _train(rank, world, 1, reduce_dtype=torch.bfloat16)
     res["bf16"] = _train(rank, world, 1, gift=dict(fmt="e4m3"), reduce_dtype=torch.bfloat16, record=True)
+    res["own-fp16"] = _train(rank, world, 1, reduce_dtype=torch.float16)
+    res["fp16"] = _train(rank, world, 1, gift=dict(fmt="e4m3"), reduce_dtype=torch.float16, record=True)
     res["premul"] = _train(rank, world, 1, gift=dict(fmt="fp32"), factor=7.0, record=True)
     res["warmup"] = _train(rank, world, 2, gift=dict(fmt="e4m3", warmup=1))
     # GIFT: KFAC captured on the first forward, geometry built at the first reduce-scatter
@@ -151,9 +153,9 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _check_calls(results, fmt, algorithm="ring", rounding="nearest", seed=None, bf16=False):
+def _check_calls(results, fmt, algorithm="ring", rounding="nearest", seed=None, dtype=None):
     """Every recorded call's shards equal the simulation of the same layout from all ranks' inputs
-    (``bf16``: the reduce dtype, so the simulated float32 shard is rounded to it)."""
+    (``dtype``: the reduce dtype, to which the simulated float32 shard is rounded)."""
     world = len(results)
     for k in range(len(results[0]["calls"])):
         for j in range(len(results[0]["calls"][k])):
@@ -162,8 +164,8 @@ def _check_calls(results, fmt, algorithm="ring", rounding="nearest", seed=None, 
             how = "avg" if "AVG" in op else "sum"
             s = None if seed is None else ((seed + j) * (1 << 16) + k) % (1 << 64)
             want = simulate_reduce_scatter(xs, fmt, None, how, algorithm, rounding=rounding, seed=s, layout="equal")
-            if bf16:
-                want = [torch.from_numpy(w).to(torch.bfloat16).float().numpy() for w in want]
+            if dtype is not None:
+                want = [torch.from_numpy(w).to(dtype).float().numpy() for w in want]
             for r in range(world):
                 got = results[r]["calls"][k][j][1]
                 assert got.tobytes() == want[r].tobytes(), (fmt, k, j, r)
@@ -183,6 +185,7 @@ def test_fsdp2_with_giftcomm_against_fsdp2_own_reduce_scatter(fsdp_results):
             assert _rel(r["e4m3-direct-stochastic"]["grads"][name], p) < 0.1, name
             assert _rel(r["nvfp4"]["grads"][name], p) < 0.3, name
             assert _rel(r["bf16"]["grads"][name], r["own-bf16"]["grads"][name]) < 0.08, name
+            assert _rel(r["fp16"]["grads"][name], r["own-fp16"]["grads"][name]) < 0.08, name
         for case in ("fp32", "e4m3", "nvfp4", "warmup"):
             assert abs(r[case]["losses"][0] - r["own"]["losses"][0]) < 1e-6  # the same first forward
         assert abs(r["warmup"]["losses"][1] - r["own3"]["losses"][1]) < 1e-3  # a warm-up step ran FSDP's own
@@ -193,7 +196,9 @@ def test_every_shard_equals_the_simulation_of_the_equal_layout(fsdp_results):
         _check_calls([{"calls": r[case]["calls"]} for r in fsdp_results], case)
     _check_calls([{"calls": r["e4m3-direct-stochastic"]["calls"]} for r in fsdp_results], "e4m3", "direct",
                  "stochastic", 3)
-    _check_calls([{"calls": r["bf16"]["calls"]} for r in fsdp_results], "e4m3", bf16=True)
+    _check_calls([{"calls": r["bf16"]["calls"]} for r in fsdp_results], "e4m3", dtype=torch.bfloat16)
+    _check_calls([{"calls": r["fp16"]["calls"]} for r in fsdp_results], "e4m3", dtype=torch.float16)
+    assert all("SUM" in c[2] for r in fsdp_results for calls in r["fp16"]["calls"] for c in calls)  # FSDP divides
 
 
 def test_premul_sum_from_set_gradient_divide_factor(fsdp_results):
