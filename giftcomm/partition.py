@@ -59,8 +59,15 @@ def shard_bounds(n: int, nranks: int, block: int, layout: str = "blocks") -> np.
     if layout == "blocks":
         return shared_chunk_bounds(n, nranks, block)
     if layout == "equal":
-        return equal_bounds(n, nranks)
+        return _shared_equal_bounds(n, nranks)
     raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_equal_bounds(n: int, nranks: int) -> np.ndarray:
+    bounds = equal_bounds(n, nranks)
+    bounds.flags.writeable = False
+    return bounds
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..partition import LAYOUTS, shard_bounds
-from .plan import ALGORITHMS, MATCH, Call
+from .algorithms import BY_CODE, Algorithm
+from .plan import MATCH, Call
 
-__all__ = ["SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm"]
+__all__ = ["LAYOUTS", "SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm", "unknown_layout"]
 
 SCATTER_MATCH = (*MATCH, "layout")
 SCATTER_FIELDS = (*SCATTER_MATCH, "chosen")
@@ -19,13 +20,17 @@ SCATTER_FIELDS = (*SCATTER_MATCH, "chosen")
 
 
 def plan_layout(call: Call, nranks: int, layout: str) -> np.ndarray:
-    """The shard offsets (int64, ``nranks + 1``) of ``layout`` for this call, recorded in its
-    signature; ValueError for an unknown layout or an "equal" one that does not divide."""
+    """The shard offsets (int64, ``nranks + 1``; shared, read-only) of ``layout`` for this call,
+    recorded in its signature; ValueError for an "equal" layout that does not divide."""
     bounds = shard_bounds(int(call.arr.size), nranks, call.block, layout)
     call.sig["layout"] = LAYOUTS.index(layout)
     return bounds
 
 
-def chosen_algorithm(table: np.ndarray) -> str:
+def chosen_algorithm(table: np.ndarray) -> Algorithm:
     """The algorithm rank 0 chose, from a reduce-scatter's agreed table."""
-    return ALGORITHMS[int(table[0, SCATTER_FIELDS.index("chosen")])]
+    return BY_CODE[int(table[0, SCATTER_FIELDS.index("chosen")])]
+
+
+def unknown_layout(layout: object) -> ValueError:
+    return ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
