@@ -14,8 +14,8 @@ from .plan import MATCH, Call
 
 __all__ = ["LAYOUTS", "SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm", "unknown_layout"]
 
-SCATTER_MATCH = (*MATCH, "layout")
-SCATTER_FIELDS = (*SCATTER_MATCH, "chosen")
+SCATTER_MATCH: tuple[str, ...] = (*MATCH, "layout")
+SCATTER_FIELDS: tuple[str, ...] = (*SCATTER_MATCH, "chosen")
 """reduce_scatter's agreed signature: every field must match but "chosen" (rank 0's wins)."""
 
 
