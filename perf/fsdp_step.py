@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 4 perf/fsdp_step.py [--width 2048] [--layers 4] [--steps 10] [--rounds 3]
     # across hosts: torchrun --nnodes 4 --nproc_per_node 1 --rdzv_endpoint HOST:PORT perf/fsdp_step.py
+    # under mpiexec (e.g. the netbed, docs/netbed.md): ranks from MPI, rendezvous through a shared file
+    perf/netbed run --hosts 4 --rate 1gbit -- python perf/fsdp_step.py --rendezvous /tmp/fsdp-step.rdzv
 
 A stack of ``--layers`` bias-free nn.Linear(width, width) blocks (tanh between; width 2048 and 4
 layers: 16.8M parameters, 64 MiB of float32 gradients), each a ``fully_shard`` unit, on CPU with
@@ -85,9 +87,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--rendezvous", default=None,
+                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
     args = ap.parse_args()
     cuda = args.cuda
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if args.rendezvous:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.rank == 0 and os.path.exists(args.rendezvous):
+            os.remove(args.rendezvous)  # a stale store from an earlier run
+        comm.Barrier()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{os.path.abspath(args.rendezvous)}",
+                                rank=comm.rank, world_size=comm.size)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
