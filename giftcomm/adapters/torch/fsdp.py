@@ -196,8 +196,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         opts = self.options
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
         kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
-                  slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed, timeout=opts.timeout,
-                  layout="equal")
+                                  slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
+                                  timeout=opts.timeout, layout="equal")
         with _on_current_stream(input_tensor):
             if geo is None:
                 api.reduce_scatter(input_tensor, op=how, out=output_tensor, **kw)
@@ -248,8 +248,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         if self.geometry_mode is None:
             return None
-        if self.geometry_mode == "kfac" and (self.geometry is None or (call - self.warmup) % self.refresh_every == 0):
-            self.geometry = self._build_kfac(group, size)
+        if self.geometry_mode == "kfac" and (call - self.warmup) % self.refresh_every == 0:
+            self.geometry = self._build_kfac(group, size)  # on the same calls of every rank: collective
         geo = self.geometry
         if geo is None:
             return None
