@@ -14,22 +14,25 @@ interleaved round by round so that load drift hits all three alike:
 - ``fsdp bf16``: FSDP2's own reduce-scatter, ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``;
 - ``giftcomm e4m3``: ``register_reduce_scatter(model, fmt="e4m3")``, reduce dtype float32.
 
-Every reduce-scatter call is timed (wall clock around the comm, which FSDP2 calls synchronously
-on CPU; on CUDA the timer synchronises the stream first and after). Rank 0 prints, per
-configuration, the median over rounds of the mean step time and of the reduce-scatter time per
-step, the reduce-scatter's share of the step, and the ratios against FSDP's fp32 and bf16. The
-bytes per value on the wire: fp32 4, bf16 2, e4m3 1.0156 (docs/wire-format.md). Numbers from a
-loaded machine are not results: run it on a quiet one or the netbed (docs/netbed.md).
+Steps are timed with giftcomm.perf.timing.time_rounds (the configurations in turns, ``--steps``
+back-to-back steps a round after a barrier, one warm-up step each); every reduce-scatter call is
+timed too (wall clock around the comm, which FSDP2 calls synchronously on CPU; on CUDA the timer
+synchronises the stream first and after). Rank 0 prints, per configuration, the median over
+rounds of the step time and the median reduce-scatter time per step, the reduce-scatter's share
+of the step, and the ratios against FSDP's fp32 and bf16. Bytes per value on the wire: fp32 4,
+bf16 2, e4m3 1.0156 (docs/wire-format.md). Numbers from a loaded machine are not results: run
+it on a quiet one or the netbed (docs/netbed.md).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+
+from giftcomm.perf.timing import time_rounds, wall_clock
 
 
 class _Timed:
@@ -43,16 +46,17 @@ class _Timed:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        def run() -> None:
+            if self.inner is None:
+                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            else:
+                self.inner(output_tensor, input_tensor, group, op)
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+
         if self.cuda:
             torch.cuda.current_stream().synchronize()
-        t0 = time.perf_counter()
-        if self.inner is None:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-        else:
-            self.inner(output_tensor, input_tensor, group, op)
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
-        self.seconds += time.perf_counter() - t0
+        self.seconds += wall_clock(run)[0]
 
 
 def _build(args, name: str, device: torch.device):
@@ -109,35 +113,34 @@ def main() -> None:
     names = ["fsdp fp32", "fsdp bf16", "giftcomm e4m3"]
     built = {n: _build(args, n, device) for n in names}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)).to(device)
-    step_ms: dict[str, list[float]] = {n: [] for n in names}
     rs_ms: dict[str, list[float]] = {n: [] for n in names}
-    for rnd in range(args.rounds + 1):  # round 0 warms up (allocations, private groups, caches)
-        for n in names if rnd % 2 else names[::-1]:
-            model, opt, timers = built[n]
+
+    def step_of(name: str):
+        model, opt, timers = built[name]
+
+        def step() -> None:
             for t in timers:
                 t.seconds = 0.0
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
             if cuda:
                 torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            if rnd:
-                step_ms[n].append(1e3 * elapsed / args.steps)
-                rs_ms[n].append(1e3 * sum(t.seconds for t in timers) / args.steps)
+            rs_ms[name].append(1e3 * sum(t.seconds for t in timers))
+        return step
+
+    seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
+    step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
     if rank == 0:
         params = sum(p.numel() for p in built[names[0]][0].parameters())
         print(f"FSDP2 step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients), "
               f"{'CUDA/NCCL' if cuda else 'CPU/gloo'}; medians over {args.rounds} rounds of {args.steps} steps")
-        base = {k: statistics.median(rs_ms[k]) for k in names}
+        base = {k: statistics.median(rs_ms[k][1:]) for k in names}  # [0]: the warm-up step
         print(f"{'config':<15} {'step ms':>9} {'RS ms/step':>11} {'RS share':>9} {'RS vs fp32':>11} {'RS vs bf16':>11} "
               f"{'step vs fp32':>13}")
-        step_fp32 = statistics.median(step_ms["fsdp fp32"])
+        step_fp32 = step_ms["fsdp fp32"]
         for n in names:
-            s, r = statistics.median(step_ms[n]), base[n]
+            s, r = step_ms[n], base[n]
             print(f"{n:<15} {s:>9.1f} {r:>11.1f} {r / s:>8.0%} {base['fsdp fp32'] / r:>10.2f}x "
                   f"{base['fsdp bf16'] / r:>10.2f}x {step_fp32 / s:>12.2f}x")
     dist.destroy_process_group()
