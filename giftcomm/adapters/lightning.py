@@ -31,7 +31,7 @@ from .torch.ddp import GiftState
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
+    from pytorch_lightning import Callback  # type: ignore[no-redef,assignment]
 
 __all__ = ["GiftCommCallback"]
 
