@@ -3,8 +3,9 @@ object, and per-step stochastic-rounding seeds (no framework imported).
 
 Every adapter entry point (``GiftState``, ``GradSync``, ``allreduce_tree``, ``TreeSync``) takes
 the core call's options as keywords (fmt, block=None meaning the format's own, rounding, seed,
-algorithm, slice_elems, timeout) and builds them with :func:`adapter_options`, so a bad option
-raises when the object is built, with the owner's name in the message, on every rank that built it.
+algorithm, slice_elems, timeout) and builds them with ``CallOptions.of(owner, ...)``, so a bad
+option raises when the object is built, with the owner's name in the message, on every rank that
+built it.
 
 A training loop reduces many buffers (buckets, pytrees) per step, step after step; each call with
 ``rounding="stochastic"`` needs its own seed, the same on every rank, so that the rounding noise of
@@ -21,20 +22,9 @@ from typing import Any
 
 from ..options import CallOptions
 
-__all__ = ["adapter_options", "call_kwargs", "step_seed"]
+__all__ = ["call_kwargs", "step_seed"]
 
 _MASK = (1 << 64) - 1
-
-
-def adapter_options(owner: str, **kwargs: Any) -> CallOptions:
-    """``CallOptions.of(owner, **kwargs)``, with the algorithm name also checked against the
-    collectives' names (ValueError/TypeError prefixed with ``owner``)."""
-    from ..collectives.plan import ALGORITHMS
-
-    opts = CallOptions.of(owner, **kwargs)
-    if opts.algorithm not in ALGORITHMS:
-        raise ValueError(f"{owner}: algorithm must be one of {', '.join(ALGORITHMS)}; got {opts.algorithm!r}")
-    return opts
 
 
 def _mix(z: int) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from .. import api
 from ..geometry import GradientFactorEstimator, Layout, SelectivePolicy
 from ..options import DEFAULT_DAMPING, CallOptions
-from .calls import adapter_options, call_kwargs
+from .calls import call_kwargs
 
 __all__ = ["TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
            "on_gpu"]
@@ -124,7 +124,7 @@ def allreduce_tree(tree, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3"
     ``tree_spec(tree).layout``. device: pack with ``jnp`` and hand giftcomm the jax array (None:
     when a leaf is on a GPU; then ``comm`` None or an mpi4py communicator means NCCL, or pass a
     device Transport). Bit-identical on every rank. Not for use inside ``jax.jit``."""
-    opts = adapter_options("allreduce_tree", op=op, fmt=fmt, block=block, rounding=rounding, seed=seed,
+    opts = CallOptions.of("allreduce_tree", op=op, fmt=fmt, block=block, rounding=rounding, seed=seed,
                            algorithm=algorithm, slice_elems=slice_elems, timeout=timeout)
     flat, spec = _flatten(tree, device)
     out = api.gift_allreduce(flat, geometry, comm=comm, **opts.as_kwargs())
@@ -150,7 +150,7 @@ class TreeSync:
                  slice_elems: int | None = None, timeout: float | None = None,
                  estimate_every: int = 1, refresh_every: int = 50, policy: SelectivePolicy | None = None,
                  damping: float = DEFAULT_DAMPING, decay: float = 0.95, device: bool | None = None) -> None:
-        self.options: CallOptions = adapter_options("TreeSync", op=op, fmt=fmt, block=block, rounding=rounding,
+        self.options: CallOptions = CallOptions.of("TreeSync", op=op, fmt=fmt, block=block, rounding=rounding,
                                                     seed=seed, algorithm=algorithm, slice_elems=slice_elems,
                                                     timeout=timeout)
         for name, value in (("estimate_every", estimate_every), ("refresh_every", refresh_every)):

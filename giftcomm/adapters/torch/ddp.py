@@ -57,7 +57,7 @@ from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
-from ..calls import adapter_options, call_kwargs
+from ..calls import call_kwargs
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
 
@@ -228,7 +228,7 @@ class GiftState:
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
-        self.options: CallOptions = adapter_options("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
+        self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
                                                     algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
                                                     op="avg")
         if geometry not in _GEOMETRIES:

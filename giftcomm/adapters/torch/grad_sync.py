@@ -27,7 +27,7 @@ import numpy as np
 
 from ... import api
 from ...options import CallOptions
-from ..calls import adapter_options, call_kwargs
+from ..calls import call_kwargs
 from .buckets import GradBucket, make_buckets
 
 __all__ = ["GradSync", "SyncTimes"]
@@ -99,7 +99,7 @@ class GradSync:
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
                  slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
                  timeout: float | None = None) -> None:
-        self.options: CallOptions = adapter_options("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
+        self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
                                                     timeout=timeout)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
