@@ -815,3 +815,59 @@ def test_a_deadline_during_set_up_leaves_no_rank_in_a_blocking_mpi_call(tmp_path
     r = run_mpi(tmp_path, 2, LATE, deadline=30, GIFTCOMM_TIMEOUT="1", GIFTCOMM_ON_TIMEOUT="raise", STEP=step)
     got = results(r.stdout, "late")
     assert sorted(got) == [0, 1] and all(v.startswith("CommTimeout") for v in got.values()), r.stdout[-3000:]
+
+
+TORCHRUN_NO_GROUP = """
+import numpy as np
+import torch  # noqa: F401  (torch.distributed imported, no process group)
+import giftcomm as gc
+rank = int(os.environ["RANK"])
+try:
+    gc.allreduce(np.ones(64, np.float32))
+    out = "returned"
+except Exception as exc:
+    out = f"{type(exc).__name__}: {exc}"
+print(f"RESULT nogroup rank={rank} {out}", flush=True)
+"""
+
+
+def test_torchrun_without_a_process_group_raises_naming_init_process_group(tmp_path):
+    """Under torchrun (WORLD_SIZE=2) without init_process_group, comm=None raises on every rank a
+    RuntimeError naming init_process_group instead of reducing over this rank alone."""
+    pytest.importorskip("torch")
+    script = tmp_path / "nogroup.py"
+    script.write_text("import os\n" + textwrap.dedent(TORCHRUN_NO_GROUP))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(script)]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(_env(), OMP_NUM_THREADS="1"))
+    msg = assert_same_everywhere(got.stdout, "nogroup", 2, "RuntimeError")
+    assert "init_process_group" in msg and "WORLD_SIZE=2" in msg, msg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_mpiexec
+def test_a_perf_tool_failing_on_one_rank_ends_every_rank_with_the_error(tmp_path):
+    """``python -m giftcomm.perf calibrate`` whose rank 0 cannot write the file (its directory is a
+    regular file): the job ends at once, with the error and a non-zero exit, instead of rank 0
+    waiting in MPI_Finalize and rank 1 in a barrier for ever."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "giftcomm.perf", "calibrate", "--out", str(blocker / "cal.json"),
+           "--small", "8,64", "--large", "256K,512K", "--reps", "5", "--budget", "0.01", "--no-codec",
+           "--overlap-bytes", "0"]
+    t0 = time.monotonic()
+    try:
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=_env(), start_new_session=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hang: perf calibrate with an unwritable output still running after 60 s")
+    assert got.returncode != 0, got.stdout[-2000:] + got.stderr[-2000:]
+    assert "rank 0 of 2 failed" in got.stderr, got.stderr[-3000:]
+    assert "NotADirectoryError" in got.stderr or "FileExistsError" in got.stderr, got.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
