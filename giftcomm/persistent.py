@@ -32,7 +32,7 @@ from .api import agree_allreduce, held, run_allreduce
 from .codec import native_available
 from .collectives import oneshot
 from .collectives import plan as planning
-from .collectives.agree import DTYPE_CODES, error_code, raise_failures
+from .collectives.agree import error_code, raise_failures
 from .collectives.plan import Call
 from .errors import CommAborted, CommClosed, CommError
 from .formats import Format, check_key
@@ -81,11 +81,8 @@ class AllreducePlan:
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = _xp.import_array(x)
+        imp = planning._import(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
-        if imp.logical not in DTYPE_CODES:  # as the plain call: an unsupported dtype is a TypeError
-            raise TypeError(f"this plan takes {self.dtype} arrays; got dtype {imp.logical} "
-                            f"(giftcomm reduces float32, float64, float16 and bfloat16)")
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
                              f"({'device' if tpl.imp.device else 'host'}); got {imp.logical} {tuple(imp.array.shape)}")
