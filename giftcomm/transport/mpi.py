@@ -17,8 +17,10 @@ marks the transport unusable; when such an exception ends the program, the job i
 
 Lifetime: the transport of a user communicator (:func:`transport_for`) is kept in an MPI
 attribute of that communicator; freeing the communicator (``comm.Free()``) runs the attribute's
-delete callback, which frees the private duplicate, its splits and the shared window.
-:func:`release` does the same explicitly (collective).
+delete callback, which closes everything the transport owns (its TransportState: the plan
+channel, the shared window, the splits) and frees the private duplicate. :func:`release` does the
+same explicitly (collective; after the call in flight on another thread). Afterwards the
+transport and its plans raise :class:`~giftcomm.errors.CommClosed`.
 """
 from __future__ import annotations
 
