@@ -841,18 +841,21 @@ if step == "dup":  # rank 1 comes after rank 0's deadline passed while creating 
     if rank == 1:
         time.sleep(2.5)
     report("late", lambda: gc.allreduce(x, comm=comm))
-else:  # the transport exists; rank 1 comes late to the first plan (the channel's window)
+else:  # the transport exists; rank 1 comes late to the first plan (the channel's window) or split
     gc.allreduce(x, comm=comm)
     if rank == 1:
         time.sleep(2.5)
-    report("late", lambda: gc.plan_allreduce(x, comm=comm))
+    if step == "plan":
+        report("late", lambda: gc.plan_allreduce(x, comm=comm))
+    else:
+        report("late", lambda: gc.allreduce(x, comm=comm, algorithm="hierarchical", local_size=1))
 comm.Barrier()
 os._exit(0)
 """
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("step", ["dup", "plan"])
+@pytest.mark.parametrize("step", ["dup", "plan", "split"])
 def test_a_deadline_during_set_up_leaves_no_rank_in_a_blocking_mpi_call(tmp_path, step):
     """A 1 s deadline that passes on rank 0 while it waits for a late rank 1 at a set-up step: both
     ranks raise CommTimeout (rank 1 at its own next wait), none stays in MPI_Comm_dup / a split /
