@@ -48,8 +48,10 @@ log = logging.getLogger("giftcomm")
 class GeometryLike(Protocol):
     """What gift_allreduce needs of a geometry (see giftcomm.geometry.Geometry)."""
 
-    size: int
-    is_identity: bool
+    @property
+    def size(self) -> int: ...  # read-only: Geometry's are properties
+    @property
+    def is_identity(self) -> bool: ...
 
     def forward(self, flat: Any) -> Any: ...
     def inverse(self, flat: Any) -> Any: ...
