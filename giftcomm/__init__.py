@@ -20,5 +20,5 @@ except _NotInstalled:  # a source tree on sys.path that pip has not installed
     __version__ = "0+unknown"
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "AllreducePlan", "release", "CommTimeout",
-           "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup", "Transport",
-           "__version__"]
+           "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
+           "Transport", "__version__"]
