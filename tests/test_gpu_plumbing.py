@@ -26,10 +26,10 @@ import pytest
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
-from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, message_nbytes
 from giftcomm.reference import codec as ref
+from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("e4m3", "e5m2")

@@ -9,13 +9,15 @@ import pytest
 from conftest import outcomes, same
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import CHOICES
 from giftcomm.reference import simulate_allreduce
+from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 @pytest.mark.parametrize("n", [0, 7, 300, 40000])
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct", "oneshot"])
+@pytest.mark.parametrize("algorithm", CHOICES)
 @pytest.mark.parametrize("group", [gc.LoopbackGroup, DeviceLoopbackGroup])
 def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
     dtype = (np.float32, np.float64, np.float16)[int(rng.integers(3))]
@@ -31,8 +33,8 @@ def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
 
     res = group(p).run(body)
     ran = res[0][0]
-    if algorithm == "auto" and n * np.dtype(dtype).itemsize <= gc.persistent.ONESHOT_MAX_BYTES:
-        assert ran == "oneshot"
+    if algorithm == "auto":  # no node-shared channel here: the plain call's choice
+        assert ran == resolve_algorithm("auto", n, p, None, "e4m3", 32)
     for k, xs in enumerate(rounds):
         want = simulate_allreduce(xs, "e4m3", 32, op, ran)
         assert all(same(r[1][k], w) for r, w in zip(res, want)), (ran, k)
@@ -151,8 +153,7 @@ def test_channel_slow_paths_equal_the_simulation(rng):
     assert same(bf(halves[r]), simulate_allreduce(halves, "e4m3", None, "avg", "oneshot")[r])
     small = gc.plan_allreduce(xs[r], comm=comm)
     big_in = _shared_inputs(comm, rng, 32768, np.float16)  # 64 KiB in, 128 KiB of fp32 on the wire
-    big = gc.plan_allreduce(big_in[r], comm=comm, fmt="fp32")
-    assert big.algorithm == "oneshot"
+    big = gc.plan_allreduce(big_in[r], comm=comm, fmt="fp32", algorithm="oneshot")  # a larger payload
     assert same(big(big_in[r]), simulate_allreduce(big_in, "fp32", None, "sum", "oneshot")[r])
     assert same(small(xs[r]), simulate_allreduce(xs, "e4m3", None, "sum", "oneshot")[r])
     ring_in = _shared_inputs(comm, rng, 50000)

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .._xp import array_module
+from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .apply import ApplyPlan
 from .layout import Layout, as_layout
 from .sides import HadamardSide, IdentitySide
@@ -62,7 +62,7 @@ def check_damping(damping: float) -> float:
     return d
 
 
-def _rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
+def rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
     """(choice for G, choice for A) from from_kfac's ``rank`` argument."""
     r = rank.get(name) if isinstance(rank, Mapping) else rank
     if r is None:
@@ -166,7 +166,8 @@ class Geometry:
 
     def agree(self, comm, root: int = 0) -> Geometry:
         """Collective: return a geometry identical on every rank of ``comm`` (a giftcomm Transport
-        — MPI, torch.distributed, NCCL, loopback — or an mpi4py communicator).
+        — MPI, torch.distributed, NCCL, loopback — an mpi4py communicator, or None for this process
+        alone, which returns ``self``).
 
         Compares fingerprints (one allgather of an int); if they differ anywhere, every rank
         takes ``root``'s geometry (pickled broadcast). Returns ``self`` when they already agree.
@@ -174,6 +175,8 @@ class Geometry:
         from .sync import as_transport
 
         t = as_transport(comm)
+        if t is None:  # this process alone: nothing to agree with
+            return self
         fps = t.allgather_object(self.fingerprint())
         if all(f == fps[0] for f in fps):
             return self
@@ -198,7 +201,7 @@ class Geometry:
         Segments without factors get the identity.
         """
         return cls._per_segment(layout, factors, damping,
-                                lambda seg: _rank_choice(rank, seg.name, *seg.matrix_shape))
+                                lambda seg: rank_choice(rank, seg.name, *seg.matrix_shape))
 
     @classmethod
     def diagonal(cls, layout, factors: Mapping, damping: float = DEFAULT_DAMPING) -> Geometry:
