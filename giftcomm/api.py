@@ -25,10 +25,17 @@ from .collectives.engine import GeometryLike, call_options
 from .formats import Format
 from .transport import resolve
 
-__all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
+__all__ = ["last_algorithm", "allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
 
 ALGORITHMS = CHOICES
 """The ``algorithm=`` values of allreduce and gift_allreduce (giftcomm.collectives.algorithms)."""
+
+
+def last_algorithm(comm: Any = None, device: bool = False) -> tuple[str, Any] | None:
+    """(algorithm, chunk bounds or None) of the last allreduce / gift_allreduce / reduce_scatter
+    on ``comm``'s transport (``device``: its device transport), ``auto`` resolved; None before
+    the first. Local and free (no communication); see engine.last_algorithm."""
+    return engine.last_algorithm(resolve(comm, device=device))
 
 
 def gift_allreduce(

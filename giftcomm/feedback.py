@@ -41,7 +41,21 @@ from .collectives.wire import Wire
 from .formats import Format, get_format
 from .partition import shared_chunk_bounds
 
-__all__ = ["ErrorFeedback", "own_quantization_error", "direct_pieces", "check_feedback_format"]
+__all__ = ["ErrorFeedback", "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
+
+
+def feedback_view(buffer: Any) -> Any:
+    """``buffer`` as an array the residual arithmetic works on, sharing its memory: a NumPy or
+    CuPy array as is; a torch tensor as a NumPy view (CPU) or a CuPy view (CUDA,
+    ``__cuda_array_interface__``). float32, float64 or float16 (TypeError for bfloat16 torch
+    tensors, which NumPy cannot view)."""
+    if type(buffer).__module__.startswith("torch"):
+        if buffer.device.type == "cuda":
+            import cupy
+
+            return cupy.asarray(buffer.detach())
+        return buffer.detach().numpy()
+    return buffer
 
 
 def check_feedback_format(fmt: str | Format, owner: str = "") -> Format:
@@ -55,16 +69,17 @@ def check_feedback_format(fmt: str | Format, owner: str = "") -> Format:
 
 
 def own_quantization_error(values: Any, fmt: Format, block: int, seed: int | None, rank: int,
-                           pieces: Sequence[tuple[int, int]] | None = None) -> Any:
+                           pieces: Sequence[tuple[int, int]] | None = None, stage: int = 0) -> Any:
     """``values - decode(encode(values))`` (float32, values' backend) for what ``rank`` encodes of
     its own flat contribution in a call with ``seed`` (None: round to nearest), with the same key
     and element offsets as the collectives. pieces: the element ranges [lo, hi) the algorithm
     encodes as separate messages (None: the whole buffer as one, as ``oneshot`` does; ``direct``:
     :func:`direct_pieces`); elements outside every piece are summed unquantized and get error 0.
     For ``oneshot`` and ``direct``'s reduce-scatter it is exactly what this rank's contribution
-    lost. values: 1-D contiguous float32."""
+    lost. stage: the wire's stage key (stochastic rounding; see :func:`own_pieces`).
+    values: 1-D contiguous float32."""
     xp = array_module(values)
-    wire = Wire.of(fmt, block, xp, seed, party=rank)
+    wire = Wire.of(fmt, block, xp, seed, party=rank).at(stage=stage)
     if pieces is None:
         pieces = [(0, int(values.size))]
     err = xp.zeros(values.size, np.float32)
@@ -85,6 +100,59 @@ def direct_pieces(n: int, p: int, rank: int, block: int) -> list[tuple[int, int]
     return [(int(bounds[c]), int(bounds[c + 1])) for c in range(p) if c != rank]
 
 
+def own_pieces(algorithm: str, n: int, p: int, rank: int, block: int,
+               bounds: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], int]:
+    """(pieces, stage): the element ranges [lo, hi) of its own (n,) values that ``rank`` encodes
+    alone, unsummed, in a call of ``algorithm`` over ``p`` ranks, and the wire stage they are
+    keyed with. bounds: the call's chunk bounds (a reduce-scatter's agreed ones); None: an
+    allreduce's, ``shared_chunk_bounds(n, p, block)``.
+
+    oneshot (and P = 1): everything. direct / reduce-scatter direct: every chunk but its own.
+    ring: chunk ``rank - 1`` (hop 0; later hops carry partial sums). doubling: everything when
+    P is a power of two (round 0, stage 1) or the rank folds in (stage 0); nothing for a rank
+    that first adds a folded rank's values. hierarchical, hierarchical_direct: nothing (the node
+    sums in fp32 before anything is encoded)."""
+    if bounds is None:
+        bounds = shared_chunk_bounds(n, p, block)
+    chunk = lambda c: (int(bounds[c]), int(bounds[c + 1]))  # noqa: E731
+    if algorithm == "oneshot" or p == 1:
+        return [(0, n)], (1 if algorithm == "doubling" else 0)
+    if algorithm == "direct":
+        return [chunk(c) for c in range(p) if c != rank], 0
+    if algorithm == "ring":
+        return [chunk((rank - 1) % p)], 0
+    if algorithm == "doubling":
+        p2 = 1 << (p.bit_length() - 1)
+        if rank >= p2:
+            return [(0, n)], 0
+        return ([], 0) if rank + p2 < p else ([(0, n)], 1)
+    if algorithm in ("hierarchical", "hierarchical_direct"):
+        return [], 0
+    raise ValueError(f"own_pieces: unknown algorithm {algorithm!r}")
+
+
+def reordered(residual: Any, old: Any, new: Any) -> Any:
+    """``residual`` rearranged from layout ``old`` to layout ``new`` when both are tuples of
+    ``(name, numel)`` pieces (back to back) with unique names, the same set in another order;
+    else None (the residual cannot be carried over)."""
+    def pieces(sig: Any) -> dict | None:
+        if not isinstance(sig, tuple) or not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
+                                                 and isinstance(e[1], int) for e in sig):
+            return None
+        names = [e[0] for e in sig]
+        return dict(sig) if len(set(names)) == len(names) else None
+
+    a, b = pieces(old), pieces(new)
+    if a is None or b is None or a != b:
+        return None
+    xp = array_module(residual)
+    starts, off = {}, 0
+    for name, n in old:
+        starts[name] = off
+        off += n
+    return xp.concatenate([residual[starts[name] : starts[name] + n] for name, n in new]) if new else residual
+
+
 class ErrorFeedback:
     """The residuals of one rank, by key (e.g. bucket index).
 
@@ -97,14 +165,24 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self.residuals: dict[Hashable, Any] = {}
+        self.signatures: dict[Hashable, Any] = {}  # what the caller says a key's layout is (None: its size)
 
-    def compensate(self, key: Hashable, values: Any) -> Any:
-        """``values += residual[key]`` in place (float32 1-D ``values``); returns ``values``."""
+    def compensate(self, key: Hashable, values: Any, signature: Any = None) -> Any:
+        """``values += residual[key]`` in place (1-D float ``values``); returns ``values``.
+        signature: a picklable description of the key's layout (e.g. its parameter shapes); a
+        residual recorded under another signature or size is dropped (a new bucket layout)."""
         res = self.residuals.get(key)
         if res is None:
             return values
-        if res.size != values.size:
-            del self.residuals[key]  # a new layout: the old residual describes other values
+        old = self.signatures.get(key)
+        if old != signature and res.size == values.size:
+            moved = reordered(res, old, signature)
+            if moved is not None:  # the same named pieces in another order (DDP's bucket rebuild)
+                res = self.residuals[key] = moved
+                self.signatures[key] = old = signature
+        if res.size != values.size or old != signature:
+            self.residuals.pop(key, None)  # a new layout: the old residual describes other values
+            self.signatures.pop(key, None)
             return values
         xp = array_module(values)
         if array_module(res) is not xp:  # restored from a checkpoint onto the other kind of memory
@@ -113,7 +191,7 @@ class ErrorFeedback:
         return values
 
     def record(self, key: Hashable, sent: Any, fmt: Format, block: int, seed: int | None, rank: int,
-               geometry: Any = None, pieces: Sequence[tuple[int, int]] | None = None) -> None:
+               geometry: Any = None, pieces: Sequence[tuple[int, int]] | None = None, stage: int = 0) -> None:
         """Keep the own-encoding error of ``sent`` (the compensated values this rank is about to
         reduce; 1-D, any float dtype) under ``key``. With ``geometry`` (not identity) the error is
         taken in its coordinates and mapped back with ``geometry.inverse``. ``pieces``: see
@@ -122,25 +200,61 @@ class ErrorFeedback:
         flat = xp.ascontiguousarray(sent.reshape(-1), dtype=np.float32)
         if geometry is not None and not getattr(geometry, "is_identity", False):
             y = xp.ascontiguousarray(xp.asarray(geometry.forward(flat), dtype=np.float32))
-            err = xp.ascontiguousarray(xp.asarray(geometry.inverse(own_quantization_error(y, fmt, block, seed, rank, pieces)),
-                                                  dtype=np.float32))
+            err_y = own_quantization_error(y, fmt, block, seed, rank, pieces, stage)
+            err = xp.ascontiguousarray(xp.asarray(geometry.inverse(err_y), dtype=np.float32))
         else:
-            err = own_quantization_error(flat, fmt, block, seed, rank, pieces)
+            err = own_quantization_error(flat, fmt, block, seed, rank, pieces, stage)
         err[~xp.isfinite(err)] = 0
         self.residuals[key] = err
+
+    def around(self, key: Hashable, buffer: Any, reduce: Any, transport: Any, fmt: Format, block: int,
+               seed: int | None, geometry: Any = None, signature: Any = None, in_place: bool = True) -> str:
+        """The whole step for one buffer: add the residual (into ``buffer`` itself when
+        ``in_place``, which suits a buffer the result overwrites; else into a float32 copy, so the
+        caller's buffer is left alone), run ``reduce(values)`` (the collective of the compensated
+        values: ``buffer``'s view or the copy; NumPy/CuPy), then :meth:`record_call` with
+        ``transport()`` (the Transport the call ran on). buffer: a 1-D NumPy/CuPy array or torch
+        tensor. Returns the algorithm the call ran."""
+        values = feedback_view(buffer)
+        if not in_place:
+            values = values.astype(np.float32, copy=True)
+        self.compensate(key, values, signature)
+        sent = values.astype(np.float32, copy=True) if in_place else values
+        reduce(values)
+        name = self.record_call(key, sent, transport(), fmt, block, seed, geometry)
+        self.signatures[key] = signature
+        return name
+
+    def record_call(self, key: Hashable, sent: Any, t: Any, fmt: Format, block: int, seed: int | None,
+                    geometry: Any = None) -> str:
+        """:meth:`record` for the call just made on transport ``t`` with ``sent`` (this rank's
+        compensated values, as passed to it): the pieces follow the algorithm that call really
+        ran (:func:`giftcomm.collectives.engine.last_algorithm`). Returns that algorithm's name."""
+        from .collectives.engine import last_algorithm
+
+        last = last_algorithm(t)
+        if last is None:
+            raise RuntimeError("ErrorFeedback.record_call: no collective has run on this transport")
+        name, bounds = last
+        pieces, stage = own_pieces(name, int(sent.size), t.size, t.rank, block, bounds)
+        self.record(key, sent, fmt, block, seed, t.rank, geometry, pieces, stage)
+        return name
 
     def reset(self) -> None:
         """Forget every residual."""
         self.residuals.clear()
+        self.signatures.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The residuals as host float32 arrays (for checkpoints)."""
+        """This rank's residuals as host float32 arrays, and their layout signatures (for a
+        per-rank checkpoint: residuals differ by rank by nature)."""
         out = {}
         for k, v in self.residuals.items():
             out[k] = np.array(v.get() if hasattr(v, "get") else v, dtype=np.float32, copy=True)
-        return {"residuals": out}
+        return {"residuals": out, "signatures": dict(self.signatures)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s residuals (host arrays; each moves to the device at its
         first :meth:`compensate` with a device array)."""
         self.residuals = {k: np.array(v, dtype=np.float32, copy=True) for k, v in state["residuals"].items()}
+        self.signatures = dict(state.get("signatures") or {})

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err_l2", "err_white", "t_step",
-           "t_compute", "t_transform", "t_comm", "t_geometry"]
+           "t_compute", "t_transform", "t_comm", "t_geometry", "algorithm"]
 PASSTHROUGH = ("fp32", "bf16", "fp16")
 DEFAULT_MODES = ("fp32,bf16,e4m3-n,e4m3-s,e4m3-n-gift,e4m3-s-gift,nvfp4-n,nvfp4-s,nvfp4-n-gift,nvfp4-s-gift,"
                  "mxfp4-n,mxfp4-n-gift")
@@ -61,21 +61,29 @@ class Mode:
     gift: bool
     damping: float | None  # None: the library's default
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
+    ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
+
+    @property
+    def twin(self) -> str:
+        """The Euclidean mode without GIFT this one is paired with (same format, rounding, EF)."""
+        return "-".join([self.fmt, self.rounding[0]] + (["ef"] if self.ef else []))
 
 
 def parse_mode(name: str) -> Mode:
     parts = name.split("-")
-    fmt, rounding, gift, damping, full = parts[0], "nearest", False, None, False
+    fmt, rounding, gift, damping, full, ef = parts[0], "nearest", False, None, False, False
     for p in parts[1:]:
         if p in ("n", "s"):
             rounding = "nearest" if p == "n" else "stochastic"
+        elif p == "ef":
+            ef = True
         elif p.startswith("gift"):
             gift, full = True, p.startswith("giftfull")
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-gift|-giftfull[@DAMPING]]")
-    return Mode(name, fmt, rounding, gift, damping, full)
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]]")
+    return Mode(name, fmt, rounding, gift, damping, full, ef)
 
 
 @dataclass
@@ -161,8 +169,10 @@ def make_model(cfg: Config, seed: int):
         return Llama(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, seq_len=cfg.seq_len))
 
 
-def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[dict], dict]:
-    """One rank of one run. Returns (per-step rows, final numbers); identical on every rank."""
+def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str = "auto",
+               block: int | None = None) -> tuple[list[dict], dict]:
+    """One rank of one run (``algorithm``, ``block``: GradSync's). Returns (per-step rows,
+    final numbers); identical on every rank."""
     import torch
 
     from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries
@@ -172,8 +182,9 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[di
     model = make_model(cfg, seed)
     seq = cfg.seq_len
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sync = GradSync(model, comm=ctx.transport, fmt=mode.fmt, block=None, op="avg", bucket_mb=cfg.bucket_mb,
-                    rounding=mode.rounding)
+    sync = GradSync(model, comm=ctx.transport, fmt=mode.fmt, block=None if mode.fmt in PASSTHROUGH else block,
+                    op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
+                    error_feedback=mode.ef)
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
     capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=seed * 1000 + rank,
                           decay=cfg.kfac_decay)
@@ -254,13 +265,15 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[di
         train_loss = float(np.sum(every[:, 5])) / size
         val = validate() if measure else float("nan")
         rows.append(dict(mode=mode.name, world=size, seed=seed, step=step, train_loss=train_loss, val_loss=val, lr=lr,
-                         err_l2=e2, err_white=ew, **dict(zip(COLUMNS[9:], worst.tolist()))))
+                         err_l2=e2, err_white=ew, **dict(zip(COLUMNS[9:14], worst.tolist())),
+                         algorithm="+".join(sorted({a or "-" for a in sync.algorithms}))))
     capture.remove()
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
+    used = sorted({r["algorithm"] for r in rows})
     final = dict(mode=mode.name, world=size, seed=seed, val_loss=rows[-1]["val_loss"], digest=h.hexdigest(),
-                 geometry=chosen)
+                 geometry=chosen, algorithm="+".join(used), asked_algorithm=algorithm, block=block)
     return rows, final
 
 
@@ -275,7 +288,8 @@ def write_run(out: str, rows: list[dict], final: dict) -> None:
         json.dump(final, f, indent=1)
 
 
-def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus):
+def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus, algorithm: str = "auto",
+                 block: int | None = None):
     from giftcomm import LoopbackGroup
 
     group = LoopbackGroup(world, timeout=3600.0)
@@ -285,7 +299,7 @@ def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus):
 
     def body(r: int) -> None:
         try:
-            results[r] = train_rank(LoopCtx(group, ex, r), mode, cfg, seed, corpus)
+            results[r] = train_rank(LoopCtx(group, ex, r), mode, cfg, seed, corpus, algorithm, block)
         except BaseException as e:  # noqa: BLE001 (re-raised below)
             errors.append(e)
             ex.barrier.abort()
@@ -312,7 +326,7 @@ def load_runs(out: str) -> dict:
     runs: dict = {}
     for path in sorted(glob.glob(os.path.join(out, "P*-s*-*.csv"))):
         with open(path) as f:
-            rows = [{k: (v if k == "mode" else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+            rows = [{k: (v if k in ("mode", "algorithm") else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
         if rows:
             runs.setdefault((int(rows[0]["world"]), rows[0]["mode"]), {})[int(rows[0]["seed"])] = rows
     return runs
@@ -340,7 +354,8 @@ def stats(runs: dict) -> list[dict]:
         tail = lambda rows: float(np.mean([r["train_loss"] for r in rows[-20:]]))  # noqa: E731
         tgaps = np.array([tail(by_seed[s]) - tail(ref[s]) for s in seeds])
         sd = lambda a: float(np.std(a, ddof=1)) if len(a) > 1 else float("nan")  # noqa: E731
-        out.append(dict(world=world, mode=mode, n=len(seeds), val=float(final.mean()), val_sd=sd(final),
+        algos = sorted({r.get("algorithm", "?") or "?" for s in seeds for r in by_seed[s]})
+        out.append(dict(world=world, mode=mode, algorithm="+".join(algos), n=len(seeds), val=float(final.mean()), val_sd=sd(final),
                         gap=float(gaps.mean()), gap_sd=sd(gaps), gap_pct=100 * float(gaps.mean() / fp32_final.mean()),
                         l2=float(l2.mean()), l2_sd=sd(l2), white=float(wh.mean()), white_sd=sd(wh),
                         tgap=float(tgaps.mean()), tgap_sd=sd(tgaps), comm_ms=1e3 * float(comm.mean()), gaps=gaps,
@@ -351,7 +366,7 @@ def stats(runs: dict) -> list[dict]:
         s["recovered"] = float("nan")
         s["vs_euclid"] = ""
         if m.gift:
-            twin = index.get((s["world"], "-".join([m.fmt, m.rounding[0]])))
+            twin = index.get((s["world"], m.twin))
             common = sorted(set(twin["by_seed"]) & set(s["by_seed"])) if twin is not None else []
             if common:
                 # paired over seeds: > 0 GIFT better
@@ -366,17 +381,17 @@ def stats(runs: dict) -> list[dict]:
 def _order(mode: str) -> tuple:
     m = parse_mode(mode)
     fmts = ["fp32", "bf16", "fp16", "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2", "nvfp4", "mxfp4"]
-    return (fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.gift, m.damping or 0.0)
+    return (fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.ef, m.gift, m.full, m.damping or 0.0)
 
 
 def summary_table(st: list[dict]) -> str:
-    lines = ["| P | mode | seeds | final val loss | gap to fp32 (paired) | gap % | gap > 2 sd? | L2 grad err "
+    lines = ["| P | mode | algorithm | seeds | final val loss | gap to fp32 (paired) | gap % | gap > 2 sd? | L2 grad err "
              "| whitened grad err | train-loss gap (last 20 steps) | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in st:
         sig = "" if s["mode"] == "fp32" else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
         rec = "-" if math.isnan(s["recovered"]) else f"{s['recovered']:.0f}%"
-        lines.append(f"| {s['world']} | {s['mode']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
+        lines.append(f"| {s['world']} | {s['mode']} | {s['algorithm']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
                      f"{s['gap']:+.4f} ± {s['gap_sd']:.4f} | {s['gap_pct']:+.2f}% | {sig} | "
                      f"{s['l2']:.4f} ± {s['l2_sd']:.4f} | {s['white']:.3f} ± {s['white_sd']:.3f} | "
                      f"{s['tgap']:+.4f} ± {s['tgap_sd']:.4f} | "
@@ -444,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", default="4,16", help="comma-separated world sizes (default 4,16)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--transport", choices=["loopback", "mpi"], default="loopback")
+    p.add_argument("--algorithm", default="auto", help="GradSync's allreduce algorithm (default auto; e.g. ring)")
+    p.add_argument("--block", type=int, default=None, help="block size of the scaled formats (default: each format's own)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
@@ -486,12 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 t0 = time.perf_counter()
                 if mpi_ctx is not None:
-                    rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus)
+                    rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus, a.algorithm, a.block)
                 else:
-                    rows, final = run_loopback(mode, cfg, seed, world, corpus)
+                    rows, final = run_loopback(mode, cfg, seed, world, corpus, a.algorithm, a.block)
                 if lead:
                     write_run(a.out, rows, final)
-                    print(f"P={world} seed={seed} {mode.name:<16} val {final['val_loss']:.4f} "
+                    print(f"P={world} seed={seed} {mode.name:<16} {final['algorithm']:<8} val {final['val_loss']:.4f} "
                           f"l2 {_mean_measured(rows, 'err_l2'):.4f} white {_mean_measured(rows, 'err_white'):.4f} "
                           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     if lead:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,7 +42,7 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
+__all__ = ["GeometryLike", "held", "last_algorithm", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
 
@@ -99,6 +100,18 @@ class held:
         if self._timeout is not None:
             self._t.timeout = self._previous
         self._lock.release()
+
+
+_LAST: "weakref.WeakKeyDictionary[Transport, tuple[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+
+
+def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
+    """(algorithm name, chunk bounds) of the last allreduce, gift_allreduce or reduce_scatter
+    agreed on ``t`` (the same on every rank), or None before the first: what the call really
+    ran, ``auto`` resolved. bounds: a reduce-scatter's agreed chunk bounds (P + 1 ints), None
+    for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
+    it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
+    return _LAST.get(t)
 
 
 _OPTIONS: dict[tuple, CallOptions] = {}
@@ -321,6 +334,7 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
 def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     call = job.call
     job.algorithm = planning.chosen_algorithm(table)
+    _LAST[t] = (job.algorithm.name, None)
     job.slice_n = job.opts.slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("allreduce rank %d/%d: %d %s values, fmt %s block %d, algorithm %s (asked %s), slice %s, "
@@ -372,6 +386,7 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
 
 def _scatter_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     job.algorithm = scatter_layout.chosen_algorithm(table)
+    _LAST[t] = (job.algorithm.name, job.bounds)
     job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.call.arr.size)
 
 

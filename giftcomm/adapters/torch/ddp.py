@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...feedback import ErrorFeedback, check_feedback_format
 from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
 from ...options import DEFAULT_DAMPING, CallOptions
@@ -211,6 +212,13 @@ class GiftState:
     transport: a giftcomm Transport to carry the buckets instead of the ones built over
     ``process_group`` (a GROUPED one takes the device route; tests drive it with the device
     loopback). sync_transport: the transport for KFAC factor sync (default: a private gloo group).
+    error_feedback: keep, per bucket, what this rank's own encoding lost and add it to that
+    bucket's next gradient (giftcomm.feedback; docs/method.md "Error feedback"); a block-scaled
+    fmt only (ValueError otherwise). Not applied in the plain warm-up iterations
+    (start_gift_iter) nor with one rank. A residual is dropped when its bucket's layout changes;
+    with named parameters (``param_names``, or :meth:`bind` / :meth:`register` after a restore)
+    it follows its parameters through DDP's bucket rebuild after the first iteration, which
+    reorders them (without names it is dropped there once).
 
     Building a GiftState validates every setting (ValueError/TypeError at once, naming
     GiftState) and needs no process group: it may be built before ``dist.init_process_group``
@@ -227,10 +235,16 @@ class GiftState:
                  estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
-                 transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
+                 error_feedback: bool = False) -> None:
         self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
                                                     algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
                                                     op="avg")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"GiftState: error_feedback must be a bool, got {error_feedback!r}")
+        if error_feedback:
+            check_feedback_format(self.options.format, "GiftState")
+        self.feedback: Optional[ErrorFeedback] = ErrorFeedback() if error_feedback else None
         if geometry not in _GEOMETRIES:
             raise ValueError(f"GiftState: geometry must be one of {_GEOMETRIES}, got {geometry!r}")
         self.geometry = geometry
@@ -310,7 +324,9 @@ class GiftState:
         group, transports, threads, capture hooks or parameter names: like PyTorch's
         PowerSGDState). Rank-independent at an iteration boundary: the geometry thread's
         submitted work is finished first (it is the same work on every rank, on identical reduced
-        buckets), and the timings of the statistics (this process's own) are saved as 0."""
+        buckets), and the timings of the statistics (this process's own) are saved as 0 -- except
+        the error-feedback residuals (``error_feedback=True``), which are this rank's own by
+        nature: such a state pickles per rank, and each rank restores its own."""
         rt = self.runtime
         self._settle()
         with rt.lock:
@@ -322,7 +338,8 @@ class GiftState:
         stats.comm_seconds = stats.geometry_seconds = 0.0
         stats.geometry_waits = 0  # whether the hook had to wait depends on this process's timing
         d = {k: getattr(self, k) for k in self._PICKLED}
-        d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending)
+        d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending,
+                 feedback=None if self.feedback is None else self.feedback.state_dict())
         return d
 
     def _settle(self) -> None:
@@ -357,6 +374,10 @@ class GiftState:
             done.set_result(result)
             self.runtime.pending.append((at, done))
         self.runtime.adopted_iter = self.iter - 1
+        self.feedback = None
+        if d.get("feedback") is not None:
+            self.feedback = ErrorFeedback()
+            self.feedback.load_state_dict(d["feedback"])
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
         """After loading a checkpoint: name segments from ``model`` and, for geometry "kfac",
@@ -555,12 +576,42 @@ def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool) ->
             s.host_buckets += 1
 
 
+def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, transport: Transport,
+                   signature: tuple) -> None:
+    """``gift_allreduce`` of one bucket in place over ``transport``, with the error feedback
+    around it when the state keeps one (``signature``: :func:`_bucket_signature`)."""
+    kw = call_kwargs(state.options, it, index)
+
+    def reduce(_values: Any = None) -> None:  # _values: buf's own memory
+        api.gift_allreduce(buf, geo, comm=transport, out=buf, **kw)
+
+    if state.feedback is None:
+        reduce()
+        return
+    state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"], geo,
+                          signature=signature)
+
+
+def _bucket_signature(state: GiftState, bucket: dist.GradBucket) -> tuple:
+    """What identifies a bucket's layout for its residual (rank-independent, picklable): with
+    every parameter named (``param_names``), its ``(dtype:name, numel)`` pieces in buffer order,
+    so that a residual follows its parameters when DDP rebuilds the bucket in another order
+    (giftcomm.feedback.reordered); else the dtype and the parameters' shapes (a new order drops
+    the residual)."""
+    params, dtype = bucket.parameters(), str(bucket.buffer().dtype)
+    names = [state.param_names.get(id(p)) for p in params]
+    if all(n is not None for n in names):
+        return tuple((f"{dtype}:{n}", int(p.numel())) for n, p in zip(names, params))
+    return (dtype,) + tuple(tuple(p.shape) for p in params)
+
+
 # ------------------------------------------------------------------------------ host route
-def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout, fut: torch.futures.Future) -> None:
+def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout, fut: torch.futures.Future,
+                 signature: tuple = ()) -> None:
     """Worker-thread body: reduce one CPU bucket in place and complete ``fut``."""
     try:
         t0 = time.perf_counter()
-        api.gift_allreduce(buf, geo, comm=state.runtime.host, out=buf, **call_kwargs(state.options, it, index))
+        _reduce_bucket(state, index, it, buf, geo, state.runtime.host, signature)
         dt = time.perf_counter() - t0
         snap = None
         if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
@@ -594,7 +645,8 @@ def _on_side_stream(state: GiftState, buf: torch.Tensor):
         yield side
 
 
-def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout) -> torch.futures.Future:
+def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout,
+                   signature: tuple = ()) -> torch.futures.Future:
     """The device route, on the calling thread: enqueue the reduction in stream order and return
     a future whose value is ready in that order (no host copy, no stream synchronisation)."""
     transport = state.runtime.device_transport(state)
@@ -603,7 +655,7 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     try:
         t0 = time.perf_counter()
         with _on_side_stream(state, buf) as side:
-            api.gift_allreduce(buf, geo, comm=transport, out=buf, **call_kwargs(state.options, it, index))
+            _reduce_bucket(state, index, it, buf, geo, transport, signature)
             snap = None
             if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
                 copy_ = buf.detach().to(torch.float32, copy=True)  # device to device, on the side stream
@@ -657,13 +709,14 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
         if layout is not None:
             state.runtime.layouts[index] = layout
     geo = _geometry_for(state, index, layout, buf.numel())
+    sig = _bucket_signature(state, bucket) if state.feedback is not None else ()
     if _route_is_device(state, buf):
-        fut = _reduce_device(state, index, it, buf, geo, layout)
+        fut = _reduce_device(state, index, it, buf, geo, layout, sig)
     else:
         if state.runtime.host is None:
             raise TypeError("gift_hook: a CPU bucket, but the GiftState's transport moves device buffers only")
         fut = torch.futures.Future()
-        state.runtime.executor.submit(_reduce_host, state, index, it, buf, geo, layout, fut)
+        state.runtime.executor.submit(_reduce_host, state, index, it, buf, geo, layout, fut, sig)
     state.maybe_increase_iter(bucket)
     return fut
 

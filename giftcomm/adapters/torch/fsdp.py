@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport import Transport
@@ -117,15 +118,30 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
     parameters. damping: the geometry's. Built by :func:`register_reduce_scatter`, which binds
     each comm to its module's parameters (``bind``); ValueError/TypeError at once for bad options.
+    error_feedback: keep what this rank's own encoding of the reduce-scatter input lost and add it
+    to the next call's input (giftcomm.feedback; exact for "direct"; block-scaled fmt only). The
+    input FSDP passes is left alone (the compensated values are a copy). With a geometry the
+    residual stays in the geometry's coordinates and is dropped when the geometry is rebuilt.
+    ``algorithm_used``: what the last call really ran; :meth:`state_dict` holds this rank's
+    residual (a per-rank checkpoint).
     """
 
     def __init__(self, *, fmt: str = "e4m3", block: int | None = None, rounding: str = "nearest",
                  seed: int | None = None, algorithm: str = "auto", slice_elems: int | None = None,
                  timeout: float | None = None, warmup: int = 0, geometry: Any = None, capture: Any = None,
-                 refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0) -> None:
+                 refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
+                 error_feedback: bool = False) -> None:
         self.options = CallOptions.of("GiftReduceScatter", fmt=fmt, block=block, rounding=rounding,
                                       seed=0 if rounding == "stochastic" and seed is None else seed,
                                       algorithm=algorithm, slice_elems=slice_elems, timeout=timeout)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"GiftReduceScatter: error_feedback must be a bool, got {error_feedback!r}")
+        if error_feedback:
+            check_feedback_format(self.options.format, "GiftReduceScatter")
+        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.algorithm_used: str | None = None
+        self._geo_seen: Any = None  # the geometry the residual's coordinates belong to
+        self._geo_generation = 0
         if self.options.algorithm not in ("auto", "ring", "direct"):
             raise ValueError(f"GiftReduceScatter: algorithm must be 'auto', 'ring' or 'direct' (reduce-scatter "
                              f"algorithms), got {algorithm!r}")
@@ -200,7 +216,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                                   timeout=opts.timeout, layout="equal")
         with _on_current_stream(input_tensor):
             if geo is None:
-                api.reduce_scatter(input_tensor, op=how, out=output_tensor, **kw)
+                self._plain(input_tensor, output_tensor, transport, how, kw)
             else:
                 self.gift_calls += 1
                 shard = self._gift(geo, input_tensor, size, transport, how, kw)
@@ -213,7 +229,49 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The call counts and this rank's error-feedback residual (None without feedback)."""
+        return {"calls": self.calls, "gift_calls": self.gift_calls,
+                "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a residual in a geometry's coordinates is dropped: the
+        geometry is rebuilt after a restore)."""
+        self.calls, self.gift_calls = int(state["calls"]), int(state["gift_calls"])
+        if self.feedback is not None:
+            self.feedback.reset()
+            if state.get("error_feedback") is not None:
+                self.feedback.load_state_dict(state["error_feedback"])
+
     # ------------------------------------------------------------------ internals
+    def _reduce(self, x: Any, transport: Transport, how: str, kw: dict, out: Any = None,
+                geometry_generation: int | None = None) -> Any:
+        """``reduce_scatter(x)`` (into ``out``), through the error feedback when it is on;
+        returns the shard (``out`` when given)."""
+        got: list[Any] = []
+
+        def reduce(values: Any = None) -> None:
+            src = x if values is None else values
+            if isinstance(x, torch.Tensor) and values is not None:
+                src = torch.as_tensor(values, device=x.device).to(x.dtype)
+            got.append(api.reduce_scatter(src, op=how, out=out, **kw))
+
+        if self.feedback is None:
+            reduce()
+            last = api.last_algorithm(transport)
+            self.algorithm_used = None if last is None else last[0]
+        else:
+            o = self.options
+            n = int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
+            # FSDP's input tensor is left alone (a copy); forwarded rows are this call's own
+            self.algorithm_used = self.feedback.around(0, x, reduce, lambda: transport, o.format, o.resolved_block,
+                                                       kw["seed"], signature=(n, geometry_generation),
+                                                       in_place=not isinstance(x, torch.Tensor))
+        return got[0]
+
+    def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, how: str, kw: dict) -> None:
+        self._reduce(x, transport, how, kw, out=out)
+
     def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
         host = self._host.get(group)
         if host is None:
@@ -238,12 +296,19 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
 
             src = cupy.from_dlpack(rows.float() if rows.dtype == torch.bfloat16 else rows)
             fwd = geo.forward_rows(src)
-            shard = api.reduce_scatter(fwd.reshape(-1), op=how, **kw)
+            shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
             return torch.from_dlpack(geo.shard(rank).inverse(shard))
         src_np = rows.float().numpy() if rows.dtype != torch.float32 else rows.numpy()
         fwd = geo.forward_rows(src_np)
-        shard = api.reduce_scatter(fwd.reshape(-1), op=how, **kw)
+        shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
         return torch.from_numpy(geo.shard(rank).inverse(shard))
+
+    def _generation(self, geo: ShardedGeometry) -> int:
+        """A count that changes when the geometry object does: the residual kept in its
+        coordinates is then dropped (the plain path's signature uses None)."""
+        if geo is not self._geo_seen:
+            self._geo_seen, self._geo_generation = geo, self._geo_generation + 1
+        return self._geo_generation
 
     def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         if self.geometry_mode is None:

@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from ... import api
+from ...feedback import ErrorFeedback, check_feedback_format
 from ...options import CallOptions
+from ...transport import resolve
 from ..calls import call_kwargs
 from .buckets import GradBucket, make_buckets
 
@@ -93,21 +95,33 @@ class GradSync:
     the record. bucket_mb: bucket size in MiB. With ``rounding="stochastic"``, ``sync(step)``
     rounds bucket i with the seed ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step
     defaults to the number of earlier sync calls, the same on every rank that calls sync in step).
+
+    error_feedback: keep, per bucket, what this rank's own encoding lost and add it to the
+    bucket's next gradient (:mod:`giftcomm.feedback`, docs/method.md "Error feedback"; a
+    block-scaled fmt only, else ValueError here). The residuals are this rank's own:
+    :meth:`state_dict` holds them for a per-rank checkpoint. ``sync.algorithms``: the algorithm
+    each bucket's last call really ran (``auto`` resolved).
     """
 
     def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
                  slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, error_feedback: bool = False) -> None:
         self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
                                                     timeout=timeout)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
+        if error_feedback:
+            check_feedback_format(self.options.format, "GradSync")
+        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"GradSync: bucket_mb must be a number > 0, got {bucket_mb!r}")
         self.comm = comm
         self.calls = 0  # sync() calls so far: the step of stochastic rounding when sync() gets none
         self.buckets: list[GradBucket] = make_buckets(model, bucket_mb)
         self.geometries: list[Any] = [None] * len(self.buckets)
+        self.algorithms: list[str | None] = [None] * len(self.buckets)
 
     @property
     def layouts(self):
@@ -142,13 +156,41 @@ class GradSync:
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
+            kw = call_kwargs(self.options, step, b.index)
             with _torch_stream(b.tensor):
-                api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **call_kwargs(self.options, step, b.index))
+                def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
+                    api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
+
+                def transport(b=b) -> Any:
+                    return resolve(self.comm, device=b.tensor.device.type == "cuda")
+
+                if self.feedback is not None:
+                    self.algorithms[b.index] = self.feedback.around(
+                        b.index, b.buffer, reduce, transport, self.options.format, self.options.resolved_block,
+                        kw["seed"], g)
+                else:
+                    reduce()
+                    last = api.last_algorithm(self.comm, device=b.tensor.device.type == "cuda")
+                    self.algorithms[b.index] = None if last is None else last[0]
             if tg is not None:
                 times.transform += tg.seconds
         times.total = time.perf_counter() - t0
         times.comm = times.total - times.transform
         return times
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals (host float32, by bucket index; empty without
+        error_feedback) and the call count: a per-rank checkpoint (residuals differ by rank)."""
+        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a residual whose bucket size no longer matches is dropped
+        at the next sync)."""
+        self.calls = int(state["calls"])
+        if self.feedback is not None:
+            self.feedback.reset()
+            if state.get("error_feedback") is not None:
+                self.feedback.load_state_dict(state["error_feedback"])
 
     def flat_grads(self) -> list[np.ndarray]:
         """The bucket buffers themselves (no copy), after binding: gradients that autograd or

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ... import api
+from ...feedback import ErrorFeedback, check_feedback_format
 from ...options import CallOptions
 from ...transport import resolve
 from .buckets import named_trainable
@@ -40,14 +41,25 @@ class ShardedGradSync:
     for the collectives). Options as CallOptions (default op "avg", like DDP). With
     ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
+    error_feedback=True: keep what this rank's own encoding lost and add it to the next
+    gradient (giftcomm.feedback: exact for "direct", whose every message is this rank's own
+    values; docs/method.md "Error feedback"); block-scaled fmt only. :meth:`state_dict` holds the
+    residual (this rank's own) for a per-rank checkpoint; ``algorithm_used``: what the last
+    sync really ran.
 
     Attributes: ``buffer`` (padded,) the gradients; ``lo``, ``hi`` this rank's element range;
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
     """
 
-    def __init__(self, model: Any, *, comm: Any = None, **options: Any) -> None:
+    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, **options: Any) -> None:
         options.setdefault("op", "avg")
         self.options = CallOptions.of("ShardedGradSync", **options)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
+        if error_feedback:
+            check_feedback_format(self.options.format, "ShardedGradSync")
+        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.algorithm_used: str | None = None
         if self.options.algorithm not in ("auto", "ring", "direct"):
             raise ValueError(f"ShardedGradSync: algorithm must be 'auto', 'ring' or 'direct', got "
                              f"{self.options.algorithm!r}")
@@ -84,10 +96,37 @@ class ShardedGradSync:
         self.calls += 1
         o = self.options
         shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
-        api.reduce_scatter(self.buffer, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
-                           algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
-                           seed=seed if o.rounding == "stochastic" else None, timeout=o.timeout, layout="equal")
+        call_seed = seed if o.rounding == "stochastic" else None
+
+        def reduce(values: Any = None) -> None:
+            x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
+            api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
+                               algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
+                               seed=call_seed, timeout=o.timeout, layout="equal")
+
+        if self.feedback is not None:
+            # compensated in a copy: the .grad views keep this rank's own gradient
+            self.algorithm_used = self.feedback.around(0, self.buffer, reduce, lambda: self.comm, o.format,
+                                                       o.resolved_block, call_seed, signature=int(self.numel),
+                                                       in_place=False)
+        else:
+            reduce()
+            last = api.last_algorithm(self.comm)
+            self.algorithm_used = None if last is None else last[0]
         return shard
+
+    def state_dict(self) -> dict[str, Any]:
+        """The call count and this rank's error-feedback residual (None without feedback): a
+        per-rank checkpoint (the residual differs by rank)."""
+        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.calls = int(state["calls"])
+        if self.feedback is not None:
+            self.feedback.reset()
+            if state.get("error_feedback") is not None:
+                self.feedback.load_state_dict(state["error_feedback"])
 
     def param_shard(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A copy of this rank's slice of the flat parameters (padding zeros), as ``dtype``: the
