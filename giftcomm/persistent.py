@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _xp
 from .api import agree_allreduce, held, run_allreduce
-from .codec import native_available
+from .codec import native_available, native_supports
 from .collectives import oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
@@ -67,8 +67,8 @@ class AllreducePlan:
         self._state = t.state if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm == "oneshot" and not self._stochastic and call.imp.source == "numpy"
-                      and call.arr.dtype == np.float32)
-        self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
+                      and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
+        self._fmt_code, self._avg = self._wire.fmt.variant_code, call.op == "avg"
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "

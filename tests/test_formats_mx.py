@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from giftcomm import codec
-from giftcomm.formats import (FORMATS, NVFP4_GROUP, bytes_per_value, get_format, message_nbytes, num_blocks,
+from giftcomm.formats import (FORMATS, NVFP4_GROUP, SCALE_RULES, bytes_per_value, get_format, message_nbytes, num_blocks,
                               resolve_block)
 from giftcomm.reference import codec as ref
 
@@ -168,8 +168,10 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_right_probability(dt, rn
 
 
 # ------------------------------------------------------------------------- scale rules
-def mx_expected(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """OCP MX v1.0, re-stated with float64 log2 per block: (scale codes, element codes)."""
+def mx_expected(x: np.ndarray, fmt: str, rule: str = "ceil") -> tuple[np.ndarray, np.ndarray]:
+    """The MX scale rules re-stated with float64 log2 per block: (scale codes, element codes).
+    floor: OCP MX v1.0, s = floor(log2(amax)) - emax; ceil: s = ceil(log2(amax / max)), the
+    smallest power of two keeping amax / 2^s <= max; both clamped below at -127."""
     f = get_format(fmt)
     nb = num_blocks(x.size, 32)
     scodes = np.zeros(nb, np.uint8)
@@ -181,26 +183,44 @@ def mx_expected(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
             ecodes[32 * b : 32 * b + blk.size] = f.nan_code
             continue
         amax = float(np.max(np.abs(blk)))
-        s = -127 if amax == 0 else max(int(np.floor(np.log2(amax))) - f.emax, -127)
+        if amax == 0:
+            s = -127
+        elif rule == "floor":
+            s = max(int(np.floor(np.log2(amax))) - f.emax, -127)
+        else:  # in the top float32 binade, the floor exponent (a larger scale could decode to Inf)
+            s = max(int(np.ceil(np.log2(amax / f.max_value))), -127)
+            if amax >= 2.0**127:
+                s = min(s, int(np.floor(np.log2(amax))) - f.emax)
         scodes[b] = np.float32(2.0**s).astype(E8M0).view(np.uint8)
         y = np.clip((blk.astype(np.float64) * 2.0**-s).astype(np.float32), -f.max_value, f.max_value)
         ecodes[32 * b : 32 * b + blk.size] = y.astype(f.wire_dtype).view(np.uint8) & (0xF if f.packed else 0xFF)
     return scodes, ecodes
 
 
+@pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
-def test_mx_scales_and_elements_follow_ocp_rules(fmt, rng):
-    x = (rng.standard_normal(32 * 40) * np.exp2(rng.uniform(-30, 30, 32 * 40))).astype(np.float32)
+def test_mx_scales_and_elements_follow_the_scale_rule(fmt, rule, rng):
+    f = get_format(fmt).with_scale_rule(rule)
+    x = (rng.standard_normal(32 * 48) * np.exp2(rng.uniform(-30, 30, 32 * 48))).astype(np.float32)
     x[5] = np.nan
     x[32 * 7 + 3] = -np.inf
     x[32 * 9 : 32 * 10] = 0.0
     x[32 * 11 : 32 * 12] = np.finfo(np.float32).smallest_subnormal * 3
     x[32 * 12 : 32 * 13] *= np.float32(2.0**-120)
     x[32 * 13 : 32 * 14] = np.float32(3e38)
+    # the rules' edges: amax exactly max * 2^k (ceil: lands on max), one ulp above, a power of two,
+    # just below the next power of two, the largest float32, the bottom of the E8M0 range
+    edges = [f.max_value * 2.0**5, np.nextafter(np.float32(f.max_value * 2.0**5), np.float32(np.inf)), 2.0**7,
+             np.nextafter(np.float32(2.0**8), np.float32(0)), np.finfo(np.float32).max, f.max_value * 2.0**-127,
+             np.nextafter(np.float32(f.max_value * 2.0**-127), np.float32(1)), 2.0**-126]
+    for j, amax in enumerate(edges):
+        blk = x[32 * (14 + j) : 32 * (15 + j)]
+        blk *= np.float32(amax) / np.float32(np.max(np.abs(blk))) / 2
+        blk[j] = np.float32(amax) * (-1) ** j
     for n in (x.size, x.size - 7):
-        msg = ref.encode(x[:n], fmt)
-        _, scales = ref.split_message(msg, n, get_format(fmt))
-        s_want, e_want = mx_expected(x[:n], fmt)
+        msg = ref.encode(x[:n], f)
+        _, scales = ref.split_message(msg, n, f)
+        s_want, e_want = mx_expected(x[:n], fmt, rule)
         np.testing.assert_array_equal(scales, s_want)
         np.testing.assert_array_equal(elem_codes(msg, n, fmt), e_want)
         y = ref.decode(msg, n, fmt)

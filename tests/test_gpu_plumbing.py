@@ -29,6 +29,7 @@ from giftcomm.cuda import _loader
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, message_nbytes
+from giftcomm.formats_header import c_header
 from giftcomm.reference import codec as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,9 +119,10 @@ def emu(tmp_path_factory):
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
     assert cxx is not None, "a host C++ compiler (c++, g++ or clang++) is needed to build the CUDA codec's CPU emulation"
     out = tmp_path_factory.mktemp("emu") / "gc_emu.so"
+    (out.parent / "gc_formats.h").write_text(c_header())  # the format table, as the loader serves it to NVRTC
     src = _loader.KERNEL_DIR / "gc_host_emu.cpp"
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-                    f"-I{_loader.KERNEL_DIR}", str(src), "-o", str(out)], check=True)
+                    f"-I{_loader.KERNEL_DIR}", f"-I{out.parent}", str(src), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     ll, i, p = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
     lib.gc_emu_encode.argtypes = [i, p, ll, i, p]

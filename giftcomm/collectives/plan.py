@@ -108,7 +108,7 @@ def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elem
     if seed is not None:
         seed = check_key(seed)
     sig = dict.fromkeys(FIELDS, 0)
-    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=b,
+    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.variant_code, block=b,
                op=OP_CODES.get(op, 0) if op is not None else 0,
                slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"),
                rounding=int(stochastic), seed=0 if not stochastic else seed - (1 << 64) * (seed >= 1 << 63))
