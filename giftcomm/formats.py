@@ -103,7 +103,7 @@ class Format:
             raise ValueError(f"mx_scale={rule!r} applies to the formats with E8M0 scales "
                              f"({', '.join(f.name for f in FORMATS.values() if f.scale_kind == 'e8m0')}); "
                              f"{self.name} has {_SCALE_WORDS.get(self.scale_kind, 'no')} scales")
-        return replace(self, scale_rule=rule)
+        return self if rule == self.scale_rule else replace(self, scale_rule=rule)
 
     @property
     def itemsize(self) -> int:

@@ -4,6 +4,7 @@ train         end-to-end data-parallel Llama training comparison (under mpiexec;
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
 errors        allreduce error growth against P for every algorithm
+mx-scale      error and bias of the MX scale rules (ceil vs OCP floor)
 model         validate the cost model against measurements; project to cluster scale
 netbed        multi-host testbed: rate-shaped links in network namespaces (root)
 plot          busbw-vs-size plots from ``giftcomm.perf allreduce --json`` files
@@ -22,6 +23,7 @@ COMMANDS = {
     "fidelity": "studies.fidelity",
     "gradients": "studies.gradients",
     "errors": "studies.errors",
+    "mx-scale": "studies.mx_scale",
     "model": "studies.model",
     "netbed": "studies.netbed",
     "plot": "studies.plot",

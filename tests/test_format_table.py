@@ -154,3 +154,33 @@ def test_scale_rule_variants_share_the_row():
         get_format("e4m3").with_scale_rule("floor")
     with pytest.raises(ValueError, match="mx_scale"):
         mx.with_scale_rule("up")
+
+
+class _DeviceStandIn(np.ndarray):
+    """The two CuPy array methods the device fallback uses (get: a host copy; set: copy in)."""
+
+    def get(self):
+        return np.array(self)
+
+    def set(self, host):
+        self[...] = host
+
+
+def test_python_only_format_on_the_device_backend_runs_through_host_copies(python_only_format, caplog, rng):
+    f, e4m3 = python_only_format, FORMATS["e4m3"]
+    k = codec.CudaOrFallbackKernels
+    dev = lambda a: np.array(a).view(_DeviceStandIn)  # noqa: E731
+    x = dev((rng.standard_normal(300) * 5).astype(np.float32))
+    local = dev(rng.standard_normal(300).astype(np.float32))
+    nbytes = message_nbytes(300, e4m3, 32)
+    with caplog.at_level(logging.INFO, logger="giftcomm"):
+        msg = k.encode(x, f, 32, dev(np.zeros(nbytes, np.uint8)), 7, 11)
+        assert np.array_equal(msg, ref.encode(np.asarray(x), e4m3, 32, rounding="stochastic", key=7, offset=11))
+        out = k.decode(msg, 300, f, 32, dev(np.zeros(300, np.float32)))
+        assert np.array_equal(out, ref.decode(np.asarray(msg), 300, e4m3, 32))
+        s = dev(np.zeros(300, np.float32))
+        hop = k.decode_add_encode(msg, local, f, 32, dev(np.zeros(nbytes, np.uint8)), s)
+        assert np.array_equal(hop, ref.decode_add_encode(np.asarray(msg), np.asarray(local), e4m3, 32))
+        acc = k.decode_accumulate(msg, dev(np.asarray(local).copy()), f, 32)
+        assert np.array_equal(acc, np.asarray(s))
+    assert len([r for r in caplog.records if f.name in r.getMessage() and "CUDA" in r.getMessage()]) == 1
