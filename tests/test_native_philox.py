@@ -17,6 +17,7 @@ import pytest
 from giftcomm import codec
 from giftcomm.formats import Format, get_format, message_nbytes, resolve_block
 from giftcomm.reference import codec as ref
+from conftest import scale_rule_edges
 
 pytestmark = pytest.mark.skipif(not codec.native_variants(), reason="native codec extension not built")
 
@@ -160,33 +161,6 @@ def test_message_sizes_unchanged():
             _check(x, local, fmt, 99, n, f"{fmt} n={n} stochastic")
 
 
-def _scale_rule_edges(rng: np.random.Generator, fmt: str) -> np.ndarray:
-    """Three whole chunks and a partial one whose 32-value blocks have an amax at the scale rules'
-    edges: max * 2^k exactly and one ulp either side, powers of two and one ulp below, random
-    mantissas, the top float32 binade (ceil keeps the floor code there), the bottom of the E8M0
-    range, float32 subnormals, zero; the other values random below the amax."""
-    f = get_format(fmt)
-    n = 3 * 1024 + 45
-    nb = -(-n // 32)
-    top = np.finfo(np.float32).max
-    amaxes = []
-    for b in range(nb):
-        k = int(rng.integers(-140, 127))
-        m = np.float32(f.max_value * 2.0 ** max(min(k, 110), -130))
-        kind = b % 9
-        a = [m, np.nextafter(m, np.float32(np.inf)), np.nextafter(m, np.float32(0)), np.float32(2.0 ** max(k, -149)),
-             np.nextafter(np.float32(2.0 ** max(k, -148)), np.float32(0)), np.float32(rng.uniform(1, 2) * 2.0**k),
-             np.float32(rng.uniform(2.0**127, top)), np.float32(f.max_value * 2.0**-127 * rng.uniform(0.5, 2)),
-             np.float32(0.0)][kind]
-        amaxes.append(a)
-    x = np.empty(nb * 32, np.float32)
-    for b, a in enumerate(amaxes):
-        blk = (rng.uniform(-1, 1, 32) * np.float64(a)).astype(np.float32)
-        blk[rng.integers(32)] = a * np.float32(rng.choice([-1, 1]))
-        x[32 * b:32 * b + 32] = blk
-    return x[:n]
-
-
 @pytest.mark.parametrize("rule", ("ceil", "floor"))
 @pytest.mark.parametrize("fmt", ("mxfp4", "mxfp8", "mxfp8_e5m2"))
 @pytest.mark.parametrize("key", (None, 0xC0FFEE))
@@ -195,7 +169,7 @@ def test_mx_scale_rules_equal_reference_on_every_variant(fmt, rule, key):
     scales) equals the reference on blocks at the rules' edges, with either rounding."""
     rng = np.random.default_rng(hash((fmt, rule)) % 1000)
     f = get_format(fmt).with_scale_rule(rule)
-    x = _scale_rule_edges(rng, fmt)
+    x = scale_rule_edges(rng, fmt)
     local = (x * np.float32(0.25) + rng.standard_normal(x.size).astype(np.float32)).astype(np.float32)
     _check(x, local, f, key, 5, f"{fmt} mx_scale={rule}")
     other = get_format(fmt).with_scale_rule("floor" if rule == "ceil" else "ceil")
