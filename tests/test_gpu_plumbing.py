@@ -26,11 +26,11 @@ import pytest
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
-from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, get_format, message_nbytes
 from giftcomm.formats_header import c_header
 from giftcomm.reference import codec as ref
+from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from conftest import scale_rule_edges
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import api
 from giftcomm.collectives import shared
 from giftcomm.collectives.wire import Wire
 from giftcomm.formats import get_format
@@ -29,7 +28,7 @@ def run_shared(p, fn):
 
 @pytest.fixture
 def shared_calls(monkeypatch):
-    """Counts the calls that took the shared-window path (api imports the module)."""
+    """Counts the calls that took the shared-window path (the engine calls the module)."""
     calls = []
     real = shared.allreduce
 
@@ -37,7 +36,7 @@ def shared_calls(monkeypatch):
         calls.append(kwargs.get("direct"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api.shared, "allreduce", spy)
+    monkeypatch.setattr(shared, "allreduce", spy)
     return calls
 
 
@@ -93,7 +92,7 @@ def test_window_is_reused_grown_and_results_stay_exact_across_calls(rng):
 
     def body(t):
         results, windows = [], []
-        for n, algorithm, xs in plan:
+        for _n, algorithm, xs in plan:
             results.append(gc.allreduce(xs[t.rank], comm=t, algorithm=algorithm, slice_elems=2048))
             windows.append(t.shared_window(0))
         return results, windows

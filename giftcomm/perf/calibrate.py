@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .. import codec, config
+from ..collectives import algorithms
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
@@ -88,14 +89,13 @@ def fit_link(sizes, seconds, small_max: int = 1024, large_min: int = 256 * 1024)
 
 
 def steps_of(algorithm: str, p: int) -> int:
-    """Message steps of one allreduce on p ranks, as the cost model counts them (ring and direct:
-    2(p-1); doubling: log2 of the largest power of two <= p, plus 2 when p is not one)."""
-    if algorithm in ("ring", "direct"):
-        return 2 * (p - 1)
-    if algorithm == "doubling":
-        p2 = 1 << (p.bit_length() - 1)
-        return p2.bit_length() - 1 + (2 if p2 != p else 0)
-    raise ValueError(f"no step count for {algorithm!r}")
+    """Message steps of one allreduce on p ranks, as the cost model counts them (the algorithm
+    table's ``steps``: ring and direct 2(p-1); doubling log2 of the largest power of two <= p,
+    plus 2 when p is not one). ValueError for an algorithm whose steps depend on the node layout."""
+    steps = algorithms.row(algorithm).steps
+    if steps is None:
+        raise ValueError(f"no step count for {algorithm!r}")
+    return steps(p)
 
 
 def fit_overheads(steps, seconds, alpha: float) -> tuple[float, float]:
@@ -115,11 +115,9 @@ def fit_overlap(measured: float, t_full: float, t_none: float) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 
-#: the statistic over repetitions (median by default; ``--stat min`` for the best case, which is
-#: less sensitive to other jobs on a busy machine)
-STATS = {"median": lambda v: float(np.median(v)), "min": lambda v: float(np.min(v))}
-STAT = [STATS["median"]]
-STAT_NAME = ["median"]  # the same choice by name, for common.time_calls
+#: the statistic over repetitions, a key of timing.STATS (median by default; ``--stat min`` for the
+#: best case, which is less sensitive to other jobs on a busy machine); set by main()
+STAT_NAME = ["median"]
 
 
 def _idle(comm) -> None:
@@ -138,32 +136,26 @@ def _pingpong(comm, me: int, a: int, b: int, sizes: list[int], reps_small: int, 
     out = []
     for size in sizes:
         buf = np.zeros(max(size, 1), np.uint8)[:size]
+        trip = lambda: _round_trip(comm, me, a, peer, buf)
         # warm-up round trips (connection set-up, page faults); a times the last one to choose
         # the repetition count and tells b
-        trial = 0.0
-        for _ in range(3):
-            trial = _round_trip(comm, me, a, peer, buf)
+        trial = time_calls(trip, 1, warmup=2)[0]
         reps = int(min(reps_small, max(3, budget_s / max(trial, 1e-7)))) if me == a else None
         reps = _exchange_int(comm, me, a, peer, reps)
-        times = []
-        for _ in range(reps):
-            times.append(_round_trip(comm, me, a, peer, buf))
-        out.append(STAT[0](times) / 2)
+        out.append(time_calls(trip, reps, warmup=0, stat=STAT_NAME[0])[0] / 2)
     return out
 
 
-def _round_trip(comm, me: int, a: int, peer: int, buf: np.ndarray) -> float:
-    """One ping-pong of ``buf`` between a (sends first) and its peer; seconds it took here."""
+def _round_trip(comm, me: int, a: int, peer: int, buf: np.ndarray) -> None:
+    """One ping-pong of ``buf`` between a (sends first) and its peer."""
     from mpi4py import MPI  # lazily, as everywhere in the perf tools
 
-    t0 = time.perf_counter()
     if me == a:
         comm.Send([buf, MPI.BYTE], peer, 7)
         comm.Recv([buf, MPI.BYTE], peer, 7)
     else:
         comm.Recv([buf, MPI.BYTE], peer, 7)
         comm.Send([buf, MPI.BYTE], peer, 7)
-    return time.perf_counter() - t0
 
 
 def _exchange_int(comm, me: int, a: int, peer: int, value: int | None) -> int:
@@ -200,12 +192,13 @@ def measure_link(comm, pair: tuple[int, int], small: list[int], large: list[int]
 
 
 def measure_overheads(comm, alpha: float, reps: int = 200, n: int = 256) -> tuple[float, float, dict]:
-    """Collective: time tiny giftcomm.allreduce calls (n values, e4m3) with ring, direct and
-    doubling; median over calls of the slowest rank. Returns (call, step, raw data)."""
+    """Collective: time tiny giftcomm.allreduce calls (n values, e4m3) with every algorithm of the
+    table that has a step count (all but the hierarchical ones); median over calls of the slowest
+    rank. Returns (call, step, raw data)."""
     import giftcomm
 
     x = np.ones(n, np.float32)
-    algos = ["ring", "direct", "doubling"]
+    algos = [a.name for a in algorithms.TABLE if a.steps is not None]  # not the hierarchical ones
     times = []
     for algo in algos:
         times.append(time_calls(lambda: giftcomm.allreduce(x, comm=comm, algorithm=algo), reps, warmup=5,
@@ -315,14 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="network interfaces per node (0: one per rank; default: keep the previous "
                          "value); e.g. 1 on the netbed, 4 on GH200 nodes with a NIC per GPU")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--stat", choices=list(STATS), default="median",
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
                     help="statistic over repetitions (min: best case, for a busy machine)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    STAT[0] = STATS[args.stat]
     STAT_NAME[0] = args.stat
     from mpi4py import MPI
 
