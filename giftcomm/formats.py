@@ -7,6 +7,8 @@ A *format* says how a float32 value travels on the wire:
 - ``mxfp8``, ``mxfp8_e5m2``: OCP MX v1.0 MXFP8: E4M3 (E5M2) elements, one E8M0 power-of-two
   scale per 32 values.
 - ``mxfp4``: OCP MX v1.0 MXFP4: E2M1 elements packed two per byte, one E8M0 scale per 32 values.
+  The MX formats' shared exponent follows a scale rule (SCALE_RULES; ``Format.scale_rule``):
+  "ceil" by default (no element saturates), OCP's "floor" as a variant (``with_scale_rule``).
 - ``nvfp4``: NVIDIA NVFP4: E2M1 elements packed two per byte, one E4M3 scale per 16 values, and
   one float32 second-level scale per *group* of 64 blocks (1024 values) from the start of the
   message.

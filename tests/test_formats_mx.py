@@ -525,6 +525,31 @@ def codec_allreduce(x, t, f):
     return gc.allreduce(x, comm=t, fmt=f)
 
 
+def test_mx_scale_keyword_of_the_collectives(rng):
+    """mx_scale= reaches the wire (floor and ceil give the reference's bytes of their rule), ranks
+    passing different rules all raise, and a rule on a format without E8M0 scales raises the
+    same ValueError on every rank, also when only one rank asks for it."""
+    import giftcomm as gc
+    from conftest import assert_same_error, outcomes
+    from giftcomm.reference import simulate_allreduce
+
+    xs = [(rng.standard_normal(1000) * 3).astype(np.float32) for _ in range(2)]
+    for rule in SCALE_RULES:
+        f = get_format("mxfp4").with_scale_rule(rule)
+        got = gc.LoopbackGroup(2).run(lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="mxfp4", mx_scale=rule,
+                                                             algorithm="ring"))
+        want = simulate_allreduce(xs, fmt=f, algorithm="ring")
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), rule
+        shard = gc.LoopbackGroup(2).run(lambda t: gc.reduce_scatter(xs[t.rank], comm=t, fmt="mxfp8", mx_scale=rule))
+        assert all(np.all(np.isfinite(s)) for s in shard)
+    got = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="mxfp8", mx_scale=("ceil", "floor")[t.rank]))
+    assert_same_error(got, ValueError, "ranks disagree on fmt", "mx_scale='floor'")
+    got = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="e4m3", mx_scale=("floor", "ceil")[t.rank]))
+    assert all(isinstance(e, ValueError) and "E8M0" in str(e) for e in got), got
+    got = outcomes(2, lambda t: gc.allgather(xs[t.rank], comm=t, fmt="nvfp4", mx_scale="floor"))
+    assert_same_error(got, ValueError, "mx_scale='floor' applies to the formats with E8M0 scales")
+
+
 def test_scale_rule_option():
     from giftcomm.options import CallOptions
 
@@ -543,3 +568,27 @@ def test_scale_rule_option():
     # the two rules give different bytes where a block's amax mantissa exceeds the element max's
     x = np.full(32, 1.9, np.float32)
     assert not np.array_equal(codec.encode(x, o.format), codec.encode(x, "mxfp4"))
+
+
+@pytest.mark.mpi
+def test_mx_scale_rules_over_mpi_and_plans():
+    """Both rules under mpiexec: plain allreduce and a persistent plan (the one-shot plan takes
+    the node-shared channel's native path, which encodes with the variant code) equal the
+    simulation of their rule."""
+    from mpi4py import MPI
+
+    import giftcomm as gc
+    from giftcomm.reference import simulate_allreduce
+
+    comm = MPI.COMM_WORLD
+    gen = np.random.default_rng(77)
+    xs = [(gen.standard_normal(3000) * 5).astype(np.float32) for _ in range(comm.size)]
+    for rule in SCALE_RULES:
+        f = get_format("mxfp8").with_scale_rule(rule)
+        for algorithm in ("ring", "oneshot"):
+            want = simulate_allreduce(xs, fmt=f, algorithm=algorithm)[comm.rank]
+            got = gc.allreduce(xs[comm.rank], comm=comm, fmt="mxfp8", mx_scale=rule, algorithm=algorithm)
+            assert got.tobytes() == want.tobytes(), (rule, algorithm)
+            plan = gc.plan_allreduce(xs[comm.rank], comm=comm, fmt="mxfp8", mx_scale=rule, algorithm=algorithm)
+            for _ in range(2):
+                assert plan(xs[comm.rank]).tobytes() == want.tobytes(), (rule, algorithm, "plan")
