@@ -33,7 +33,6 @@ import numpy as np
 from . import config
 from ._xp import array_module, data_pointer
 from .formats import FORMATS, Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
-from .formats_header import format_facts
 from .reference import codec as _ref
 
 try:  # the extension is optional: a missing compiler must not break the package
@@ -68,6 +67,8 @@ def native_formats() -> frozenset[str]:
     """Names of the formats the native C kernels implement in this build, with the facts of this
     table (giftcomm.formats_header.format_facts as compiled; a stale build's changed row is left
     out). Empty without the extension. The others run on the NumPy reference (native_supports)."""
+    from .formats_header import format_facts  # here: `python -m giftcomm.formats_header` imports giftcomm
+
     if _native is None:
         return frozenset()
     compiled = _native._formats()
@@ -79,6 +80,8 @@ def native_supports(f: Format) -> bool:
     run it on the reference, logging that once per format."""
     ok = _native_support.get(f)
     if ok is None:
+        from .formats_header import format_facts
+
         ok = _native is not None and _native._formats().get(f.name) == format_facts(f)
         _native_support[f] = ok
         if not ok and _native is not None:
