@@ -60,7 +60,9 @@ class Kernels(Protocol):
     def decode_accumulate(self, message: Any, acc: Any, f: Format, block: int) -> Any: ...
 
 
-_native_support: dict[Format, bool] = {}
+#: id(f) -> (f, whether the native kernels run f): one entry per Format object seen (the table's
+#: rows and their interned scale-rule variants); keyed by identity, the per-call check is one lookup
+_native_support: dict[int, tuple[Format, bool]] = {}
 
 
 def native_formats() -> frozenset[str]:
@@ -78,17 +80,23 @@ def native_formats() -> frozenset[str]:
 def native_supports(f: Format) -> bool:
     """Whether the native kernels run format ``f`` (any scale rule); when not, the host kernels
     run it on the reference, logging that once per format."""
-    ok = _native_support.get(f)
-    if ok is None:
-        from .formats_header import format_facts
+    hit = _native_support.get(id(f))
+    if hit is not None:
+        return hit[1]
+    from .formats_header import format_facts
 
-        ok = _native is not None and _native._formats().get(f.name) == format_facts(f)
-        _native_support[f] = ok
-        if not ok and _native is not None:
-            logging.getLogger("giftcomm").warning(
-                "giftcomm: format %s is not native in this build of giftcomm._codec_native; running it on the "
-                "NumPy reference codec (slow)", f.name)
+    ok = _native is not None and _native._formats().get(f.name) == format_facts(f)
+    if len(_native_support) < 1024:  # bounded: Format objects made outside the table are few
+        _native_support[id(f)] = (f, ok)
+    if not ok and _native is not None and f.name not in _native_logged:
+        _native_logged.add(f.name)
+        logging.getLogger("giftcomm").warning(
+            "giftcomm: format %s is not native in this build of giftcomm._codec_native; running it on the "
+            "NumPy reference codec (slow)", f.name)
     return ok
+
+
+_native_logged: set[str] = set()
 
 
 class NativeKernels:
@@ -100,14 +108,14 @@ class NativeKernels:
     @staticmethod
     def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray, key: int | None = None,
                offset: int = 0) -> np.ndarray:
-        if not (_native_support.get(f) or native_supports(f)):
+        if not native_supports(f):
             return ReferenceKernels.encode(x, f, block, out, key, offset)
         _native.encode(x, out, f.variant_code, block, key, offset)
         return out
 
     @staticmethod
     def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
-        if not (_native_support.get(f) or native_supports(f)):
+        if not native_supports(f):
             return ReferenceKernels.decode(message, count, f, block, out)
         _native.decode(message, out, f.variant_code, block)
         return out
@@ -115,14 +123,14 @@ class NativeKernels:
     @staticmethod
     def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
                           sum_out: np.ndarray | None, key: int | None = None, offset: int = 0) -> np.ndarray:
-        if not (_native_support.get(f) or native_supports(f)):
+        if not native_supports(f):
             return ReferenceKernels.decode_add_encode(message, local, f, block, out, sum_out, key, offset)
         _native.decode_add_encode(message, local, out, sum_out, f.variant_code, block, key, offset)
         return out
 
     @staticmethod
     def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
-        if not (_native_support.get(f) or native_supports(f)):
+        if not native_supports(f):
             return ReferenceKernels.decode_accumulate(message, acc, f, block)
         _native.decode_accumulate(message, acc, f.variant_code, block)
         return acc

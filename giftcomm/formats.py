@@ -86,7 +86,7 @@ class Format:
     emax: int = 0
     scale_rule: str = ""
 
-    @property
+    @functools.cached_property
     def variant_code(self) -> int:
         """The code of this variant: ``code`` plus the scale rule's index shifted by
         SCALE_RULE_SHIFT (0 for the default rule, so the default variant's code is ``code``).
@@ -105,7 +105,7 @@ class Format:
             raise ValueError(f"mx_scale={rule!r} applies to the formats with E8M0 scales "
                              f"({', '.join(f.name for f in FORMATS.values() if f.scale_kind == 'e8m0')}); "
                              f"{self.name} has {_SCALE_WORDS.get(self.scale_kind, 'no')} scales")
-        return self if rule == self.scale_rule else replace(self, scale_rule=rule)
+        return self if rule == self.scale_rule else _variant(self, rule)
 
     @property
     def itemsize(self) -> int:
@@ -160,6 +160,12 @@ FORMATS: dict[str, Format] = {
     )
 }
 _SCALE_WORDS = {"f32": "float32", "nvfp4": "E4M3 and float32", "": "no"}
+
+
+@functools.lru_cache(maxsize=256)
+def _variant(f: Format, rule: str) -> Format:
+    """One Format object per (row, rule): the kernels' per-format caches stay bounded."""
+    return replace(f, scale_rule=rule)
 
 #: formats by their integer code
 FORMATS_BY_CODE: dict[int, Format] = {f.code: f for f in FORMATS.values()}

@@ -103,7 +103,8 @@ def python_only_format(monkeypatch):
     monkeypatch.setitem(FORMATS, f.name, f)
     monkeypatch.setitem(FORMATS_BY_CODE, code, f)
     yield f
-    codec._native_support.pop(f, None)
+    codec._native_support.pop(id(f), None)
+    codec._native_logged.discard(f.name)
     codec._cuda_fallback_logged.discard(f.name)
 
 
