@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import _xp
-from .codec import native_available
+from .codec import native_available, native_supports
 from .collectives import engine, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
@@ -66,8 +66,8 @@ class AllreducePlan:
         self._state = self._owner if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
-                      and call.arr.dtype == np.float32)
-        self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
+                      and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
+        self._fmt_code, self._avg = self._wire.fmt.variant_code, call.op == "avg"
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
@@ -229,6 +229,7 @@ def plan_allreduce(
     slice_elems: int | None = None,
     rounding: str = "nearest",
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
@@ -239,7 +240,7 @@ def plan_allreduce(
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
-                               timeout, op)
+                               timeout, op, mx_scale)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
                                 channel=_able(t, _xp.is_device_array(x)))

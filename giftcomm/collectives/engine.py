@@ -106,13 +106,13 @@ _OPTIONS_MAX = 256
 
 
 def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
-                 op: Any) -> CallOptions | Exception:
+                 op: Any, mx_scale: Any = "ceil") -> CallOptions | Exception:
     """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
     # the numbers' types too: block=True or 1.0 must not find block=1's record
-    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, type(block), type(seed),
-                         type(slice_elems), type(timeout))
+    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, type(block),
+                         type(seed), type(slice_elems), type(timeout))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering
@@ -121,7 +121,7 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
         return opts
     try:
         opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
-                              slice_elems=slice_elems, timeout=timeout, op=op)
+                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
     if key is not None:
