@@ -50,11 +50,12 @@ class AllreducePlan:
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, call: Call, algorithm: Algorithm, nodes: np.ndarray, slice_n: int, word: int,
-                 channel: bool) -> None:
-        self.transport, self.algorithm, self._row = t, algorithm.name, algorithm
+    def __init__(self, t: Transport, job: engine.Job, word: int, channel: bool) -> None:
+        call, algorithm = job.call, job.algorithm
+        assert algorithm is not None
+        self.transport, self.algorithm, self._row, self._job = t, algorithm.name, algorithm, job
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
-        self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
+        self._template, self._word = call, word
         self._wire = call.wire(t.rank)
         self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
@@ -134,7 +135,7 @@ class AllreducePlan:
             return self._reduce([got.message(q) for q in range(t.size)], call, wire, out)
         self._check(t.allgather_int64(head), error)
         assert call is not None
-        return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
+        return engine.run_allreduce(t, self._job, out, call)
 
     def _over_channel(self, channel: PlanChannel, call: Call | None, error: Exception | None, wire: Any,
                       out: Any) -> Any:
@@ -157,7 +158,7 @@ class AllreducePlan:
         self._failed(channel, status, error)
         assert call is not None
         if not self._row.one_exchange:
-            return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
+            return engine.run_allreduce(t, self._job, out, call)
         return self._reduce([channel.payload(q, parity, nbytes) for q in range(t.size)], call, wire, out)
 
     def _reduce(self, messages: list[Any], call: Call, wire: Any, out: Any) -> Any:
@@ -217,12 +218,12 @@ def plan_allreduce(
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
                                 channel=_able(t, _xp.is_device_array(x)))
         call, chosen = job.call, job.algorithm
-        assert chosen is not None and job.nodes is not None
+        assert chosen is not None
         # the same word on every rank: the agreed signature and the plan's number on this transport
         # (plans are made collectively, so every rank counts them alike)
         t.state.plans += 1
         word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
-        return AllreducePlan(t, call, chosen, job.nodes, job.slice_n, word, _channel(t, call, chosen))
+        return AllreducePlan(t, job, word, _channel(t, call, chosen))
 
 
 def _able(t: Transport, device: bool) -> bool:

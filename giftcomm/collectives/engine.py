@@ -89,8 +89,9 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
     """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
-    values = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
-    key: tuple | None = (values, tuple(map(type, values)))
+    # the numbers' types too: block=True or 1.0 must not find block=1's record
+    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, type(block), type(seed),
+                         type(slice_elems), type(timeout))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering
@@ -109,23 +110,24 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
     return opts
 
 
-@dataclass
 class Job:
     """One agreed call: the call record, its options, the algorithm every rank runs (None for
     allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
-    and the chunk bounds (reduce-scatter) or every rank's shard length (allgather). channel: the
-    call plans a persistent plan whose calls would go through the node-shared channel (so
-    ``auto`` predicts the one-exchange rows' cost there)."""
+    and the chunk bounds (reduce-scatter) or every rank's shard length and their total
+    (allgather). channel: the call plans a persistent plan whose calls would go through the
+    node-shared channel (so ``auto`` predicts the one-exchange rows' cost there). A plain class
+    with class-level defaults: it is made on every call, and only what a kind sets is written."""
 
-    call: Call
-    opts: CallOptions
     algorithm: Algorithm | None = None
     nodes: np.ndarray | None = None
     geometry: Any = None
     slice_n: int = 0
     bounds: np.ndarray | None = None
     counts: np.ndarray | None = None
-    channel: bool = False
+    total: int = 0
+
+    def __init__(self, call: Call, opts: CallOptions, channel: bool = False) -> None:
+        self.call, self.opts, self.channel = call, opts, channel
 
 
 @dataclass(frozen=True)
@@ -306,10 +308,13 @@ def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
                   bool(t.shared_memory), t.schedule)
 
 
-def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, nodes: Any, slice_n: int,
-                  out: Any) -> Any:
-    """Steps 2 and 3 of an agreed allreduce: move the data with ``algorithm``'s runner (around
-    the geometry's transforms when ``geo`` is given) and finish (avg, dtype, ``out``)."""
+def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) -> Any:
+    """Steps 2 and 3 of an agreed allreduce: move the data with the agreed algorithm's runner
+    (around the geometry's transforms when the job has one) and finish (avg, dtype, ``out``).
+    ``call``: this call's record when it is not the job's own (a persistent plan's calls)."""
+    call = job.call if call is None else call
+    geo, algorithm = job.geometry, job.algorithm
+    assert algorithm is not None
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
     flat = planning.flat_values(call)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
@@ -319,7 +324,7 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, node
     if n == 0:
         return planning.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
     into = planning.direct_out(call)
-    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, nodes, slice_n, into)
+    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
@@ -327,13 +332,8 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, node
     return finish(t, call, total, into, out, shape)
 
 
-def _allreduce_run(t: Transport, job: Job, out: Any) -> Any:
-    assert job.algorithm is not None
-    return run_allreduce(t, job.call, job.geometry, job.algorithm, job.nodes, job.slice_n, out)
-
-
 ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prepare, _allreduce_agreed,
-                 _allreduce_run)
+                 run_allreduce)
 """allreduce and gift_allreduce (and the plans, when made)."""
 
 
@@ -394,8 +394,8 @@ def _gather_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size:
 
 
 def _gather_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
-    job.counts, total_n = planning.gathered_counts(table)
-    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, total_n)
+    job.counts, job.total = planning.gathered_counts(table)
+    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.total)
 
 
 def _gather_run(t: Transport, job: Job, out: Any) -> Any:
@@ -405,7 +405,7 @@ def _gather_run(t: Transport, job: Job, out: Any) -> Any:
     sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, job.slice_n)
     own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
     gathered = ring.allgather(t, own, counts, wire, job.slice_n)
-    return planning.finish(gathered, call, t.size, (int(counts.sum()),), out, op="sum")
+    return planning.finish(gathered, call, t.size, (job.total,), out, op="sum")
 
 
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,

@@ -63,7 +63,7 @@ def check_damping(damping: float) -> float:
     return d
 
 
-def _rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
+def rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
     """(choice for G, choice for A) from from_kfac's ``rank`` argument."""
     r = rank.get(name) if isinstance(rank, Mapping) else rank
     if r is None:
@@ -202,7 +202,7 @@ class Geometry:
         Segments without factors get the identity.
         """
         return cls._per_segment(layout, factors, damping,
-                                lambda seg: _rank_choice(rank, seg.name, *seg.matrix_shape))
+                                lambda seg: rank_choice(rank, seg.name, *seg.matrix_shape))
 
     @classmethod
     def diagonal(cls, layout, factors: Mapping, damping: float = DEFAULT_DAMPING) -> Geometry:
