@@ -34,11 +34,11 @@ from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
 from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
-from .errors import CommAborted
+from .errors import CommAborted, CommClosed, CommError
 from .formats import Format, check_key
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
-from .transport.channel import WORDS, PlanChannel, native_channel
+from .transport.channel import STALE_WORD, WORDS, PlanChannel, native_channel
 
 __all__ = ["AllreducePlan", "plan_allreduce"]
 
@@ -62,7 +62,8 @@ class AllreducePlan:
         self._header = np.zeros(WORDS, np.int64)
         self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
-        self._state = t.state if channel else None
+        self._owner = t.state  # the transport's state this plan belongs to: closed with it (CommClosed)
+        self._state = self._owner if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
                       and call.arr.dtype == np.float32)
@@ -78,7 +79,7 @@ class AllreducePlan:
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = _xp.import_array(x)
+        imp = planning._import(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
@@ -109,11 +110,34 @@ class AllreducePlan:
                     return res
                 if status != 3:  # 3: not for the fast path; nothing was posted
                     self._failed(channel, status, None)
-        with engine.held(self.transport, timeout):
+        if self._owner.closed is not None:
+            self._stale()
+        with engine.held(self.transport, timeout, plain=False):
             return self._call(x, out, seed, channel)
+
+    def _stale(self) -> None:
+        """Raise CommClosed: the transport's state this plan belongs to was closed (its
+        communicator freed or released, or this is a forked child). After giftcomm.release the
+        communicator lives on: when its new transport has a plan channel, this call first meets
+        the peers' next call there, so a new plan (or plain call) on another rank raises "ranks
+        disagree" at once instead of waiting for this rank until the deadline."""
+        succ = self.transport.successor()
+        st = None if succ is None else succ._state
+        if succ is not None and st is not None and st.channel is not None:
+            try:
+                with engine.held(succ, None, plain=False):
+                    if st.channel is not None:
+                        st.channel.meet(succ, STALE_WORD, planning.caller(), "giftcomm plan")
+            except CommError:
+                raise
+            except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
+                pass
+        raise CommClosed(f"giftcomm plan: {self._owner.closed}")
 
     def _call(self, x: Any, out: Any, seed: int | None, channel: PlanChannel | None) -> Any:
         t = self.transport
+        if self._owner.closed is not None:  # closed while this call waited for the lock
+            self._stale()
         error: Exception | None = None
         call = None
         try:
@@ -172,6 +196,8 @@ class AllreducePlan:
         """Raise what a channel call's status says (on every rank alike): the deadline passed
         (2), the channel is closed after an earlier failure (4), or some rank failed or ran
         another plan (1, read from the headers)."""
+        if status == 4 and self._owner.closed is not None:
+            self._stale()
         if status == 4:
             raise CommAborted("giftcomm plan: the shared-memory channel is unusable after an earlier timeout or "
                               "interrupt (or its transport's state was released); make a new communicator and plan")

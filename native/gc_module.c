@@ -32,6 +32,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gc_codec.h"
 #include "gc_channel.h"
@@ -372,7 +373,7 @@ static PyObject *py_isas(PyObject *self, PyObject *args)
 static int set_isa(const char *name)
 {
     for (size_t i = 0; i < N_ISAS; i++) {
-        if (strcmp(g_all[i]->name, name) == 0) {
+        if (strcasecmp(g_all[i]->name, name) == 0) { /* GIFTCOMM_NATIVE_ISA=AVX2 as avx2 */
             if (!isa_supported(g_all[i]))
                 return -2;
             g_kernels = g_all[i];

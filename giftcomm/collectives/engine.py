@@ -27,9 +27,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import CommClosed
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
+from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
@@ -61,23 +63,42 @@ class GeometryLike(Protocol):
 
 class held:
     """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
-    Threads), with its waits' deadline set to ``timeout`` seconds when given."""
+    Threads), with its waits' deadline set to ``timeout`` seconds when given. A transport whose
+    state was closed meanwhile (giftcomm.release) gives a fresh state; one gone for good (its
+    communicator freed, a forked child) raises CommClosed. ``plain``: a plain call (not a plan's),
+    which meets the plans in their channel when the transport has one, so that a plan on one rank
+    and a plain call on another raise "ranks disagree" on both at once."""
 
-    __slots__ = ("_t", "_timeout", "_previous")
+    __slots__ = ("_t", "_timeout", "_previous", "_lock", "_plain")
 
-    def __init__(self, t: Transport, timeout: float | None) -> None:
-        self._t, self._timeout = t, timeout
+    def __init__(self, t: Transport, timeout: float | None, plain: bool = True) -> None:
+        self._t, self._timeout, self._plain = t, timeout, plain
         self._previous: float = 0.0
 
     def __enter__(self) -> None:
-        self._t.state.lock.acquire()
-        if self._timeout is not None:
-            self._previous, self._t.timeout = self._t.timeout, self._timeout
+        t = self._t
+        while True:
+            st = t.state
+            st.lock.acquire()
+            if st.closed is None:
+                break
+            st.lock.release()
+            if t._state is st:  # closed for good: the state stays attached
+                raise CommClosed(st.closed)
+        self._lock = st.lock
+        try:
+            if self._timeout is not None:
+                self._previous, t.timeout = t.timeout, self._timeout
+            if self._plain and st.channel is not None:
+                st.channel.meet(t, PLAIN_WORD, planning.caller(), "giftcomm")
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         if self._timeout is not None:
             self._t.timeout = self._previous
-        self._t.state.lock.release()
+        self._lock.release()
 
 
 _OPTIONS: dict[tuple, CallOptions] = {}

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..options import DEFAULT_DAMPING
-from .geometry import Geometry, rank_choice, check_damping
+from .geometry import Geometry, check_damping, rank_choice
 from .layout import Layout, as_layout
 from .sides import DenseSide, DiagonalSide, Side
 from .spectral import Spectrum, damped
