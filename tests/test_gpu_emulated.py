@@ -1,0 +1,284 @@
+"""The real CUDA kernel bodies on the CPU (marker ``emulated_gpu``): the exact source text the
+loader gives NVRTC, built as host C++ against the SIMT shim tests/emulator/simt.h (each CUDA
+thread a fiber, warp shuffles and __syncthreads real synchronisation points, CTAs in sequence),
+launched by the real giftcomm.cuda.codec through the CuPy stand-in tests/emulator/fake_cupy.py,
+and compared with giftcomm.reference bit for bit: every op and format, nearest and stochastic,
+the edge tables, grid-stride loops forced to iterate (a 3-CTA grid cap). Every launch's
+arguments are checked against the kernel's compiled signature (and those signatures against the
+PTX when nvcc is installed); a subset runs again with the kernels built under AddressSanitizer.
+Not covered here: the device's own instructions (inline PTX, hardware FP8 cvt) -- the shim
+compiles the headers' host branches; tests/test_gpu.py runs the same checks on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from giftcomm.cuda import _loader
+from giftcomm.cuda import codec as cuda_codec
+from studies.device.edge_cases import edge_vectors, random_vector
+from tests.emulator import build, fake_cupy
+
+pytestmark = pytest.mark.emulated_gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALED = ("e4m3", "e5m2")
+PASS = ("bf16", "fp16", "fp32")
+MX = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+# team path (1..256: team widths 1..32), cta path (257..4096), big two-pass path (> 4096)
+EDGE_BLOCKS = (1, 3, 4, 8, 32, 256, 300, 4096, 5000)
+
+
+def install(monkeypatch: pytest.MonkeyPatch, **kw) -> object:
+    """Make a fresh stand-in the ``cupy`` module (and drop the loader's compiled-module caches)."""
+    cp = fake_cupy.make(**kw)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(_loader, "_modules", {})
+    monkeypatch.setattr(_loader, "_functions", {})
+    return cp
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    return install(monkeypatch)
+
+
+def _tg():
+    import tests.test_gpu as tg  # the GPU test file's checks, run here against the emulator
+
+    return tg
+
+
+@pytest.mark.parametrize("fmt", SCALED + PASS)
+def test_edge_tables(cp, fmt, rng):
+    tg = _tg()
+    for name, vec in edge_vectors(fmt).items():
+        for block in EDGE_BLOCKS:
+            for offset in (0, 1):  # offset 1: the unaligned (scalar) kernel variants
+                tg._check(cp, vec, fmt, block, rng, f"{fmt} {name} block={block} offset={offset}", offset)
+
+
+@pytest.mark.parametrize("fmt", SCALED + PASS)
+def test_random_lengths_and_blocks(cp, fmt, rng):
+    tg = _tg()
+    for n in (1, 5, 31, 257, 1023, 4099, 9001):
+        for block in (1, 2, 7, 8, 32, 100, 256, 257, 1000, 4096, 4097, 10000):
+            x = random_vector(rng, n, spread=30)
+            if n > 100:
+                x[rng.integers(0, n, 3)] = [np.nan, np.inf, -np.inf]
+                x[n // 3 : n // 3 + 20] *= np.float32(2.0**-120)  # subnormal-range values
+            for offset in ((0, 1) if n == 1023 else (0,)):
+                tg._check(cp, x, fmt, block, rng, f"{fmt} n={n} block={block} offset={offset}", offset)
+
+
+@pytest.mark.parametrize("fmt,rounding", [(f, r) for f in MX for r in ("nearest", "stochastic")]
+                         + [(f, "stochastic") for f in SCALED])
+def test_mx_formats_and_stochastic_rounding(cp, fmt, rounding, rng):
+    tg = _tg()
+    for name, vec in edge_vectors("e4m3").items():
+        tg._check_mx(cp, vec, fmt, rounding, rng, f"{fmt} {rounding} {name}")
+    for n in (1, 2, 15, 17, 33, 1023, 1025, 2049, 5000):
+        x = random_vector(rng, n, spread=30)
+        if n > 100:
+            x[rng.integers(0, n, 3)] = [np.nan, np.inf, -np.inf]
+            x[n // 3 : n // 3 + 40] *= np.float32(2.0**-110)
+        tg._check_mx(cp, x, fmt, rounding, rng, f"{fmt} {rounding} n={n}")
+
+
+def test_stochastic_rounding_every_block_path(cp, rng):
+    """e4m3/e5m2 stochastic at blocks on the team, cta and big paths' sizes (non-default blocks)."""
+    from giftcomm import codec as gc
+    from giftcomm.reference import codec as ref
+
+    kw = dict(rounding="stochastic", key=0xFEEDFACE12345678, offset=(1 << 32) - 5)
+    for fmt in SCALED:
+        for block in (1, 16, 300, 4097, 9000):
+            x = random_vector(rng, 2 * block + 1001, spread=20)
+            want = ref.encode(x, fmt, block, **kw)
+            got = cp.asnumpy(gc.encode(cp.asarray(x), fmt, block, **kw))
+            assert np.array_equal(got, want), f"{fmt} block={block}"
+            local = random_vector(rng, x.size)
+            got = cp.asnumpy(gc.decode_add_encode(cp.asarray(want), cp.asarray(local), fmt, block, **kw))
+            assert np.array_equal(got, ref.decode_add_encode(want, local, fmt, block, **kw)), f"{fmt} dae block={block}"
+
+
+def _one_of_everything(cp, rng) -> None:
+    """One small case of every op x format x kernel path (aligned and not)."""
+    tg = _tg()
+    for fmt in SCALED + PASS:
+        for block in (7, 16, 301, 300, 5000):  # odd blocks: the scalar (non-_vec) variants
+            x = random_vector(rng, 6001, spread=10)
+            for offset in (0, 1):
+                tg._check(cp, x, fmt, block, rng, f"{fmt} block={block} offset={offset}", offset)
+    for fmt in MX:
+        for rounding in ("nearest", "stochastic"):
+            tg._check_mx(cp, random_vector(rng, 3000, spread=10), fmt, rounding, rng, f"{fmt} {rounding}")
+    for fmt in SCALED:
+        tg._check_mx(cp, random_vector(rng, 3000, spread=10), fmt, "stochastic", rng, f"{fmt} stochastic")
+    x = random_vector(rng, 1001, spread=10)
+    x[:50] = np.float32(np.finfo(np.float32).tiny) * np.float32(0.75)  # subnormal inputs and quotients
+    d = cp.asarray(x)
+    cuda_codec.divide_inplace(d, 3.0)
+    assert np.array_equal(cp.asnumpy(d).view(np.uint32), (x / np.float32(3)).view(np.uint32))
+
+
+def test_grid_stride_loops_iterate(monkeypatch, rng):
+    """A 3-CTA grid cap (the launch code's own _MAX_GRID): every grid-stride loop runs several
+    rounds per CTA, so a wrong stride or a missing barrier between rounds shows."""
+    cp = install(monkeypatch)
+    monkeypatch.setattr(cuda_codec, "_MAX_GRID", 3)
+    _one_of_everything(cp, rng)
+    assert max(cp.runtime_state.launches.values()) > 0
+
+
+def test_every_kernel_launched_with_checked_arguments(cp, rng):
+    """Every kernel the module defines is launched by giftcomm.cuda.codec, each launch's argument
+    count and types matching the kernel's compiled signature (fake_cupy.RawKernel refuses
+    anything else)."""
+    _one_of_everything(cp, rng)
+    kernels = set(build.build(_loader.source_text("codec")).kernels)
+    launched = set(cp.runtime_state.launches)
+    assert kernels - launched == set(), f"never launched: {sorted(kernels - launched)}"
+    assert launched <= kernels
+
+
+def test_launch_checks_refuse_wrong_arguments(cp):
+    x = cp.zeros(16, cp.float32)
+    fn = _loader.get_function("gc_div_f32")
+    fn((1,), (256,), (x, np.float32(2), np.int64(16)))
+    with pytest.raises(TypeError, match="i64 needs numpy.int64"):
+        fn((1,), (256,), (x, np.float32(2), 16))  # a Python int: CuPy would pass 8 bytes of int64 anyway, but say so
+    with pytest.raises(TypeError, match="f32\\* needs a float32 array"):
+        fn((1,), (256,), (x.view(cp.uint32), np.float32(2), np.int64(16)))
+    with pytest.raises(TypeError, match="3 parameters"):
+        fn((1,), (256,), (x, np.float32(2)))
+    with pytest.raises(TypeError, match="device array"):
+        fn((1,), (256,), (np.zeros(16, np.float32), np.float32(2), np.int64(16)))
+    with pytest.raises(ValueError, match="launch_bounds"):
+        fn((1,), (512,), (x, np.float32(2), np.int64(16)))
+
+
+_BAD_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(64) past_end(float* x, long long n) {
+    if (threadIdx.x == 0) x[n] = 1.0f;  // one past the end
+}
+extern "C" __global__ void __launch_bounds__(64) read_past_end(const float* x, float* y, long long n) {
+    if (threadIdx.x == 0) y[0] = x[n + 1];
+}
+extern "C" __global__ void __launch_bounds__(64) bad_mask(float* x) {
+    unsigned v = threadIdx.x;
+    v = __shfl_xor_sync(0x0000FFFFu, v, 16);  // lanes 16..31 are not in the mask
+    x[threadIdx.x] = (float)v;
+}
+extern "C" __global__ void __launch_bounds__(64) mask_misses_partner(float* x) {
+    unsigned v = threadIdx.x;
+    if ((threadIdx.x & 31) < 16) v = __shfl_xor_sync(0x0000FFFFu, v, 16);  // partner lane 16+ outside
+    x[threadIdx.x] = (float)v;
+}
+extern "C" __global__ void __launch_bounds__(64) team_sum(unsigned* out) {
+    unsigned v = threadIdx.x;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    __syncthreads();
+    out[threadIdx.x] = v;
+}
+"""
+
+
+def test_shim_reports_what_hardware_leaves_undefined(cp):
+    mod = cp.RawModule(code=_BAD_SOURCE)
+    x = cp.zeros(64, cp.float32)
+    with pytest.raises(RuntimeError, match="out-of-bounds write after"):
+        mod.get_function("past_end")((1,), (64,), (cp.zeros(8, cp.float32), np.int64(8)))
+    with pytest.raises(RuntimeError, match="not in the member mask"):
+        mod.get_function("bad_mask")((1,), (32,), (x,))
+    with pytest.raises(RuntimeError, match="source lane not in the member mask"):
+        mod.get_function("mask_misses_partner")((1,), (32,), (x,))
+    out = cp.zeros(64, cp.uint32)
+    mod.get_function("team_sum")((2,), (64,), (out,))
+    got = cp.asnumpy(out)
+    assert (got[:32] == sum(range(32))).all() and (got[32:] == sum(range(32, 64))).all()
+
+
+# ---------------------------------------------------------------- AddressSanitizer
+_ASAN_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from tests.emulator import fake_cupy
+    cp = fake_cupy.make(asan=True)
+    sys.modules["cupy"] = cp
+    from tests import test_gpu_emulated as t
+    rng = np.random.default_rng(7)
+    if sys.argv[1] == "suite":
+        from giftcomm.cuda import codec
+        codec._MAX_GRID = 3
+        t._one_of_everything(cp, rng)
+        print("launches", sum(cp.runtime_state.launches.values()), "kernels", len(cp.runtime_state.launches))
+    else:  # negative control: a read one past the end must be reported
+        mod = cp.RawModule(code=t._BAD_SOURCE)
+        x = cp.zeros(8, cp.float32)
+        mod.get_function("read_past_end")((1,), (32,), (x, x, np.int64(8)))
+""")
+
+
+def _libasan() -> str | None:
+    cxx = build.CXX
+    if shutil.which(cxx) is None:
+        return None
+    p = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return p if p and os.path.isabs(p) and os.path.exists(p) else None
+
+
+def _run_asan(mode: str) -> subprocess.CompletedProcess:
+    lib = _libasan()
+    assert lib, "libasan not found (g++ -print-file-name=libasan.so)"
+    env = dict(os.environ, LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=23",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", _ASAN_SCRIPT, mode], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_kernels_clean_under_address_sanitizer():
+    """Every kernel path (3-CTA grid) with the kernels built -fsanitize=address: no out-of-bounds
+    access; and a planted read past the end is reported (the sanitizer is really on)."""
+    r = _run_asan("suite")
+    assert r.returncode == 0 and "AddressSanitizer" not in r.stderr, r.stderr[-3000:]
+    assert "launches" in r.stdout
+    bad = _run_asan("control")
+    assert bad.returncode == 23 and "heap-buffer-overflow" in bad.stderr, (bad.returncode, bad.stderr[-2000:])
+
+
+# ---------------------------------------------------------------- signatures against the PTX
+_PTX_TYPES = {"u64": 8, "b64": 8, "s64": 8, "f64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+_SIZES = {"f32": 4, "f64": 8, "u8": 1, "i8": 1, "u16": 2, "i16": 2, "u32": 4, "i32": 4, "u64": 8, "i64": 8}
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not installed: the launch checks use the host-compiled signatures")
+def test_host_signatures_match_the_ptx(tmp_path):
+    """The parameter list the emulator checks launches against (from the host compiler) equals
+    the one nvcc compiles for the device: per kernel the same count and sizes, pointers 8 bytes."""
+    src = tmp_path / "codec.cu"
+    src.write_text(_loader.source_text("codec"))
+    ptx = tmp_path / "codec.ptx"
+    subprocess.run([_nvcc(), "-ptx", "-std=c++17", "-arch=sm_90", str(src), "-o", str(ptx)], check=True,
+                   capture_output=True)
+    text = ptx.read_text()
+    entries = {m.group(1): re.findall(r"\.param\s+\.(\w+)\s+\w+", m.group(2))
+               for m in re.finditer(r"\.entry\s+(\w+)\s*\(([^)]*)\)", text)}
+    host = build.build(_loader.source_text("codec")).kernels
+    assert set(entries) == set(host)
+    for name, (sig, _bound) in host.items():
+        want = [8 if p.endswith("*") else _SIZES[p] for p in sig.split(",")]
+        got = [_PTX_TYPES[t] for t in entries[name]]
+        assert got == want, f"{name}: PTX params {entries[name]} vs host {sig}"
