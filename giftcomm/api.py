@@ -28,6 +28,7 @@ from .collectives.workspace import workspace_of
 from .formats import Format
 from .partition import accumulation_dtype, shared_chunk_bounds
 from .transport import DEVICE, Transport, resolve
+from . import _xp
 from ._xp import is_device_array
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
@@ -205,7 +206,7 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: str, nodes: np.
         if call.op == "avg":
             planning.divide(total, t.size)
         return out
-    return planning.finish(total.astype(accumulation_dtype(flat.dtype), copy=False), call, t.size, shape, out)
+    return planning.finish(_xp.astype(total, accumulation_dtype(flat.dtype), copy=False), call, t.size, shape, out)
 
 
 def allreduce(

@@ -128,6 +128,16 @@ def _one_of_everything(cp, rng) -> None:
     d = cp.asarray(x)
     cuda_codec.divide_inplace(d, 3.0)
     assert np.array_equal(cp.asnumpy(d).view(np.uint32), (x / np.float32(3)).view(np.uint32))
+    wide = cuda_codec.convert(cp.asarray(x), np.float64)  # float32 <-> float64 of the collectives
+    assert np.array_equal(cp.asnumpy(wide), x.astype(np.float64))
+    x64 = x.astype(np.float64) * (1 + 2.0**-30) / 3
+    assert np.array_equal(cp.asnumpy(cuda_codec.convert(cp.asarray(x64), np.float32)).view(np.uint32),
+                          x64.astype(np.float32).view(np.uint32))
+    y = random_vector(rng, x.size)
+    assert np.array_equal(cp.asnumpy(cuda_codec.add(cp.asarray(x), cp.asarray(y))).view(np.uint32), (x + y).view(np.uint32))
+    acc = cp.asarray(y)
+    cuda_codec.add_inplace(acc, cp.asarray(x))
+    assert np.array_equal(cp.asnumpy(acc).view(np.uint32), (y + x).view(np.uint32))
 
 
 def test_grid_stride_loops_iterate(monkeypatch, rng):
@@ -282,3 +292,81 @@ def test_host_signatures_match_the_ptx(tmp_path):
         want = [8 if p.endswith("*") else _SIZES[p] for p in sig.split(",")]
         got = [_PTX_TYPES[t] for t in entries[name]]
         assert got == want, f"{name}: PTX params {entries[name]} vs host {sig}"
+
+
+# ---------------------------------------------------------------- collectives under -ftz=true
+# The stand-in with ftz=True flushes float32 subnormals in every CuPy-style elementwise operation
+# and float32<->float64 cast, as CuPy's own kernels do on a GPU; the codec kernels do not (the
+# shim runs them with IEEE arithmetic, which the PTX check in tests/test_gpu_plumbing.py ties to
+# the device code). So a collective equals the NumPy simulation on subnormal-heavy data only if
+# every float operation it does on device arrays goes through giftcomm's kernels.
+FTZ_ALGORITHMS = ("ring", "direct", "doubling", "oneshot", "hierarchical", "hierarchical_direct")
+FTZ_CASES = [("fp32", 8), ("e4m3", 32), ("e5m2", 256), ("bf16", 64), ("mxfp8", None), ("nvfp4", None)]
+
+
+def subnormal_heavy(rng, p: int, n: int, dtype) -> list[np.ndarray]:
+    """Per-rank values of magnitude 2^-150..2^-100: float32 subnormals, their sums, and block
+    scales whose decoded values are subnormal."""
+    return [(rng.standard_normal(n) * 2.0 ** rng.uniform(-150, -100, n)).astype(dtype) for _ in range(p)]
+
+
+def _ftz_allreduce_case(cp, rng, p, algorithm, fmt, block, dtype, op, n=777):
+    import giftcomm as gc
+    from giftcomm.reference import simulate_allreduce
+    from giftcomm.reference.simulate import resolve_algorithm
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    local_size = (2 if p % 2 == 0 else 1) if algorithm.startswith("hierarchical") else None
+    xs = subnormal_heavy(rng, p, n, dtype)
+    args = [cp.asarray(x) for x in xs]
+    got = DeviceLoopbackGroup(p).run(lambda t: gc.allreduce(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
+                                                            algorithm=algorithm, local_size=local_size))
+    ran = resolve_algorithm(algorithm, n, p, None, fmt, block or gc.formats.get_format(fmt).default_block())
+    want = simulate_allreduce(xs, fmt, block, op, ran, local_size=local_size)
+    for r in range(p):
+        assert isinstance(got[r], cp.ndarray)
+        g, w = cp.asnumpy(got[r]), want[r]
+        assert g.dtype == w.dtype
+        bad = np.flatnonzero(~((g == w) | (np.isnan(g) & np.isnan(w))) | (np.signbit(g) != np.signbit(w)))
+        assert bad.size == 0, (f"{algorithm} {fmt} {np.dtype(dtype).name} {op} P={p} rank {r}: {bad.size} of {n} differ, "
+                               f"e.g. [{bad[0]}] {g[bad[0]]!r} vs {w[bad[0]]!r}")
+
+
+@pytest.mark.parametrize("algorithm", FTZ_ALGORITHMS)
+def test_collectives_keep_subnormals_under_ftz(monkeypatch, rng, algorithm):
+    cp = install(monkeypatch, ftz=True)
+    for fmt, block in FTZ_CASES:
+        for dtype in (np.float32, np.float64):
+            for p in (1, 3, 4):
+                _ftz_allreduce_case(cp, rng, p, algorithm, fmt, block, dtype, ("sum", "avg")[p % 2])
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_reduce_scatter_keeps_subnormals_under_ftz(monkeypatch, rng, algorithm):
+    import giftcomm as gc
+    from giftcomm.reference import simulate_reduce_scatter
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    cp = install(monkeypatch, ftz=True)
+    for fmt, block in FTZ_CASES[:4]:
+        for dtype in (np.float32, np.float64):
+            p, op = 3, "avg" if dtype == np.float32 else "sum"
+            xs = subnormal_heavy(rng, p, 999, dtype)
+            args = [cp.asarray(x) for x in xs]
+            got = DeviceLoopbackGroup(p).run(lambda t: gc.reduce_scatter(args[t.rank], comm=t, op=op, fmt=fmt,
+                                                                         block=block, algorithm=algorithm))
+            want = simulate_reduce_scatter(xs, fmt, block, op, algorithm)
+            for r in range(p):
+                g = cp.asnumpy(got[r])
+                assert g.tobytes() == want[r].tobytes(), f"{algorithm} {fmt} {np.dtype(dtype).name} rank {r}"
+
+
+def test_ftz_stand_in_flushes_like_cupy(monkeypatch):
+    """The stand-in really flushes (else the test above could not fail): float32 adds, casts."""
+    cp = install(monkeypatch, ftz=True)
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
+    a = cp.asarray(np.array([tiny, -tiny * 3, 1.0], np.float32))
+    assert cp.asnumpy(a + a).tolist()[:2] == [0.0, 0.0]
+    assert cp.asnumpy(a.astype(np.float64))[0] == 0.0
+    b = cp.asarray(np.array([1e-40, 1.0], np.float64)).astype(np.float32)
+    assert cp.asnumpy(b)[0] == 0.0

@@ -33,7 +33,7 @@ import numpy as np
 from ..formats import Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
-__all__ = ["CudaKernels", "divide_inplace"]
+__all__ = ["CudaKernels", "divide_inplace", "add_inplace", "add", "convert"]
 
 _THREADS = 256
 _MAX_GRID = 1 << 20
@@ -203,6 +203,52 @@ def divide_inplace(x: Any, d: float) -> Any:
     if n:
         _loader.get_function("gc_div_f32")((_grid(n, _THREADS),), (_THREADS,), (x, np.float32(d), np.int64(n)))
     return x
+
+
+def _flat32(a: Any, name: str) -> Any:
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 device array (got {a.dtype})")
+    return a.reshape(-1)
+
+
+def add_inplace(acc: Any, x: Any) -> Any:
+    """``acc += x`` on contiguous float32 CuPy arrays of one size (gc_pt_fp32: IEEE float32 adds
+    without flush-to-zero, unlike CuPy's ``+=``, compiled with -ftz=true). Returns acc."""
+    a, b = _flat32(acc, "acc"), _flat32(x, "x")
+    if a.size != b.size:
+        raise ValueError(f"add_inplace: sizes differ ({a.size} vs {b.size})")
+    if a.size:
+        _pt_fp32(2, a.size, b, a)
+    return acc
+
+
+def add(a: Any, b: Any, out: Any = None) -> Any:
+    """``a + b`` of contiguous float32 CuPy arrays of one size, without flush-to-zero (into ``out``,
+    float32, when given)."""
+    fa, fb = _flat32(a, "a"), _flat32(b, "b")
+    if fa.size != fb.size:
+        raise ValueError(f"add: sizes differ ({fa.size} vs {fb.size})")
+    res = _cp().empty(a.shape, np.float32) if out is None else out
+    if fa.size:
+        _pt_fp32(3, fa.size, fa, None, x=fb, wout=_flat32(res, "out"))
+    return res
+
+
+def convert(x: Any, dtype: Any, out: Any = None) -> Any:
+    """``x`` (contiguous float32 or float64 CuPy array) cast to float64 / float32 without
+    flush-to-zero (gc_cvt_f32_f64: exact; gc_cvt_f64_f32: round to nearest even, subnormal results
+    kept), into ``out`` when given; a CuPy ``astype`` between the two flushes subnormals."""
+    dt = np.dtype(dtype)
+    kernels = {(np.dtype(np.float32), np.dtype(np.float64)): "gc_cvt_f32_f64",
+               (np.dtype(np.float64), np.dtype(np.float32)): "gc_cvt_f64_f32"}
+    name = kernels.get((x.dtype, dt))
+    if name is None or not x.flags.c_contiguous:
+        raise ValueError(f"convert: float32 <-> float64 of a contiguous array only (got {x.dtype} -> {dt})")
+    res = _cp().empty(x.shape, dt) if out is None else out
+    n = x.size
+    if n:
+        _loader.get_function(name)((_grid(n, _THREADS),), (_THREADS,), (x.reshape(-1), res.reshape(-1), np.int64(n)))
+    return res
 
 
 class CudaKernels:

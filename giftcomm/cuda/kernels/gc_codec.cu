@@ -595,3 +595,20 @@ GC_MX_ENTRIES(2, 1, nvfp4)
 GC_MX_ENTRIES(2, 0, mxfp4)
 GC_MX_ENTRIES(0, 0, mxfp8)
 GC_MX_ENTRIES(1, 0, mxfp8_e5m2)
+
+// ---------------------------------------------------------------- float32 <-> float64 casts
+// y = x converted (float32 -> float64 exactly; float64 -> float32 rounded to nearest even), for
+// the collectives' float64 accumulation on device arrays (giftcomm._xp.astype): explicit
+// cvt.f64.f32 / cvt.rn.f32.f64 without .ftz, where a CuPy astype (compiled with -ftz=true) reads a
+// subnormal float32 as zero or writes a subnormal float32 result as zero.
+extern "C" __global__ void __launch_bounds__(256) gc_cvt_f32_f64(const float* __restrict__ x, double* __restrict__ y,
+                                                                 long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x)
+        y[i] = gc_f32_to_f64(x[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gc_cvt_f64_f32(const double* __restrict__ x, float* __restrict__ y,
+                                                                 long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x)
+        y[i] = gc_f64_to_f32(x[i]);
+}
