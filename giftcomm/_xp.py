@@ -161,9 +161,16 @@ def import_array(obj: Any) -> Imported:
     bf16 = dtype_name == "bfloat16"
     if hasattr(obj, "__dlpack__"):
         device = is_device_array(obj)
-        # a torch bfloat16 tensor goes as its bits, an int16 view (no copy): DLPack consumers that
-        # do not know bfloat16 (NumPy, older CuPy) take that instead
-        producer = obj.view(sys.modules["torch"].int16) if bf16 and source == "torch" else obj
+        # a bfloat16 array goes as its bits, which DLPack consumers that do not know bfloat16
+        # (NumPy, CuPy 13) take: torch as an int16 view (no copy), JAX as a uint16 bitcast on the
+        # JAX side (JAX arrays are immutable, so a new array of the same bits)
+        producer = obj
+        if bf16 and source == "torch":
+            producer = obj.view(sys.modules["torch"].int16)
+        elif bf16 and source == "jax":
+            import jax
+
+            producer = jax.lax.bitcast_convert_type(obj, np.uint16)
         if device:
             arr = _cupy().from_dlpack(producer)
             if bf16:

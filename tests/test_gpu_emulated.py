@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ def install(monkeypatch: pytest.MonkeyPatch, **kw) -> object:
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(_loader, "_modules", {})
     monkeypatch.setattr(_loader, "_functions", {})
+    monkeypatch.setattr(cuda_codec, "_scratch_local", threading.local())  # buffers of an earlier stand-in
     return cp
 
 
@@ -101,7 +103,7 @@ def test_stochastic_rounding_every_block_path(cp, rng):
     kw = dict(rounding="stochastic", key=0xFEEDFACE12345678, offset=(1 << 32) - 5)
     for fmt in SCALED:
         for block in (1, 16, 300, 4097, 9000):
-            x = random_vector(rng, 2 * block + 1001, spread=20)
+            x = random_vector(rng, block + 1001, spread=20)
             want = ref.encode(x, fmt, block, **kw)
             got = cp.asnumpy(gc.encode(cp.asarray(x), fmt, block, **kw))
             assert np.array_equal(got, want), f"{fmt} block={block}"
@@ -370,3 +372,69 @@ def test_ftz_stand_in_flushes_like_cupy(monkeypatch):
     assert cp.asnumpy(a.astype(np.float64))[0] == 0.0
     b = cp.asarray(np.array([1e-40, 1.0], np.float64)).astype(np.float32)
     assert cp.asnumpy(b)[0] == 0.0
+
+
+# ---------------------------------------------------------------- DLPack, alignment, allocations
+def test_jax_bfloat16_device_arrays_go_as_uint16_bits(monkeypatch, rng):
+    """A JAX bfloat16 array on the device reaches CuPy as uint16 bits (a JAX-side bitcast): CuPy 13
+    refuses bfloat16 DLPack, which the stand-in mimics. A JAX CPU array stands in for a GPU one."""
+    jnp = pytest.importorskip("jax.numpy")
+    from giftcomm import _xp
+
+    cp = install(monkeypatch)
+    monkeypatch.setattr(_xp, "is_device_array", lambda x: not isinstance(x, np.ndarray))
+    host = rng.standard_normal(37).astype(np.float32)
+    x = jnp.asarray(host, jnp.bfloat16)
+    imp = _xp.import_array(x)
+    assert imp.device and imp.logical == "bfloat16" and imp.source == "jax"
+    assert isinstance(imp.array, cp.ndarray) and imp.array.dtype == np.uint16
+    assert np.array_equal(cp.asnumpy(imp.array), np.asarray(x).view(np.uint16))
+    f32 = cp.asnumpy(_xp.to_float32(imp.array, "bfloat16"))
+    assert np.array_equal(f32, np.asarray(x).astype(np.float32))
+
+
+def test_misaligned_arguments_raise_value_error(cp):
+    """A misaligned fp32 message or float32 array is a ValueError before any launch (on a GPU a
+    misaligned float access is a sticky fault of the context)."""
+    from giftcomm import codec as gc
+
+    x = cp.asarray(np.arange(8, dtype=np.float32))
+    store = cp.zeros(4 * 8 + 4, cp.uint8)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        gc.encode(x, "fp32", out=store[1 : 1 + 32])
+    good = gc.encode(x, "fp32", out=store[4 : 4 + 32])
+    shifted = cp.zeros(4 * 8 + 4, cp.uint8)
+    shifted[1 : 1 + 32] = good
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        gc.decode(shifted[1 : 1 + 32], 8, "fp32")
+    odd = cp.zeros(40, cp.uint8)[2 : 2 + 32].view(cp.float32)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        gc.encode(odd, "e4m3")
+    assert np.array_equal(cp.asnumpy(gc.decode(good, 8, "fp32")), np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt,block,rounding", [("e4m3", 8192, "nearest"), ("e5m2", 5000, "nearest"),
+                                                ("e4m3", 64, "stochastic"), ("e5m2", 9000, "stochastic"),
+                                                ("nvfp4", None, "stochastic"), ("fp32", None, "nearest")])
+def test_no_allocation_in_a_calls_steady_state(cp, rng, fmt, block, rounding):
+    """With out= / sum_out= given, repeated codec calls allocate no device memory after the first
+    (the big path's amax scratch is reused): what CUDA-graph capture needs."""
+    from giftcomm import codec as gc
+
+    n = 9_001
+    x, local = cp.asarray(random_vector(rng, n)), cp.asarray(random_vector(rng, n))
+    kw = dict(rounding=rounding, key=12345) if rounding == "stochastic" else {}
+    msg = gc.encode(x, fmt, block, **kw)
+    out, dec, s = cp.empty(msg.size, cp.uint8), cp.empty(n, cp.float32), cp.empty(n, cp.float32)
+
+    def calls():
+        gc.encode(x, fmt, block, out=out, **kw)
+        gc.decode(msg, n, fmt, block, out=dec)
+        gc.decode_add_encode(msg, local, fmt, block, out=out, sum_out=s, **kw)
+        gc.decode_accumulate(msg, dec, fmt, block)
+
+    calls()
+    before = cp.runtime_state.allocations
+    for _ in range(3):
+        calls()
+    assert cp.runtime_state.allocations == before

@@ -26,6 +26,7 @@ of message value i use counter ``offset + i`` (docs/wire-format.md).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,36 @@ def _parts(msg: Any, count: int, f: Format, block: int) -> tuple[Any, Any]:
     return msg[:count], msg[off : off + 4 * num_blocks(count, block)].view(cp.float32)
 
 
+_scratch_local = threading.local()
+
+
+def _amax_scratch(nb: int) -> Any:
+    """``nb`` zeroed uint32 words for the big path's amax pass: one buffer per thread, device and
+    stream, grown to the largest request and reused (no allocation in a call's steady state, so
+    a call can be captured in a CUDA graph). Reuse is safe: the next call on the same stream
+    zeroes it only after this call's kernels ran (stream order); other threads or streams get
+    their own."""
+    cp = _cp()
+    bufs = getattr(_scratch_local, "bufs", None)
+    if bufs is None:
+        bufs = _scratch_local.bufs = {}
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    buf = bufs.get(key)
+    if buf is None or buf.size < nb:
+        buf = bufs[key] = cp.empty(max(nb, 2 * (0 if buf is None else buf.size), 64), cp.uint32)
+    amax = buf[:nb]
+    amax.fill(0)
+    return amax
+
+
+def _aligned(a: Any, name: str) -> Any:
+    """``a`` unchanged; ValueError when its start is not 4-byte aligned (a float32 access there is a
+    sticky CUDA fault that breaks the context, not an exception)."""
+    if _ptr(a) % 4:
+        raise ValueError(f"{name} must start at a 4-byte aligned address (device pointer {_ptr(a):#x})")
+    return a
+
+
 def _grid(items: int, per_cta: int = 1) -> int:
     return max(1, min(-(-items // per_cta), _MAX_GRID))
 
@@ -76,7 +107,6 @@ def _team_width(block: int) -> int:
 def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any,
                    x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
     """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format."""
-    cp = _cp()
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     s_out = _NULL if sum_out is None else sum_out
@@ -96,7 +126,7 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
             fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32))
         return
     splits = -(-block // BIG_TILE)
-    amax = cp.zeros(nb, cp.uint32)
+    amax = _amax_scratch(nb)
     grid = (_grid(nb * splits),)
     if mode == "enc":
         _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
@@ -112,11 +142,10 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
 def _sr8_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any,
                 key: int, offset: int, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
     """Stochastic e4m3/e5m2: the big path's amax pass, then the stochastic store pass."""
-    cp = _cp()
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     splits = -(-block // BIG_TILE)
-    amax = cp.zeros(nb, cp.uint32)
+    amax = _amax_scratch(nb)
     grid = (_grid(nb * splits),)
     k64, o64 = np.uint64(key), np.uint64(offset)
     if mode == "enc":
@@ -261,12 +290,13 @@ class CudaKernels:
         n = x.size
         if n == 0:
             return out
+        _aligned(x, "x")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, x, out, key, offset)
             return out
         if not f.scaled:
             if f.name == "fp32":
-                out.view(_cp().float32)[...] = x
+                _aligned(out, "a fp32 wire message").view(_cp().float32)[...] = x
             else:
                 _pt_launch(f, 0, n, x=x, wout=out)
             return out
@@ -282,12 +312,13 @@ class CudaKernels:
         cp = _cp()
         if count == 0:
             return out
+        _aligned(out, "out")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, count, message, out, False)
             return out
         if not f.scaled:
             if f.name == "fp32":
-                out[...] = message.view(cp.float32)
+                out[...] = _aligned(message, "a fp32 wire message").view(cp.float32)
             else:
                 _pt_launch(f, 1, count, win=message, out=out)
             return out
@@ -303,6 +334,9 @@ class CudaKernels:
         n = local.size
         if n == 0:
             return out
+        _aligned(local, "local")
+        if sum_out is not None:
+            _aligned(sum_out, "sum_out")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, local, out, key, offset, message=message, sum_out=sum_out)
             return out
@@ -327,6 +361,7 @@ class CudaKernels:
         n = acc.size
         if n == 0:
             return acc
+        _aligned(acc, "acc")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, n, message, acc, True)
             return acc
