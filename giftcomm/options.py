@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .collectives.algorithms import CHOICES as ALGORITHM_CHOICES
 from .formats import Format, check_key, check_rounding, get_format, resolve_block
 
 __all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES"]
@@ -81,8 +82,8 @@ class CallOptions:
         seed = None if self.seed is None else check_key(self.seed, "seed")
         if self.op not in OPS:
             raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
-        if not isinstance(self.algorithm, str):
-            raise ValueError(f"algorithm must be a str, got {self.algorithm!r}")
+        if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHM_CHOICES:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {self.algorithm!r}")
         slice_elems = _positive_int_or_none(self.slice_elems, "slice_elems")
         timeout = self.timeout
         if timeout is not None:

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from . import _xp
-from .api import agree_allreduce, held, run_allreduce
 from .codec import native_available
-from .collectives import oneshot
+from .collectives import engine, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
+from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted
 from .formats import Format, check_key
@@ -40,11 +40,8 @@ from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import WORDS, PlanChannel, native_channel
 
-__all__ = ["AllreducePlan", "plan_allreduce", "ONESHOT_MAX_BYTES"]
+__all__ = ["AllreducePlan", "plan_allreduce"]
 
-ONESHOT_MAX_BYTES = 64 << 10
-"""A plan with ``algorithm="auto"`` takes the one-shot algorithm up to this many input bytes per
-rank (and at most 8 ranks): one exchange, with the check word inside it on host arrays."""
 
 class AllreducePlan:
     """A planned allreduce over one transport; call it with arrays shaped like the template.
@@ -53,20 +50,20 @@ class AllreducePlan:
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, call: Call, algorithm: str, nodes: np.ndarray, slice_n: int, word: int,
+    def __init__(self, t: Transport, call: Call, algorithm: Algorithm, nodes: np.ndarray, slice_n: int, word: int,
                  channel: bool) -> None:
-        self.transport, self.algorithm = t, algorithm
+        self.transport, self.algorithm, self._row = t, algorithm.name, algorithm
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
         self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
         self._wire = call.wire(t.rank)
         self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
         self._header = np.zeros(WORDS, np.int64)
-        self._piggyback = algorithm == "oneshot" and t.memory == HOST and not call.imp.device
+        self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
         self._state = t.state if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
-        self._fast = (channel and algorithm == "oneshot" and not self._stochastic and call.imp.source == "numpy"
+        self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
                       and call.arr.dtype == np.float32)
         self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
 
@@ -111,7 +108,7 @@ class AllreducePlan:
                     return res
                 if status != 3:  # 3: not for the fast path; nothing was posted
                     self._failed(channel, status, None)
-        with held(self.transport, timeout):
+        with engine.held(self.transport, timeout):
             return self._call(x, out, seed, channel)
 
     def _call(self, x: Any, out: Any, seed: int | None, channel: PlanChannel | None) -> Any:
@@ -137,7 +134,7 @@ class AllreducePlan:
             return self._reduce([got.message(q) for q in range(t.size)], call, wire, out)
         self._check(t.allgather_int64(head), error)
         assert call is not None
-        return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+        return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
 
     def _over_channel(self, channel: PlanChannel, call: Call | None, error: Exception | None, wire: Any,
                       out: Any) -> Any:
@@ -146,7 +143,7 @@ class AllreducePlan:
         t = self.transport
         parity, nbytes = channel.native.parity(), wire.nbytes(self._zeros.size)
         head = self._header
-        if call is not None and self.algorithm == "oneshot":
+        if call is not None and self._row.one_exchange:
             try:  # a failure here still posts (the error code): no rank is left waiting
                 wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
             except Exception as exc:
@@ -159,8 +156,8 @@ class AllreducePlan:
             raise
         self._failed(channel, status, error)
         assert call is not None
-        if self.algorithm != "oneshot":
-            return run_allreduce(t, call, None, self.algorithm, self._nodes, self._slice, out)
+        if not self._row.one_exchange:
+            return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
         return self._reduce([channel.payload(q, parity, nbytes) for q in range(t.size)], call, wire, out)
 
     def _reduce(self, messages: list[Any], call: Call, wire: Any, out: Any) -> Any:
@@ -168,11 +165,7 @@ class AllreducePlan:
         t = self.transport
         into = planning.direct_out(call) if self._acc == np.float32 else None
         total = oneshot.reduce(messages, self._zeros.size, wire, self._acc, into)
-        if into is not None:
-            if call.op == "avg":
-                planning.divide(total, t.size)
-            return out
-        return planning.finish(total, call, t.size, self.shape, out)
+        return engine.finish(t, call, total, into, out, self.shape)
 
     def _failed(self, channel: PlanChannel, status: int, error: Exception | None) -> None:
         """Raise what a channel call's status says (on every rank alike): the deadline passed
@@ -211,30 +204,38 @@ def plan_allreduce(
     timeout: float | None = None,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
-    :func:`giftcomm.allreduce`). ``algorithm="auto"`` takes the one-shot algorithm up to
-    :data:`ONESHOT_MAX_BYTES` on at most 8 ranks, else the cost model's choice. With
+    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
+    plain call; where the plan's calls go through the node-shared channel, the one-shot
+    algorithm is predicted there (no messages: codec work and one handshake), so it is taken for
+    larger buffers than by the plain call (giftcomm.costmodel.choose, ``channel``). With
     ``rounding="stochastic"`` every call passes its own ``seed=``.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
-    with held(t, timeout):
-        call, _, chosen, nodes = agree_allreduce(t, planning.caller(), x, None, op, fmt, block, None, algorithm,
-                                                 local_size, slice_elems, rounding, 0 if rounding == "stochastic" else None)
-        if algorithm == "auto" and t.size <= 8 and call.arr.nbytes <= ONESHOT_MAX_BYTES:
-            chosen = "oneshot"
+    opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
+                               timeout, op)
+    with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
+                                channel=_able(t, _xp.is_device_array(x)))
+        call, chosen = job.call, job.algorithm
+        assert chosen is not None and job.nodes is not None
         # the same word on every rank: the agreed signature and the plan's number on this transport
         # (plans are made collectively, so every rank counts them alike)
         t.state.plans += 1
         word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
-        slice_n = slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
-        return AllreducePlan(t, call, chosen, nodes, slice_n, word, _channel(t, call, chosen))
+        return AllreducePlan(t, call, chosen, job.nodes, job.slice_n, word, _channel(t, call, chosen))
 
 
-def _channel(t: Transport, call: Call, algorithm: str) -> bool:
+def _able(t: Transport, device: bool) -> bool:
+    """Whether this rank could run a plan's calls through the node-shared channel: host arrays on
+    a host shared-memory transport, with the native channel built."""
+    return (t.memory == HOST and not device and bool(t.shared_memory) and native_channel() is not None
+            and native_available())
+
+
+def _channel(t: Transport, call: Call, algorithm: Algorithm) -> bool:
     """Whether the plan's calls go through the node-shared channel (collective: every rank
     alike): host arrays, every rank able to run the native channel, and a channel to be had."""
-    able = (t.memory == HOST and not call.imp.device and t.shared_memory and native_channel() is not None
-            and native_available())
-    if not t.allgather_int64(np.array([int(able)], np.int64))[:, 0].all():
+    if not t.allgather_int64(np.array([int(_able(t, call.imp.device))], np.int64))[:, 0].all():
         return False
     wire = call.wire(t.rank)
-    return t.plan_channel(wire.nbytes(call.arr.size) if algorithm == "oneshot" else 0) is not None
+    return t.plan_channel(wire.nbytes(call.arr.size) if algorithm.one_exchange else 0) is not None

@@ -52,7 +52,7 @@ __all__ = ["make_inputs", "relative_error", "sim_error", "study", "ErrorRow", "D
            "main"]
 
 DISTS = ("gaussian", "heavy", "correlated")
-ALGOS = ("ring", "direct", "hierarchical", "doubling")
+ALGOS = ("ring", "direct", "hierarchical", "doubling", "oneshot")
 ROUNDINGS = ("nearest", "stochastic")
 LOCAL_SIZE = 4
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import BY_NAME, NAMES
 from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, predict, quantizations
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 
-ALGOS = ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct"]
+ALGOS = NAMES
 
 
 def run(p, fn):
@@ -30,7 +31,7 @@ def local_sizes(p):
 @pytest.mark.parametrize("n", [1, 5, 1000, 9000])
 def test_every_algorithm_equals_its_simulation(rng, p, algorithm, n):
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
-    for k in local_sizes(p) if algorithm.startswith("hierarchical") else [None]:
+    for k in local_sizes(p) if BY_NAME[algorithm].needs_nodes else [None]:
         kw = dict(algorithm=algorithm, local_size=k, block=64)
         outs = run(p, lambda t: gc.allreduce(xs[t.rank], comm=t, slice_elems=128, **kw))
         want = simulate_allreduce(xs, **kw)
@@ -99,9 +100,12 @@ def test_error_grows_with_p_for_the_ring_but_not_for_direct(rng):
 def test_cost_model_shapes():
     cal = Calibration(shm=LinkCost(1e-5, 1 / 5e9), net=LinkCost(5e-5, 1 / 1.25e8))
     one_node, two_nodes = Topology(8, 1, 8), Topology(8, 2, 4)
-    # latency-bound sizes favour recursive doubling, bandwidth-bound ones do not
-    assert choose(64, one_node, "e4m3", cal=cal) == "doubling"
-    assert choose(1 << 24, one_node, "e4m3", cal=cal) != "doubling"
+    # latency-bound sizes favour one exchange or recursive doubling, bandwidth-bound ones neither
+    assert choose(64, one_node, "e4m3", cal=cal) in ("oneshot", "doubling")
+    assert choose(1 << 24, one_node, "e4m3", cal=cal) not in ("oneshot", "doubling")
+    # the one-shot exchange's bytes grow with P: many ranks move it to doubling sooner
+    assert choose(1 << 14, Topology(2, 1, 2), "e4m3", cal=cal) == "oneshot"
+    assert choose(1 << 14, Topology(64, 1, 64), "e4m3", cal=cal) != "oneshot"
     # over a slow network, the hierarchical algorithms win for large buffers
     assert choose(1 << 24, two_nodes, "e4m3", cal=cal).startswith("hierarchical")
     # bytes matter: e4m3 is predicted faster than fp32 on a slow link

@@ -25,6 +25,7 @@ from conftest import outcomes as shared_outcomes
 from test_gpu_plumbing import FakeDeviceArray
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
 from giftcomm.cuda import available as cuda_available
 from giftcomm.geometry import Geometry
 from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_gift_allreduce, simulate_reduce_scatter
@@ -38,7 +39,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
 # (fmt, n, block): block-scaled FP8 with partial last blocks, fewer blocks than ranks, raw formats
 CASES = [("e4m3", 1000, 32), ("e5m2", 515, 256), ("e4m3", 7, 3), ("bf16", 300, 64), ("fp32", 41, 8)]
-ALL_ALGORITHMS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot", "auto")
+ALL_ALGORITHMS = CHOICES
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,14 @@ def outcomes(p, fn, group=DeviceLoopbackGroup):
 
 def _local_size(algorithm: str, p: int) -> int | None:
     """A node layout for the hierarchical algorithms: two ranks a node when P is even, else one."""
-    if not algorithm.startswith("hierarchical"):
+    if algorithm == AUTO or not BY_NAME[algorithm].needs_nodes:
         return None
     return 2 if p % 2 == 0 else 1
 
 
 # ----------------------------------------------------------------------- reduce_scatter
 @pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])
 def test_reduce_scatter_matches_simulation(rng, path, p, algorithm):
     for fmt, n, block in CASES:
         for dtype in DTYPES:
@@ -159,7 +160,7 @@ def test_allgather_unequal_shards_matches_simulation(rng, path, p):
 
 
 @pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])
 def test_allgather_of_reduce_scatter_is_allreduce(rng, path, p, algorithm):
     for dtype in (np.float32, np.float64):
         xs = inputs(rng, p, 2049, dtype)

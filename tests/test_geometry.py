@@ -320,6 +320,7 @@ def test_kfac_estimator_local_sync_matches_from_kfac(rng):
     x = rng.standard_normal(layout.size).astype(np.float32)
     ref = Geometry.from_kfac(layout, {"w": (ema(a_all), ema(d_all))}, rank=8)
     np.testing.assert_allclose(est.geometry(rank=8).forward(x), ref.forward(x), rtol=1e-5, atol=1e-5)
+    assert ref.agree(None) is ref  # this process alone: nothing to agree with
     with pytest.raises(ValueError, match="inputs must end"):
         est.update("w", rng.standard_normal((5, m)), rng.standard_normal((5, m)))
 

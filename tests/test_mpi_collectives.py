@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import CHOICES, SCATTER_CHOICES
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 
 pytestmark = pytest.mark.mpi
@@ -135,7 +136,7 @@ def test_pipelined_slices_over_mpi(transport, shared_rng, slice_elems):
     assert_identical_everywhere(transport.comm, y)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot", "auto"])
+@pytest.mark.parametrize("algorithm", CHOICES)
 @pytest.mark.parametrize("n", [7, 4099, 300001])
 def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
     xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
@@ -146,7 +147,7 @@ def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
         assert_identical_everywhere(comm, y)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])  # the algorithms with a shared-window path
 @pytest.mark.parametrize("n", [5, 4099, 300001])
 def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm, n):
     """MpiTransport uses an MPI shared window on one node (the default) or MPI messages

@@ -9,13 +9,15 @@ import pytest
 from conftest import outcomes, same
 
 import giftcomm as gc
+from giftcomm.collectives.algorithms import CHOICES
 from giftcomm.reference import simulate_allreduce
+from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 @pytest.mark.parametrize("n", [0, 7, 300, 40000])
-@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct", "oneshot"])
+@pytest.mark.parametrize("algorithm", CHOICES)
 @pytest.mark.parametrize("group", [gc.LoopbackGroup, DeviceLoopbackGroup])
 def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
     dtype = (np.float32, np.float64, np.float16)[int(rng.integers(3))]
@@ -31,8 +33,8 @@ def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
 
     res = group(p).run(body)
     ran = res[0][0]
-    if algorithm == "auto" and n * np.dtype(dtype).itemsize <= gc.persistent.ONESHOT_MAX_BYTES:
-        assert ran == "oneshot"
+    if algorithm == "auto":  # no node-shared channel here: the plain call's choice
+        assert ran == resolve_algorithm("auto", n, p, None, "e4m3", 32)
     for k, xs in enumerate(rounds):
         want = simulate_allreduce(xs, "e4m3", 32, op, ran)
         assert all(same(r[1][k], w) for r, w in zip(res, want)), (ran, k)

@@ -68,7 +68,7 @@ def reduce_scatter(
     for j in range(mine.nslices):
         a, b = mine.elems[j], mine.elems[j + 1]
         sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
-                          lambda src, j=j: arrived(src, j), wire)
+                          lambda src: arrived(src, j), wire)
     wait_all(sends)
     own_msg = encode_sliced(wire, total, mine, owner_buffer(t, wire, mine.nbytes, own_out), lo_r)
     return (total if keep_sum else None), own_msg

@@ -13,15 +13,18 @@ works here too.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..formats import get_format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
-from . import direct, ring
+from . import ring
 from .wire import Wire
+
+ReduceScatter = Callable[..., tuple[Any, Any]]
+"""ring.reduce_scatter's signature (direct.reduce_scatter has the same)."""
 
 
 def node_groups(node_of: np.ndarray) -> list[list[int]]:
@@ -49,9 +52,10 @@ def contiguous_nodes(p: int, local_size: int) -> np.ndarray:
 
 def allreduce(
     t: Transport, x: Any, node_of: np.ndarray, wire: Wire, acc_t: np.dtype,
-    slice_elems: int, local_fmt: str = "fp32", inter: str = "ring",
+    slice_elems: int, local_fmt: str = "fp32", scatter: ReduceScatter = ring.reduce_scatter,
 ) -> Any:
-    """Sum of the flat vector ``x`` over all ranks (float32, identical on every rank)."""
+    """Sum of the flat vector ``x`` over all ranks (float32, identical on every rank);
+    ``scatter``: the cross-node reduce-scatter (ring's, or direct's for hierarchical_direct)."""
     groups = node_groups(node_of)
     local_size = check_uniform(node_of)
     mine = next(g for g in groups if t.rank in g)
@@ -62,9 +66,8 @@ def allreduce(
     local_bounds = shared_chunk_bounds(x.size, local_size, wire.block)
     node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems)
     cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, wire.block)
-    rs = direct.reduce_scatter if inter == "direct" else ring.reduce_scatter
     cross_wire = wire.at(base=wire.base + int(local_bounds[lr]))  # node_sum[0] is that element of x
-    _, own = rs(cross, node_sum, cross_bounds, cross_wire, acc_t, slice_elems)
+    _, own = scatter(cross, node_sum, cross_bounds, cross_wire, acc_t, slice_elems)
     chunk_values = ring.allgather(cross, own, np.diff(cross_bounds), cross_wire, slice_elems)
     f32 = wire.with_format(get_format("fp32"))
     sliced = ring.slice_chunk(chunk_values.size, f32.fmt, wire.block, slice_elems)

@@ -1,10 +1,11 @@
 """Planning one collective call: the call record, validation, topology, slice, algorithm choice
 and the fields every rank must agree on.
 
-The public API (giftcomm.api) builds a :class:`Call` on each rank inside the agreement step
-(giftcomm.collectives.agree), so that a bad argument on any rank raises the same exception on
-every rank; then it hands the call's :class:`~giftcomm.collectives.wire.Wire`, flat values and
-chosen algorithm to the algorithm modules. Any array giftcomm takes — NumPy, CuPy, torch (CPU or
+The engine (giftcomm.collectives.engine) builds a :class:`Call` on each rank from the validated
+:class:`~giftcomm.options.CallOptions` inside the agreement step (giftcomm.collectives.agree),
+so that a bad argument on any rank raises the same exception on every rank; then it hands the
+call's :class:`~giftcomm.collectives.wire.Wire`, flat values and chosen algorithm (a row of
+giftcomm.collectives.algorithms) to the algorithm's runner. Any array giftcomm takes — NumPy, CuPy, torch (CPU or
 CUDA), JAX, any DLPack producer — goes through the same steps (giftcomm._xp imports it
 zero-copy); the result goes back in the caller's framework.
 """
@@ -19,19 +20,21 @@ import numpy as np
 
 from .. import _xp
 from ..costmodel import Topology, choose
-from ..formats import Format, check_key, check_rounding, get_format, resolve_block
+from ..formats import Format
+from ..options import CallOptions
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
 from .agree import DTYPE_CODES, OP_CODES
+from .algorithms import AUTO, BY_CODE, BY_NAME, CHOICES, CODES, TABLE, Algorithm
 from .hierarchical import check_uniform, contiguous_nodes
 from .ring import auto_slice_elems
 from .wire import Wire
 
-__all__ = ["ALGORITHMS", "FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
+__all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
            "direct_out", "finish", "divide", "gathered_counts", "positive_int", "caller"]
 
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
-_ALGO_CODES = {name: code for code, name in enumerate(ALGORITHMS)}
+_SCATTER_DEFAULT = next(a.name for a in TABLE if a.scatter)
+"""What ``auto`` runs for reduce_scatter when the cost model's choice has no reduce-scatter half."""
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
           "caller", "rounding", "seed", "chosen")
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
@@ -92,27 +95,20 @@ def _import(x: Any, name: str) -> _xp.Imported:
                         f"{getattr(x, 'dtype', type(x).__name__)}") from None
 
 
-def validate(x: Any, name: str, fmt: Any, block: Any, op: str | None, slice_elems: Any,
-             reduces: bool = True, rounding: str = "nearest", seed: Any = None) -> Call:
-    """The checks every collective shares (``reduces`` False: allgather, which takes no op);
-    raises TypeError/ValueError."""
+def validate(x: Any, name: str, opts: CallOptions, reduces: bool = True) -> Call:
+    """The checks every collective shares, on top of the validated options: ``x`` is an array
+    giftcomm takes, and stochastic rounding has its seed (``reduces`` False: allgather, whose
+    signature has no op); raises TypeError/ValueError."""
     imp = _import(x, name)
-    f = get_format(fmt)
-    b = resolve_block(f, block)
-    if reduces and op not in OP_CODES:
-        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    check_rounding(rounding, f)
-    stochastic = rounding == "stochastic"
-    if stochastic and seed is None:
+    f = opts.format
+    seed = opts.seed if opts.rounding == "stochastic" else None
+    if opts.rounding == "stochastic" and seed is None:
         raise ValueError("rounding='stochastic' needs seed= (an int identifying the call, e.g. the training step)")
-    if seed is not None:
-        seed = check_key(seed)
     sig = dict.fromkeys(FIELDS, 0)
-    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=b,
-               op=OP_CODES.get(op, 0) if op is not None else 0,
-               slice=0 if slice_elems is None else positive_int(slice_elems, "slice_elems"),
-               rounding=int(stochastic), seed=0 if not stochastic else seed - (1 << 64) * (seed >= 1 << 63))
-    return Call(imp, f, b, op or "sum", sig, seed=seed if stochastic else None)
+    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=opts.resolved_block,
+               op=OP_CODES[opts.op] if reduces else 0, slice=opts.slice_elems or 0,
+               rounding=int(seed is not None), seed=0 if seed is None else seed - (1 << 64) * (seed >= 1 << 63))
+    return Call(imp, f, sig["block"], opts.op, sig, seed=seed)
 
 
 def caller() -> int:
@@ -166,25 +162,27 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 
 
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
-                   allowed: tuple[str, ...] = ALGORITHMS) -> np.ndarray:
-    """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's) in the
+                   allowed: tuple[str, ...] = CHOICES, channel: bool = False) -> np.ndarray:
+    """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's, or for
+    a restricted ``allowed`` set the first reduce-scatter row when the choice is not in it;
+    ``channel``: for a plan whose calls would go through the node-shared channel) in the
     signature; returns the node layout."""
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
     nodes, topo = topology(t, local_size)
-    if algorithm.startswith("hierarchical") and topo.local_size == 0:
-        check_uniform(nodes)  # raises, naming the node sizes
     chosen = algorithm
-    if algorithm == "auto":
-        chosen = choose(call.arr.size, topo, call.fmt.name, call.block)
-        chosen = chosen if chosen in allowed else "ring"
-    call.sig.update(algorithm=_ALGO_CODES[algorithm], local_size=local_size or 0, chosen=_ALGO_CODES[chosen])
+    if algorithm == AUTO:
+        chosen = choose(call.arr.size, topo, call.fmt.name, call.block, channel=channel)
+        chosen = chosen if chosen in allowed else _SCATTER_DEFAULT
+    elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
+        check_uniform(nodes)  # raises, naming the node sizes
+    call.sig.update(algorithm=CODES[algorithm], local_size=local_size or 0, chosen=CODES[chosen])
     return nodes
 
 
-def chosen_algorithm(table: np.ndarray) -> str:
+def chosen_algorithm(table: np.ndarray) -> Algorithm:
     """The algorithm rank 0 chose (every rank runs that one), from the agreed table."""
-    return ALGORITHMS[int(table[0, FIELDS.index("chosen")])]
+    return BY_CODE[int(table[0, FIELDS.index("chosen")])]
 
 
 def auto_slice(t: Transport, n: int) -> int:

@@ -211,7 +211,7 @@ def reduce_scatter(
         last = step == p - 2
         if grouped and step > 0:
             recvs = post_receives(step)  # queued beside this hop's sends; the first wait issues both
-        nxt = None if grouped or last else post_receives(step + 1)
+        nxt = [] if grouped or last else post_receives(step + 1)
         if not last:
             wait_all(sends[(step + 1) % 2])  # that send buffer was last used two hops ago
             sends[(step + 1) % 2] = []

@@ -91,7 +91,7 @@ def _direct_scatter(t: Transport, win: SharedWindow, x: np.ndarray, bounds: np.n
         a, b = mine.elems[j], mine.elems[j + 1]
         total = acc[: b - a]
         sum_in_rank_order(total, p, r, x[lo + a : lo + b],
-                          lambda src, j=j: message_piece(part(src, r), mine, j), wire)
+                          lambda src: message_piece(part(src, r), mine, j), wire)
         wire.encode(total, message_piece(own, mine, j), lo + a)
     win.fence()
     return [part(q, q) for q in range(p)]

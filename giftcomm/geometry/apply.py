@@ -101,9 +101,9 @@ def lowrank_apply(xp, x3, out3, p: _LowRankParams, tile: int = TILE_ELEMENTS):
         Q = xp.zeros((b, p.ult.shape[1], n), f32) if has_l else None
         for bs, rs in tiles:
             xt = tile_in(bs, rs)
-            if has_r:
+            if P is not None:  # has_r
                 xp.matmul(xt, p.ur[bs], out=P[bs, rs])
-            if has_l:
+            if Q is not None:  # has_l
                 Q[bs] += xp.matmul(p.ult[bs, :, rs], xt)
     # the small factors of the rank-(kL + kR) update L @ R
     if has_l and has_r:

@@ -106,7 +106,12 @@ class KfacEstimator:
 
     def factors(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """This rank's local running factors: name -> (A, G) float64 (fed segments only)."""
-        return {n: (self._a[n], self._g[n]) for n in self.segments if self.counts[n] > 0}
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for n in self.segments:
+            a, g = self._a[n], self._g[n]
+            if a is not None and g is not None:  # set together by the first update (counts[n] > 0)
+                out[n] = (a, g)
+        return out
 
     def should_sync(self, step: int) -> bool:
         """True on steps that are multiples of ``sync_every`` (step 0 included)."""
@@ -118,17 +123,21 @@ class KfacEstimator:
         ranks and eigendecomposes them; afterwards ``spectra`` is identical on every rank.
         The local running averages are not changed (their mean over ranks is the global one)."""
         mode = mode or self.mode
-        mats, counts = [], []
+        mats: list[np.ndarray] = []
+        counts: list[int] = []
         for n in self.segments:
             m_out, n_in = self.layout[n].matrix_shape
-            g = self._g[n] if self._g[n] is not None else np.zeros((m_out, m_out))
-            a = self._a[n] if self._a[n] is not None else np.zeros((n_in, n_in))
+            g, a = self._g[n], self._a[n]
+            if g is None:
+                g = np.zeros((m_out, m_out))
+            if a is None:
+                a = np.zeros((n_in, n_in))
             mats += [g, a]
             counts += [self.counts[n]] * 2
         spectra, report = sync_spectra(comm, mats, counts, mode)
-        self.spectra = {
-            n: (spectra[2 * i], spectra[2 * i + 1]) for i, n in enumerate(self.segments) if spectra[2 * i] is not None
-        }
+        pairs = zip(self.segments, spectra[0::2], spectra[1::2])
+        # a segment's two factors have the same counts, so both are synced or neither is
+        self.spectra = {n: (sg, sa) for n, sg, sa in pairs if sg is not None and sa is not None}
         self.last_report = report
         return report
 
@@ -180,9 +189,12 @@ class GradientFactorEstimator:
 
     def factors(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """name -> (A = R (n, n), G = L (m, m)) float64; empty before the first update."""
-        if self.count == 0:
-            return {}
-        return {n: (self._r[n], self._l[n]) for n in self.segments}
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for n in self.segments:
+            r, lf = self._r[n], self._l[n]
+            if r is not None and lf is not None:  # every segment is set by the first update
+                out[n] = (r, lf)
+        return out
 
     def geometry(self, rank=None, damping: float = DEFAULT_DAMPING, policy: SelectivePolicy | None = None) -> Geometry:
         """Geometry from the current factors (same on every rank fed the same buffers)."""

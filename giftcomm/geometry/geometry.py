@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .._xp import array_module
+from ..options import DEFAULT_DAMPING  # damping delta: estimated factors are noisy in their small eigenvalues (docs/method.md "Damping")
 from .apply import ApplyPlan
 from .layout import Layout, as_layout
 from .sides import HadamardSide, IdentitySide
@@ -166,7 +166,8 @@ class Geometry:
 
     def agree(self, comm, root: int = 0) -> Geometry:
         """Collective: return a geometry identical on every rank of ``comm`` (a giftcomm Transport
-        — MPI, torch.distributed, NCCL, loopback — or an mpi4py communicator).
+        — MPI, torch.distributed, NCCL, loopback — an mpi4py communicator, or None for this process
+        alone, which returns ``self``).
 
         Compares fingerprints (one allgather of an int); if they differ anywhere, every rank
         takes ``root``'s geometry (pickled broadcast). Returns ``self`` when they already agree.
@@ -174,6 +175,8 @@ class Geometry:
         from .sync import as_transport
 
         t = as_transport(comm)
+        if t is None:  # this process alone: nothing to agree with
+            return self
         fps = t.allgather_object(self.fingerprint())
         if all(f == fps[0] for f in fps):
             return self

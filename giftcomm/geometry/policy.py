@@ -26,15 +26,16 @@ spent. docs/method.md, section 4, gives the reasons.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import numpy as np
 
 from .geometry import DEFAULT_DAMPING, Geometry, check_damping, spectra_from_factors
 from .layout import as_layout
 from .spectral import Spectrum, anisotropy, damped, lowrank_damped, rank_for_energy, side_error_factor
-from .transform import SegmentTransform, identity_transform, kfac_transform
+from .transform import SegmentTransform, SideChoice, identity_transform, kfac_transform
 
 __all__ = ["SelectivePolicy", "TransformTimeModel", "select", "collective_seconds"]
 
@@ -185,26 +186,30 @@ class SelectivePolicy:
     def __post_init__(self):
         # "auto": the time budget DEFAULT_BUDGET, unless an exchange rate flops_per_gain is given
         # (then the per-segment rule); flops_per_gain None means DEFAULT_FLOPS_PER_GAIN
-        if isinstance(self.budget, str):
-            if self.budget != "auto":
-                raise ValueError(f"budget must be None, a number >= 0 or 'auto', got {self.budget!r}")
-            object.__setattr__(self, "budget", None if self.flops_per_gain is not None else DEFAULT_BUDGET)
-        if self.flops_per_gain is None:
-            object.__setattr__(self, "flops_per_gain", DEFAULT_FLOPS_PER_GAIN)
+        budget = self.budget
+        if isinstance(budget, str):
+            if budget != "auto":
+                raise ValueError(f"budget must be None, a number >= 0 or 'auto', got {budget!r}")
+            budget = None if self.flops_per_gain is not None else DEFAULT_BUDGET
+            object.__setattr__(self, "budget", budget)
+        rate = self.flops_per_gain
+        if rate is None:
+            rate = DEFAULT_FLOPS_PER_GAIN
+            object.__setattr__(self, "flops_per_gain", rate)
         if not 0.0 < self.energy <= 1.0:
             raise ValueError(f"energy must be in (0, 1], got {self.energy}")
         if self.max_rank is not None and self.max_rank < 1:
             raise ValueError(f"max_rank must be >= 1 or None, got {self.max_rank}")
-        if self.min_size < 0 or self.flops_per_gain < 0:
+        if self.min_size < 0 or rate < 0:
             raise ValueError("min_size and flops_per_gain must be >= 0")
-        if self.budget is not None and not self.budget >= 0:
-            raise ValueError(f"budget must be None or >= 0, got {self.budget}")
+        if budget is not None and not budget >= 0:
+            raise ValueError(f"budget must be None or >= 0, got {budget}")
         if self.ranks < 1 or not self.bandwidth > 0 or not self.wire_bytes_per_value > 0:
             raise ValueError("ranks must be >= 1, bandwidth and wire_bytes_per_value > 0")
         if self.rank_rule not in ("utility", "energy"):
             raise ValueError(f"rank_rule must be 'utility' or 'energy', got {self.rank_rule!r}")
 
-    def side_choice(self, spec: Spectrum):
+    def side_choice(self, spec: Spectrum) -> SideChoice:
         """'full' or the rank k for one factor's side."""
         k = rank_for_energy(spec.values, self.energy)
         if self.max_rank is not None:
@@ -228,6 +233,7 @@ class SelectivePolicy:
         why = self.eligible(seg, spec_g, spec_a)
         if why is not None:
             return identity_transform(seg, why)
+        assert spec_g is not None and spec_a is not None  # eligible() checked
         if self.rank_rule == "energy":
             cg, ca = self.side_choice(spec_g), self.side_choice(spec_a)
         else:
@@ -242,7 +248,7 @@ class SelectivePolicy:
         t.info["note"] = f"gain {gain:.2f}"
         return t
 
-    def side_options(self, spec: Spectrum, damping: float) -> list[tuple]:
+    def side_options(self, spec: Spectrum, damping: float) -> list[tuple[SideChoice, float, float, str]]:
         """Candidate choices of one side: (choice, predicted side error factor, flops per
         column, side kind), for choice None (identity), ranks k (the ``energy`` rank and powers
         of two up to ``max_rank``, each with ``2k < d``) and "full" (when ``2 max_rank >= d``)."""
@@ -254,7 +260,7 @@ class SelectivePolicy:
         while k <= cap:
             ks.add(k)
             k *= 2
-        out = [(None, 1.0, 0.0, "identity")]
+        out: list[tuple[SideChoice, float, float, str]] = [(None, 1.0, 0.0, "identity")]
         for k in sorted(ks):
             if 2 * k < d:
                 q = lowrank_damped(spec.values, k, damping)
@@ -263,17 +269,19 @@ class SelectivePolicy:
             out.append(("full", side_error_factor(p, p), 2.0 * d * d, "full"))
         return out
 
-    def _best_pair(self, seg, spec_g: Spectrum, spec_a: Spectrum, damping: float):
+    def _best_pair(self, seg, spec_g: Spectrum, spec_a: Spectrum, damping: float) -> tuple[SideChoice, SideChoice]:
         """(choice G, choice A) maximising ``gain - flops per element / flops_per_gain``."""
         m, n = seg.matrix_shape
-        best, best_u = (None, None), -np.inf
+        rate = cast(float, self.flops_per_gain)  # a number: __post_init__ replaced None
+        best: tuple[SideChoice, SideChoice] = (None, None)
+        best_u = -np.inf
         opts_a = self.side_options(spec_a, damping)
         for cg, eg, fg, _ in self.side_options(spec_g, damping):
             for ca, ea, fa, _ in opts_a:
                 if cg is None and ca is None:
                     continue
                 fpe = 2.0 * (fg / m + fa / n)
-                u = (1.0 - np.sqrt(eg * ea)) - (fpe / self.flops_per_gain if self.flops_per_gain > 0 else np.inf)
+                u = (1.0 - np.sqrt(eg * ea)) - (fpe / rate if rate > 0 else np.inf)
                 if u > best_u:
                     best, best_u = (cg, ca), u
         return best
@@ -297,16 +305,22 @@ def select(layout, factors: Mapping, policy: SelectivePolicy | None = None, damp
     spectra = spectra_from_factors(layout, factors)
     if policy.budget is not None:
         return Geometry(layout, _select_budgeted(layout, spectra, policy, damping))
-    ts = [policy.decide(seg, *spectra.get(seg.name, (None, None)), damping) for seg in layout]
+    ts = []
+    for seg in layout:
+        spec_g, spec_a = spectra.get(seg.name, (None, None))
+        ts.append(policy.decide(seg, spec_g, spec_a, damping))
     return Geometry(layout, ts)
 
 
 # ---------------------------------------------------------------------------- budgeted selection
-def _hull(points: list[tuple[float, float, object]]) -> list[tuple[float, float, object]]:
+_Payload = TypeVar("_Payload")
+
+
+def _hull(points: Sequence[tuple[float, float, _Payload]]) -> list[tuple[float, float, _Payload | None]]:
     """Upper concave hull of (cost, gain, payload) points from (0, 0, None): increasing cost,
     increasing gain, decreasing gain per cost between consecutive points."""
     pts = sorted(((c, g, x) for c, g, x in points if g > 0 and c > 0), key=lambda t: (t[0], -t[1]))
-    hull = [(0.0, 0.0, None)]
+    hull: list[tuple[float, float, _Payload | None]] = [(0.0, 0.0, None)]
     for c, g, x in pts:
         if g <= hull[-1][1]:
             continue
@@ -321,11 +335,12 @@ def _hull(points: list[tuple[float, float, object]]) -> list[tuple[float, float,
     return hull
 
 
-def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -> list[SegmentTransform]:
+def _select_budgeted(layout, spectra: Mapping[str, tuple[Spectrum, Spectrum]], policy: SelectivePolicy,
+                     damping: float) -> list[SegmentTransform]:
     """Per segment the chosen transform under ``policy.budget`` (see the module doc)."""
     tm = policy.time_model
-    budget = policy.budget * collective_seconds(layout.size, policy.ranks, policy.bandwidth,
-                                                policy.wire_bytes_per_value)
+    fraction = cast(float, policy.budget)  # a number: select() checked None, __post_init__ replaced "auto"
+    budget = fraction * collective_seconds(layout.size, policy.ranks, policy.bandwidth, policy.wire_bytes_per_value)
     # a non-identity geometry fills a fresh output buffer: the copy of every segment is a fixed
     # cost; a transformed segment costs its transform instead of its copy
     fixed = tm.fresh_output_seconds * layout.size + sum(tm.copy_seconds(seg.size, layout.size) for seg in layout)
@@ -337,6 +352,7 @@ def _select_budgeted(layout, spectra, policy: SelectivePolicy, damping: float) -
         if why is not None:
             notes[seg.name] = why
             continue
+        assert spec_g is not None and spec_a is not None  # eligible() checked
         m, n = seg.matrix_shape
         pg, pa = damped(spec_g.values, damping), damped(spec_a.values, damping)
         weight = seg.size * anisotropy(pg) * anisotropy(pa)

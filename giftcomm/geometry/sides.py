@@ -128,6 +128,7 @@ class LowRankSide(Side):
     """
 
     kind = "lowrank"
+    rank: int  # always set: the number of columns of U
 
     def __init__(self, u: np.ndarray, d_fwd: np.ndarray, c_fwd: float, d_inv: np.ndarray, c_inv: float):
         self.u = np.ascontiguousarray(u, dtype=np.float32)

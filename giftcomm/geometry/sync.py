@@ -57,7 +57,7 @@ def _digest(spectra: list[Spectrum | None]) -> bytes:
             continue
         h.update(s.values.tobytes())
         h.update(np.float64(s.scale).tobytes())
-        h.update(s.vectors.tobytes())
+        h.update(b"diag" if s.vectors is None else s.vectors.tobytes())
     return h.digest()
 
 
@@ -83,7 +83,7 @@ def as_transport(comm: Any) -> Transport | None:
     return resolve(comm)
 
 
-def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str = "broadcast"):
+def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str = "broadcast") -> tuple[list[Spectrum | None], SyncReport]:
     """Collective over ``comm`` (a giftcomm Transport, an mpi4py communicator, or None for this
     process alone). mats: this rank's factor matrices (float64 (d, d)), the same list of sizes on
     every rank; counts: batches each rank fed per factor. Returns (list of Spectrum or None for
@@ -96,7 +96,7 @@ def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str
     t = as_transport(comm)
     if t is None or t.size == 1:
         te = time.perf_counter()
-        spectra = [Spectrum.from_matrix(m) if c > 0 else None for m, c in zip(mats, counts)]
+        spectra: list[Spectrum | None] = [Spectrum.from_matrix(m) if c > 0 else None for m, c in zip(mats, counts)]
         t_eigh = time.perf_counter() - te
         return spectra, SyncReport(mode, time.perf_counter() - t0, 0.0, t_eigh, 0, len(mats))
 
@@ -104,11 +104,11 @@ def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str
     tc = time.perf_counter()
     nfed = t.sum_float64(np.asarray([1.0 if c > 0 else 0.0 for c in counts])).astype(np.int64)
     t_comm += time.perf_counter() - tc
-    spectra: list[Spectrum | None] = [None] * len(mats)
+    spectra = [None] * len(mats)
     repaired = 0
 
     if mode == "allreduce":
-        sums = []
+        sums: list[np.ndarray | None] = []
         tc = time.perf_counter()
         for m, n in zip(mats, nfed):
             if n == 0:
@@ -136,6 +136,7 @@ def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str
             total = t.reduce_float64(m, own[j])
             nbytes += m.nbytes
             if rank == own[j]:
+                assert total is not None  # reduce_float64 returns the sum on the root
                 owned[j] = total
         t_comm += time.perf_counter() - tc
         te = time.perf_counter()
@@ -151,6 +152,7 @@ def sync_spectra(comm: Any, mats: list[np.ndarray], counts: list[int], mode: str
             vecs = np.empty((d, d), np.float64)
             if rank == owner:
                 s = mine[j]
+                assert s.vectors is not None  # from_matrix always has eigenvectors
                 head[:d], head[d] = s.values, s.scale
                 vecs[...] = s.vectors
                 nbytes += head.nbytes + vecs.nbytes

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .. import codec, config
+from ..collectives import algorithms
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
@@ -88,14 +89,13 @@ def fit_link(sizes, seconds, small_max: int = 1024, large_min: int = 256 * 1024)
 
 
 def steps_of(algorithm: str, p: int) -> int:
-    """Message steps of one allreduce on p ranks, as the cost model counts them (ring and direct:
-    2(p-1); doubling: log2 of the largest power of two <= p, plus 2 when p is not one)."""
-    if algorithm in ("ring", "direct"):
-        return 2 * (p - 1)
-    if algorithm == "doubling":
-        p2 = 1 << (p.bit_length() - 1)
-        return p2.bit_length() - 1 + (2 if p2 != p else 0)
-    raise ValueError(f"no step count for {algorithm!r}")
+    """Message steps of one allreduce on p ranks, as the cost model counts them (the algorithm
+    table's ``steps``: ring and direct 2(p-1); doubling log2 of the largest power of two <= p,
+    plus 2 when p is not one). ValueError for an algorithm whose steps depend on the node layout."""
+    steps = algorithms.row(algorithm).steps
+    if steps is None:
+        raise ValueError(f"no step count for {algorithm!r}")
+    return steps(p)
 
 
 def fit_overheads(steps, seconds, alpha: float) -> tuple[float, float]:
@@ -200,12 +200,13 @@ def measure_link(comm, pair: tuple[int, int], small: list[int], large: list[int]
 
 
 def measure_overheads(comm, alpha: float, reps: int = 200, n: int = 256) -> tuple[float, float, dict]:
-    """Collective: time tiny giftcomm.allreduce calls (n values, e4m3) with ring, direct and
-    doubling; median over calls of the slowest rank. Returns (call, step, raw data)."""
+    """Collective: time tiny giftcomm.allreduce calls (n values, e4m3) with every algorithm of the
+    table that has a step count (all but the hierarchical ones); median over calls of the slowest
+    rank. Returns (call, step, raw data)."""
     import giftcomm
 
     x = np.ones(n, np.float32)
-    algos = ["ring", "direct", "doubling"]
+    algos = [a.name for a in algorithms.TABLE if a.steps is not None]  # not the hierarchical ones
     times = []
     for algo in algos:
         times.append(time_calls(lambda: giftcomm.allreduce(x, comm=comm, algorithm=algo), reps, warmup=5,

@@ -236,6 +236,7 @@ def _rounding_bits(rounding: str, key: int, offset: int, n: int) -> np.ndarray |
 def _encode_f32(x, f, block, msg, rbits):
     n = x.size
     payload, scales = split_message(msg, n, f)
+    assert scales is not None  # a scaled format
     msg[n : scales_offset(n, f)] = 0
     scale, inv, finite = block_scales(x, f, block)
     fmax = np.float32(f.max_value)
@@ -264,6 +265,7 @@ def _encode_mx(x, f, block, msg, rbits):
     codes = _cast(y, f.wire_dtype, rbits)
     codes[bad] = f.nan_code
     payload, scales = split_message(msg, n, f, block)
+    assert scales is not None  # a scaled format
     payload[...] = _pack4(codes) if f.packed else codes
     scales[...] = np.where(finite, code, 0xFF).astype(np.uint8)
 
@@ -298,6 +300,7 @@ def _encode_nvfp4(x, f, block, msg, rbits):
     codes = _cast(y, f.wire_dtype, rbits)
     codes[bad] = 0
     payload, scales = split_message(msg, n, f, block)
+    assert scales is not None  # a scaled format
     payload[...] = _pack4(codes)
     scales[...] = bs
     off = scales_offset(n, f) + nb
@@ -348,6 +351,7 @@ def decode(message: np.ndarray, count: int, fmt: str | Format = "e4m3", block: i
         values = payload.view(f.wire_dtype).astype(np.float32)
     if not f.scaled:
         return values
+    assert scales is not None  # every scaled format's message carries block scales
     with np.errstate(invalid="ignore", over="ignore"):
         if f.scale_kind == "f32":
             values *= np.repeat(scales, block)[:count]

@@ -8,18 +8,20 @@ in the buffer).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
 from ..costmodel import Topology, choose
 from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds
 from .codec import decode, encode
 from .rounding import call_key
 
-__all__ = ["simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather"]
+__all__ = ["simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather",
+           "resolve_algorithm", "SIMULATIONS", "SCATTER_SIMULATIONS"]
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,9 @@ def _doubling_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
     return w.q(acc[0], 0, 0, 1 + rounds).astype(acc_t)
 
 
-def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str, inter: str) -> np.ndarray:
-    """Node-local pass-through ring reduce-scatter, FP8 across nodes, node-local allgather."""
+def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str, direct: bool) -> np.ndarray:
+    """Node-local pass-through ring reduce-scatter, FP8 ring (``direct``: direct) reduce-scatter
+    and allgather across nodes, node-local allgather."""
     p = len(flat)
     if local_size < 1 or p % local_size:
         raise ValueError(f"local_size={local_size} must divide the number of ranks ({p})")
@@ -138,7 +141,7 @@ def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_f
     for lr in range(local_size):
         parties = [j + lr for j in range(0, p, local_size)]  # the ranks of cross group lr
         base = int(local_bounds[lr])
-        sums, bounds = _chunk_sums([ns[lr] for ns in node_sums], w, inter == "direct", parties, base)
+        sums, bounds = _chunk_sums([ns[lr] for ns in node_sums], w, direct, parties, base)
         chunk = _gathered(sums, bounds, w, acc_t, parties, base)
         # the node-local allgather carries these float32 values exactly (fp32 pass-through)
         result[local_bounds[lr] : local_bounds[lr + 1]] = chunk.astype(np.float32)
@@ -190,26 +193,24 @@ def simulate_reduce_scatter(
 ) -> list[np.ndarray]:
     """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
-    algorithm: "ring" or "direct" (the reduce-scatter halves of those allreduces).
+    algorithm: a row of the algorithm table with ``scatter`` ("ring" or "direct": the
+    reduce-scatter halves of those allreduces).
     """
     w = _Wire.of(fmt, block, rounding, seed)
-    if algorithm not in ("ring", "direct"):
-        raise ValueError(f"reduce_scatter algorithm must be 'ring' or 'direct', got {algorithm!r}")
+    if algorithm not in SCATTER_SIMULATIONS:
+        raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(SCATTER_SIMULATIONS)}, got {algorithm!r}")
     flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = _chunk_sums(flat, w, algorithm == "direct")
+    sums, _ = SCATTER_SIMULATIONS[algorithm](flat, w)
     return [_finish(s, op, len(flat), dtype) for s in sums]
-
-
-ALGORITHMS = ("auto", "ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot")
 
 
 def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
                       block: int | None = None) -> str:
     """The algorithm "auto" stands for: the cost model's choice for n values on p ranks, in
     nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
-    if algorithm != "auto":
+    if algorithm not in CHOICES:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(CHOICES)}")
+    if algorithm != AUTO:
         return algorithm
     k = local_size or p
     return choose(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block))
@@ -246,15 +247,8 @@ def simulate_allreduce(
     acc_t = accumulation_dtype(dtype)
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
-    elif algorithm in ("ring", "direct"):
-        result = _gathered(*_chunk_sums(flat, w, algorithm == "direct"), w, acc_t)
-    elif algorithm == "doubling":
-        result = _doubling_sum(flat, w)
-    elif algorithm == "oneshot":
-        result = _oneshot_sum(flat, w)
     else:
-        inter = "direct" if algorithm == "hierarchical_direct" else "ring"
-        result = _hierarchical_sum(flat, w, local_size or p, local_fmt, inter)
+        result = SIMULATIONS[algorithm](flat, w, local_size or p, local_fmt)
     out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
@@ -271,3 +265,34 @@ def simulate_allgather(shards: Sequence[np.ndarray], fmt: str = "e4m3", block: i
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.concatenate(pieces).astype(dtype)
     return [out.copy() for _ in arrays]
+
+
+Simulation = Callable[[list[np.ndarray], _Wire, int, str], np.ndarray]
+"""simulation(every rank's flat input, wire, local_size, local_fmt) -> the allreduce's sum
+(the accumulation dtype, before ``avg``)."""
+
+SCATTER_SIMULATIONS: dict[str, Callable[[list[np.ndarray], _Wire], tuple[list[np.ndarray], np.ndarray]]] = {
+    "ring": lambda flat, w: _chunk_sums(flat, w),
+    "direct": lambda flat, w: _chunk_sums(flat, w, direct=True),
+}
+"""The reduce-scatter (each owner's chunk sums, and the chunk bounds) of every row with ``scatter``."""
+
+
+def _scatter_gather(name: str) -> Simulation:
+    def sim(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+        return _gathered(*SCATTER_SIMULATIONS[name](flat, w), w, accumulation_dtype(flat[0].dtype))
+
+    return sim
+
+
+SIMULATIONS: dict[str, Simulation] = {
+    "ring": _scatter_gather("ring"),
+    "direct": _scatter_gather("direct"),
+    "doubling": lambda flat, w, local_size, local_fmt: _doubling_sum(flat, w),
+    "hierarchical": lambda flat, w, local_size, local_fmt: _hierarchical_sum(flat, w, local_size, local_fmt, False),
+    "hierarchical_direct": lambda flat, w, local_size, local_fmt: _hierarchical_sum(flat, w, local_size, local_fmt,
+                                                                                    True),
+    "oneshot": lambda flat, w, local_size, local_fmt: _oneshot_sum(flat, w),
+}
+"""The reference simulation of every row of the algorithm table (giftcomm.collectives.algorithms)."""
+assert set(SIMULATIONS) == set(BY_NAME) and set(SCATTER_SIMULATIONS) == set(SCATTER_CHOICES[1:])

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -301,11 +301,14 @@ class MpiTransport(Transport):
         room, free = shm_room(need) if self.rank == 0 else (True, 0)
         table = self.allgather_int64(np.array([int(room), free], np.int64))
         if not table[0, 0]:
-            return self._no_window(f"{SHM_DIR} has {int(table[0, 1]) >> 20} MiB free but the shared window "
-                                   f"needs {need >> 20} MiB")
+            self._no_window(f"{SHM_DIR} has {int(table[0, 1]) >> 20} MiB free but the shared window "
+                            f"needs {need >> 20} MiB")
+            return None
         self._arrive(self.comm, "allocating the shared window (MPI_Win_allocate_shared)")
-        win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
-        views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]
+        # the window is only asked for on an intracommunicator (mpi4py raises TypeError otherwise)
+        win = MPI.Win.Allocate_shared(nbytes, 1, comm=cast(MPI.Intracomm, self.comm))
+        # mpi4py's stubs declare its buffer's buffer protocol for Python >= 3.12 only
+        views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]  # type: ignore[call-overload]
         ok = populate(views[self.rank])
         backed = self.allgather_int64(np.array([0 if ok is False else 1], np.int64))[:, 0]
         if not backed.all():
@@ -313,8 +316,9 @@ class MpiTransport(Transport):
             self._arrive(self.comm, "freeing the shared window (MPI_Win_free)")
             win.Free()
             short = ", ".join(str(q) for q in np.flatnonzero(backed == 0))
-            return self._no_window(f"{SHM_DIR} ran out of memory while rank(s) {short} backed the window's "
-                                   f"{need >> 20} MiB (another job is using it)")
+            self._no_window(f"{SHM_DIR} ran out of memory while rank(s) {short} backed the window's "
+                            f"{need >> 20} MiB (another job is using it)")
+            return None
         win.Lock_all(MPI.MODE_NOCHECK)
         comm = self.comm
 

@@ -531,7 +531,7 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     """The device route, on the calling thread: enqueue the reduction in stream order and return
     a future whose value is ready in that order (no host copy, no stream synchronisation)."""
     transport = state.runtime.device_transport(state)
-    devices = [buf.device] if buf.device.type == "cuda" else None
+    devices: list[int | str | torch.device] | None = [buf.device] if buf.device.type == "cuda" else None
     fut: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
     try:
         t0 = time.perf_counter()

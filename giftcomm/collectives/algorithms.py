@@ -1,0 +1,203 @@
+"""The algorithm table: one row per allreduce algorithm, the only place its facts are written.
+
+A row holds the algorithm's name and fixed code (what travels in the agreed signature), whether
+``algorithm="auto"`` may choose it, whether it is a reduce-scatter followed by the ring allgather
+(so ``reduce_scatter`` can run its first half), whether it needs nodes of equal size, whether it
+moves every rank's whole message in one exchange (a persistent plan then carries its check words
+inside that exchange), and its cost and error-growth formulas (docs/scaling.md writes them out).
+Everything else reads the table: the cost model's ``predict``/``error_growth``/``choose``
+(giftcomm.costmodel), argument checking and the agreed codes (giftcomm.collectives.plan), the
+runners (giftcomm.collectives.engine.RUNNERS) and the reference simulations
+(giftcomm.reference.simulate.SIMULATIONS), both keyed by :attr:`Algorithm.name`; a test checks
+that the three name the same set.
+
+Adding an algorithm: its module under giftcomm/collectives/, a row here, its runner in
+engine.RUNNERS, its simulation in reference/simulate.SIMULATIONS (and docs/scaling.md).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..formats import bytes_per_value, get_format
+from ..machine import Calibration, LinkCost, Topology, nic_share, overlapped
+
+__all__ = ["Algorithm", "TABLE", "NAMES", "CHOICES", "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE",
+           "CODES", "row"]
+
+AUTO = "auto"
+"""The ``algorithm=`` value that lets the cost model choose (giftcomm.costmodel.choose)."""
+AUTO_CODE = 0
+
+Time = Callable[[int, Topology, str, int, Calibration], float]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One allreduce algorithm.
+
+    name, code: how callers and the agreed signature name it (codes are fixed, never reused).
+    auto: ``algorithm="auto"`` may choose it. scatter: a reduce-scatter then the ring allgather,
+    so ``reduce_scatter(algorithm=name)`` runs its first half. needs_nodes: runs on nodes of
+    equal size (``local_size`` or the transport's node layout). one_exchange: every rank's whole
+    encoded vector travels in one exchange. time(n, topo, fmt, block, cal): predicted seconds of
+    messages and codec for ``n`` float32 values (without the per-call overhead; ``inf`` where it
+    cannot run). growth(topo): squared relative error in units of one quantization of one
+    rank's values. quantizations(topo): how often a value is (re)quantized, at most. steps(p):
+    sequential message steps on ``p`` ranks, each costing alpha + step_overhead (None: not a
+    chain of such steps -- the hierarchical ones depend on the node layout, oneshot posts its
+    messages at once; perf calibrate fits the per-step overheads on the other rows).
+    channel_time: the prediction when a persistent plan's calls go through the node-shared
+    channel (giftcomm.transport.channel), for rows whose data then moves differently (None: as
+    ``time``).
+    """
+
+    name: str
+    code: int
+    auto: bool
+    scatter: bool
+    needs_nodes: bool
+    one_exchange: bool
+    time: Time
+    growth: Callable[[Topology], float]
+    quantizations: Callable[[Topology], int]
+    steps: Callable[[int], int] | None
+    channel_time: Time | None = None
+
+
+def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
+    """(the link one stream uses, the link when every rank of a node sends across at once)."""
+    link = cal.net if topo.nodes > 1 else cal.shm
+    return link, LinkCost(link.alpha, link.beta * nic_share(cal, topo))
+
+
+def _fused_rate(fmt: str, cal: Calibration) -> float:
+    """decode_add_encode values per second (raw formats: a plain add, ~4x faster)."""
+    return cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
+
+
+def _ring_steps(p: int) -> int:
+    return 2 * (p - 1)
+
+
+def _ring_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    p, (link, _) = topo.ranks, _links(topo, cal)
+    wire = 2 * (p - 1) / p * n * bytes_per_value(fmt, block) * link.beta
+    codec = (p - 1) / p * n / _fused_rate(fmt, cal) + n / p / cal.encode_rate + n / cal.decode_rate
+    return _ring_steps(p) * (link.alpha + cal.step_overhead) + overlapped(cal, wire, codec)
+
+
+def _direct_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """All-to-all reduce-scatter (NICs shared), then the ring allgather (one stream per node)."""
+    p, (link, shared) = topo.ranks, _links(topo, cal)
+    wire = (p - 1) / p * n * bytes_per_value(fmt, block) * (shared.beta + link.beta)
+    codec = n / cal.encode_rate + (p - 1) / p * n / cal.accumulate_rate + n / cal.decode_rate
+    return _ring_steps(p) * (link.alpha + cal.step_overhead) + overlapped(cal, wire, codec)
+
+
+def _largest_power_of_two(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def _doubling_steps(p: int) -> int:
+    p2 = _largest_power_of_two(p)
+    return p2.bit_length() - 1 + (2 if p2 != p else 0)
+
+
+def _doubling_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    link, shared = _links(topo, cal)
+    per_round = (link.alpha + cal.step_overhead + n * bytes_per_value(fmt, block) * shared.beta
+                 + n / cal.encode_rate + 2 * n / cal.decode_rate)
+    return _doubling_steps(topo.ranks) * per_round
+
+
+def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """One exchange: every rank posts its P-1 messages of the whole encoded vector at once, so
+    one latency (alpha) and P-1 messages' software cost (step_overhead each); every rank sends
+    at once (NICs shared); encode once, decode one message and accumulate P-1; not pipelined
+    (wire + codec)."""
+    p, (link, shared) = topo.ranks, _links(topo, cal)
+    wire = (p - 1) * n * bytes_per_value(fmt, block) * shared.beta
+    codec = n / cal.encode_rate + n / cal.decode_rate + (p - 1) * n / cal.accumulate_rate
+    return link.alpha + (p - 1) * cal.step_overhead + wire + codec
+
+
+def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """Through a plan's node-shared channel: each rank encodes into its own slot, one handshake
+    (a shared-memory latency), then reads every slot in place: the codec work alone."""
+    return cal.shm.alpha + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
+
+
+def _hierarchical_time(inner: str) -> Time:
+    def time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+        """fp32 ring reduce-scatter and allgather inside each node of L ranks; the ``inner``
+        algorithm across the N nodes on 1/L of the buffer (the L cross-node rings of a node at
+        once, sharing its NICs); ``inf`` without at least 2 nodes of at least 2 ranks."""
+        if topo.nodes < 2 or topo.local_size < 2:
+            return math.inf
+        loc, nn = topo.local_size, topo.nodes
+        local = 2 * ((loc - 1) * (cal.shm.alpha + cal.step_overhead) + (loc - 1) / loc * n * 4 * cal.shm.beta)
+        cross_cal = replace(cal, net=LinkCost(cal.net.alpha, cal.net.beta * nic_share(cal, topo)), nics_per_node=0)
+        return local + BY_NAME[inner].time(math.ceil(n / loc), Topology(nn, nn, 1), fmt, block, cross_cal)
+
+    return time
+
+
+def _nodes(topo: Topology) -> int:
+    return topo.nodes if topo.nodes >= 1 else topo.ranks
+
+
+# Error growth: each quantization of a partial sum of k contributions adds error variance ~ k
+# (block scales follow the values) and the sum's variance is P, so the factor is (sum over
+# quantizations of the partial sums' sizes) / P (checked against the simulation in
+# perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.costmodel.error_growth).
+TABLE: tuple[Algorithm, ...] = (
+    # hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2
+    Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,
+              growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps),
+    # P-1 single contributions, then the sum: 2 - 1/P
+    Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
+              growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps),
+    # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
+    # (P2: the largest power of two <= P), plus the folded ranks and the final message
+    Algorithm("doubling", 3, auto=True, scatter=False, needs_nodes=False, one_exchange=False, time=_doubling_time,
+              growth=lambda topo: (math.log2(_largest_power_of_two(topo.ranks)) + 1
+                                   + (topo.ranks - _largest_power_of_two(topo.ranks)) / topo.ranks),
+              quantizations=lambda topo: int(math.log2(_largest_power_of_two(topo.ranks))) + 2,
+              steps=_doubling_steps),
+    # fp32 inside nodes, the ring across N nodes: (N + 1) / 2
+    Algorithm("hierarchical", 4, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
+              time=_hierarchical_time("ring"), growth=lambda topo: (_nodes(topo) + 1) / 2,
+              quantizations=lambda topo: topo.nodes, steps=None),
+    # fp32 inside nodes, direct across N nodes: 2 - 1/N
+    Algorithm("hierarchical_direct", 5, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
+              time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
+              quantizations=lambda topo: 2, steps=None),
+    # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
+    Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
+              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
+              channel_time=_oneshot_channel_time),
+)
+
+NAMES: tuple[str, ...] = tuple(a.name for a in TABLE)
+"""Every algorithm's name, in table order (``auto`` breaks ties in this order)."""
+CHOICES: tuple[str, ...] = (AUTO, *NAMES)
+"""What ``algorithm=`` of allreduce, gift_allreduce and plans accepts."""
+SCATTER_CHOICES: tuple[str, ...] = (AUTO, *(a.name for a in TABLE if a.scatter))
+"""What ``algorithm=`` of reduce_scatter accepts."""
+BY_NAME: dict[str, Algorithm] = {a.name: a for a in TABLE}
+BY_CODE: dict[int, Algorithm] = {a.code: a for a in TABLE}
+assert len(BY_NAME) == len(BY_CODE) == len(TABLE) and AUTO_CODE not in BY_CODE and AUTO not in BY_NAME
+
+
+CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}}
+"""The signature code of every ``algorithm=`` value."""
+
+
+def row(name: str) -> Algorithm:
+    """The row named ``name``; ValueError listing the names otherwise."""
+    try:
+        return BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(NAMES)}") from None

@@ -1,0 +1,399 @@
+"""The engine below the public collectives: one step sequence, a runner per algorithm.
+
+Every call of allreduce, gift_allreduce, reduce_scatter and allgather (giftcomm.api), and every
+persistent plan when it is made (giftcomm.persistent), runs the same steps under the
+transport's lock (:class:`held`):
+
+1. **validate and agree** (:func:`agree_call`): on every rank, the options (validated once into a
+   :class:`~giftcomm.options.CallOptions` by :func:`call_options`, before the agreement, so that
+   its timeout governs it), the array, ``out``, the transport and the algorithm (auto: the cost
+   model's choice) are checked into a :class:`Job` inside one small collective
+   (giftcomm.collectives.agree), so bad input on any rank raises the same exception on every rank;
+2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (:data:`RUNNERS`, keyed by the
+   algorithm table's names; :data:`SCATTERS` for reduce-scatter) moves the data with the codec
+   kernels of the array's backend;
+3. **finish** (:func:`finish`): ``avg``, the caller's dtype, ``out`` or a new array.
+
+A :class:`Kind` is what differs between the collectives: its name in error messages, its agreed
+fields, what it checks and plans beyond the shared checks, and how it runs.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import _xp
+from ..options import CallOptions
+from ..partition import accumulation_dtype, shared_chunk_bounds
+from ..transport import DEVICE, Transport
+from . import direct, doubling, hierarchical, oneshot, ring, shared
+from . import plan as planning
+from .agree import agree, confirm
+from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
+from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
+from .wire import Wire
+from .workspace import workspace_of
+
+__all__ = ["GeometryLike", "held", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "ALLGATHER",
+           "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
+
+log = logging.getLogger("giftcomm")
+
+
+class GeometryLike(Protocol):
+    """What gift_allreduce needs of a geometry (see giftcomm.geometry.Geometry)."""
+
+    size: int
+    is_identity: bool
+
+    def forward(self, flat: Any) -> Any: ...
+    def inverse(self, flat: Any) -> Any: ...
+    def fingerprint(self) -> int: ...
+
+
+class held:
+    """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
+    Threads), with its waits' deadline set to ``timeout`` seconds when given."""
+
+    __slots__ = ("_t", "_timeout", "_previous")
+
+    def __init__(self, t: Transport, timeout: float | None) -> None:
+        self._t, self._timeout = t, timeout
+        self._previous: float = 0.0
+
+    def __enter__(self) -> None:
+        self._t.state.lock.acquire()
+        if self._timeout is not None:
+            self._previous, self._t.timeout = self._t.timeout, self._timeout
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timeout is not None:
+            self._t.timeout = self._previous
+        self._t.state.lock.release()
+
+
+_OPTIONS: dict[tuple, CallOptions] = {}
+_OPTIONS_MAX = 256
+
+
+def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
+                 op: Any) -> CallOptions | Exception:
+    """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
+    raises it on every rank). Remembered per distinct keyword values and types (a training loop
+    repeats the same ones), so a repeated call validates nothing twice."""
+    values = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
+    key: tuple | None = (values, tuple(map(type, values)))
+    try:
+        opts = _OPTIONS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable value: validate (and fail) without remembering
+        opts, key = None, None
+    if opts is not None:
+        return opts
+    try:
+        opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
+                              slice_elems=slice_elems, timeout=timeout, op=op)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        return exc
+    if key is not None:
+        if len(_OPTIONS) >= _OPTIONS_MAX:
+            _OPTIONS.clear()
+        _OPTIONS[key] = opts
+    return opts
+
+
+@dataclass
+class Job:
+    """One agreed call: the call record, its options, the algorithm every rank runs (None for
+    allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
+    and the chunk bounds (reduce-scatter) or every rank's shard length (allgather). channel: the
+    call plans a persistent plan whose calls would go through the node-shared channel (so
+    ``auto`` predicts the one-exchange rows' cost there)."""
+
+    call: Call
+    opts: CallOptions
+    algorithm: Algorithm | None = None
+    nodes: np.ndarray | None = None
+    geometry: Any = None
+    slice_n: int = 0
+    bounds: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    channel: bool = False
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One collective: ``what`` (the name its errors carry), ``arg`` (the input's name in
+    messages), whether it reduces (has an op), its agreed ``fields`` (``match``: those every
+    rank must have alike), ``prepare(t, job, out, geometry, local_size)`` (its own local checks,
+    filling the job and the signature), ``agreed(t, job, table)`` (what it reads from every
+    rank's fields) and ``run(t, job, out)``."""
+
+    what: str
+    arg: str
+    reduces: bool
+    fields: tuple[str, ...]
+    match: tuple[str, ...]
+    prepare: Callable[[Transport, Job, Any, Any, int | None], dict[str, int]]
+    agreed: Callable[[Transport, Job, np.ndarray], None]
+    run: Callable[[Transport, Job, Any], Any]
+
+
+def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
+               local_size: int | None = None, channel: bool = False) -> Job:
+    """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
+    the agreed :class:`Job`, or the same exception on every rank. ``channel``: see :class:`Job`
+    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe)."""
+    caller = planning.caller()
+
+    def prepare() -> tuple[Job, dict[str, int]]:
+        if isinstance(opts, Exception):
+            raise opts
+        call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
+        call.sig["caller"] = caller
+        planning.check_transport(t, call)
+        job = Job(call, opts, channel=channel)
+        return job, kind.prepare(t, job, out, geometry, local_size)
+
+    job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
+    kind.agreed(t, job, table)
+    return job
+
+
+def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
+            local_size: int | None = None) -> Any:
+    """One whole call of ``kind``: validate and agree, run, finish (collective)."""
+    with held(t, None if isinstance(opts, Exception) else opts.timeout):
+        return kind.run(t, agree_call(t, kind, x, out, opts, geometry, local_size), out)
+
+
+# ----------------------------------------------------------------------------- finishing
+
+
+def finish(t: Transport, call: Call, total: Any, into: Any, out: Any, shape: tuple[int, ...]) -> Any:
+    """Step 3 of a reduction: ``avg`` and the caller's dtype and shape, into ``out`` or a new
+    array. ``into``: the float32 view of ``out`` the runner decoded into (None when it could not),
+    so ``total is into`` needs only the division."""
+    if into is not None and total is into:
+        if call.op == "avg":
+            planning.divide(total, t.size)
+        return out
+    return planning.finish(total, call, t.size, shape, out)
+
+
+# ----------------------------------------------------------------------------- runners
+
+Runner = Callable[[Transport, Any, Wire, Any, Any, int, Any], Any]
+"""runner(t, flat, wire, acc_t, nodes, slice_n, out) -> the decoded sum of ``flat`` over all
+ranks (float32, or float64 for float64 input; ``out``, a float32 (n,) array, when it could decode
+into it)."""
+
+SCATTERS: dict[str, Callable[..., tuple[Any, Any]]] = {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter}
+"""The reduce-scatter of every row with ``scatter`` (reduce_scatter runs it; so does the
+allreduce of that name, before the ring allgather)."""
+
+
+def _scatter_gather(name: str) -> Runner:
+    """Reduce-scatter ``name`` then the ring allgather; through the transport's shared window on
+    host memory over shared-memory transports (when there is room for it: else messages)."""
+    scatter = SCATTERS[name]
+
+    def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+        bounds = shared_chunk_bounds(flat.size, t.size, wire.block)
+        if t.shared_memory and t.memory != DEVICE and wire.xp is np:
+            total = shared.allreduce(t, flat, bounds, wire, acc_t, slice_n, direct=scatter is direct.reduce_scatter,
+                                     out=out)
+            if total is not None:  # None: no room for the window (every rank alike); send messages
+                return total
+        return ring.allreduce(t, flat, bounds, wire, acc_t, slice_n, out=out, scatter=scatter)
+
+    return run
+
+
+def _doubling(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    return doubling.allreduce(t, flat, wire, acc_t, out=out)
+
+
+def _oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
+
+
+def _hierarchical(cross: str) -> Runner:
+    """fp32 inside nodes, reduce-scatter ``cross`` (and the ring allgather) across them."""
+    scatter = SCATTERS[cross]
+
+    def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+        return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_n, scatter=scatter)
+
+    return run
+
+
+RUNNERS: dict[str, Runner] = {
+    "ring": _scatter_gather("ring"),
+    "direct": _scatter_gather("direct"),
+    "doubling": _doubling,
+    "hierarchical": _hierarchical("ring"),
+    "hierarchical_direct": _hierarchical("direct"),
+    "oneshot": _oneshot,
+}
+"""The allreduce runner of every row of the algorithm table (giftcomm.collectives.algorithms)."""
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+def _is_giftcomm_geometry(geo: Any) -> bool:
+    from ..geometry import Geometry  # lazy: the geometry package is optional for plain allreduce
+
+    return isinstance(geo, Geometry)
+
+
+def _geometry_forward(t: Transport, geo: Any, flat: Any, xp: Any) -> Any:
+    """``geo.forward(flat)`` as float32 of ``flat``'s backend; a giftcomm Geometry writes into a
+    workspace buffer that is reused across calls (a fresh one costs page faults comparable to the
+    transform itself)."""
+    if _is_giftcomm_geometry(geo):
+        buf = workspace_of(t, xp).get("gift_forward", 4 * flat.size).view(np.float32)
+        return geo.forward(flat, out=buf)
+    return xp.ascontiguousarray(xp.asarray(geo.forward(flat), dtype=np.float32))
+
+
+def _checked(values: Any, n: int, what: str) -> Any:
+    """``values`` when it is a float32 (n,) array, else ValueError naming ``what``."""
+    if tuple(values.shape) != (n,) or values.dtype != np.float32:
+        raise ValueError(f"{what} returned shape {tuple(values.shape)} dtype {values.dtype}; expected ({n},) float32")
+    return values
+
+
+def _geometry_inverse(geo: Any, total: Any, xp: Any) -> Any:
+    """``geo.inverse(total)``; in place for a giftcomm Geometry (``total`` belongs to this call:
+    the caller's ``out`` or a fresh result)."""
+    if _is_giftcomm_geometry(geo):
+        return geo.inverse(total, out=total)
+    return _checked(xp.ascontiguousarray(xp.asarray(geo.inverse(total), dtype=np.float32)), total.size,
+                    "geometry.inverse")
+
+
+def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
+    call = job.call
+    planning.check_out(call, out, tuple(call.arr.shape))
+    geo = None if geometry is None or geometry.is_identity else geometry
+    if geo is not None:
+        if geo.size != call.arr.size:
+            raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
+        call.sig["geometry"] = int(geo.fingerprint())
+    job.geometry = geo
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel)
+    call.sig["shared_memory"] = int(t.shared_memory)
+    return call.sig
+
+
+def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
+    call = job.call
+    job.algorithm = planning.chosen_algorithm(table)
+    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("allreduce rank %d/%d: %d %s values, fmt %s block %d, algorithm %s (asked %s), slice %s, "
+                  "shared window %s, %s transport", t.rank, t.size, call.arr.size, call.imp.logical, call.fmt.name,
+                  call.block, job.algorithm.name, job.opts.algorithm, job.opts.slice_elems or "auto",
+                  bool(t.shared_memory), t.schedule)
+
+
+def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, nodes: Any, slice_n: int,
+                  out: Any) -> Any:
+    """Steps 2 and 3 of an agreed allreduce: move the data with ``algorithm``'s runner (around
+    the geometry's transforms when ``geo`` is given) and finish (avg, dtype, ``out``)."""
+    xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
+    flat = planning.flat_values(call)
+    if geo is not None:  # the forward transform can fail on some ranks: they all learn it
+        flat = confirm(t, "giftcomm.gift_allreduce: geometry.forward",
+                       lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
+    acc_t = accumulation_dtype(flat.dtype)
+    if n == 0:
+        return planning.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
+    into = planning.direct_out(call)
+    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, nodes, slice_n, into)
+    if geo is not None:
+        total = _geometry_inverse(geo, total, xp)
+    if into is None or total is not into:
+        total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
+    return finish(t, call, total, into, out, shape)
+
+
+def _allreduce_run(t: Transport, job: Job, out: Any) -> Any:
+    assert job.algorithm is not None
+    return run_allreduce(t, job.call, job.geometry, job.algorithm, job.nodes, job.slice_n, out)
+
+
+ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prepare, _allreduce_agreed,
+                 _allreduce_run)
+"""allreduce and gift_allreduce (and the plans, when made)."""
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+
+
+def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
+    call = job.call
+    job.bounds = bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
+    planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, SCATTER_CHOICES)
+    return call.sig
+
+
+def _scatter_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
+    job.algorithm = planning.chosen_algorithm(table)
+    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.call.arr.size)
+
+
+def _scatter_run(t: Transport, job: Job, out: Any) -> Any:
+    call, bounds = job.call, job.bounds
+    assert bounds is not None and job.algorithm is not None
+    flat = planning.flat_values(call)
+    acc_t = accumulation_dtype(flat.dtype)
+    shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
+    if flat.size == 0:
+        return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
+    total, _ = SCATTERS[job.algorithm.name](t, flat, bounds, call.wire(t.rank), acc_t, job.slice_n)
+    return planning.finish(total, call, t.size, shard_shape, out)
+
+
+REDUCE_SCATTER = Kind("giftcomm.reduce_scatter", "x", True, FIELDS, MATCH, _scatter_prepare, _scatter_agreed,
+                      _scatter_run)
+
+
+# ----------------------------------------------------------------------------- allgather
+
+
+def _gather_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
+    call = job.call
+    planning.check_out(call, out, None)
+    if call.out is not None and call.out.ndim != 1:
+        raise ValueError(f"out must be 1-D, got shape {tuple(call.out.shape)}")
+    sig = {k: call.sig.get(k, 0) for k in GATHER_FIELDS}
+    sig["out"] = -1 if call.out is None else int(call.out.size)
+    return sig
+
+
+def _gather_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
+    job.counts, total_n = planning.gathered_counts(table)
+    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, total_n)
+
+
+def _gather_run(t: Transport, job: Job, out: Any) -> Any:
+    call, counts = job.call, job.counts
+    assert counts is not None
+    flat, wire = planning.flat_values(call), call.wire(t.rank)
+    sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, job.slice_n)
+    own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
+    gathered = ring.allgather(t, own, counts, wire, job.slice_n)
+    return planning.finish(gathered, call, t.size, (int(counts.sum()),), out, op="sum")
+
+
+ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,
+                 _gather_run)
+
+assert set(RUNNERS) == set(BY_NAME), "every row of the algorithm table needs a runner"
