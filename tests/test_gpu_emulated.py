@@ -308,39 +308,26 @@ FTZ_CASES = [("fp32", 8), ("e4m3", 32), ("e5m2", 256), ("bf16", 64), ("mxfp8", N
 
 def subnormal_heavy(rng, p: int, n: int, dtype) -> list[np.ndarray]:
     """Per-rank values of magnitude 2^-150..2^-100: float32 subnormals, their sums, and block
-    scales whose decoded values are subnormal."""
-    return [(rng.standard_normal(n) * 2.0 ** rng.uniform(-150, -100, n)).astype(dtype) for _ in range(p)]
+    scales whose decoded values are subnormal (studies.device.matrix.data)."""
+    from studies.device import matrix
 
-
-def _ftz_allreduce_case(cp, rng, p, algorithm, fmt, block, dtype, op, n=777):
-    import giftcomm as gc
-    from giftcomm.reference import simulate_allreduce
-    from giftcomm.reference.simulate import resolve_algorithm
-    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
-
-    local_size = (2 if p % 2 == 0 else 1) if algorithm.startswith("hierarchical") else None
-    xs = subnormal_heavy(rng, p, n, dtype)
-    args = [cp.asarray(x) for x in xs]
-    got = DeviceLoopbackGroup(p).run(lambda t: gc.allreduce(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
-                                                            algorithm=algorithm, local_size=local_size))
-    ran = resolve_algorithm(algorithm, n, p, None, fmt, block or gc.formats.get_format(fmt).default_block())
-    want = simulate_allreduce(xs, fmt, block, op, ran, local_size=local_size)
-    for r in range(p):
-        assert isinstance(got[r], cp.ndarray)
-        g, w = cp.asnumpy(got[r]), want[r]
-        assert g.dtype == w.dtype
-        bad = np.flatnonzero(~((g == w) | (np.isnan(g) & np.isnan(w))) | (np.signbit(g) != np.signbit(w)))
-        assert bad.size == 0, (f"{algorithm} {fmt} {np.dtype(dtype).name} {op} P={p} rank {r}: {bad.size} of {n} differ, "
-                               f"e.g. [{bad[0]}] {g[bad[0]]!r} vs {w[bad[0]]!r}")
+    return matrix.data(rng, p, n, dtype, "subnormal")
 
 
 @pytest.mark.parametrize("algorithm", FTZ_ALGORITHMS)
 def test_collectives_keep_subnormals_under_ftz(monkeypatch, rng, algorithm):
+    from studies.device import matrix
+
     cp = install(monkeypatch, ftz=True)
     for fmt, block in FTZ_CASES:
         for dtype in (np.float32, np.float64):
             for p in (1, 3, 4):
-                _ftz_allreduce_case(cp, rng, p, algorithm, fmt, block, dtype, ("sum", "avg")[p % 2])
+                op = ("sum", "avg")[p % 2]
+                why = matrix.allreduce_case(cp, rng, p, algorithm, fmt, dtype, op, kind="subnormal", block=block)
+                assert why is None, f"{algorithm} {fmt} {np.dtype(dtype).name} {op} P={p}: {why}"
+    for fmt in ("e4m3", "mxfp4"):  # stochastic rounding: the same float path, other random bits
+        why = matrix.allreduce_case(cp, rng, 3, algorithm, fmt, np.float64, "avg", rounding="stochastic", kind="subnormal")
+        assert why is None, f"{algorithm} {fmt} stochastic: {why}"
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
@@ -438,3 +425,18 @@ def test_no_allocation_in_a_calls_steady_state(cp, rng, fmt, block, rounding):
     for _ in range(3):
         calls()
     assert cp.runtime_state.allocations == before
+
+
+def test_device_matrix_script_runs_on_the_stand_in(monkeypatch, rng):
+    """studies/device/matrix.py (perf/device_check.sh's collectives and plans sections) on the
+    stand-in with -ftz=true arithmetic: a small part of its matrix, so that the script is known to
+    work before it reaches a GPU."""
+    from studies.device import matrix
+
+    cp = install(monkeypatch, ftz=True)
+    lines: list[str] = []
+    res = matrix.collectives(cp, rng, True, lines.append, formats=("e4m3", "nvfp4", "fp32"),
+                             algorithms=("ring", "doubling"))
+    assert res["cases"] == 2 * (2 * 2 * 2 * 2 + 2 * 2) and not res["failures"], lines
+    res = matrix.plans(cp, rng, True, lines.append)
+    assert res["cases"] == 27 and not res["failures"], lines
