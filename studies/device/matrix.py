@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    md, js = out / f"device-matrix-{stamp}.md", out / f"device-matrix-{stamp}.json"
+    tag = args.sections.replace(",", "-")
+    md, js = out / f"device-matrix-{tag}-{stamp}.md", out / f"device-matrix-{tag}-{stamp}.json"
     lines = [f"# Device matrix {stamp}", ""]
     summary: dict[str, Any] = {}
     rng = np.random.default_rng(20261201)
