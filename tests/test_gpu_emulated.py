@@ -112,6 +112,33 @@ def test_stochastic_rounding_every_block_path(cp, rng):
             assert np.array_equal(got, ref.decode_add_encode(want, local, fmt, block, **kw)), f"{fmt} dae block={block}"
 
 
+def test_decode_every_access_width(cp, rng):
+    """decode / decode_accumulate with the payload 16-byte aligned (vec 2), 4-byte aligned (vec 1)
+    and the output misaligned for float4 (vec 0), blocks crossing inside a 16-value group."""
+    from giftcomm import codec as gc
+    from giftcomm.reference import codec as ref
+    from studies.device.edge_cases import floats_equal
+
+    for fmt in SCALED:
+        for block in (1, 3, 5, 16, 17, 100, 4097):
+            n = 1000 + int(rng.integers(0, 40))
+            want = ref.encode(random_vector(rng, n, spread=20), fmt, block)
+            dec = ref.decode(want, n, fmt, block)
+            for moff in (0, 4, 8):
+                store = cp.zeros(want.size + 16, cp.uint8)
+                msg = store[moff : moff + want.size]
+                msg[...] = cp.asarray(want)
+                for ooff in (0, 1, 2):
+                    out = cp.zeros(n + ooff, cp.float32)[ooff:]
+                    gc.decode(msg, n, fmt, block, out=out)
+                    assert floats_equal(cp.asnumpy(out), dec).all(), f"{fmt} block={block} msg+{moff} out+{ooff}"
+                    acc0 = random_vector(rng, n)
+                    acc = cp.zeros(n + ooff, cp.float32)[ooff:]
+                    acc[...] = cp.asarray(acc0)
+                    gc.decode_accumulate(msg, acc, fmt, block)
+                    assert floats_equal(cp.asnumpy(acc), acc0 + dec).all(), f"acc {fmt} block={block} msg+{moff} out+{ooff}"
+
+
 def _one_of_everything(cp, rng) -> None:
     """One small case of every op x format x kernel path (aligned and not)."""
     tg = _tg()

@@ -93,6 +93,14 @@ def _aligned(a: Any, name: str) -> Any:
     return a
 
 
+def _dec_vec(payload: Any, out: Any) -> np.int32:
+    """The decode kernels' access width: 2 (16-byte payload loads), 1 (4-byte), 0 (bytes); the
+    vector paths need a 16-byte aligned float32 ``out``."""
+    if _ptr(out) % 16:
+        return np.int32(0)
+    return np.int32(2 if _ptr(payload) % 16 == 0 else 1 if _ptr(payload) % 4 == 0 else 0)
+
+
 def _grid(items: int, per_cta: int = 1) -> int:
     return max(1, min(-(-items // per_cta), _MAX_GRID))
 
@@ -323,9 +331,9 @@ class CudaKernels:
                 _pt_launch(f, 1, count, win=message, out=out)
             return out
         payload, scales = _parts(message, count, f, block)
-        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(out) % 16 == 0)
         _loader.get_function(f"gc_dec_{f.name}")(
-            (_grid(-(-count // 4), _THREADS),), (_THREADS,), (payload, scales, out, np.int64(count), np.int32(block), vec))
+            (_grid(-(-count // 16), _THREADS),), (_THREADS,),
+            (payload, scales, out, np.int64(count), np.int32(block), _dec_vec(payload, out)))
         return out
 
     @staticmethod
@@ -372,7 +380,7 @@ class CudaKernels:
                 _pt_launch(f, 2, n, win=message, out=acc)
             return acc
         payload, scales = _parts(message, n, f, block)
-        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(acc) % 16 == 0)
         _loader.get_function(f"gc_acc_{f.name}")(
-            (_grid(-(-n // 4), _THREADS),), (_THREADS,), (payload, scales, acc, np.int64(n), np.int32(block), vec))
+            (_grid(-(-n // 16), _THREADS),), (_THREADS,),
+            (payload, scales, acc, np.int64(n), np.int32(block), _dec_vec(payload, acc)))
         return acc

@@ -17,7 +17,7 @@
 //   gc_{enc,dae}_big_F         amax into a scratch array with atomicMax on the bits, pass 2 reads
 //                              the values again and quantizes.
 //   gc_dec_F, gc_acc_F         decode (out = value) and decode-accumulate (acc += value):
-//                              elementwise, 4 values per thread.
+//                              elementwise, 16 values per thread (16- or 4-byte payload loads).
 // "enc" reads float32 x; "dae" (decode-add-encode, one ring hop) reads an input message and a
 // float32 local vector, forms fp32(decode + local), optionally stores that sum (sum_out, may be
 // NULL) and encodes it. The _vec variants need block % 4 == 0 and 16-byte aligned float pointers,
@@ -235,38 +235,54 @@ GC_DEV void gc_big_store_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ 
 }
 
 // ---------------------------------------------------------------- decode / decode-accumulate
-// Each thread handles 4 consecutive values; vec: 4-byte aligned payload, 16-byte aligned out.
+// Each thread handles 16 consecutive values: the scale block of the first by one division (32-bit
+// while the index fits in 31 bits), later block starts by comparison, so no 64-bit division per
+// value. vec 2: one 16-byte payload load and four float4 stores (payload and out 16-byte
+// aligned); vec 1: four 4-byte payload loads, four float4 stores (payload 4-byte, out 16-byte
+// aligned); vec 0: one value at a time. The host picks vec from the pointers.
 template <class F, bool ACC>
 GC_DEV float gc_dec_step(float acc, gc_u8 code, float scale) {
     const float v = gc_mul(F::to_f32(code), scale);
     return ACC ? gc_add(acc, v) : v;
 }
 
+GC_DEV long long gc_block_of(long long i, int block) {
+    return i < 0x7FFFFFFFLL ? (long long)((gc_u32)i / (gc_u32)block) : i / block;
+}
+
 template <class F, bool ACC>
 GC_DEV void gc_decode_kernel(const gc_u8* __restrict__ pin, const float* __restrict__ sin, float* __restrict__ out,
                              long long count, int block, int vec) {
-    const long long groups = (count + 3) >> 2;
+    const long long groups = (count + 15) >> 4;
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups;
          t += (long long)gridDim.x * blockDim.x) {
-        const long long i0 = t << 2;
-        long long b = i0 / block;
+        const long long i0 = t << 4;
+        long long b = gc_block_of(i0, block);
         long long next = (b + 1) * (long long)block;
-        if (vec && i0 + 3 < count) {
-            const gc_u32 c = *reinterpret_cast<const gc_u32*>(pin + i0);
+        if (vec && i0 + 15 < count) {
+            gc_u32 w[4];
+            if (vec == 2) {
+                const uint4 c = *reinterpret_cast<const uint4*>(pin + i0);
+                w[0] = c.x; w[1] = c.y; w[2] = c.z; w[3] = c.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) w[q] = *reinterpret_cast<const gc_u32*>(pin + i0 + 4 * q);
+            }
             float4* o = reinterpret_cast<float4*>(out + i0);
-            float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (ACC) r = *o;
             float s = sin[b];
-            r.x = gc_dec_step<F, ACC>(r.x, (gc_u8)c, s);
-            if (i0 + 1 == next) { ++b; next += block; s = sin[b]; }
-            r.y = gc_dec_step<F, ACC>(r.y, (gc_u8)(c >> 8), s);
-            if (i0 + 2 == next) { ++b; next += block; s = sin[b]; }
-            r.z = gc_dec_step<F, ACC>(r.z, (gc_u8)(c >> 16), s);
-            if (i0 + 3 == next) { ++b; next += block; s = sin[b]; }
-            r.w = gc_dec_step<F, ACC>(r.w, (gc_u8)(c >> 24), s);
-            *o = r;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float4 r = ACC ? o[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                float v[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (i0 + 4 * q + j == next) { ++b; next += block; s = sin[b]; }
+                    v[j] = gc_dec_step<F, ACC>(v[j], (gc_u8)(w[q] >> (8 * j)), s);
+                }
+                o[q] = make_float4(v[0], v[1], v[2], v[3]);
+            }
         } else {
-            for (int j = 0; j < 4 && i0 + j < count; ++j) {
+            for (int j = 0; j < 16 && i0 + j < count; ++j) {
                 if (i0 + j == next) { ++b; next += block; }
                 const float val = gc_mul(F::to_f32(pin[i0 + j]), sin[b]);
                 out[i0 + j] = ACC ? gc_add(out[i0 + j], val) : val;
