@@ -139,6 +139,30 @@ def test_decode_every_access_width(cp, rng):
                     assert floats_equal(cp.asnumpy(acc), acc0 + dec).all(), f"acc {fmt} block={block} msg+{moff} out+{ooff}"
 
 
+def test_mx_decode_aligned_and_not(cp, rng):
+    """MX / nvfp4 decode and accumulate with float4 stores (out 16-byte aligned) and without."""
+    from giftcomm import codec as gc
+    from giftcomm.reference import codec as ref
+    from studies.device.edge_cases import floats_equal
+
+    for fmt in MX:
+        n = 2048 + int(rng.integers(1, 40))
+        x = random_vector(rng, n, spread=20)
+        x[5] = np.nan
+        want = ref.encode(x, fmt)
+        dec = ref.decode(want, n, fmt)
+        msg = cp.asarray(want)
+        for ooff in (0, 1, 3):
+            out = cp.zeros(n + ooff, cp.float32)[ooff:]
+            gc.decode(msg, n, fmt, out=out)
+            assert floats_equal(cp.asnumpy(out), dec).all(), f"{fmt} out+{ooff}"
+            acc0 = random_vector(rng, n)
+            acc = cp.zeros(n + ooff, cp.float32)[ooff:]
+            acc[...] = cp.asarray(acc0)
+            gc.decode_accumulate(msg, acc, fmt)
+            assert floats_equal(cp.asnumpy(acc), acc0 + dec).all(), f"acc {fmt} out+{ooff}"
+
+
 def _one_of_everything(cp, rng) -> None:
     """One small case of every op x format x kernel path (aligned and not)."""
     tg = _tg()

@@ -17,8 +17,8 @@ the pointers are aligned.
 
 Stochastic rounding of e4m3/e5m2 (``key`` not None) always takes the two-pass path (amax, then
 gc_{enc,dae}_big_sr_F). MX formats: one warp per 32-value block (gc_mx_enc_F); nvfp4: one warp per
-1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: one thread per value
-(gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
+1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: 8 values per thread, one
+scale read, 4-byte payload loads and float4 stores where aligned (gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
 decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
@@ -200,8 +200,9 @@ def _mx_encode(f: Format, count: int, x: Any, out: Any, key: int | None, offset:
 
 def _mx_decode(f: Format, count: int, message: Any, out: Any, acc: bool) -> None:
     ipay, isc, igs = _mx_parts(message, count, f)
+    vec = np.int32(_ptr(out) % 16 == 0 and _ptr(ipay) % 4 == 0)
     _loader.get_function(f"gc_mx_dec_{f.name}")(
-        (_grid(count, _THREADS),), (_THREADS,), (ipay, isc, igs, out, np.int64(count), np.int32(acc)))
+        (_grid(-(-count // 8), _THREADS),), (_THREADS,), (ipay, isc, igs, out, np.int64(count), np.int32(acc), vec))
 
 
 def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, wout: Any = None, out: Any = None) -> None:

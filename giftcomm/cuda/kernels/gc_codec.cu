@@ -576,11 +576,42 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
     }
 }
 
+// MX / nvfp4 decode and decode-accumulate: 8 consecutive values per thread, which share one block
+// scale (MX blocks are 32 values, nvfp4 blocks 16, groups 1024): the scale is read once; vec (the
+// host checks: payload 4-byte, out 16-byte aligned): 4-byte payload loads (one for 4-bit codes,
+// two for 8-bit) and two float4 stores; else one value at a time.
 template <int EK, int NV, bool ACC>
-GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long count) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-        const float v = gc_mx_in<EK, NV>(in, i);
-        out[i] = ACC ? gc_add(out[i], v) : v;
+GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long count, int vec) {
+    const long long groups = (count + 7) >> 3;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups; t += (long long)gridDim.x * blockDim.x) {
+        const long long i0 = t << 3;
+        if (vec && i0 + 7 < count) {
+            const gc_u32 w0 = *reinterpret_cast<const gc_u32*>(in.pay + (EK == 2 ? (i0 >> 1) : i0));
+            const gc_u32 w1 = (EK == 2) ? 0u : *reinterpret_cast<const gc_u32*>(in.pay + i0 + 4);
+            const gc_u32 scode = NV ? (gc_u32)in.sc[i0 >> 4] : (gc_u32)in.sc[i0 >> 5];
+            const float s2 = NV ? in.gs[i0 >> 10] : 0.0f;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const gc_u32 code = (EK == 2) ? (w0 >> (4 * k)) & 0xFu : ((k < 4 ? w0 : w1) >> (8 * (k & 3))) & 0xFFu;
+                v[k] = NV ? gc_nv_value(code, scode, s2) : gc_mx_value(code, scode, EK);
+            }
+            float4* o = reinterpret_cast<float4*>(out + i0);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float4 r = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+                if (ACC) {
+                    const float4 a = o[h];
+                    r = make_float4(gc_add(a.x, r.x), gc_add(a.y, r.y), gc_add(a.z, r.z), gc_add(a.w, r.w));
+                }
+                o[h] = r;
+            }
+        } else {
+            for (int j = 0; j < 8 && i0 + j < count; ++j) {
+                const float v = gc_mx_in<EK, NV>(in, i0 + j);
+                out[i0 + j] = ACC ? gc_add(out[i0 + j], v) : v;
+            }
+        }
     }
 }
 
@@ -601,10 +632,10 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gc_mx_dec_##NAME(const gc_u8* __restrict__ ipay,              \
         const gc_u8* __restrict__ isc, const float* __restrict__ igs, float* __restrict__ out, long long count,      \
-        int acc) {                                                                                                    \
+        int acc, int vec) {                                                                                           \
         const gc_mx_msg in{ipay, isc, igs};                                                                           \
-        if (acc) gc_mx_dec_kernel<EK, NV, true>(in, out, count);                                                      \
-        else gc_mx_dec_kernel<EK, NV, false>(in, out, count);                                                         \
+        if (acc) gc_mx_dec_kernel<EK, NV, true>(in, out, count, vec);                                                 \
+        else gc_mx_dec_kernel<EK, NV, false>(in, out, count, vec);                                                    \
     }
 
 GC_MX_ENTRIES(2, 1, nvfp4)
