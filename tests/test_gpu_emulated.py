@@ -95,21 +95,33 @@ def test_mx_formats_and_stochastic_rounding(cp, fmt, rounding, rng):
         tg._check_mx(cp, x, fmt, rounding, rng, f"{fmt} {rounding} n={n}")
 
 
-def test_stochastic_rounding_every_block_path(cp, rng):
-    """e4m3/e5m2 stochastic at blocks on the team, cta and big paths' sizes (non-default blocks)."""
+def _stochastic_blocks(cp, rng, n: int, blocks: tuple[int, ...]) -> None:
+    """e4m3/e5m2 stochastic encode and decode-add-encode (+ sum_out) at ``blocks``, x aligned and
+    not (the _vec and scalar one-pass kernels; the two-pass path above 4096), vs the reference."""
     from giftcomm import codec as gc
     from giftcomm.reference import codec as ref
 
     kw = dict(rounding="stochastic", key=0xFEEDFACE12345678, offset=(1 << 32) - 5)
     for fmt in SCALED:
-        for block in (1, 16, 300, 4097, 9000):
-            x = random_vector(rng, block + 1001, spread=20)
+        for block in blocks:
+            x = random_vector(rng, n, spread=20)
             want = ref.encode(x, fmt, block, **kw)
-            got = cp.asnumpy(gc.encode(cp.asarray(x), fmt, block, **kw))
-            assert np.array_equal(got, want), f"{fmt} block={block}"
-            local = random_vector(rng, x.size)
-            got = cp.asnumpy(gc.decode_add_encode(cp.asarray(want), cp.asarray(local), fmt, block, **kw))
+            for off in (0, 1):
+                xd = cp.zeros(n + off, cp.float32)[off:]
+                xd[...] = cp.asarray(x)
+                got = cp.asnumpy(gc.encode(xd, fmt, block, **kw))
+                assert np.array_equal(got, want), f"{fmt} block={block} x+{off}"
+            local = random_vector(rng, n)
+            s = cp.full(n, cp.nan, cp.float32)
+            got = cp.asnumpy(gc.decode_add_encode(cp.asarray(want), cp.asarray(local), fmt, block, sum_out=s, **kw))
             assert np.array_equal(got, ref.decode_add_encode(want, local, fmt, block, **kw)), f"{fmt} dae block={block}"
+            assert np.array_equal(cp.asnumpy(s), ref.decode(want, n, fmt, block) + local), f"{fmt} sum_out block={block}"
+
+
+def test_stochastic_rounding_every_block_path(cp, rng):
+    """e4m3/e5m2 stochastic at blocks on the team (1..256), cta (257..4096) and two-pass (> 4096)
+    paths: one pass at block <= 4096, the same bytes as the reference."""
+    _stochastic_blocks(cp, rng, n=5001, blocks=(1, 3, 16, 64, 256, 300, 4096, 4097, 9000))
 
 
 def test_decode_every_access_width(cp, rng):
@@ -174,8 +186,7 @@ def _one_of_everything(cp, rng) -> None:
     for fmt in MX:
         for rounding in ("nearest", "stochastic"):
             tg._check_mx(cp, random_vector(rng, 3000, spread=10), fmt, rounding, rng, f"{fmt} {rounding}")
-    for fmt in SCALED:
-        tg._check_mx(cp, random_vector(rng, 3000, spread=10), fmt, "stochastic", rng, f"{fmt} stochastic")
+    _stochastic_blocks(cp, rng, n=3001, blocks=(7, 16, 301, 300, 5000))
     x = random_vector(rng, 1001, spread=10)
     x[:50] = np.float32(np.finfo(np.float32).tiny) * np.float32(0.75)  # subnormal inputs and quotients
     d = cp.asarray(x)

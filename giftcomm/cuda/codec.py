@@ -15,10 +15,13 @@ scale block, values in registers (x read once: 5 bytes of traffic per value for 
 (amax with atomics, then quantize: x read twice). 16-byte vector loads when block % 4 == 0 and
 the pointers are aligned.
 
-Stochastic rounding of e4m3/e5m2 (``key`` not None) always takes the two-pass path (amax, then
-gc_{enc,dae}_big_sr_F). MX formats: one warp per 32-value block (gc_mx_enc_F); nvfp4: one warp per
-1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: 8 values per thread, one
-scale read, 4-byte payload loads and float4 stores where aligned (gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
+Stochastic rounding of e4m3/e5m2 (``key`` not None): the same team / cta kernels, one pass
+(gc_{enc,dae}_{team,cta}_sr[_vec]_F), for block <= 4096; the two-pass path (amax, then
+gc_{enc,dae}_big_sr_F) for larger blocks. e4m3/e5m2 decode and decode-accumulate: 16 values per
+thread (16- or 4-byte payload loads, float4 stores). MX formats: one warp per 32-value block
+(gc_mx_enc_F); nvfp4: one warp per 1024-value group (gc_mx_enc_nvfp4); their decode and
+decode-accumulate: 8 values per thread, one scale read, 4-byte payload loads and float4 stores
+where aligned (gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
 decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
@@ -113,8 +116,10 @@ def _team_width(block: int) -> int:
 
 
 def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any,
-                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
-    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format."""
+                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0,
+                   key: int | None = None, offset: int = 0) -> None:
+    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format;
+    ``key`` given: stochastic rounding (block <= CTA_MAX_BLOCK: the one-pass ``_sr`` kernels)."""
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     s_out = _NULL if sum_out is None else sum_out
@@ -123,15 +128,16 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
         vec = block % 4 == 0 and _ptr(x) % 16 == 0 and _ptr(payload_out) % 4 == 0
         if mode == "dae":
             vec = vec and _ptr(pin) % 4 == 0 and (sum_out is None or _ptr(sum_out) % 16 == 0)
-        suffix = ("_vec_" if vec else "_") + f.name
+        suffix = ("_sr" if key is not None else "") + ("_vec_" if vec else "_") + f.name
+        tail = () if key is None else (np.uint64(key), np.uint64(offset))
         if block <= TEAM_MAX_BLOCK:
             g = _team_width(block)
             fn = _loader.get_function(f"gc_{mode}_team{suffix}")
-            fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32))
+            fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32) + tail)
         else:
             threads = max(32, min(512, _team_width(block)))
             fn = _loader.get_function(f"gc_{mode}_cta{suffix}")
-            fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32))
+            fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32) + tail)
         return
     splits = -(-block // BIG_TILE)
     amax = _amax_scratch(nb)
@@ -149,7 +155,12 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
 
 def _sr8_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any,
                 key: int, offset: int, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
-    """Stochastic e4m3/e5m2: the big path's amax pass, then the stochastic store pass."""
+    """Stochastic e4m3/e5m2: block <= CTA_MAX_BLOCK the one-pass team / cta kernels, larger blocks
+    the big path's amax pass, then the stochastic store pass."""
+    if block <= CTA_MAX_BLOCK:
+        _scaled_launch(mode, f, block, count, payload_out, scales_out, x, pin=pin, sin=sin, sum_out=sum_out, pad=pad,
+                       key=key, offset=offset)
+        return
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     splits = -(-block // BIG_TILE)

@@ -90,10 +90,17 @@ GC_DEV gc_u32 gc_team_load(const gc_src<F, MODE>& src, long long base, long long
     return m;
 }
 
-// Quantize and store a lane's values (and the fp32 sums when sum_out is given).
-template <class F, bool VEC>
+// One code: nearest (SR false) or stochastic with the Philox bits of message index idx (SR true).
+template <class F, bool SR>
+GC_DEV gc_u8 gc_q(const gc_scale<F>& s, float v, gc_u64 key, gc_u64 idx) {
+    return SR ? gc_sr8<F>(v, s.inv, s.finite, gc_rbits(key, idx)) : s.quantize(v);
+}
+
+// Quantize and store a lane's values (and the fp32 sums when sum_out is given); SR: stochastic
+// rounding, value i of the message with the bits of (key, offset + i).
+template <class F, bool VEC, bool SR>
 GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, int n, int lane, int width,
-                          gc_u8* __restrict__ pout, float* __restrict__ sum_out) {
+                          gc_u8* __restrict__ pout, float* __restrict__ sum_out, gc_u64 key, gc_u64 offset) {
     if (VEC) {
 #pragma unroll
         for (int k = 0; k < GC_VPT; k += 4) {
@@ -101,14 +108,14 @@ GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, 
             if (e + 3 < n) {
                 gc_u32 c = 0;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) c |= (gc_u32)s.quantize(v[k + j]) << (8 * j);
+                for (int j = 0; j < 4; ++j) c |= (gc_u32)gc_q<F, SR>(s, v[k + j], key, offset + (gc_u64)(base + e + j)) << (8 * j);
                 *reinterpret_cast<gc_u32*>(pout + base + e) = c;
                 if (sum_out) *reinterpret_cast<float4*>(sum_out + base + e) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
             } else {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     if (e + j < n) {
-                        pout[base + e + j] = s.quantize(v[k + j]);
+                        pout[base + e + j] = gc_q<F, SR>(s, v[k + j], key, offset + (gc_u64)(base + e + j));
                         if (sum_out) sum_out[base + e + j] = v[k + j];
                     }
                 }
@@ -119,7 +126,7 @@ GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, 
         for (int k = 0; k < GC_VPT; ++k) {
             const int e = gc_elem<false>(k, lane, width);
             if (e < n) {
-                pout[base + e] = s.quantize(v[k]);
+                pout[base + e] = gc_q<F, SR>(s, v[k], key, offset + (gc_u64)(base + e));
                 if (sum_out) sum_out[base + e] = v[k];
             }
         }
@@ -133,9 +140,10 @@ GC_DEV void gc_zero_pad(gc_u8* __restrict__ pout, long long count, int pad) {
 
 // ---------------------------------------------------------------- team path (block <= 256)
 // blockDim.x = 256; G = lanes per scale block (power of two, 1..32, G*8 >= block).
-template <class F, int MODE, bool VEC>
+template <class F, int MODE, bool VEC, bool SR = false>
 GC_DEV void gc_team_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
-                           float* __restrict__ sum_out, long long count, int block, long long nb, int G, int pad) {
+                           float* __restrict__ sum_out, long long count, int block, long long nb, int G, int pad,
+                           gc_u64 key = 0, gc_u64 offset = 0) {
     gc_zero_pad(pout, count, pad);
     const int tid = threadIdx.x;
     const int lane = tid & (G - 1);
@@ -150,16 +158,17 @@ GC_DEV void gc_team_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float*
         gc_u32 m = gc_team_load<F, MODE, VEC>(src, base, b, n, lane, G, v);
         for (int o = G >> 1; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(mask, m, o, G));
         const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
-        gc_team_store<F, VEC>(s, v, base, n, lane, G, pout, sum_out);
+        gc_team_store<F, VEC, SR>(s, v, base, n, lane, G, pout, sum_out, key, offset);
         if (lane == 0) sout[b] = s.scale;
     }
 }
 
 // ---------------------------------------------------------------- cta path (256 < block <= 4096)
 // blockDim.x = T, a multiple of 32 with T*8 >= block; one scale block per CTA iteration.
-template <class F, int MODE, bool VEC>
+template <class F, int MODE, bool VEC, bool SR = false>
 GC_DEV void gc_cta_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
-                          float* __restrict__ sum_out, long long count, int block, long long nb, int pad) {
+                          float* __restrict__ sum_out, long long count, int block, long long nb, int pad,
+                          gc_u64 key = 0, gc_u64 offset = 0) {
     __shared__ gc_u32 red[32];
     gc_zero_pad(pout, count, pad);
     const int tid = threadIdx.x, T = blockDim.x;
@@ -176,7 +185,7 @@ GC_DEV void gc_cta_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* 
         for (int w = 0; w < (T >> 5); ++w) m = gc_umax(m, red[w]);
         __syncthreads();  // red is rewritten by the next iteration
         const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
-        gc_team_store<F, VEC>(s, v, base, n, tid, T, pout, sum_out);
+        gc_team_store<F, VEC, SR>(s, v, base, n, tid, T, pout, sum_out, key, offset);
         if (tid == 0) sout[b] = s.scale;
     }
 }
@@ -476,6 +485,34 @@ GC_DEV void gc_big_sr_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ ama
 
 GC_SR8_ENTRIES(gc_e4m3, e4m3)
 GC_SR8_ENTRIES(gc_e5m2, e5m2)
+
+// Stochastic rounding at block <= 4096: the one-pass team / cta kernels (x read once, as for
+// nearest), each value with the bits of (key, offset + its message index); same bytes as the
+// two-pass path, which stays for blocks > 4096.
+#define GC_SR_ONE_PASS(F, NAME, V, VB)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_team_sr##V##NAME(GC_ENC_ARGS, int G, int pad,         \
+                                                                            gc_u64 key, gc_u64 offset) {              \
+        gc_team_kernel<F, 0, VB, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, G, pad, key, offset); \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_team_sr##V##NAME(GC_DAE_ARGS, int G, int pad,         \
+                                                                            gc_u64 key, gc_u64 offset) {              \
+        gc_team_kernel<F, 1, VB, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, G, pad, \
+                                       key, offset);                                                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_enc_cta_sr##V##NAME(GC_ENC_ARGS, int pad, gc_u64 key,   \
+                                                                              gc_u64 offset) {                        \
+        gc_cta_kernel<F, 0, VB, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, pad, key, offset);     \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_dae_cta_sr##V##NAME(GC_DAE_ARGS, int pad, gc_u64 key,   \
+                                                                              gc_u64 offset) {                        \
+        gc_cta_kernel<F, 1, VB, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, pad, key, \
+                                      offset);                                                                        \
+    }
+
+GC_SR_ONE_PASS(gc_e4m3, e4m3, _, false)
+GC_SR_ONE_PASS(gc_e4m3, e4m3, _vec_, true)
+GC_SR_ONE_PASS(gc_e5m2, e5m2, _, false)
+GC_SR_ONE_PASS(gc_e5m2, e5m2, _vec_, true)
 
 // ---------------------------------------------------------------- MX formats and nvfp4
 // Message parts: payload (codes; 4-bit formats packed, value 2j in the low nibble of byte j),
