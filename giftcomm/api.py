@@ -113,17 +113,24 @@ def reduce_scatter(
     rounding: str = "nearest",
     seed: int | None = None,
     timeout: float | None = None,
+    layout: str = "blocks",
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
-    The shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P, block)`` of the flattened
-    buffer: whole blocks, dealt out evenly. It is the owner's high-precision sum, not re-quantized,
-    so ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
-    float32/float64 input and ``op="sum"``. algorithm: "ring", "direct" or "auto".
+    layout "blocks" (default): the shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P,
+    block)`` of the flattened buffer: whole blocks, dealt out evenly; then
+    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
+    float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
+    be a multiple of P (ValueError on every rank otherwise) and the shard is elements
+    ``[rank*n/P, (rank+1)*n/P)``; each shard's scale blocks count from the shard's start
+    (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not
+    re-quantized, bit-identical to ``giftcomm.reference.simulate_reduce_scatter`` with the same
+    layout. algorithm: "ring", "direct" or "auto".
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
-    return engine.execute(t, engine.REDUCE_SCATTER, x, out, opts)
+    kind, opts = engine.scatter_kind(layout, opts)
+    return engine.execute(t, kind, x, out, opts)
 
 
 def allgather(

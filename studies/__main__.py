@@ -3,6 +3,7 @@
 train         end-to-end data-parallel Llama training comparison (under mpiexec; torch)
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
+sharded-gift  what aligning GIFT with FSDP's dim-0 shards costs (P = 2, 4, 8)
 errors        allreduce error growth against P for every algorithm
 model         validate the cost model against measurements; project to cluster scale
 netbed        multi-host testbed: rate-shaped links in network namespaces (root)
@@ -21,6 +22,7 @@ COMMANDS = {
     "train": "studies.train",
     "fidelity": "studies.fidelity",
     "gradients": "studies.gradients",
+    "sharded-gift": "studies.sharded_gift",
     "errors": "studies.errors",
     "model": "studies.model",
     "netbed": "studies.netbed",

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from giftcomm import codec
-from giftcomm.formats import (FORMATS, NVFP4_GROUP, bytes_per_value, get_format, message_nbytes, num_blocks,
-                              resolve_block)
+from giftcomm.formats import FORMATS, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
 from giftcomm.reference import codec as ref
 
 NEW = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")

@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from giftcomm import _codec_native as native  # the build must have produced it
 from giftcomm import codec
 from giftcomm.formats import FORMATS, Format, message_nbytes, num_blocks, scales_offset
 from giftcomm.reference import codec as ref
-
-from giftcomm import _codec_native as native  # the build must have produced it
 
 # the reference's float16 cast warns on overflow to Inf, which these tests do on purpose
 pytestmark = [

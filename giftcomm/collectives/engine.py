@@ -19,6 +19,7 @@ fields, what it checks and plans beyond the shared checks, and how it runs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
 from . import direct, doubling, hierarchical, oneshot, ring, shared
+from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
@@ -38,7 +40,8 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "ALLGATHER",
+__all__ = ["GeometryLike", "held", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
+           "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
 
 log = logging.getLogger("giftcomm")
@@ -47,8 +50,10 @@ log = logging.getLogger("giftcomm")
 class GeometryLike(Protocol):
     """What gift_allreduce needs of a geometry (see giftcomm.geometry.Geometry)."""
 
-    size: int
-    is_identity: bool
+    @property
+    def size(self) -> int: ...  # read-only: Geometry's are properties
+    @property
+    def is_identity(self) -> bool: ...
 
     def forward(self, flat: Any) -> Any: ...
     def inverse(self, flat: Any) -> Any: ...
@@ -336,16 +341,17 @@ ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prep
 # ----------------------------------------------------------------------------- reduce-scatter
 
 
-def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
+def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None,
+                     layout: str = "blocks") -> dict[str, int]:
     call = job.call
-    job.bounds = bounds = shared_chunk_bounds(call.arr.size, t.size, call.block)
+    job.bounds = bounds = scatter_layout.plan_layout(call, t.size, layout)
     planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
     job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, SCATTER_CHOICES)
     return call.sig
 
 
 def _scatter_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
-    job.algorithm = planning.chosen_algorithm(table)
+    job.algorithm = scatter_layout.chosen_algorithm(table)
     job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.call.arr.size)
 
 
@@ -361,8 +367,18 @@ def _scatter_run(t: Transport, job: Job, out: Any) -> Any:
     return planning.finish(total, call, t.size, shard_shape, out)
 
 
-REDUCE_SCATTER = Kind("giftcomm.reduce_scatter", "x", True, FIELDS, MATCH, _scatter_prepare, _scatter_agreed,
-                      _scatter_run)
+REDUCE_SCATTERS = {layout: Kind("giftcomm.reduce_scatter", "x", True, scatter_layout.SCATTER_FIELDS,
+                                scatter_layout.SCATTER_MATCH, functools.partial(_scatter_prepare, layout=layout),
+                                _scatter_agreed, _scatter_run) for layout in scatter_layout.LAYOUTS}
+"""reduce_scatter, one Kind per shard layout (giftcomm.partition.LAYOUTS); the layout is agreed."""
+REDUCE_SCATTER = REDUCE_SCATTERS["blocks"]
+
+
+def scatter_kind(layout: str, opts: CallOptions | Exception) -> tuple[Kind, CallOptions | Exception]:
+    """The reduce-scatter Kind of ``layout``; an unknown one becomes the call's error (raised on
+    every rank by the agreement)."""
+    kind = REDUCE_SCATTERS.get(layout) if isinstance(layout, str) else None
+    return (REDUCE_SCATTER, scatter_layout.unknown_layout(layout)) if kind is None else (kind, opts)
 
 
 # ----------------------------------------------------------------------------- allgather
