@@ -175,12 +175,12 @@ def test_mx_decode_aligned_and_not(cp, rng):
             assert floats_equal(cp.asnumpy(acc), acc0 + dec).all(), f"acc {fmt} out+{ooff}"
 
 
-def _one_of_everything(cp, rng) -> None:
-    """One small case of every op x format x kernel path (aligned and not)."""
+def _one_of_everything(cp, rng, n: int = 6001) -> None:
+    """One small case of every op x format x kernel path (aligned and not), ``n`` values."""
     tg = _tg()
     for fmt in SCALED + PASS:
         for block in (7, 16, 301, 300, 5000):  # odd blocks: the scalar (non-_vec) variants
-            x = random_vector(rng, 6001, spread=10)
+            x = random_vector(rng, n, spread=10)
             for offset in (0, 1):
                 tg._check(cp, x, fmt, block, rng, f"{fmt} block={block} offset={offset}", offset)
     for fmt in MX:
@@ -293,7 +293,7 @@ _ASAN_SCRIPT = textwrap.dedent("""
     if sys.argv[1] == "suite":
         from giftcomm.cuda import codec
         codec._MAX_GRID = 3
-        t._one_of_everything(cp, rng)
+        t._one_of_everything(cp, rng, n=2500)
         print("launches", sum(cp.runtime_state.launches.values()), "kernels", len(cp.runtime_state.launches))
     else:  # negative control: a read one past the end must be reported
         mod = cp.RawModule(code=t._BAD_SOURCE)
