@@ -309,7 +309,8 @@ inline int launch_kernel(void (*k)(A...), const unsigned* grid, const unsigned* 
 #define warpSize 32
 
 inline void __syncthreads() { gcemu::syncthreads(); }
-inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
+// a barrier of the lanes in the mask (each must call it): a shuffle whose value nobody uses
+inline void __syncwarp(unsigned m = 0xFFFFFFFFu) { (void)gcemu::shfl(m, 0u, 3, (int)(gcemu::S().cur->linear & 31u), 32); }
 template <class T>
 inline T __shfl_xor_sync(unsigned m, T v, int lm, int w = 32) { return gcemu::shfl_t<T>(m, v, 0, lm, w); }
 template <class T>

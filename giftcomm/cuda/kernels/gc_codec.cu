@@ -566,15 +566,34 @@ GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
 }
 
 // nvfp4 encode / decode-add-encode: one warp per 1024-value group; lane l holds the 32 values of
-// blocks 2l and 2l+1 in registers; the group amax (finite blocks only) by warp shuffles.
+// blocks 2l and 2l+1 in registers; the group amax (finite blocks only) by warp shuffles. x is read
+// coalesced (instruction j: lanes read values 32j..32j+31 of the group) into a per-warp shared tile
+// (rows padded to 33 floats: no bank conflicts either way), from which each lane takes its 32; each
+// lane's 16 payload bytes go out as one 16-byte store when the group is full and pay 16-byte aligned.
+#define GC_NV_ROW 33
+// one tile for both instantiations below (a static __shared__ in the template would be two: 66 KiB)
+GC_DEV float* gc_nv_tile() {
+    __shared__ float tile[8 * 32 * GC_NV_ROW];  // blockDim.x <= 256: 8 warps, 33 KiB
+    return tile;
+}
+
 template <int MODE>
 GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
                              float* __restrict__ gs, float* __restrict__ sum_out, long long count, long long ng, int sr,
                              gc_u64 key, gc_u64 offset) {
     const int lane = threadIdx.x & 31;
+    float* tw = gc_nv_tile() + (threadIdx.x >> 5) * 32 * GC_NV_ROW;
+    const bool pay16 = ((unsigned long long)pay & 15u) == 0;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); g < ng; g += warps) {
-        const long long base = g * 1024 + lane * 32;
+        const long long g0 = g * 1024;
+        const long long base = g0 + lane * 32;
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {  // value e = 32j + lane of the group belongs to lane j, slot `lane`
+            const long long i = g0 + 32 * j + lane;
+            tw[j * GC_NV_ROW + lane] = i < count ? x[i] : 0.0f;
+        }
+        __syncwarp();
         float v[32];
         gc_u32 m0 = 0, m1 = 0;
 #pragma unroll
@@ -582,7 +601,7 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             const long long i = base + k;
             float t = 0.0f;
             if (i < count) {
-                t = x[i];
+                t = tw[lane * GC_NV_ROW + k];
                 if (MODE == 1) t = gc_add(gc_mx_in<2, 1>(in, i), t);
                 if (sum_out) sum_out[i] = t;
             }
@@ -590,22 +609,30 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             if (k < 16) m0 = gc_umax(m0, gc_abs_bits(t));
             else m1 = gc_umax(m1, gc_abs_bits(t));
         }
+        __syncwarp();  // the tile is rewritten by the next group
         gc_u32 f = gc_umax(m0 < GC_F32_INF_BITS ? m0 : 0u, m1 < GC_F32_INF_BITS ? m1 : 0u);
         for (int o = 16; o > 0; o >>= 1) f = gc_umax(f, __shfl_xor_sync(0xFFFFFFFFu, f, o));
         const gc_nv_group grp = gc_nv_group::from_bits(f);
         float r[2];
         const gc_u32 bsc[2] = {gc_nv_block(m0, grp, &r[0]), gc_nv_block(m1, grp, &r[1])};
+        gc_u32 w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int k = 0; k < 32; k += 2) {
             const long long i = base + k;
-            if (i >= count) break;
             const int h = k >> 4;
             gc_u32 c0 = 0, c1 = 0;
-            if (bsc[h] != 0x7Fu) {
+            if (bsc[h] != 0x7Fu && i < count) {
                 c0 = gc_qelem(v[k], r[h], sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, 2, sr != 0);
                 if (i + 1 < count) c1 = gc_qelem(v[k + 1], r[h], sr ? gc_rbits(key, offset + (gc_u64)(i + 1)) : 0u, 2, sr != 0);
             }
-            pay[i >> 1] = (gc_u8)((c0 & 0xFu) | ((c1 & 0xFu) << 4));
+            w[k >> 3] |= ((c0 & 0xFu) | ((c1 & 0xFu) << 4)) << (8 * ((k >> 1) & 3));
+        }
+        if (pay16 && base + 31 < count) {
+            uint4 q;
+            q.x = w[0]; q.y = w[1]; q.z = w[2]; q.w = w[3];
+            *reinterpret_cast<uint4*>(pay + (base >> 1)) = q;
+        } else {
+            for (int k = 0; k < 32 && base + k < count; k += 2) pay[(base + k) >> 1] = (gc_u8)(w[k >> 3] >> (8 * ((k >> 1) & 3)));
         }
         if (base < count) sc[base >> 4] = (gc_u8)bsc[0];
         if (base + 16 < count) sc[(base >> 4) + 1] = (gc_u8)bsc[1];
