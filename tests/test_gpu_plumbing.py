@@ -23,6 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import scale_rule_edges
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
@@ -31,7 +32,6 @@ from giftcomm.formats import FORMATS, get_format, message_nbytes
 from giftcomm.formats_header import c_header
 from giftcomm.reference import codec as ref
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
-from conftest import scale_rule_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("e4m3", "e5m2")
