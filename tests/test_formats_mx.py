@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from giftcomm import codec
-from giftcomm.formats import SCALE_RULES, FORMATS, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
+from giftcomm.formats import FORMATS, SCALE_RULES, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
 from giftcomm.reference import codec as ref
 
 NEW = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
@@ -529,8 +529,9 @@ def test_mx_scale_keyword_of_the_collectives(rng):
     """mx_scale= reaches the wire (floor and ceil give the reference's bytes of their rule), ranks
     passing different rules all raise, and a rule on a format without E8M0 scales raises the
     same ValueError on every rank, also when only one rank asks for it."""
-    import giftcomm as gc
     from conftest import assert_same_error, outcomes
+
+    import giftcomm as gc
     from giftcomm.reference import simulate_allreduce
 
     xs = [(rng.standard_normal(1000) * 3).astype(np.float32) for _ in range(2)]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import scale_rule_edges
 
 from giftcomm import codec
 from giftcomm.formats import Format, get_format, message_nbytes, resolve_block
 from giftcomm.reference import codec as ref
-from conftest import scale_rule_edges
 
 pytestmark = pytest.mark.skipif(not codec.native_variants(), reason="native codec extension not built")
 
