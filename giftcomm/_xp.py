@@ -22,7 +22,8 @@ import numpy as np
 
 __all__ = [
     "DTYPES", "DtypeInfo", "Imported", "array_module", "is_device_array", "import_array", "export_like",
-    "to_float32", "from_float32", "bf16_bits_from_float32", "dtype_info", "synchronize", "device_pointer", "data_pointer", "DLPACK_CPU", "DLPACK_CUDA",
+    "to_float32", "from_float32", "bf16_bits_from_float32", "dtype_info", "synchronize", "device_pointer", "data_pointer",
+    "DLPACK_CPU", "DLPACK_CUDA",
 ]
 
 DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST, DLPACK_CUDA_MANAGED = 1, 2, 3, 13

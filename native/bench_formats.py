@@ -13,9 +13,10 @@ the median over the rounds and the lowest and highest round.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
-import time
+from pathlib import Path
 
 import numpy as np
 
@@ -23,6 +24,16 @@ from giftcomm import codec
 from giftcomm.formats import get_format, message_nbytes, resolve_block
 
 FORMATS = ("e4m3", "e5m2", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+
+
+def _timing():
+    """giftcomm/perf/timing.py of this checkout, loaded by path: the giftcomm on PYTHONPATH may be
+    an older tree (a side-by-side run) that lacks it."""
+    path = Path(__file__).resolve().parents[1] / "giftcomm" / "perf" / "timing.py"
+    spec = importlib.util.spec_from_file_location("_checkout_timing", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _size(s: str) -> int:
@@ -86,15 +97,10 @@ def main() -> None:
             for kname, fn in fns.items():
                 calls.append(((name, rounding, kname), fn))
                 rows[(name, rounding, kname)] = []
+    time_calls = _timing().time_calls
     for _ in range(a.rounds):
         for row, fn in calls:
-            fn()
-            ts = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            rows[row].append(n / float(np.median(ts)) / 1e9)
+            rows[row].append(n / time_calls(fn, a.repeats, warmup=1)[0] / 1e9)
     print(f"# native variant {codec.native_variant()}; n = {n}; data {a.data}; median of {a.repeats}"
           + (f", median of {a.rounds} rounds (lowest, highest round)" if a.rounds > 1 else "")
           + f"; commit {_commit()}")

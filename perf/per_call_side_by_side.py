@@ -14,11 +14,22 @@ medians and new - old.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+
+def _timing():
+    """giftcomm/perf/timing.py of this checkout, loaded by path: the giftcomm on PYTHONPATH may be
+    an older tree (the one compared against) that lacks it."""
+    path = Path(__file__).resolve().parents[1] / "giftcomm" / "perf" / "timing.py"
+    spec = importlib.util.spec_from_file_location("_checkout_timing", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker(calls: int) -> None:
@@ -30,17 +41,10 @@ def worker(calls: int) -> None:
     comm = MPI.COMM_WORLD
     x = np.random.default_rng(comm.rank).standard_normal(256).astype(np.float32)
     out = np.empty_like(x)
-    for _ in range(200):
-        giftcomm.allreduce(x, fmt="e4m3", out=out)
-    times = []
-    for _ in range(9):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            giftcomm.allreduce(x, fmt="e4m3", out=out)
-        times.append((time.perf_counter() - t0) / calls)
+    seconds, _ = _timing().time_calls(lambda: giftcomm.allreduce(x, fmt="e4m3", out=out), 9, warmup=200,
+                                      calls=calls, barrier=comm.Barrier)
     if comm.rank == 0:
-        print(f"{float(np.median(times)) * 1e6:.2f}", flush=True)
+        print(f"{seconds * 1e6:.2f}", flush=True)
 
 
 def run(tree: str, p: int, calls: int) -> float:

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 import giftcomm
 from giftcomm import codec
+from giftcomm.perf.timing import time_calls
 from giftcomm.transport import mpi as mpi_transport
 from giftcomm.transport.shared_window import SharedWindow
 
@@ -66,13 +67,9 @@ def main() -> None:
     for _ in range(5):
         giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt)
     _spent.clear()
-    total = 0.0
-    for _ in range(args.iters):
-        comm.comm.Barrier()
-        t0 = time.perf_counter()
-        giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt)
-        total += time.perf_counter() - t0
-    rows = comm.comm.gather((total, dict(_spent)))
+    mean, _ = time_calls(lambda: giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt), args.iters, warmup=0,
+                         barrier=comm.comm.Barrier, stat="mean")
+    rows = comm.comm.gather((mean * args.iters, dict(_spent)))
     if comm.rank == 0:
         print(f"# P={comm.size} count={args.count} fmt={args.fmt} iters={args.iters} shared window: "
               f"{'yes' if comm.shared_memory else 'no'}: mean us per call")

@@ -8,8 +8,9 @@ Only the public API of every giftcomm version is used. Prints one line per size:
 ratio. Sizes are bytes of float32 input (default 1K 64K 4M 16M 64M)."""
 from __future__ import annotations
 
+import importlib.util
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -19,16 +20,20 @@ import giftcomm
 SIZES = {"1K": 1 << 10, "64K": 1 << 16, "4M": 1 << 22, "16M": 1 << 24, "64M": 1 << 26}
 
 
+def _timing():
+    """giftcomm/perf/timing.py of this checkout, loaded by path: the giftcomm on PYTHONPATH may be
+    an older tree (the one compared against) that lacks it."""
+    path = Path(__file__).resolve().parents[1] / "giftcomm" / "perf" / "timing.py"
+    spec = importlib.util.spec_from_file_location("_checkout_timing", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def per_call(fn, iters: int, comm) -> float:
-    """Median over 7 repeats of the mean seconds of ``fn()`` (each repeat after a barrier)."""
-    times = []
-    for _ in range(7):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    """Median over 7 repeats of the mean seconds of ``fn()`` (each repeat of ``iters`` calls after
+    a barrier; this rank's own times)."""
+    return _timing().time_calls(fn, 7, warmup=0, calls=iters, barrier=comm.Barrier)[0]
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ import giftcomm
 from giftcomm.formats import bytes_per_value, check_block, message_nbytes, resolve_block
 from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
 from giftcomm.perf.common import add_json, add_out, parent_parser
+from giftcomm.perf.timing import time_calls
 from giftcomm.reference import simulate_allreduce, simulate_gift_allreduce
 
 __all__ = [
@@ -969,13 +970,7 @@ def cost_geometries(layout: Layout, spectra: Mapping, ks: Sequence[int], budget:
 
 def _min_time(run, repeats: int) -> float:
     """The minimum of ``repeats`` timed runs after a warm-up (the least disturbed run)."""
-    run()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return float(np.min(ts))
+    return time_calls(run, repeats, warmup=1, stat="min")[0]
 
 
 def time_geometry(geo: Geometry, x: np.ndarray, repeats: int, reuse: bool = False) -> float:

@@ -61,6 +61,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from giftcomm.perf.sizes import parse_size
+from giftcomm.perf.timing import time_calls
 from studies import subprocess_env
 
 __all__ = [
@@ -718,15 +719,14 @@ def probe(sizes: Sequence[int], iters: int = 3, p2p_size: int = 16 << 20,
     say(f"# probe: {size} ranks on {len(set(names or []))} nodes {sorted(set(names or []))}; "
         f"link rate {os.environ.get('GIFTCOMM_NETBED_RATE', '?')}; MPI {MPI.Get_library_version().splitlines()[0]}")
 
+    def until_all_done(run):  # a repeat ends when the last rank is done (the second barrier)
+        t0 = MPI.Wtime()
+        result = run()
+        comm.Barrier()
+        return MPI.Wtime() - t0, result
+
     def best(fn) -> float:
-        ts = []
-        for _ in range(iters):
-            comm.Barrier()
-            t0 = MPI.Wtime()
-            fn()
-            comm.Barrier()
-            ts.append(MPI.Wtime() - t0)
-        return min(ts)
+        return time_calls(fn, iters, warmup=0, barrier=comm.Barrier, stat="min", clock=until_all_done)[0]
 
     if size >= 2:
         peer = rph % size if rph < size else 1

@@ -64,6 +64,11 @@ def test_gradsync_kfac_mpi_quick():
     assert "2 ranks" in out and _transformed(out) > 0, out
 
 
+def test_zero_sharded_adam_quick():
+    out = _run([_mpiexec(), "-n", "3", sys.executable, str(EX / "zero_sharded_adam.py"), "--quick"])
+    assert "3 ranks" in out and "parameters identical on every rank: True" in out
+
+
 def test_jax_quick():
     out = _run([_mpiexec(), "-n", "2", sys.executable, str(EX / "jax_train.py"), "--quick"])
     assert "parameters identical on every rank: True" in out and _transformed(out) > 0, out

@@ -348,8 +348,8 @@ def _dense_side(side, d):
 
 def _mixed_geometry(rng, shapes, choices):
     """A Geometry whose segment i gets the side choices ``choices[i]`` (identity for None pairs)."""
-    from giftcomm.geometry.transform import identity_transform, kfac_transform
     from giftcomm.geometry.spectral import Spectrum
+    from giftcomm.geometry.transform import identity_transform, kfac_transform
 
     layout = Layout(shapes)
     ts = []

@@ -13,9 +13,9 @@ import pytest
 
 import giftcomm.cuda
 from giftcomm.cuda import _loader
-from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 from giftcomm.reference import codec as ref
 from giftcomm.reference import simulate_allreduce
+from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
 pytestmark = pytest.mark.skipif(not giftcomm.cuda.available(), reason="no CUDA GPU")
 

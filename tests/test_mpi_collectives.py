@@ -15,6 +15,7 @@ import pytest
 import giftcomm as gc
 from giftcomm.collectives.algorithms import CHOICES, SCATTER_CHOICES
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
+from giftcomm.reference.simulate import resolve_algorithm
 
 pytestmark = pytest.mark.mpi
 
@@ -79,6 +80,24 @@ def test_reduce_scatter_then_allgather(comm, shared_rng):
     assert digest(full) == digest(simulate_allreduce(xs, algorithm="ring")[comm.rank])
 
 
+@pytest.mark.parametrize("fmt,algorithm", [("e4m3", "ring"), ("nvfp4", "direct"), ("mxfp8", "auto")])
+def test_reduce_scatter_equal_layout(comm, shared_rng, fmt, algorithm):
+    n = comm.size * 1031  # each shard 1031 values: no whole number of blocks
+    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+    shard = gc.reduce_scatter(xs[comm.rank], comm=comm, fmt=fmt, algorithm=algorithm, layout="equal")
+    chosen = "direct" if algorithm == "direct" else "ring"
+    if algorithm == "auto":
+        from giftcomm.reference.simulate import resolve_algorithm
+
+        chosen = resolve_algorithm("auto", n, comm.size, None, fmt)
+        chosen = chosen if chosen in ("ring", "direct") else "ring"
+    want = simulate_reduce_scatter(xs, fmt, None, "sum", chosen, layout="equal")[comm.rank]
+    assert shard.shape == (1031,) and digest(shard) == digest(want)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="layout='equal'"):
+            gc.reduce_scatter(xs[comm.rank][1:], comm=comm, layout="equal")
+
+
 def test_disagreement_raises_on_every_rank_and_comm_stays_usable(comm, shared_rng):
     x = np.zeros(10 + comm.rank * (comm.size > 1), np.float32)
     fmt = "e5m2" if comm.rank == comm.size - 1 and comm.size > 1 else "e4m3"
@@ -123,7 +142,8 @@ def test_hundred_million_elements(comm):
     base = rng.standard_normal(period).astype(np.float32)
     x = np.tile(base, 10**8 // period)
     y = gc.allreduce(x, comm=comm)
-    want = simulate_allreduce([base] * comm.size)[0]
+    ran = resolve_algorithm("auto", x.size, comm.size, None, "e4m3")  # what auto takes for 10^8 (not one period)
+    want = simulate_allreduce([base] * comm.size, algorithm=ran)[0]
     rows = y.reshape(-1, period)
     assert np.all(rows.view(np.uint32) == want.view(np.uint32))
 

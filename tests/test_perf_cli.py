@@ -11,7 +11,7 @@ import pytest
 
 import giftcomm
 from giftcomm.perf import __main__ as cli
-from giftcomm.perf.common import Progress, split_list, time_calls, topology
+from giftcomm.perf.common import Progress, split_list, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
 
 
@@ -77,17 +77,6 @@ def test_progress_draws_only_on_a_terminal():
     off = Tty()
     Progress(2, stream=off, enabled=False).update("a")
     assert off.getvalue() == ""
-
-
-def test_time_calls_counts_and_returns_the_last_result():
-    calls = []
-    seconds, last = time_calls(lambda: calls.append(1) or len(calls), 4, warmup=2)
-    assert len(calls) == 6 and last == 6 and seconds >= 0
-    calls.clear()
-    _, last = time_calls(lambda: calls.append(1) or len(calls), 50, warmup=0, budget_s=0.0, min_iters=3)
-    assert last == 3  # stops at the budget once min_iters ran
-    with pytest.raises(ValueError):
-        time_calls(lambda: None, 1, stat="mode")
 
 
 def test_topology_of_a_loopback_group_and_of_runs_of_ranks():

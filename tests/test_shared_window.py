@@ -92,7 +92,7 @@ def test_window_is_reused_grown_and_results_stay_exact_across_calls(rng):
 
     def body(t):
         results, windows = [], []
-        for n, algorithm, xs in plan:
+        for _n, algorithm, xs in plan:
             results.append(gc.allreduce(xs[t.rank], comm=t, algorithm=algorithm, slice_elems=2048))
             windows.append(t.shared_window(0))
         return results, windows

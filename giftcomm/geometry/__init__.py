@@ -7,8 +7,10 @@ from .estimators import GradientFactorEstimator, KfacEstimator, row_col_mean_squ
 from .geometry import Geometry
 from .layout import Layout, Segment
 from .policy import SelectivePolicy, TransformTimeModel, collective_seconds, select
+from .sharded import ShardedGeometry, shard_layout
 from .spectral import Spectrum
 from .sync import SyncReport
 
 __all__ = ["Geometry", "Layout", "Segment", "Spectrum", "KfacEstimator", "GradientFactorEstimator", "SyncReport", "SelectivePolicy",
+           "ShardedGeometry", "shard_layout",
            "select", "TransformTimeModel", "collective_seconds", "row_col_mean_squares"]

@@ -14,9 +14,10 @@ about ``TILE_ELEMENTS`` values (whole matrices of a batch when they are that sma
 blocks of one matrix), so the second read of each tile and the ``c X`` term come from the cache:
 about two reads and one write of the segment per direction instead of the six sweeps of the
 side-by-side application. A right-side-only transform finishes each row tile on its own: one
-sweep per direction. Rank-1 sides are padded with a zero-weight column (exact). Groups with dense sides use ``S_L @ X @ S_R`` as one batched matmul per
-side (the same kernel as ``giftcomm.cuda.transform.TransformPlan``); other kinds (diagonal,
-Hadamard, mixes) go segment by segment through the sides' own ``left`` / ``right``.
+sweep per direction. Rank-1 sides are padded with a zero-weight column (exact). Groups with dense
+sides use ``S_L @ X @ S_R`` as one batched matmul per side (the same kernel as
+``giftcomm.cuda.transform.TransformPlan``); other kinds (diagonal, Hadamard, mixes) go segment by
+segment through the sides' own ``left`` / ``right``.
 
 Batching: on NumPy only segments adjacent in the buffer are batched (a view, no gather); on other
 backends all segments of a group are gathered with one index array (one kernel) and batched.

@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..perf.timing import time_calls
 from .geometry import Geometry
 from .layout import Layout
 from .spectral import Spectrum
@@ -65,13 +65,8 @@ class CostRow:
 
 
 def _time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up."""
+    return time_calls(fn, repeats, warmup=1)[0]
 
 
 def measure_transform_cost(models=("llama-300m", "llama-600m"), ranks=(16, 32, 64, 128),

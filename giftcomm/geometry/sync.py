@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-
 from typing import Any
 
 import numpy as np

@@ -115,11 +115,9 @@ def fit_overlap(measured: float, t_full: float, t_none: float) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 
-#: the statistic over repetitions (median by default; ``--stat min`` for the best case, which is
-#: less sensitive to other jobs on a busy machine)
-STATS = {"median": lambda v: float(np.median(v)), "min": lambda v: float(np.min(v))}
-STAT = [STATS["median"]]
-STAT_NAME = ["median"]  # the same choice by name, for common.time_calls
+#: the statistic over repetitions, a key of timing.STATS (median by default; ``--stat min`` for the
+#: best case, which is less sensitive to other jobs on a busy machine); set by main()
+STAT_NAME = ["median"]
 
 
 def _idle(comm) -> None:
@@ -138,32 +136,26 @@ def _pingpong(comm, me: int, a: int, b: int, sizes: list[int], reps_small: int, 
     out = []
     for size in sizes:
         buf = np.zeros(max(size, 1), np.uint8)[:size]
+        trip = lambda: _round_trip(comm, me, a, peer, buf)
         # warm-up round trips (connection set-up, page faults); a times the last one to choose
         # the repetition count and tells b
-        trial = 0.0
-        for _ in range(3):
-            trial = _round_trip(comm, me, a, peer, buf)
+        trial = time_calls(trip, 1, warmup=2)[0]
         reps = int(min(reps_small, max(3, budget_s / max(trial, 1e-7)))) if me == a else None
         reps = _exchange_int(comm, me, a, peer, reps)
-        times = []
-        for _ in range(reps):
-            times.append(_round_trip(comm, me, a, peer, buf))
-        out.append(STAT[0](times) / 2)
+        out.append(time_calls(trip, reps, warmup=0, stat=STAT_NAME[0])[0] / 2)
     return out
 
 
-def _round_trip(comm, me: int, a: int, peer: int, buf: np.ndarray) -> float:
-    """One ping-pong of ``buf`` between a (sends first) and its peer; seconds it took here."""
+def _round_trip(comm, me: int, a: int, peer: int, buf: np.ndarray) -> None:
+    """One ping-pong of ``buf`` between a (sends first) and its peer."""
     from mpi4py import MPI  # lazily, as everywhere in the perf tools
 
-    t0 = time.perf_counter()
     if me == a:
         comm.Send([buf, MPI.BYTE], peer, 7)
         comm.Recv([buf, MPI.BYTE], peer, 7)
     else:
         comm.Recv([buf, MPI.BYTE], peer, 7)
         comm.Send([buf, MPI.BYTE], peer, 7)
-    return time.perf_counter() - t0
 
 
 def _exchange_int(comm, me: int, a: int, peer: int, value: int | None) -> int:
@@ -316,14 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="network interfaces per node (0: one per rank; default: keep the previous "
                          "value); e.g. 1 on the netbed, 4 on GH200 nodes with a NIC per GPU")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--stat", choices=list(STATS), default="median",
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
                     help="statistic over repetitions (min: best case, for a busy machine)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    STAT[0] = STATS[args.stat]
     STAT_NAME[0] = args.stat
     from mpi4py import MPI
 

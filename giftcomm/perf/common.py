@@ -1,6 +1,6 @@
-"""What every perf tool (and every study in studies/) shares: one timing helper, one progress
-line, the node layout as the cost model sees it, and the command-line options that mean the
-same thing in every tool.
+"""What every perf tool (and every study in studies/) shares: the timing helper (re-exported from
+giftcomm.perf.timing), one progress line, the node layout as the cost model sees it, and the
+command-line options that mean the same thing in every tool.
 
 One spelling per idea across the tools:
 
@@ -18,68 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import numpy as np
 
 from ..costmodel import Topology
+from .timing import STATS, time_calls, time_rounds
 
-__all__ = ["time_calls", "Progress", "topology", "split_list", "parent_parser", "add_fmt", "add_json",
+__all__ = ["time_calls", "time_rounds", "Progress", "topology", "split_list", "parent_parser", "add_fmt", "add_json",
            "add_out", "STATS"]
-
-T = TypeVar("T")
-
-STATS: dict[str, Callable[[Any], float]] = {
-    "median": lambda ts: float(np.median(ts)),
-    "min": lambda ts: float(np.min(ts)),
-    "mean": lambda ts: float(np.mean(ts)),
-}
-
-
-def time_calls(fn: Callable[[], T], iters: int, *, warmup: int = 1, comm: Any = None, stat: str = "median",
-               budget_s: float | None = None, min_iters: int | None = None) -> tuple[float, T]:
-    """Seconds per call of ``fn()`` (a statistic over timed calls) and the last call's result.
-
-    comm: an mpi4py communicator, or None for a local measurement. With a communicator every
-    call starts after a barrier and a call's time is the slowest rank's time for it, so every
-    rank returns the same number (collective: every rank must call this alike).
-    iters: timed calls; with ``budget_s``, the most timed calls: timing stops once the calls
-    add up to ``budget_s`` seconds and at least ``min_iters`` (default ``min(3, iters)``) ran.
-    stat: ``median`` (the default: robust to the rare long stall of a shared machine), ``min``
-    or ``mean``.
-    """
-    if stat not in STATS:
-        raise ValueError(f"stat must be one of {sorted(STATS)}; got {stat!r}")
-    iters = max(int(iters), 1)
-    least = min(3, iters) if min_iters is None else max(1, min(int(min_iters), iters))
-    result: T | None = None
-    for _ in range(warmup):
-        result = fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < iters:
-        if comm is not None:
-            comm.Barrier()
-        t0 = time.perf_counter()
-        result = fn()
-        dt = time.perf_counter() - t0
-        if comm is not None and budget_s is not None:  # the stop decision must agree on every rank
-            from mpi4py import MPI
-
-            dt = comm.allreduce(dt, op=MPI.MAX)
-        times.append(dt)
-        spent += dt
-        if budget_s is not None and len(times) >= least and spent >= budget_s:
-            break
-    arr = np.asarray(times)
-    if comm is not None and budget_s is None:
-        from mpi4py import MPI
-
-        slowest = np.empty_like(arr)
-        comm.Allreduce(arr, slowest, op=MPI.MAX)
-        arr = slowest
-    return STATS[stat](arr), result  # type: ignore[return-value]
 
 
 class Progress:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import get_format, message_nbytes, resolve_block
+from .timing import time_calls
 
 SCALED_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 8192)
 FP8_FORMATS = ("e4m3", "e5m2")
@@ -185,20 +186,16 @@ def event_timer(cp: Any, warmup: int, reps: int, wall: bool = False) -> Callable
     """A function timing ``fn()`` on the device: ``warmup`` calls, then the median of ``reps``
     timings in milliseconds: CUDA events around ``fn()``, or with ``wall`` the host's clock
     from before ``fn()`` until the device is synchronized."""
-    def t(fn: Callable[[], Any]) -> float:
-        for _ in range(warmup):
-            fn()
-        cp.cuda.Device().synchronize()
-        ms = []
-        for _ in range(reps):
-            a, b, t0 = cp.cuda.Event(), cp.cuda.Event(), time.perf_counter()
-            a.record()
-            fn()
-            b.record()
-            (cp.cuda.Device() if wall else b).synchronize()
-            ms.append(1e3 * (time.perf_counter() - t0) if wall else cp.cuda.get_elapsed_time(a, b))
-        return float(np.median(ms))
-    return t
+    def clock(run: Callable[[], Any]) -> tuple[float, Any]:
+        cp.cuda.Device().synchronize()  # the warm-up's (or the previous repeat's) work is done
+        a, b, t0 = cp.cuda.Event(), cp.cuda.Event(), time.perf_counter()
+        a.record()
+        result = run()
+        b.record()
+        (cp.cuda.Device() if wall else b).synchronize()
+        return (time.perf_counter() - t0 if wall else 1e-3 * cp.cuda.get_elapsed_time(a, b)), result
+
+    return lambda fn: 1e3 * time_calls(fn, reps, warmup=warmup, clock=clock)[0]
 
 
 def measure_codec(cp: Any, timed, n: int, cases) -> dict:

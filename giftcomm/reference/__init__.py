@@ -2,4 +2,5 @@
 from .codec import decode, decode_add_encode, encode
 from .simulate import simulate_allgather, simulate_allreduce, simulate_gift_allreduce, simulate_reduce_scatter
 
-__all__ = ["encode", "decode", "decode_add_encode", "simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather"]
+__all__ = ["encode", "decode", "decode_add_encode", "simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter",
+           "simulate_allgather"]

@@ -16,7 +16,7 @@ import numpy as np
 from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
 from ..costmodel import Topology, choose
 from ..formats import Format, check_rounding, get_format, resolve_block
-from ..partition import accumulation_dtype, chunk_bounds
+from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
 from .codec import decode, encode
 from .rounding import call_key
 
@@ -69,16 +69,17 @@ def _flat_inputs(inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.dty
 
 
 def _chunk_sums(flat: list[np.ndarray], w: _Wire, direct: bool = False, parties: Sequence[int] | None = None,
-                base: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+                base: int = 0, layout: str = "blocks") -> tuple[list[np.ndarray], np.ndarray]:
     """The owner's high-precision sum of each chunk after the ring (or ``direct``) reduce-scatter,
     and the chunk bounds. Ring: chunk c starts at rank c+1 and travels right, re-encoded at every
     hop; rank c adds last. Direct: the contributions in rank order, each other rank's quantized
     once, the owner's own exact. ``parties``: the ranks of the members (default 0..P-1);
-    ``base``: the index of flat[q][0] in the buffer."""
+    ``base``: the index of flat[q][0] in the buffer; ``layout``: the chunks' layout
+    (giftcomm.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
     p = len(flat)
     parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
-    bounds = chunk_bounds(flat[0].size, p, w.block)
+    bounds = shard_bounds(flat[0].size, p, w.block, layout)
     sums = []
     with np.errstate(invalid="ignore", over="ignore"):
         for c in range(p):
@@ -189,18 +190,19 @@ def _oneshot_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
 
 def simulate_reduce_scatter(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum", algorithm: str = "ring",
-    *, rounding: str = "nearest", seed: int | None = None,
+    *, rounding: str = "nearest", seed: int | None = None, layout: str = "blocks",
 ) -> list[np.ndarray]:
     """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
     algorithm: a row of the algorithm table with ``scatter`` ("ring" or "direct": the
-    reduce-scatter halves of those allreduces).
+    reduce-scatter halves of those allreduces). layout: "blocks" or "equal", as for
+    giftcomm.reduce_scatter.
     """
     w = _Wire.of(fmt, block, rounding, seed)
     if algorithm not in SCATTER_SIMULATIONS:
         raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(SCATTER_SIMULATIONS)}, got {algorithm!r}")
     flat, dtype, _ = _flat_inputs(inputs)
-    sums, _ = SCATTER_SIMULATIONS[algorithm](flat, w)
+    sums, _ = SCATTER_SIMULATIONS[algorithm](flat, w, layout)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
@@ -271,9 +273,9 @@ Simulation = Callable[[list[np.ndarray], _Wire, int, str], np.ndarray]
 """simulation(every rank's flat input, wire, local_size, local_fmt) -> the allreduce's sum
 (the accumulation dtype, before ``avg``)."""
 
-SCATTER_SIMULATIONS: dict[str, Callable[[list[np.ndarray], _Wire], tuple[list[np.ndarray], np.ndarray]]] = {
-    "ring": lambda flat, w: _chunk_sums(flat, w),
-    "direct": lambda flat, w: _chunk_sums(flat, w, direct=True),
+SCATTER_SIMULATIONS: dict[str, Callable[..., tuple[list[np.ndarray], np.ndarray]]] = {
+    "ring": lambda flat, w, layout="blocks": _chunk_sums(flat, w, layout=layout),
+    "direct": lambda flat, w, layout="blocks": _chunk_sums(flat, w, direct=True, layout=layout),
 }
 """The reduce-scatter (each owner's chunk sums, and the chunk bounds) of every row with ``scatter``."""
 

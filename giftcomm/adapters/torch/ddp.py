@@ -306,20 +306,39 @@ class GiftState:
 
     def __getstate__(self) -> dict:
         """The user's settings, the iteration count, the statistics and the reduced-gradient
-        estimators and geometries (not the process group, transports, threads, capture hooks or
-        parameter names: like PyTorch's PowerSGDState)."""
+        estimators and geometries, including rebuilt geometries not adopted yet (not the process
+        group, transports, threads, capture hooks or parameter names: like PyTorch's
+        PowerSGDState). Rank-independent at an iteration boundary: the geometry thread's
+        submitted work is finished first (it is the same work on every rank, on identical reduced
+        buckets), and the timings of the statistics (this process's own) are saved as 0."""
         rt = self.runtime
+        self._settle()
         with rt.lock:
             geos = dict(rt.geometries)
-        est = rt.estimators
+            pending = [(at, fut.result()) for at, fut in rt.pending]
+            stats = copy.copy(self._stats)
+            estimators = {k: copy.deepcopy(v) for k, v in rt.estimators.items()}
+            layouts = dict(rt.layouts)
+        stats.comm_seconds = stats.geometry_seconds = 0.0
+        stats.geometry_waits = 0  # whether the hook had to wait depends on this process's timing
         d = {k: getattr(self, k) for k in self._PICKLED}
-        d.update(stats=copy.copy(self._stats), geometries=geos, estimators=dict(est), layouts=dict(rt.layouts))
+        d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending)
         return d
+
+    def _settle(self) -> None:
+        """Wait until the geometry thread finished the work submitted so far (one worker, in
+        order: a no-op submitted now runs last); nothing to wait for once it was shut down."""
+        try:
+            self.runtime.geometry_thread.submit(lambda: None).result()
+        except RuntimeError:  # shut down: its work is done
+            pass
 
     def __setstate__(self, d: dict) -> None:
         """Restore on the default process group (no communication: the private groups are made at
-        the first bucket, so loading may precede ``dist.init_process_group``). Call :meth:`bind`
-        with the model afterwards to name segments (and, for "kfac", capture)."""
+        the first bucket, so loading may precede ``dist.init_process_group``), with the saved
+        estimators, geometries and not yet adopted rebuilds, so the next iterations equal those of
+        an uninterrupted run. Call :meth:`bind` with the model (or :meth:`register` with the DDP)
+        afterwards to name segments (and, for "kfac", capture)."""
         if "options" not in d:  # a state pickled before the call options were one record
             d = dict(d, options=CallOptions.of("GiftState", fmt=d["fmt"], block=d["block"], op="avg"))
         for k in self._PICKLED:
@@ -333,6 +352,10 @@ class GiftState:
         self.runtime.geometries.update(d.get("geometries") or {})
         self.runtime.layouts.update(d.get("layouts") or {})
         self.runtime.estimators.update(d.get("estimators") or {})
+        for at, result in d.get("pending") or []:
+            done: _CFuture = _CFuture()
+            done.set_result(result)
+            self.runtime.pending.append((at, done))
         self.runtime.adopted_iter = self.iter - 1
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":

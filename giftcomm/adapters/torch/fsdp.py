@@ -1,0 +1,375 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): giftcomm as the gradient reduce-scatter.
+
+::
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    comms = register_reduce_scatter(model, fmt="e4m3")      # one GiftReduceScatter per FSDP module
+
+FSDP2 calls its reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``) once per FSDP
+module and backward with ``input`` (N,) in the reduce dtype — row r of its (P, N/P) view holds
+every parameter's r-th dim-0 chunk, dim 0 zero-padded to a multiple of P — and ``output``
+(N/P,). :class:`GiftReduceScatter` reduces it with ``giftcomm.reduce_scatter(layout="equal")``:
+FP8 (or any format) on the wire, fp32 accumulation, the result bit-identical on every rank.
+
+Each call:
+
+1. maps FSDP's op: AVG -> giftcomm ``op="avg"``; SUM -> ``"sum"``; PREMUL_SUM(f) (from
+   ``set_gradient_divide_factor``) -> the sum times f, applied to the reduced shard (in the
+   reduce dtype for bf16/fp16, as FSDP's own post-division is); anything else raises;
+2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead;
+3. with a geometry (``geometry="kfac"`` or a :class:`~giftcomm.geometry.ShardedGeometry`),
+   transforms every row into its shard's GIFT coordinates (float32), reduce-scatters those and
+   applies this shard's inverse alone (docs/method.md, "Sharded gradients");
+4. writes ``output`` (the reduce dtype).
+
+Transports: CPU tensors go over a private gloo group of the comm's process group (created at
+the first call, by the group's members); CUDA tensors over the grouped torch.distributed
+transport on the caller's group (NCCL), on FSDP's reduce-scatter stream (torch's current stream
+in the call; CuPy kernels follow it), with no host copy. HSDP (2-D mesh): the shard-dimension
+reduce-scatter is giftcomm's; the replicate-dimension all-reduce stays FSDP's own, because FSDP2
+issues it as a plain ``dist.all_reduce`` with no plug-in point (``set_all_reduce_hook`` runs
+after it, not instead of it), and replacing it would need patching torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ... import api
+from ...geometry.sharded import ShardedGeometry
+from ...options import DEFAULT_DAMPING, CallOptions
+from ...transport import Transport
+from .kfac import KfacCapture
+
+try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterProtocol
+except ImportError:  # older torch: duck-typed; register_reduce_scatter says what is missing
+    _ReduceScatterProtocol = object  # type: ignore[assignment,misc]
+
+__all__ = ["GiftReduceScatter", "register_reduce_scatter", "fsdp_modules"]
+
+_GEOMETRIES = (None, "kfac")
+_SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed + c) * 2**16 + i
+
+
+def _require_fsdp2() -> Any:
+    """``torch.distributed.fsdp.FSDPModule`` with ``set_custom_reduce_scatter``, or RuntimeError."""
+    import torch.distributed.fsdp as fsdp
+
+    found = getattr(fsdp, "FSDPModule", None)
+    if found is None or not hasattr(found, "set_custom_reduce_scatter") or _ReduceScatterProtocol is object:
+        raise RuntimeError(f"giftcomm's FSDP2 comm needs torch >= 2.9 (FSDPModule.set_custom_reduce_scatter and "
+                           f"the ReduceScatter protocol); this is torch {torch.__version__}")
+    return found
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 modules of ``model`` (``fully_shard`` applied), in ``model.modules()`` order."""
+    FSDPModule = _require_fsdp2()  # noqa: N806
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _members_transport(group: dist.ProcessGroup) -> Transport:
+    """The host transport over ``group``'s members: a TorchDistTransport whose private gloo group
+    only the members create (collective over ``group`` alone, so each HSDP shard group makes
+    its own while the others make theirs)."""
+    from ...transport.torch_dist import TorchDistTransport
+
+    t = TorchDistTransport.__new__(TorchDistTransport)
+    t.user_group = group
+    t._global = list(dist.get_process_group_ranks(group))
+    t.group = dist.new_group(ranks=t._global, backend="gloo", use_local_synchronization=True)
+    t.rank, t.size = dist.get_rank(t.group), dist.get_world_size(t.group)
+    t._nodes = t._find_nodes()
+    return t
+
+
+@contextlib.contextmanager
+def _on_current_stream(t: torch.Tensor) -> Iterator[None]:
+    """For a CUDA tensor: CuPy on torch's current stream (FSDP's reduce-scatter stream in the
+    call), so giftcomm's kernels and NCCL run in FSDP's order; nothing for a CPU tensor."""
+    if t.device.type != "cuda":
+        yield
+        return
+    import cupy
+
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
+        yield
+
+
+class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]
+    """FSDP2's ``ReduceScatter`` comm through giftcomm (module doc).
+
+    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout as
+    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct" or "auto"; with
+    ``rounding="stochastic"`` call c of this comm uses seed ``(seed + c) * 2**16 + index``).
+    warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "kfac" (KFAC factors
+    from ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls from the
+    factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
+    parameters. damping: the geometry's. Built by :func:`register_reduce_scatter`, which binds
+    each comm to its module's parameters (``bind``); ValueError/TypeError at once for bad options.
+    """
+
+    def __init__(self, *, fmt: str = "e4m3", block: int | None = None, rounding: str = "nearest",
+                 seed: int | None = None, algorithm: str = "auto", slice_elems: int | None = None,
+                 timeout: float | None = None, warmup: int = 0, geometry: Any = None, capture: Any = None,
+                 refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0) -> None:
+        self.options = CallOptions.of("GiftReduceScatter", fmt=fmt, block=block, rounding=rounding,
+                                      seed=0 if rounding == "stochastic" and seed is None else seed,
+                                      algorithm=algorithm, slice_elems=slice_elems, timeout=timeout)
+        if self.options.algorithm not in ("auto", "ring", "direct"):
+            raise ValueError(f"GiftReduceScatter: algorithm must be 'auto', 'ring' or 'direct' (reduce-scatter "
+                             f"algorithms), got {algorithm!r}")
+        for name, value, least in (("warmup", warmup, 0), ("refresh_every", refresh_every, 1), ("index", index, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"GiftReduceScatter: {name} must be an int >= {least}, got {value!r}")
+        if not (isinstance(geometry, ShardedGeometry) or geometry in _GEOMETRIES):
+            raise ValueError(f"GiftReduceScatter: geometry must be None, 'kfac' or a ShardedGeometry, got {geometry!r}")
+        if geometry == "kfac":
+            if not isinstance(capture, (torch.nn.Module, KfacCapture)):
+                raise ValueError('GiftReduceScatter: geometry="kfac" needs capture= (the model or a KfacCapture)')
+        elif capture is not None:
+            raise ValueError('GiftReduceScatter: capture= goes with geometry="kfac" only')
+        if not (isinstance(damping, (int, float)) and np.isfinite(damping) and damping >= 0):
+            raise ValueError(f"GiftReduceScatter: damping must be a finite number >= 0, got {damping!r}")
+        self.warmup, self.refresh_every, self.index, self.damping = warmup, refresh_every, index, float(damping)
+        self.geometry_mode = geometry if isinstance(geometry, str) or geometry is None else "fixed"
+        self.geometry: ShardedGeometry | None = geometry if isinstance(geometry, ShardedGeometry) else None
+        self.capture = capture
+        self.calls = 0          # calls so far (warm-up included)
+        self.gift_calls = 0     # calls reduced through the geometry
+        self.names: list[str] = []       # segment names of the bound module's parameters (root-relative)
+        self.shapes: list[tuple[int, ...]] = []
+        self._host: dict[Any, Transport] = {}
+        self._device: dict[Any, Transport] = {}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, names: list[str], shapes: list[tuple[int, ...]], shard_dims: list[int], world: int) -> None:
+        """Bind to an FSDP module's parameters (names, unsharded shapes, shard dims, the shard
+        group's size); ValueError when the geometry cannot apply to them."""
+        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
+        if self.geometry_mode is None:
+            return
+        if any(d != 0 for d in shard_dims):
+            raise ValueError(f"GiftReduceScatter: a geometry needs dim-0 sharding (Shard(0)); this module shards "
+                             f"along dims {sorted(set(shard_dims))}")
+        if any(len(s) == 0 for s in self.shapes):
+            raise ValueError("GiftReduceScatter: a geometry needs parameters of at least one dimension")
+        if self.geometry is not None:
+            want = list(zip(self.names, self.shapes))
+            got = list(self.geometry.layout.entries())
+            if got != want or self.geometry.shards != world:
+                raise ValueError(f"GiftReduceScatter: the geometry covers {got} on {self.geometry.shards} shards, "
+                                 f"but the module's parameters are {want} on {world} ranks")
+
+    # ------------------------------------------------------------------ the comm protocol
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A plain ``torch.empty`` (FSDP's default allocation)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        """Reduce-scatter ``input_tensor`` (N,) into ``output_tensor`` (N/P,) over ``group``.
+        Returns None, or a completed ``dist.Work`` when ``async_op`` (the reduction is done)."""
+        how, factor = _op(op)
+        size = dist.get_world_size(group)
+        if input_tensor.numel() != output_tensor.numel() * size or input_tensor.dtype != output_tensor.dtype:
+            raise ValueError(f"GiftReduceScatter: input ({input_tensor.numel()} {input_tensor.dtype}) must hold "
+                             f"{size} x output ({output_tensor.numel()} {output_tensor.dtype})")
+        call = self.calls
+        self.calls += 1
+        if call < self.warmup:
+            work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return work if async_op else None
+        transport = self._transport(group, input_tensor)
+        geo = self._geometry_for(call, input_tensor, group, size)
+        opts = self.options
+        seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
+        kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
+                                  slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
+                                  timeout=opts.timeout, layout="equal")
+        with _on_current_stream(input_tensor):
+            if geo is None:
+                api.reduce_scatter(input_tensor, op=how, out=output_tensor, **kw)
+            else:
+                self.gift_calls += 1
+                shard = self._gift(geo, input_tensor, size, transport, how, kw)
+                output_tensor.copy_(shard)
+        if factor is not None:
+            output_tensor.mul_(factor)
+        if async_op:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([output_tensor])
+            return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
+        host = self._host.get(group)
+        if host is None:
+            host = self._host[group] = _members_transport(group)
+        if x.device.type != "cuda":
+            return host
+        dev = self._device.get(group)
+        if dev is None:
+            from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
+
+            assert isinstance(host, TorchDistTransport)
+            dev = self._device[group] = TorchDistDeviceTransport(group, control=host)
+        return dev
+
+    def _gift(self, geo: ShardedGeometry, x: torch.Tensor, size: int, transport: Transport, how: str,
+              kw: dict) -> torch.Tensor:
+        """Forward every row, reduce-scatter the float32 rows, this shard's inverse."""
+        rank = transport.rank
+        rows = x.detach().reshape(size, -1)
+        if x.device.type == "cuda":
+            import cupy
+
+            src = cupy.from_dlpack(rows.float() if rows.dtype == torch.bfloat16 else rows)
+            fwd = geo.forward_rows(src)
+            shard = api.reduce_scatter(fwd.reshape(-1), op=how, **kw)
+            return torch.from_dlpack(geo.shard(rank).inverse(shard))
+        src_np = rows.float().numpy() if rows.dtype != torch.float32 else rows.numpy()
+        fwd = geo.forward_rows(src_np)
+        shard = api.reduce_scatter(fwd.reshape(-1), op=how, **kw)
+        return torch.from_numpy(geo.shard(rank).inverse(shard))
+
+    def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
+        if self.geometry_mode is None:
+            return None
+        if self.geometry_mode == "kfac" and (call - self.warmup) % self.refresh_every == 0:
+            self.geometry = self._build_kfac(group, size)  # on the same calls of every rank: collective
+        geo = self.geometry
+        if geo is None:
+            return None
+        if geo.shard_size * size != x.numel():  # some parameters got no gradient this step
+            if "layout" not in self._warned:
+                self._warned.add("layout")
+                warnings.warn(f"GiftReduceScatter: the reduce-scatter input has {x.numel()} values but the module's "
+                              f"parameters pad to {geo.shard_size * size} (a parameter without gradient?); "
+                              "those calls run without the geometry", RuntimeWarning, stacklevel=3)
+            return None
+        return geo
+
+    def _build_kfac(self, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
+        """Collective over ``group``: average the captured factors of this module's Linear weights
+        (weighted by their batch counts), build the shard-local geometry, check it agrees."""
+        cap = self.capture
+        assert isinstance(cap, KfacCapture)
+        est = cap.estimator
+        factors = est.factors()
+        layout = list(zip(self.names, self.shapes))
+        mats, names = [], []
+        for name, shape in layout:
+            if name in est.segments and len(shape) == 2:
+                a, g = factors.get(name, (None, None))
+                n = int(est.counts.get(name, 0))
+                m_out, n_in = shape
+                mats.append(np.concatenate([
+                    (np.zeros((n_in, n_in)) if a is None else a * n).reshape(-1),
+                    (np.zeros((m_out, m_out)) if g is None else g * n).reshape(-1), [float(n)]]))
+                names.append(name)
+        if not names:
+            return None
+        host = self._host[group]
+        summed = host.sum_float64(np.concatenate(mats))  # type: ignore[attr-defined]
+        offset, avg = 0, {}
+        for name in names:
+            m_out, n_in = dict(layout)[name]
+            a = summed[offset : offset + n_in * n_in].reshape(n_in, n_in)
+            offset += n_in * n_in
+            g = summed[offset : offset + m_out * m_out].reshape(m_out, m_out)
+            offset += m_out * m_out
+            count = summed[offset]
+            offset += 1
+            if count > 0:
+                avg[name] = (a / count, g / count)
+        if not avg:
+            return None
+        geo = ShardedGeometry.from_kfac(layout, avg, size, damping=self.damping)
+        prints = host.allgather_object(geo.fingerprint())
+        if any(f != prints[0] for f in prints):  # eigh differed across machines: take rank 0's
+            geo = host.broadcast_object(geo if host.rank == 0 else None, root=0)
+        return geo
+
+
+def _op(op: Any) -> tuple[str, float | None]:
+    """(giftcomm op, post-multiplier or None) of an FSDP ReduceOp; ValueError for the others."""
+    R = dist.ReduceOp  # noqa: N806
+    kind = getattr(op, "op", op)
+    if kind == R.AVG:
+        return "avg", None
+    if kind == R.SUM:
+        return "sum", None
+    if kind == R.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if not isinstance(factor, float):
+            raise ValueError(f"GiftReduceScatter: PREMUL_SUM with a tensor factor is not supported (got {factor!r})")
+        return "sum", factor
+    raise ValueError(f"GiftReduceScatter: giftcomm reduces with SUM, AVG or PREMUL_SUM, not {op}")
+
+
+def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[GiftReduceScatter]:
+    """Install a :class:`GiftReduceScatter` on every FSDP2 module of ``model`` (one each, bound to
+    that module's parameters) and return them in ``model.modules()`` order.
+
+    options: those of GiftReduceScatter (fmt, block, rounding, seed, algorithm, slice_elems,
+    timeout, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
+    ``capture=model`` makes one KfacCapture shared by all comms, stepped by a forward pre-hook
+    on ``model`` (capture every ``capture_every`` forwards, ``capture_tokens`` rows per layer).
+    Call on every rank, after ``fully_shard``. Raises on every rank alike, before any data
+    moves: RuntimeError on torch without the FSDP2 comm API or for a model with no FSDP module;
+    ValueError for bad options, a module with several parameter groups, or a geometry that does
+    not match a module's parameters.
+    """
+    modules = fsdp_modules(model)  # RuntimeError on torch without the FSDP2 comm API
+    if not modules:
+        raise RuntimeError("register_reduce_scatter: the model has no FSDP2 module (apply fully_shard first)")
+    capture_every = options.pop("capture_every", 10)
+    capture_tokens = options.pop("capture_tokens", 256)
+    capture = options.get("capture")
+    if options.get("geometry") == "kfac" and isinstance(capture, torch.nn.Module):
+        capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens)
+        steps = [0]
+
+        def step_capture(module: torch.nn.Module, args: Any) -> None:
+            if module.training:
+                capture.step(steps[0])
+                steps[0] += 1
+
+        model.register_forward_pre_hook(step_capture)
+        options["capture"] = capture
+    names = {id(p): n for n, p in model.named_parameters()}
+    comms: list[GiftReduceScatter] = []
+    host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
+    device: dict[Any, Transport] = {}
+    for i, module in enumerate(modules):
+        state = module._get_fsdp_state()  # type: ignore[operator]  # the public setter checks too, but later
+        groups = list(state._fsdp_param_groups)
+        if not groups:  # an FSDP module whose parameters all belong to nested ones
+            continue
+        if len(groups) > 1:
+            raise ValueError(f"register_reduce_scatter: FSDP module {type(module).__name__} has {len(groups)} "
+                             "parameter groups (per-parameter meshes); one comm cannot serve several")
+        group = groups[0]
+        comm = GiftReduceScatter(index=i, **options)
+        comm._host, comm._device = host, device
+        fsdp_params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        shapes = [tuple(fp._orig_size) for fp in fsdp_params]
+        dims = [int(fp.fsdp_placement.dim) for fp in fsdp_params]
+        pnames = [names.get(id(fp.sharded_param), f"module{i}.param{j}") for j, fp in enumerate(fsdp_params)]
+        comm.bind(pnames, shapes, dims, int(group.mesh_info.shard_mesh_size))
+        module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+        comms.append(comm)
+    return comms

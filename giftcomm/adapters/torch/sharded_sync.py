@@ -1,0 +1,127 @@
+"""ZeRO / Megatron-style gradient sync: the flat padded gradient buffer reduce-scattered into this
+rank's shard, for a sharded optimizer the user writes.
+
+::
+
+    sync = ShardedGradSync(model, comm=comm, fmt="e4m3")     # every .grad a view of sync.buffer
+    master = sync.param_shard()                             # this rank's fp32 slice of the parameters
+    for batch in data:
+        sync.zero_grad()
+        loss(model, batch).backward()
+        grad = sync.sync()                                  # (shard,) reduced (op="avg") gradient
+        master -= lr * grad                                 # the optimizer sees only its shard
+        sync.gather_params(master)                          # every rank gets every updated parameter
+
+The buffer holds the trainable parameters' gradients back to back in ``named_parameters``
+order, zero-padded to a multiple of P; rank r owns elements ``[r*n/P, (r+1)*n/P)``
+(``giftcomm.reduce_scatter(layout="equal")``), like ZeRO's partitions and Megatron's
+distributed-optimizer buffer. Options: those of :class:`giftcomm.options.CallOptions` (fmt,
+block, rounding, seed, algorithm "ring" / "direct" / "auto", slice_elems, timeout, op).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import api
+from ...options import CallOptions
+from ...transport import resolve
+from .buckets import named_trainable
+
+__all__ = ["ShardedGradSync"]
+
+
+class ShardedGradSync:
+    """Reduce-scatter a model's gradients into equal shards of one flat padded buffer.
+
+    model: an nn.Module or (name, parameter) pairs, all of one float dtype and device (CPU, or
+    CUDA with a device transport). comm: mpi4py communicator, giftcomm Transport or None (as
+    for the collectives). Options as CallOptions (default op "avg", like DDP). With
+    ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
+    Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
+
+    Attributes: ``buffer`` (padded,) the gradients; ``lo``, ``hi`` this rank's element range;
+    ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
+    """
+
+    def __init__(self, model: Any, *, comm: Any = None, **options: Any) -> None:
+        options.setdefault("op", "avg")
+        self.options = CallOptions.of("ShardedGradSync", **options)
+        if self.options.algorithm not in ("auto", "ring", "direct"):
+            raise ValueError(f"ShardedGradSync: algorithm must be 'auto', 'ring' or 'direct', got "
+                             f"{self.options.algorithm!r}")
+        self.params = named_trainable(model)
+        if not self.params:
+            raise ValueError("ShardedGradSync: the model has no trainable parameters")
+        kinds = {(p.dtype, p.device) for _, p in self.params}
+        if len(kinds) != 1:
+            raise TypeError(f"ShardedGradSync: parameters must share one dtype and device, got {sorted(map(str, kinds))}")
+        dtype, device = kinds.pop()
+        self.comm = resolve(comm, device=device.type == "cuda")
+        self.size, self.rank = self.comm.size, self.comm.rank
+        self.numel = sum(p.numel() for _, p in self.params)
+        padded = -(-self.numel // self.size) * self.size
+        self.lo, self.hi = self.rank * padded // self.size, (self.rank + 1) * padded // self.size
+        self.buffer = torch.zeros(padded, dtype=dtype, device=device)
+        self.calls = 0
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Zero the buffer and make every ``.grad`` a view of it again (use instead of
+        ``optimizer.zero_grad()``, which would detach the views)."""
+        self.buffer.zero_()
+        off = 0
+        for _, p in self.params:
+            p.grad = self.buffer[off : off + p.numel()].view_as(p)
+            off += p.numel()
+
+    def sync(self, seed: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Collective: this rank's (hi - lo,) shard of the reduced gradient buffer (a new tensor,
+        or ``out``). seed: stochastic rounding's seed (default: the call count)."""
+        self._bind()
+        seed = self.calls if seed is None else int(seed)
+        self.calls += 1
+        o = self.options
+        shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
+        api.reduce_scatter(self.buffer, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
+                           algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
+                           seed=seed if o.rounding == "stochastic" else None, timeout=o.timeout, layout="equal")
+        return shard
+
+    def param_shard(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A copy of this rank's slice of the flat parameters (padding zeros), as ``dtype``: the
+        master weights a sharded optimizer updates."""
+        flat = torch.zeros(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+        off = 0
+        for _, p in self.params:
+            flat[off : off + p.numel()] = p.detach().reshape(-1)
+            off += p.numel()
+        return flat[self.lo : self.hi].clone()
+
+    def gather_params(self, shard: torch.Tensor) -> None:
+        """Collective: every rank's updated parameter shard (``(hi - lo,)``) gathered exactly
+        (fp32 wire: raw values) and written into the parameters, cast to their dtype."""
+        if tuple(shard.shape) != (self.hi - self.lo,):
+            raise ValueError(f"ShardedGradSync.gather_params: shard must have shape ({self.hi - self.lo},), "
+                             f"got {tuple(shard.shape)}")
+        full = api.allgather(shard.detach().to(torch.float32).contiguous(), comm=self.comm, fmt="fp32",
+                             timeout=self.options.timeout)
+        off = 0
+        with torch.no_grad():
+            for _, p in self.params:
+                p.copy_(full[off : off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def _bind(self) -> None:
+        off = 0
+        for _, p in self.params:
+            n = p.numel()
+            if p.grad is None or p.grad.data_ptr() != self.buffer[off:].data_ptr():
+                if p.grad is not None:
+                    self.buffer[off : off + n].copy_(p.grad.reshape(-1))
+                else:
+                    self.buffer[off : off + n].zero_()
+                p.grad = self.buffer[off : off + n].view_as(p)
+            off += n
+

@@ -1,0 +1,150 @@
+"""FSDP2 step time with giftcomm e4m3 against FSDP2's own fp32 and bf16 reduce-scatter, side by side.
+
+    torchrun --nproc_per_node 4 perf/fsdp_step.py [--width 2048] [--layers 4] [--steps 10] [--rounds 3]
+    # across hosts: torchrun --nnodes 4 --nproc_per_node 1 --rdzv_endpoint HOST:PORT perf/fsdp_step.py
+    # under mpiexec (e.g. the netbed, docs/netbed.md): ranks from MPI, rendezvous through a shared file
+    perf/netbed run --hosts 4 --rate 1gbit -- python perf/fsdp_step.py --rendezvous /tmp/fsdp-step.rdzv
+
+A stack of ``--layers`` bias-free nn.Linear(width, width) blocks (tanh between; width 2048 and 4
+layers: 16.8M parameters, 64 MiB of float32 gradients), each a ``fully_shard`` unit, on CPU with
+gloo (CUDA with NCCL when ``--cuda``). Three configurations train the same model on the same data,
+interleaved round by round so that load drift hits all three alike:
+
+- ``fsdp fp32``: FSDP2's own reduce-scatter, reduce dtype float32;
+- ``fsdp bf16``: FSDP2's own reduce-scatter, ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``;
+- ``giftcomm e4m3``: ``register_reduce_scatter(model, fmt="e4m3")``, reduce dtype float32.
+
+Steps are timed with giftcomm.perf.timing.time_rounds (the configurations in turns, ``--steps``
+back-to-back steps a round after a barrier, one warm-up step each); every reduce-scatter call is
+timed too (wall clock around the comm, which FSDP2 calls synchronously on CPU; on CUDA the timer
+synchronises the stream first and after). Rank 0 prints, per configuration, the median over
+rounds of the step time and the median reduce-scatter time per step, the reduce-scatter's share
+of the step, and the ratios against FSDP's fp32 and bf16. Bytes per value on the wire: fp32 4,
+bf16 2, e4m3 1.0156 (docs/wire-format.md). Numbers from a loaded machine are not results: run
+it on a quiet one or the netbed (docs/netbed.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from giftcomm.perf.timing import time_rounds, wall_clock
+
+
+class _Timed:
+    """A reduce-scatter comm (FSDP's own call, or a GiftReduceScatter) that adds its wall time to
+    ``seconds``."""
+
+    def __init__(self, inner, cuda: bool) -> None:
+        self.inner, self.cuda, self.seconds = inner, cuda, 0.0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        def run() -> None:
+            if self.inner is None:
+                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            else:
+                self.inner(output_tensor, input_tensor, group, op)
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        self.seconds += wall_clock(run)[0]
+
+
+def _build(args, name: str, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from giftcomm.adapters.torch import register_reduce_scatter
+    from giftcomm.adapters.torch.fsdp import fsdp_modules
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width, bias=False), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers).to(device)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "fsdp bf16" else torch.float32)
+    for layer in model[::2]:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    comms = register_reduce_scatter(model, fmt="e4m3") if name == "giftcomm e4m3" else None
+    timers = []
+    for i, module in enumerate(m for m in fsdp_modules(model) if m._get_fsdp_state()._fsdp_param_groups):
+        timer = _Timed(None if comms is None else comms[i], device.type == "cuda")
+        module.set_custom_reduce_scatter(timer)
+        timers.append(timer)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), timers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--rendezvous", default=None,
+                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    args = ap.parse_args()
+    cuda = args.cuda
+    if args.rendezvous:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.rank == 0 and os.path.exists(args.rendezvous):
+            os.remove(args.rendezvous)  # a stale store from an earlier run
+        comm.Barrier()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{os.path.abspath(args.rendezvous)}",
+                                rank=comm.rank, world_size=comm.size)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    names = ["fsdp fp32", "fsdp bf16", "giftcomm e4m3"]
+    built = {n: _build(args, n, device) for n in names}
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)).to(device)
+    rs_ms: dict[str, list[float]] = {n: [] for n in names}
+
+    def step_of(name: str):
+        model, opt, timers = built[name]
+
+        def step() -> None:
+            for t in timers:
+                t.seconds = 0.0
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+            rs_ms[name].append(1e3 * sum(t.seconds for t in timers))
+        return step
+
+    seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
+    step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
+    if rank == 0:
+        params = sum(p.numel() for p in built[names[0]][0].parameters())
+        print(f"FSDP2 step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients), "
+              f"{'CUDA/NCCL' if cuda else 'CPU/gloo'}; medians over {args.rounds} rounds of {args.steps} steps")
+        base = {k: statistics.median(rs_ms[k][1:]) for k in names}  # [0]: the warm-up step
+        print(f"{'config':<15} {'step ms':>9} {'RS ms/step':>11} {'RS share':>9} {'RS vs fp32':>11} {'RS vs bf16':>11} "
+              f"{'step vs fp32':>13}")
+        step_fp32 = step_ms["fsdp fp32"]
+        for n in names:
+            s, r = step_ms[n], base[n]
+            print(f"{n:<15} {s:>9.1f} {r:>11.1f} {r / s:>8.0%} {base['fsdp fp32'] / r:>10.2f}x "
+                  f"{base['fsdp bf16'] / r:>10.2f}x {step_fp32 / s:>12.2f}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

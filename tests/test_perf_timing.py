@@ -1,0 +1,130 @@
+"""giftcomm.perf.timing: the one timing helper of the benchmarks and studies, on a fake clock (so
+every number is known) and through the scripts that load it by path."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from giftcomm.perf.timing import STATS, time_calls, time_rounds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeClock:
+    """A clock whose repeats take the next of ``durations`` seconds; logs every event in order."""
+
+    def __init__(self, durations, log):
+        self.durations, self.log = list(durations), log
+
+    def __call__(self, run):
+        result = run()
+        self.log.append("tick")
+        return self.durations.pop(0), result
+
+
+def test_time_calls_divides_each_repeat_by_its_calls_and_takes_the_statistic():
+    rng = np.random.default_rng()
+    durations = rng.uniform(1.0, 2.0, 7)
+    for stat in STATS:
+        log: list[str] = []
+        got, last = time_calls(lambda: log.append("call") or len(log), 7, warmup=2, calls=5,
+                               barrier=lambda: log.append("barrier"), stat=stat, clock=FakeClock(durations, log))
+        assert got == pytest.approx(STATS[stat](durations / 5))
+        # two warm-up calls, then per repeat: barrier, 5 calls, the clock
+        assert log[:2] == ["call", "call"]
+        assert log[2:] == (["barrier"] + ["call"] * 5 + ["tick"]) * 7
+        assert last == len(log) - 1  # the last call's result (its own log position + 1)
+
+
+def test_time_calls_budget_stops_early_but_not_before_min_iters():
+    log: list[str] = []
+    got, _ = time_calls(lambda: None, 50, warmup=0, budget_s=2.5, min_iters=2, clock=FakeClock([1.0] * 50, log))
+    assert log.count("tick") == 3 and got == 1.0  # 1 + 1 + 1 >= 2.5 after the third
+    log.clear()
+    time_calls(lambda: None, 50, warmup=0, budget_s=0.0, min_iters=4, clock=FakeClock([1.0] * 50, log))
+    assert log.count("tick") == 4
+
+
+def test_time_rounds_interleaves_the_contenders_and_keeps_them_apart():
+    rng = np.random.default_rng()
+    rounds, calls = 5, 3
+    durations = rng.uniform(1.0, 2.0, (rounds, 2))
+    log: list[str] = []
+    a, b = time_rounds([lambda: log.append("a"), lambda: log.append("b")], rounds, calls=calls, warmup=1,
+                       clock=FakeClock(durations.reshape(-1), log))
+    assert log[:2] == ["a", "b"]  # one warm-up call each
+    assert log[2:] == (["a"] * calls + ["tick"] + ["b"] * calls + ["tick"]) * rounds
+    assert a == pytest.approx(float(np.median(durations[:, 0])) / calls)
+    assert b == pytest.approx(float(np.median(durations[:, 1])) / calls)
+
+
+def test_device_timer_reads_cuda_events_or_the_host_clock_to_a_synchronize():
+    """giftcomm.perf.device_bench.event_timer on a stand-in for CuPy's events: milliseconds, the
+    median over reps, warm-up calls untimed, the device synchronized before every repeat."""
+    from giftcomm.perf.device_bench import event_timer
+
+    log: list[str] = []
+    elapsed = iter([3.0, 1.0, 2.0])  # ms between the events of each repeat
+
+    class FakeEvent:
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("event sync")
+
+    class FakeDevice:
+        def synchronize(self):
+            log.append("device sync")
+
+    class Cuda:
+        Event, Device = FakeEvent, FakeDevice
+
+        @staticmethod
+        def get_elapsed_time(a, b):
+            return next(elapsed)
+
+    class Cp:
+        cuda = Cuda
+
+    assert event_timer(Cp, 2, 3)(lambda: log.append("call")) == pytest.approx(2.0)
+    assert log[:2] == ["call", "call"]
+    assert log[2:] == ["device sync", "record", "call", "record", "event sync"] * 3
+    log.clear()
+    wall = event_timer(Cp, 0, 2, wall=True)(lambda: log.append("call"))
+    assert log == ["device sync", "record", "call", "record", "device sync"] * 2 and 0 <= wall < 1e3
+
+
+def test_the_real_clock_measures_elapsed_time():
+    import time
+
+    got, _ = time_calls(lambda: time.sleep(0.002), 3, warmup=0)
+    assert 0.002 <= got < 0.5
+
+
+def test_an_unknown_statistic_is_refused():
+    with pytest.raises(ValueError, match="stat must be one of"):
+        time_calls(lambda: None, 1, stat="mode")
+    with pytest.raises(ValueError, match="stat must be one of"):
+        time_rounds([lambda: None], 1, stat="mode")
+
+
+@pytest.mark.parametrize("script, args, pattern", [
+    ("perf/side_by_side.py", ["LABEL", "1K"], r"LABEL P=1   1K: giftcomm e4m3 +[0-9.]+ us   MPI fp32 +[0-9.]+ us"),
+    ("perf/small_calls.py", ["--sizes", "1K", "--calls", "5"], r"^ +1024 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x  \w+"),
+])
+def test_side_by_side_scripts_run_one_rank(script, args, pattern, tmp_path):
+    """The scripts print their one line per size with the helper (side_by_side loads it by path,
+    so it also times an older giftcomm tree that lacks it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / script), *args], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 1 and re.search(pattern, lines[0]), res.stdout
