@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _xp
 from ..errors import CommClosed
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
@@ -349,7 +350,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
-        total = total.astype(acc_t, copy=False)
+        total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
     return finish(t, call, total, into, out, shape)
 
 
