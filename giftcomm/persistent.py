@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from . import _xp
-from .codec import native_available
+from .codec import native_available, native_supports
 from .collectives import engine, oneshot
 from .collectives import plan as planning
-from .collectives.agree import error_code, raise_failures
+from .collectives.agree import error_code, meet_plans, raise_failures
 from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted, CommClosed, CommError
@@ -66,8 +66,8 @@ class AllreducePlan:
         self._state = self._owner if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
-                      and call.arr.dtype == np.float32)
-        self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
+                      and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
+        self._fmt_code, self._avg = self._wire.fmt.variant_code, call.op == "avg"
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
@@ -79,7 +79,7 @@ class AllreducePlan:
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = planning._import(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
+        imp = planning.import_checked(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
@@ -127,7 +127,7 @@ class AllreducePlan:
             try:
                 with engine.held(succ, None, plain=False):
                     if st.channel is not None:
-                        st.channel.meet(succ, STALE_WORD, planning.caller(), "giftcomm plan")
+                        meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
             except CommError:
                 raise
             except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
@@ -229,6 +229,7 @@ def plan_allreduce(
     slice_elems: int | None = None,
     rounding: str = "nearest",
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
@@ -239,7 +240,7 @@ def plan_allreduce(
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
-                               timeout, op)
+                               timeout, op, mx_scale)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
                                 channel=_able(t, _xp.is_device_array(x)))

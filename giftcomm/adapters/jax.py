@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api
-from ..geometry import GradientFactorEstimator, Layout, SelectivePolicy
+from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
 from ..options import DEFAULT_DAMPING, CallOptions
 from .calls import call_kwargs
 
@@ -166,7 +166,7 @@ class TreeSync:
         self.device = device
         self.spec: TreeSpec | None = None
         self.estimator: GradientFactorEstimator | None = None
-        self.geometry = None
+        self.geometry: Geometry | None = None
         self.calls = 0
         self.seconds = 0.0
 

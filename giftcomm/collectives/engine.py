@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _xp
 from ..errors import CommClosed
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
@@ -36,7 +37,7 @@ from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
-from .agree import agree, confirm
+from .agree import agree, confirm, meet_plans
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
@@ -91,7 +92,7 @@ class held:
             if self._timeout is not None:
                 self._previous, t.timeout = t.timeout, self._timeout
             if self._plain and st.channel is not None:
-                st.channel.meet(t, PLAIN_WORD, planning.caller(), "giftcomm")
+                meet_plans(t, st.channel, PLAIN_WORD, planning.caller(), "giftcomm")
         except BaseException:
             self.__exit__()
             raise
@@ -119,13 +120,13 @@ _OPTIONS_MAX = 256
 
 
 def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
-                 op: Any) -> CallOptions | Exception:
+                 op: Any, mx_scale: Any = "ceil") -> CallOptions | Exception:
     """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
     # the numbers' types too: block=True or 1.0 must not find block=1's record
-    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, type(block), type(seed),
-                         type(slice_elems), type(timeout))
+    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, type(block),
+                         type(seed), type(slice_elems), type(timeout))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering
@@ -134,7 +135,7 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
         return opts
     try:
         opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
-                              slice_elems=slice_elems, timeout=timeout, op=op)
+                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
     if key is not None:
@@ -363,7 +364,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
-        total = total.astype(acc_t, copy=False)
+        total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
     return finish(t, call, total, into, out, shape)
 
 

@@ -82,7 +82,7 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _import(x: Any, name: str) -> _xp.Imported:
+def import_checked(x: Any, name: str) -> _xp.Imported:
     """``x`` imported zero-copy; TypeError for dtypes giftcomm does not take and for masked
     arrays (their mask would be ignored)."""
     if isinstance(x, np.ma.MaskedArray):
@@ -99,13 +99,13 @@ def validate(x: Any, name: str, opts: CallOptions, reduces: bool = True) -> Call
     """The checks every collective shares, on top of the validated options: ``x`` is an array
     giftcomm takes, and stochastic rounding has its seed (``reduces`` False: allgather, whose
     signature has no op); raises TypeError/ValueError."""
-    imp = _import(x, name)
+    imp = import_checked(x, name)
     f = opts.format
     seed = opts.seed if opts.rounding == "stochastic" else None
     if opts.rounding == "stochastic" and seed is None:
         raise ValueError("rounding='stochastic' needs seed= (an int identifying the call, e.g. the training step)")
     sig = dict.fromkeys(FIELDS, 0)
-    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=opts.resolved_block,
+    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.variant_code, block=opts.resolved_block,
                op=OP_CODES[opts.op] if reduces else 0, slice=opts.slice_elems or 0,
                rounding=int(seed is not None), seed=0 if seed is None else seed - (1 << 64) * (seed >= 1 << 63))
     return Call(imp, f, sig["block"], opts.op, sig, seed=seed)
@@ -125,7 +125,7 @@ def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:
     writable."""
     if out is None:
         return
-    o = _import(out, "out")
+    o = import_checked(out, "out")
     if o.device != call.imp.device or o.source == "jax":
         where = "a CUDA" if call.imp.device else "a host (NumPy or CPU torch)"
         raise TypeError(f"out must be {where} array, like the input; got {type(out).__name__}")
