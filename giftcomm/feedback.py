@@ -101,7 +101,7 @@ def direct_pieces(n: int, p: int, rank: int, block: int) -> list[tuple[int, int]
 
 
 def own_pieces(algorithm: str, n: int, p: int, rank: int, block: int,
-               bounds: Sequence[int] | None = None) -> tuple[list[tuple[int, int]], int]:
+               bounds: Any = None) -> tuple[list[tuple[int, int]], int]:
     """(pieces, stage): the element ranges [lo, hi) of its own (n,) values that ``rank`` encodes
     alone, unsummed, in a call of ``algorithm`` over ``p`` ranks, and the wire stage they are
     keyed with. bounds: the call's chunk bounds (a reduce-scatter's agreed ones); None: an

@@ -170,9 +170,10 @@ def make_model(cfg: Config, seed: int):
 
 
 def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str = "auto",
-               block: int | None = None) -> tuple[list[dict], dict]:
-    """One rank of one run (``algorithm``, ``block``: GradSync's). Returns (per-step rows,
-    final numbers); identical on every rank."""
+               block: int | None = None, mx_scale: str | None = None) -> tuple[list[dict], dict]:
+    """One rank of one run (``algorithm``, ``block``: GradSync's; ``mx_scale``: the MX formats'
+    scale rule, None the library's default). Returns (per-step rows, final numbers); identical
+    on every rank."""
     import torch
 
     from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries
@@ -182,7 +183,12 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     model = make_model(cfg, seed)
     seq = cfg.seq_len
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sync = GradSync(model, comm=ctx.transport, fmt=mode.fmt, block=None if mode.fmt in PASSTHROUGH else block,
+    from giftcomm.formats import get_format
+
+    fmt = get_format(mode.fmt)
+    if mx_scale is not None and fmt.scale_kind == "e8m0":
+        fmt = fmt.with_scale_rule(mx_scale)
+    sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if mode.fmt in PASSTHROUGH else block,
                     op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
                     error_feedback=mode.ef)
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
@@ -273,7 +279,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
         h.update(p.detach().numpy().tobytes())
     used = sorted({r["algorithm"] for r in rows})
     final = dict(mode=mode.name, world=size, seed=seed, val_loss=rows[-1]["val_loss"], digest=h.hexdigest(),
-                 geometry=chosen, algorithm="+".join(used), asked_algorithm=algorithm, block=block)
+                 geometry=chosen, algorithm="+".join(used), asked_algorithm=algorithm, block=block,
+                 mx_scale=sync.options.format.scale_rule or None)
     return rows, final
 
 
@@ -289,7 +296,7 @@ def write_run(out: str, rows: list[dict], final: dict) -> None:
 
 
 def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus, algorithm: str = "auto",
-                 block: int | None = None):
+                 block: int | None = None, mx_scale: str | None = None):
     from giftcomm import LoopbackGroup
 
     group = LoopbackGroup(world, timeout=3600.0)
@@ -299,7 +306,7 @@ def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus, algorit
 
     def body(r: int) -> None:
         try:
-            results[r] = train_rank(LoopCtx(group, ex, r), mode, cfg, seed, corpus, algorithm, block)
+            results[r] = train_rank(LoopCtx(group, ex, r), mode, cfg, seed, corpus, algorithm, block, mx_scale)
         except BaseException as e:  # noqa: BLE001 (re-raised below)
             errors.append(e)
             ex.barrier.abort()
@@ -461,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=["loopback", "mpi"], default="loopback")
     p.add_argument("--algorithm", default="auto", help="GradSync's allreduce algorithm (default auto; e.g. ring)")
     p.add_argument("--block", type=int, default=None, help="block size of the scaled formats (default: each format's own)")
+    p.add_argument("--mx-scale", choices=["ceil", "floor"], default=None,
+                   help="scale rule of the MX formats (default: the library's, ceil; floor = OCP MX v1.0)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
@@ -503,9 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 t0 = time.perf_counter()
                 if mpi_ctx is not None:
-                    rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus, a.algorithm, a.block)
+                    rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus, a.algorithm, a.block, a.mx_scale)
                 else:
-                    rows, final = run_loopback(mode, cfg, seed, world, corpus, a.algorithm, a.block)
+                    rows, final = run_loopback(mode, cfg, seed, world, corpus, a.algorithm, a.block, a.mx_scale)
                 if lead:
                     write_run(a.out, rows, final)
                     print(f"P={world} seed={seed} {mode.name:<16} {final['algorithm']:<8} val {final['val_loss']:.4f} "

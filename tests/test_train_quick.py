@@ -7,12 +7,14 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from giftcomm.collectives.algorithms import NAMES as ALGORITHM_NAMES
 from studies.train import COLUMNS, load_runs, parse_mode, stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +64,10 @@ def test_train_grid_quick(tmp_path):
     assert st["fp32"]["gap"] == 0 and st["e4m3-s"]["n"] == 2
     assert not math.isnan(st["e4m3-s-gift"]["recovered"]) or st["e4m3-s"]["gap"] <= 0
     text = (tmp_path / "summary.md").read_text()
-    assert "| 2 | nvfp4-n-gift@0.1 | 2 |" in text
+    assert re.search(r"\| 2 \| nvfp4-n-gift@0\.1 \| [a-z_+]+ \| 2 \|", text)  # P, mode, algorithm, seeds
+    # the algorithm every call really ran is recorded (auto resolved), per step and per run
+    assert all(r["algorithm"] in ALGORITHM_NAMES for r in gift)
+    assert json.load(open(tmp_path / "P2-s0-e4m3-s-gift.json"))["algorithm"] in ALGORITHM_NAMES
     for png in ("train-gap.png", "train-comm.png"):
         assert (tmp_path / png).stat().st_size > 10_000
 

@@ -576,7 +576,7 @@ def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool) ->
             s.host_buckets += 1
 
 
-def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, transport: Transport,
+def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, transport: Any,
                    signature: tuple) -> None:
     """``gift_allreduce`` of one bucket in place over ``transport``, with the error feedback
     around it when the state keeps one (``signature``: :func:`_bucket_signature`)."""
