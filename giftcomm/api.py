@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import plan_cache
 from ._xp import is_device_array
 from .collectives import engine
 from .collectives.algorithms import CHOICES
@@ -98,7 +99,7 @@ def allreduce(
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
-    return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+    return plan_cache.allreduce(t, x, out, opts, local_size)
 
 def reduce_scatter(
     x: Any,

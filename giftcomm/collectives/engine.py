@@ -34,6 +34,7 @@ from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm
+from .announce import announce_miss
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
@@ -147,11 +148,16 @@ class Kind:
 
 
 def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-               local_size: int | None = None, channel: bool = False) -> Job:
+               local_size: int | None = None, channel: bool = False, announced: bool = False) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
     the agreed :class:`Job`, or the same exception on every rank. ``channel``: see :class:`Job`
-    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe)."""
+    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe).
+    On a transport with a plan channel, a MISS header goes through the channel first, so that a
+    peer inside a (cached) plan's call learns of it (giftcomm.collectives.announce);
+    ``announced``: that handshake already happened (a cached plan's call met a MISS)."""
     caller = planning.caller()
+    if not announced:
+        announce_miss(t, caller)
 
     def prepare() -> tuple[Job, dict[str, int]]:
         if isinstance(opts, Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -64,6 +65,8 @@ class TransportState:
     lock: held by a collective for its whole duration (calls from several threads run one at a
     time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
+    plan_cache: the plain calls' cached plans by call signature, least recently used first
+    (giftcomm.plan_cache; released with the rest of the state).
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class TransportState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     plans: int = 0
     channel: PlanChannel | None = None
+    plan_cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
 
 
 class Transport(ABC):
@@ -254,6 +258,8 @@ class Transport(ABC):
         """Free what this transport keeps (the shared window: collective), so that it can be
         garbage-collected or reused from scratch."""
         st, self._state = self._state, None
+        if st is not None:
+            st.plan_cache.clear()  # the cached plans refer to the channel released below
         if st is not None and st.window is not None:
             st.window.release()
         if st is not None and st.channel is not None:
