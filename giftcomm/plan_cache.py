@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _xp
-from . import persistent
+from . import _xp, persistent
 from .collectives import engine
 from .collectives.announce import Missed
 from .options import CallOptions

@@ -34,8 +34,8 @@ from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm
-from .announce import announce_miss
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
+from .announce import announce_miss
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
