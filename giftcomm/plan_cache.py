@@ -10,9 +10,10 @@ released with the communicator (``Free``, :func:`giftcomm.release`).
 
 Only plans whose calls go through the node-shared plan channel are cached (host arrays on one
 node, the native channel built): each cached call's four check words travel in the channel
-with the data, as a plan's do. A rank that finds no plan posts a MISS header in the channel
-before it agrees (giftcomm.collectives.announce), so a peer inside a cached plan learns of it
-and joins the agreement: the agreement then raises the same "ranks disagree" error on every
+with the data, as a plan's do, its word flagged ``CACHED`` (giftcomm.transport.channel). A
+rank that finds no plan meets its peers in the channel before it agrees (as every plain call
+does: ``engine.held``), so a peer inside a cached plan sees a plain call and joins the
+agreement: the agreement then raises the same "ranks disagree" error on every
 rank when the signatures differ, or runs the call and caches its plan everywhere. A cached plan
 is therefore never run against another signature: its word (the agreed signature and the plan's
 number) differs from every other plan's, so ranks on different cached plans (made in different
@@ -26,7 +27,6 @@ from typing import Any
 
 from . import _xp, persistent
 from .collectives import engine
-from .collectives.announce import Missed
 from .options import CallOptions
 from .transport import HOST, Transport
 
@@ -71,11 +71,11 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
             pass
         try:
             return plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
-        except Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
+        except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
-    with engine.held(t, opts.timeout):
+    with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
         job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size,
-                                channel=persistent.able(t, _xp.is_device_array(x)), announced=missed)
+                                channel=persistent.able(t, _xp.is_device_array(x)))
         if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
             plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
             if key is not None and plan.through_channel:
