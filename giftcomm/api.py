@@ -100,6 +100,9 @@ def allreduce(
     format raises (docs/wire-format.md). Returns an
     array of x's shape and dtype, bit-identical on every rank and equal to
     ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
+    Repeated calls with one signature reuse a cached plan where the ranks share a node's memory
+    (docs/api.md, Plan cache); ``auto`` there predicts the plans' channel, as
+    :func:`giftcomm.plan_allreduce` does.
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
