@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--log", action="store_true", help="INFO logs of giftcomm.adapters")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.width, args.depth, args.batch, args.refresh = 8, 2, 64, 2, 16, 3
+        args.steps, args.warmup, args.width, args.depth, args.batch, args.refresh = 8, 2, 128, 2, 16, 3
         args.capture_every, args.rebuild_lag = 1, 1
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from giftcomm.adapters.jax import TreeSync
+from giftcomm.geometry import SelectivePolicy
 
 
 def main() -> None:
@@ -23,6 +24,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--hidden", type=int, default=512, help="hidden width (w1 is 16 x hidden)")
     args = p.parse_args()
     if args.quick:
         args.steps = 10
@@ -31,8 +33,9 @@ def main() -> None:
     dtype = getattr(jnp, args.dtype)
     key = jax.random.PRNGKey(0)  # same initial parameters on every rank
     k1, k2 = jax.random.split(key)
-    params = {"w1": (jax.random.normal(k1, (16, 64)) * 0.2).astype(dtype), "b1": jnp.zeros(64, dtype),
-              "w2": (jax.random.normal(k2, (64, 1)) * 0.2).astype(dtype)}
+    h = args.hidden
+    params = {"w1": (jax.random.normal(k1, (16, h)) * 0.2).astype(dtype), "b1": jnp.zeros(h, dtype),
+              "w2": (jax.random.normal(k2, (h, 1)) * (0.2 / np.sqrt(h / 64))).astype(dtype)}
     w_true = np.random.default_rng(7).standard_normal((16, 1)).astype(np.float32)
     data = np.random.default_rng(100 + rank)
 
@@ -47,7 +50,9 @@ def main() -> None:
         return jax.tree_util.tree_map(lambda a, b: (a.astype(jnp.float32) - 0.05 * b.astype(jnp.float32)).astype(a.dtype),
                                       q, g)
 
-    sync = TreeSync(comm=comm, fmt="e4m3", refresh_every=5, estimate_every=1)
+    # The per-segment rule (budget=None): this model's collective is so small that the default
+    # budget (a tenth of its predicted wire time) leaves no room for any transform.
+    sync = TreeSync(comm=comm, fmt="e4m3", refresh_every=5, estimate_every=1, policy=SelectivePolicy(budget=None))
     for step in range(args.steps):
         x = data.standard_normal((32, 16)).astype(np.float32)
         loss, grads = grad_fn(params, x, x @ w_true)      # jitted
@@ -56,8 +61,10 @@ def main() -> None:
         if rank == 0 and (step % max(1, args.steps // 5) == 0 or step == args.steps - 1):
             print(f"step {step:4d} loss {float(loss):.4f}", flush=True)
     digest = comm.allgather(float(sum(float(jnp.sum(v.astype(jnp.float32))) for v in params.values())))
+    transformed = 0 if sync.geometry is None else sum(not t.is_identity for t in sync.geometry.transforms)
     if rank == 0:
-        print(f"{comm.Get_size()} ranks: parameters identical on every rank: {len(set(digest)) == 1}", flush=True)
+        print(f"{comm.Get_size()} ranks: {transformed} transformed segments; parameters identical on every rank: "
+              f"{len(set(digest)) == 1}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Ring allreduce with FP8 wire messages (block-scaled E4M3/E5M2, fp32 accumulation
 over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-layer geometry.
 """
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
-from .errors import CommAborted, CommTimeout
+from .errors import CommAborted, CommClosed, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
 from .partition import chunk_bounds
@@ -20,5 +20,5 @@ except _NotInstalled:  # a source tree on sys.path that pip has not installed
     __version__ = "0+unknown"
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "AllreducePlan", "release", "CommTimeout",
-           "CommAborted", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup", "Transport",
-           "__version__"]
+           "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
+           "Transport", "__version__"]

@@ -46,6 +46,7 @@ def gift_allreduce(
     rounding: str = "nearest",
     seed: int | None = None,
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> Any:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -58,7 +59,7 @@ def gift_allreduce(
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
     return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
 
 
@@ -76,6 +77,7 @@ def allreduce(
     rounding: str = "nearest",
     seed: int | None = None,
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> Any:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
@@ -92,12 +94,14 @@ def allreduce(
     cost model's choice among the rows of giftcomm.collectives.algorithms it may take);
     local_size: ranks per node for the hierarchical algorithms (default: from the transport).
     timeout: seconds each wait of this call may wait for its peers (default: the transport's,
-    $GIFTCOMM_TIMEOUT; docs/robustness.md). Returns an
+    $GIFTCOMM_TIMEOUT; docs/robustness.md). mx_scale: the MX formats' shared-exponent rule,
+    "ceil" (default; no element saturates) or "floor" (OCP MX v1.0 bytes); "floor" with another
+    format raises (docs/wire-format.md). Returns an
     array of x's shape and dtype, bit-identical on every rank and equal to
     ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
     return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
 
 def reduce_scatter(
@@ -114,6 +118,7 @@ def reduce_scatter(
     seed: int | None = None,
     timeout: float | None = None,
     layout: str = "blocks",
+    mx_scale: str = "ceil",
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
@@ -128,7 +133,7 @@ def reduce_scatter(
     layout. algorithm: "ring", "direct" or "auto".
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
     kind, opts = engine.scatter_kind(layout, opts)
     return engine.execute(t, kind, x, out, opts)
 
@@ -144,6 +149,7 @@ def allgather(
     rounding: str = "nearest",
     seed: int | None = None,
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> Any:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
@@ -152,5 +158,5 @@ def allgather(
     array of the shard's dtype and framework holding all the gathered values.
     """
     t = resolve(comm, device=is_device_array(shard))
-    opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum")
+    opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum", mx_scale)
     return engine.execute(t, engine.ALLGATHER, shard, out, opts)

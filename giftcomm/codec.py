@@ -9,6 +9,9 @@ Two layers:
   validate a call once and then run the per-slice hot loop on them. Host arrays get the native C
   kernels (``giftcomm._codec_native``, built by ``pip install``) or, without them, the NumPy
   reference (with a warning, once); CuPy arrays get the CUDA kernels (giftcomm.cuda.codec).
+  Per format: a format of the table that the native build (native_formats) or the CUDA kernels
+  (giftcomm.cuda.codec.supports) do not implement runs on the NumPy reference, logged once per
+  format, so a new format can land in Python first (docs/native.md).
 
 Every backend equals :mod:`giftcomm.reference.codec` bit for bit. Values are 1-D float32 vectors;
 messages are 1-D uint8 arrays of ``message_nbytes(count, fmt, block)`` bytes
@@ -29,7 +32,7 @@ import numpy as np
 
 from . import config
 from ._xp import array_module, data_pointer
-from .formats import Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
+from .formats import FORMATS, Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
 from .reference import codec as _ref
 
 try:  # the extension is optional: a missing compiler must not break the package
@@ -37,8 +40,9 @@ try:  # the extension is optional: a missing compiler must not break the package
 except ImportError:  # pragma: no cover - exercised only on a broken install
     _native = None
 
-__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "message_nbytes",
-           "Kernels", "kernels_for", "native_variant", "native_variants", "use_native_variant"]
+__all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "native_formats",
+           "native_supports", "message_nbytes", "Kernels", "kernels_for", "native_variant", "native_variants",
+           "use_native_variant"]
 
 
 class Kernels(Protocol):
@@ -56,31 +60,79 @@ class Kernels(Protocol):
     def decode_accumulate(self, message: Any, acc: Any, f: Format, block: int) -> Any: ...
 
 
+#: id(f) -> (f, whether the native kernels run f): one entry per Format object seen (the table's
+#: rows and their interned scale-rule variants); keyed by identity, the per-call check is one lookup
+_native_support: dict[int, tuple[Format, bool]] = {}
+
+
+def native_formats() -> frozenset[str]:
+    """Names of the formats the native C kernels implement in this build, with the facts of this
+    table (giftcomm.formats_header.format_facts as compiled; a stale build's changed row is left
+    out). Empty without the extension. The others run on the NumPy reference (native_supports)."""
+    from .formats_header import format_facts  # here: `python -m giftcomm.formats_header` imports giftcomm
+
+    if _native is None:
+        return frozenset()
+    compiled = _native._formats()
+    return frozenset(name for name, f in FORMATS.items() if compiled.get(name) == format_facts(f))
+
+
+def native_supports(f: Format) -> bool:
+    """Whether the native kernels run format ``f`` (any scale rule); when not, the host kernels
+    run it on the reference, logging that once per format."""
+    hit = _native_support.get(id(f))
+    if hit is not None:
+        return hit[1]
+    from .formats_header import format_facts
+
+    ok = _native is not None and _native._formats().get(f.name) == format_facts(f)
+    if len(_native_support) < 1024:  # bounded: Format objects made outside the table are few
+        _native_support[id(f)] = (f, ok)
+    if not ok and _native is not None and f.name not in _native_logged:
+        _native_logged.add(f.name)
+        logging.getLogger("giftcomm").warning(
+            "giftcomm: format %s is not native in this build of giftcomm._codec_native; running it on the "
+            "NumPy reference codec (slow)", f.name)
+    return ok
+
+
+_native_logged: set[str] = set()
+
+
 class NativeKernels:
-    """The C kernels (AVX-512 / AVX2 / portable variants, chosen at import)."""
+    """The C kernels (AVX-512 / AVX2 / portable variants, chosen at import); a format they do not
+    implement (native_supports) runs on the reference kernels."""
 
     name = "native"
 
     @staticmethod
     def encode(x: np.ndarray, f: Format, block: int, out: np.ndarray, key: int | None = None,
                offset: int = 0) -> np.ndarray:
-        _native.encode(x, out, f.code, block, key, offset)
+        if not native_supports(f):
+            return ReferenceKernels.encode(x, f, block, out, key, offset)
+        _native.encode(x, out, f.variant_code, block, key, offset)
         return out
 
     @staticmethod
     def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
-        _native.decode(message, out, f.code, block)
+        if not native_supports(f):
+            return ReferenceKernels.decode(message, count, f, block, out)
+        _native.decode(message, out, f.variant_code, block)
         return out
 
     @staticmethod
     def decode_add_encode(message: np.ndarray, local: np.ndarray, f: Format, block: int, out: np.ndarray,
                           sum_out: np.ndarray | None, key: int | None = None, offset: int = 0) -> np.ndarray:
-        _native.decode_add_encode(message, local, out, sum_out, f.code, block, key, offset)
+        if not native_supports(f):
+            return ReferenceKernels.decode_add_encode(message, local, f, block, out, sum_out, key, offset)
+        _native.decode_add_encode(message, local, out, sum_out, f.variant_code, block, key, offset)
         return out
 
     @staticmethod
     def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
-        _native.decode_accumulate(message, acc, f.code, block)
+        if not native_supports(f):
+            return ReferenceKernels.decode_accumulate(message, acc, f, block)
+        _native.decode_accumulate(message, acc, f.variant_code, block)
         return acc
 
 
@@ -113,6 +165,79 @@ class ReferenceKernels:
         with np.errstate(invalid="ignore", over="ignore"):
             acc += _ref.decode(message, acc.size, f, block)
         return acc
+
+
+class DeviceFallbackKernels:
+    """A CuPy backend's kernels for a format the CUDA kernels do not implement
+    (giftcomm.cuda.codec.supports): the reference kernels on host copies, the results copied back
+    into the device outputs (correct, slow: every call synchronizes the stream)."""
+
+    name = "cuda-reference"
+
+    @staticmethod
+    def encode(x: Any, f: Format, block: int, out: Any, key: int | None = None, offset: int = 0) -> Any:
+        out.set(ReferenceKernels.encode(x.get(), f, block, np.empty(out.size, np.uint8), key, offset))
+        return out
+
+    @staticmethod
+    def decode(message: Any, count: int, f: Format, block: int, out: Any) -> Any:
+        out.set(ReferenceKernels.decode(message.get(), count, f, block, np.empty(count, np.float32)))
+        return out
+
+    @staticmethod
+    def decode_add_encode(message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any,
+                          key: int | None = None, offset: int = 0) -> Any:
+        s = None if sum_out is None else np.empty(local.size, np.float32)
+        out.set(ReferenceKernels.decode_add_encode(message.get(), local.get(), f, block, np.empty(out.size, np.uint8),
+                                                   s, key, offset))
+        if sum_out is not None:
+            sum_out.set(s)
+        return out
+
+    @staticmethod
+    def decode_accumulate(message: Any, acc: Any, f: Format, block: int) -> Any:
+        acc.set(ReferenceKernels.decode_accumulate(message.get(), acc.get(), f, block))
+        return acc
+
+
+class CudaOrFallbackKernels:
+    """The CuPy backend: giftcomm.cuda.codec.CudaKernels for the formats they implement, the
+    reference on host copies (DeviceFallbackKernels) for the others, logged once per format."""
+
+    name = "cuda"
+
+    @staticmethod
+    def _for(f: Format) -> Any:
+        from .cuda import codec as cuda_codec
+
+        if cuda_codec.supports(f):
+            return cuda_codec.CudaKernels
+        if f.name not in _cuda_fallback_logged:
+            _cuda_fallback_logged.add(f.name)
+            logging.getLogger("giftcomm").warning(
+                "giftcomm: format %s has no CUDA kernels; running it on the NumPy reference codec through host "
+                "copies (slow)", f.name)
+        return DeviceFallbackKernels
+
+    @classmethod
+    def encode(cls, x: Any, f: Format, block: int, out: Any, key: int | None = None, offset: int = 0) -> Any:
+        return cls._for(f).encode(x, f, block, out, key, offset)
+
+    @classmethod
+    def decode(cls, message: Any, count: int, f: Format, block: int, out: Any) -> Any:
+        return cls._for(f).decode(message, count, f, block, out)
+
+    @classmethod
+    def decode_add_encode(cls, message: Any, local: Any, f: Format, block: int, out: Any, sum_out: Any,
+                          key: int | None = None, offset: int = 0) -> Any:
+        return cls._for(f).decode_add_encode(message, local, f, block, out, sum_out, key, offset)
+
+    @classmethod
+    def decode_accumulate(cls, message: Any, acc: Any, f: Format, block: int) -> Any:
+        return cls._for(f).decode_accumulate(message, acc, f, block)
+
+
+_cuda_fallback_logged: set[str] = set()
 
 
 def _ref_rounding(key: int | None, offset: int) -> dict:
@@ -161,9 +286,7 @@ def kernels_for(xp: Any, cached: bool = False) -> Kernels:
     (config.cached_flag)."""
     global _warned
     if xp is not np:
-        from .cuda.codec import CudaKernels
-
-        return CudaKernels
+        return CudaOrFallbackKernels
     if _native is not None and (config.cached_flag if cached else config.flag)("GIFTCOMM_NATIVE"):
         return NativeKernels
     if _native is None and not _warned:

@@ -7,6 +7,10 @@
 - :class:`CommAborted`: the transport was left unusable by an earlier timeout or interrupt (its
   messages may still be in flight, so its buffers can no longer be trusted); every later call on
   it raises this at once, naming the first failure.
+- :class:`CommClosed` (a :class:`CommAborted`): what the object was used through is gone -- its
+  communicator was freed, :func:`giftcomm.release` released it, or this process is a fork()ed
+  child of the one that created it. A persistent plan, a transport or its plan channel raises
+  it at once, on every rank that uses it, instead of waiting or reaching into freed MPI state.
 
 What happens at the deadline is ``$GIFTCOMM_ON_TIMEOUT`` (docs/robustness.md): ``abort``
 (default; MPI transports) prints the message to stderr and calls ``MPI_Abort`` so that the whole
@@ -14,7 +18,7 @@ job ends in bounded time; ``raise`` raises :class:`CommTimeout` and marks the tr
 """
 from __future__ import annotations
 
-__all__ = ["CommError", "CommTimeout", "CommAborted"]
+__all__ = ["CommError", "CommTimeout", "CommAborted", "CommClosed"]
 
 
 class CommError(Exception):
@@ -33,3 +37,8 @@ class CommTimeout(CommError, TimeoutError):
 
 class CommAborted(CommError, RuntimeError):
     """The transport is unusable after an earlier timeout or interrupt."""
+
+
+class CommClosed(CommAborted):
+    """The communicator (or transport) this object belongs to was freed or released, or this is
+    a fork()ed child of the process that created it: make a new communicator (and plan)."""

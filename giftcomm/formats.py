@@ -7,6 +7,8 @@ A *format* says how a float32 value travels on the wire:
 - ``mxfp8``, ``mxfp8_e5m2``: OCP MX v1.0 MXFP8: E4M3 (E5M2) elements, one E8M0 power-of-two
   scale per 32 values.
 - ``mxfp4``: OCP MX v1.0 MXFP4: E2M1 elements packed two per byte, one E8M0 scale per 32 values.
+  The MX formats' shared exponent follows a scale rule (SCALE_RULES; ``Format.scale_rule``):
+  "ceil" by default (no element saturates), OCP's "floor" as a variant (``with_scale_rule``).
 - ``nvfp4``: NVIDIA NVFP4: E2M1 elements packed two per byte, one E4M3 scale per 16 values, and
   one float32 second-level scale per *group* of 64 blocks (1024 values) from the start of the
   message.
@@ -27,7 +29,7 @@ Packed 4-bit payloads: value 2j in the low nibble of byte j, value 2j+1 in the h
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -38,6 +40,13 @@ MAX_BLOCK = 1 << 20
 NVFP4_GROUP = 1024
 
 ROUNDINGS = ("nearest", "stochastic")
+
+#: shared-exponent rules of the E8M0-scaled (MX) formats, the default first (docs/wire-format.md):
+#: "ceil": the smallest power of two that keeps the block's amax within the element max (no value
+#: saturates); "floor": OCP MX v1.0's ``floor(log2(amax)) - emax`` (values above max clamp).
+SCALE_RULES = ("ceil", "floor")
+#: a variant's code is ``code | rule index << SCALE_RULE_SHIFT`` (Format.variant_code)
+SCALE_RULE_SHIFT = 8
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,13 @@ class Format:
     scales), "" for pass-through formats.
     emax: exponent of the element format's largest power of two (MX scale rule: 2 for E2M1,
     8 for E4M3, 15 for E5M2).
+    scale_rule: the shared-exponent rule of an E8M0-scaled format (SCALE_RULES: "ceil", the
+    default, or "floor"); "" for every other format. The rows of FORMATS carry the default;
+    :meth:`with_scale_rule` gives the other variant.
+
+    The C and CUDA kernels read these facts from ``native/gc_formats.h``, generated from this
+    table (:func:`c_header`; ``python -m giftcomm.formats_header``); a row the compiled kernels
+    do not implement runs on giftcomm.reference (giftcomm.codec.native_formats).
     """
 
     name: str
@@ -68,6 +84,28 @@ class Format:
     fixed_block: int | None = None
     scale_kind: str = ""
     emax: int = 0
+    scale_rule: str = ""
+
+    @functools.cached_property
+    def variant_code(self) -> int:
+        """The code of this variant: ``code`` plus the scale rule's index shifted by
+        SCALE_RULE_SHIFT (0 for the default rule, so the default variant's code is ``code``).
+        What the native and CUDA kernels take and what the cross-rank signature compares."""
+        rule = SCALE_RULES.index(self.scale_rule) if self.scale_rule else 0
+        return self.code | rule << SCALE_RULE_SHIFT
+
+    def with_scale_rule(self, rule: str) -> Format:
+        """This format with shared-exponent rule ``rule`` ("ceil" or "floor"). ValueError for an
+        unknown rule, or for a rule other than the default on a format without E8M0 scales."""
+        if rule not in SCALE_RULES:
+            raise ValueError(f"mx_scale must be one of {', '.join(map(repr, SCALE_RULES))}, got {rule!r}")
+        if self.scale_kind != "e8m0":
+            if rule == SCALE_RULES[0]:
+                return self
+            raise ValueError(f"mx_scale={rule!r} applies to the formats with E8M0 scales "
+                             f"({', '.join(f.name for f in FORMATS.values() if f.scale_kind == 'e8m0')}); "
+                             f"{self.name} has {_SCALE_WORDS.get(self.scale_kind, 'no')} scales")
+        return self if rule == self.scale_rule else _variant(self, rule)
 
     @property
     def itemsize(self) -> int:
@@ -116,14 +154,31 @@ FORMATS: dict[str, Format] = {
         Format("fp16", 4, np.dtype(np.float16), False, value_bits=16),
         Format("fp32", 5, np.dtype(np.float32), False, value_bits=32),
         Format("nvfp4", 6, _E2M1, True, 6.0, 0x00, 4, 16, "nvfp4", 2),
-        Format("mxfp4", 7, _E2M1, True, 6.0, 0x00, 4, 32, "e8m0", 2),
-        Format("mxfp8", 8, _E4M3, True, 448.0, 0x7F, 8, 32, "e8m0", 8),
-        Format("mxfp8_e5m2", 9, _E5M2, True, 57344.0, 0x7F, 8, 32, "e8m0", 15),
+        Format("mxfp4", 7, _E2M1, True, 6.0, 0x00, 4, 32, "e8m0", 2, "ceil"),
+        Format("mxfp8", 8, _E4M3, True, 448.0, 0x7F, 8, 32, "e8m0", 8, "ceil"),
+        Format("mxfp8_e5m2", 9, _E5M2, True, 57344.0, 0x7F, 8, 32, "e8m0", 15, "ceil"),
     )
 }
+_SCALE_WORDS = {"f32": "float32", "nvfp4": "E4M3 and float32", "": "no"}
+
+
+@functools.lru_cache(maxsize=256)
+def _variant(f: Format, rule: str) -> Format:
+    """One Format object per (row, rule): the kernels' per-format caches stay bounded."""
+    return replace(f, scale_rule=rule)
 
 #: formats by their integer code
 FORMATS_BY_CODE: dict[int, Format] = {f.code: f for f in FORMATS.values()}
+
+
+def describe_code(variant_code: int) -> str:
+    """A signature's format code in words: the name, and the scale rule when not the default
+    (``"mxfp8 (mx_scale='floor')"``); the number itself when no format has it."""
+    f = FORMATS_BY_CODE.get(variant_code & ((1 << SCALE_RULE_SHIFT) - 1))
+    rule = variant_code >> SCALE_RULE_SHIFT
+    if f is None or rule >= len(SCALE_RULES) or (rule and f.scale_kind != "e8m0"):
+        return str(variant_code)
+    return f.name if not rule else f"{f.name} (mx_scale={SCALE_RULES[rule]!r})"
 
 
 def get_format(fmt: str | Format) -> Format:
@@ -249,3 +304,4 @@ def bytes_per_value(fmt: str | Format = "e4m3", block: int | None = None) -> flo
     block = resolve_block(f, block)
     extra = 4.0 / NVFP4_GROUP if f.scale_kind == "nvfp4" else 0.0
     return f.value_bits / 8 + f.scale_nbytes() / block + extra
+

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .collectives.algorithms import CHOICES as ALGORITHM_CHOICES
-from .formats import Format, check_key, check_rounding, get_format, resolve_block
+from .formats import SCALE_RULES, Format, check_key, check_rounding, get_format, resolve_block
 
 __all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES"]
 
@@ -40,13 +40,21 @@ class CallOptions:
     """How one collective call reduces its values (validated: build with :meth:`of`).
 
     fmt: wire format name (``giftcomm.formats.FORMATS``: "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2",
-    "mxfp4", "nvfp4", "bf16", "fp16", "fp32"). block: values per scale, None meaning the
+    "mxfp4", "nvfp4", "bf16", "fp16", "fp32") or a Format (a scale-rule variant sets mx_scale
+    unless mx_scale is given too). block: values per scale, None meaning the
     format's own (16 nvfp4, 32 MX, 256 otherwise); after validation :attr:`resolved_block` is
     the int used. rounding: "nearest" or "stochastic" (scaled formats only). seed: int in
     [0, 2**64) identifying the call for stochastic rounding (None: none given yet; an adapter
     derives per-step seeds from it). algorithm: a name of the algorithm table or "auto".
     slice_elems: values per pipelined slice (None: automatic). timeout: seconds each wait may
     wait for its peers (None: the transport's, $GIFTCOMM_TIMEOUT). op: "sum" or "avg".
+    mx_scale: the shared-exponent rule of the E8M0-scaled formats (mxfp8, mxfp8_e5m2, mxfp4):
+    "ceil" (default: the smallest power of two keeping each block's amax within the element max,
+    so nothing saturates) or "floor" (OCP MX v1.0's ``floor(log2(amax)) - emax``, byte-identical
+    to other OCP implementations; the top of each block saturates). "floor" with any other format
+    is a ValueError (they have no such rule); "ceil" is accepted everywhere and changes nothing
+    for them. :attr:`format` carries the rule (Format.scale_rule), and ranks whose rules differ
+    fail the cross-rank check.
     """
 
     fmt: str = "e4m3"
@@ -57,6 +65,7 @@ class CallOptions:
     slice_elems: int | None = None
     timeout: float | None = None
     op: str = "sum"
+    mx_scale: str = SCALE_RULES[0]
 
     @classmethod
     def of(cls, owner: str = "", **kwargs: Any) -> CallOptions:
@@ -77,6 +86,10 @@ class CallOptions:
         """This record with fmt as its canonical name and every field checked (ValueError or
         TypeError, with the same words whichever entry point called it)."""
         f = get_format(self.fmt)
+        mx_scale = self.mx_scale
+        if f.scale_rule and mx_scale == SCALE_RULES[0]:  # fmt given as a Format variant: its rule
+            mx_scale = f.scale_rule
+        f.with_scale_rule(mx_scale)
         resolve_block(f, self.block)
         check_rounding(self.rounding, f)
         seed = None if self.seed is None else check_key(self.seed, "seed")
@@ -93,12 +106,12 @@ class CallOptions:
             if not (timeout >= 0 and np.isfinite(timeout)):
                 raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
         return replace(self, fmt=f.name, block=None if self.block is None else int(self.block), seed=seed,
-                       slice_elems=slice_elems, timeout=timeout)
+                       slice_elems=slice_elems, timeout=timeout, mx_scale=mx_scale)
 
     @property
     def format(self) -> Format:
-        """The wire format record."""
-        return get_format(self.fmt)
+        """The wire format record, with the scale rule ``mx_scale`` (Format.with_scale_rule)."""
+        return get_format(self.fmt).with_scale_rule(self.mx_scale)
 
     @property
     def resolved_block(self) -> int:

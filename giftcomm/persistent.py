@@ -28,17 +28,17 @@ from typing import Any
 import numpy as np
 
 from . import _xp
-from .codec import native_available
+from .codec import native_available, native_supports
 from .collectives import engine, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, raise_failures
 from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
-from .errors import CommAborted
+from .errors import CommAborted, CommClosed, CommError
 from .formats import Format, check_key
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
-from .transport.channel import WORDS, PlanChannel, native_channel
+from .transport.channel import STALE_WORD, WORDS, PlanChannel, native_channel
 
 __all__ = ["AllreducePlan", "plan_allreduce"]
 
@@ -50,22 +50,24 @@ class AllreducePlan:
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, call: Call, algorithm: Algorithm, nodes: np.ndarray, slice_n: int, word: int,
-                 channel: bool) -> None:
-        self.transport, self.algorithm, self._row = t, algorithm.name, algorithm
+    def __init__(self, t: Transport, job: engine.Job, word: int, channel: bool) -> None:
+        call, algorithm = job.call, job.algorithm
+        assert algorithm is not None
+        self.transport, self.algorithm, self._row, self._job = t, algorithm.name, algorithm, job
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
-        self._template, self._nodes, self._slice, self._word = call, nodes, slice_n, word
+        self._template, self._word = call, word
         self._wire = call.wire(t.rank)
         self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
         self._header = np.zeros(WORDS, np.int64)
         self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
-        self._state = t.state if channel else None
+        self._owner = t.state  # the transport's state this plan belongs to: closed with it (CommClosed)
+        self._state = self._owner if channel else None
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
-                      and call.arr.dtype == np.float32)
-        self._fmt_code, self._avg = self._wire.fmt.code, call.op == "avg"
+                      and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
+        self._fmt_code, self._avg = self._wire.fmt.variant_code, call.op == "avg"
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
@@ -77,7 +79,7 @@ class AllreducePlan:
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = _xp.import_array(x)
+        imp = planning._import(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
@@ -108,11 +110,34 @@ class AllreducePlan:
                     return res
                 if status != 3:  # 3: not for the fast path; nothing was posted
                     self._failed(channel, status, None)
-        with engine.held(self.transport, timeout):
+        if self._owner.closed is not None:
+            self._stale()
+        with engine.held(self.transport, timeout, plain=False):
             return self._call(x, out, seed, channel)
+
+    def _stale(self) -> None:
+        """Raise CommClosed: the transport's state this plan belongs to was closed (its
+        communicator freed or released, or this is a forked child). After giftcomm.release the
+        communicator lives on: when its new transport has a plan channel, this call first meets
+        the peers' next call there, so a new plan (or plain call) on another rank raises "ranks
+        disagree" at once instead of waiting for this rank until the deadline."""
+        succ = self.transport.successor()
+        st = None if succ is None else succ._state
+        if succ is not None and st is not None and st.channel is not None:
+            try:
+                with engine.held(succ, None, plain=False):
+                    if st.channel is not None:
+                        st.channel.meet(succ, STALE_WORD, planning.caller(), "giftcomm plan")
+            except CommError:
+                raise
+            except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
+                pass
+        raise CommClosed(f"giftcomm plan: {self._owner.closed}")
 
     def _call(self, x: Any, out: Any, seed: int | None, channel: PlanChannel | None) -> Any:
         t = self.transport
+        if self._owner.closed is not None:  # closed while this call waited for the lock
+            self._stale()
         error: Exception | None = None
         call = None
         try:
@@ -134,7 +159,7 @@ class AllreducePlan:
             return self._reduce([got.message(q) for q in range(t.size)], call, wire, out)
         self._check(t.allgather_int64(head), error)
         assert call is not None
-        return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
+        return engine.run_allreduce(t, self._job, out, call)
 
     def _over_channel(self, channel: PlanChannel, call: Call | None, error: Exception | None, wire: Any,
                       out: Any) -> Any:
@@ -157,7 +182,7 @@ class AllreducePlan:
         self._failed(channel, status, error)
         assert call is not None
         if not self._row.one_exchange:
-            return engine.run_allreduce(t, call, None, self._row, self._nodes, self._slice, out)
+            return engine.run_allreduce(t, self._job, out, call)
         return self._reduce([channel.payload(q, parity, nbytes) for q in range(t.size)], call, wire, out)
 
     def _reduce(self, messages: list[Any], call: Call, wire: Any, out: Any) -> Any:
@@ -171,6 +196,8 @@ class AllreducePlan:
         """Raise what a channel call's status says (on every rank alike): the deadline passed
         (2), the channel is closed after an earlier failure (4), or some rank failed or ran
         another plan (1, read from the headers)."""
+        if status == 4 and self._owner.closed is not None:
+            self._stale()
         if status == 4:
             raise CommAborted("giftcomm plan: the shared-memory channel is unusable after an earlier timeout or "
                               "interrupt (or its transport's state was released); make a new communicator and plan")
@@ -202,6 +229,7 @@ def plan_allreduce(
     slice_elems: int | None = None,
     rounding: str = "nearest",
     timeout: float | None = None,
+    mx_scale: str = "ceil",
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
@@ -212,17 +240,17 @@ def plan_allreduce(
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
-                               timeout, op)
+                               timeout, op, mx_scale)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
                                 channel=_able(t, _xp.is_device_array(x)))
         call, chosen = job.call, job.algorithm
-        assert chosen is not None and job.nodes is not None
+        assert chosen is not None
         # the same word on every rank: the agreed signature and the plan's number on this transport
         # (plans are made collectively, so every rank counts them alike)
         t.state.plans += 1
         word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
-        return AllreducePlan(t, call, chosen, job.nodes, job.slice_n, word, _channel(t, call, chosen))
+        return AllreducePlan(t, job, word, _channel(t, call, chosen))
 
 
 def _able(t: Transport, device: bool) -> bool:

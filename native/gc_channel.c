@@ -225,8 +225,7 @@ static PyObject *Channel_call(Channel *c, PyObject *const *args, Py_ssize_t narg
         if (get_floats(xo, &x, 0) < 0)
             return PyLong_FromLong(3);
         n = (size_t)x.len / 4;
-        int scaled = fmt == GC_E4M3 || fmt == GC_E5M2 || fmt >= GC_NVFP4;
-        if (block < 1 || gc_message_nbytes(n, fmt, (size_t)block) > c->capacity || (key != Py_None && !scaled)) {
+        if (block < 1 || gc_message_nbytes(n, fmt, (size_t)block) > c->capacity || (key != Py_None && !gc_is_scaled(fmt))) {
             PyBuffer_Release(&x);
             return PyLong_FromLong(3);
         }

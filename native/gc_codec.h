@@ -20,9 +20,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Format codes: giftcomm.formats.Format.code */
-enum { GC_E4M3 = 1, GC_E5M2 = 2, GC_BF16 = 3, GC_FP16 = 4, GC_FP32 = 5,
-       GC_NVFP4 = 6, GC_MXFP4 = 7, GC_MXFP8 = 8, GC_MXFP8E5 = 9 };
+/* Format codes and facts (GC_E4M3, GC_FMT_SCALE(code), GC_ELEM_EMAX(ek), ...): generated from
+ * giftcomm/formats.py (python -m giftcomm.formats_header > native/gc_formats.h). A `fmt` argument
+ * of the kernels below is a *variant* code (Format.variant_code): the format code in the low bits
+ * (GC_VARIANT_FORMAT) and, for the E8M0 formats, the shared-exponent rule above them
+ * (GC_VARIANT_RULE: GC_RULE_CEIL or GC_RULE_FLOOR). */
+#include "gc_formats.h"
+
+/* The formats these kernels implement; gc_module.c reports them (giftcomm.codec runs every other
+ * row of the table on the NumPy reference). */
+static inline int gc_implemented(int code)
+{
+    switch (code) {
+    case GC_E4M3: case GC_E5M2: case GC_BF16: case GC_FP16: case GC_FP32:
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+        return 1;
+    default:
+        return 0;
+    }
+}
 
 /* Stochastic rounding: Philox4x32-10 key (k0 = key mod 2^32, k1 = key >> 32) and the element
  * index of value 0 of the message (offset). A NULL gc_rng means round to nearest even. */
@@ -75,14 +91,14 @@ void gc_lut8_init(void);
 /* Bytes of the payload padded to 4 (scaled formats), i.e. the offset of the scales. */
 static inline size_t gc_scales_offset(size_t n) { return (n + 3u) & ~(size_t)3u; }
 
-/* MX / nvfp4 layout: payload bytes (= offset of the block scales), the fixed block, and (nvfp4)
- * the offset of the float32 group scales. */
-static inline int gc_is_packed(int fmt) { return fmt == GC_NVFP4 || fmt == GC_MXFP4; }
+/* MX / nvfp4 layout (fmt: a format code): payload bytes (= offset of the block scales), the fixed
+ * block, and (nvfp4) the offset of the float32 group scales. */
+static inline int gc_is_packed(int fmt) { return GC_FMT_VALUE_BITS(fmt) == 4; }
 static inline size_t gc_payload_bytes(size_t n, int fmt) { return gc_is_packed(fmt) ? (n + 1u) / 2u : n; }
-static inline size_t gc_fixed_block(int fmt) { return fmt == GC_NVFP4 ? 16u : 32u; }
+static inline size_t gc_fixed_block(int fmt) { return (size_t)GC_FMT_FIXED_BLOCK(fmt); }
 static inline size_t gc_group_offset(size_t n)
 {
-    return (gc_payload_bytes(n, GC_NVFP4) + (n + 15u) / 16u + 3u) & ~(size_t)3u;
+    return (gc_payload_bytes(n, GC_NVFP4) + (n + GC_NVFP4_FIXED_BLOCK - 1u) / GC_NVFP4_FIXED_BLOCK + 3u) & ~(size_t)3u;
 }
 
 #endif

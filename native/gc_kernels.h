@@ -293,56 +293,66 @@ GC_INLINE void K(acc32)(const uint8_t *msg, size_t n, float *acc)
         acc[i] = gc_addf(acc[i], gc_load_f32(msg + 4 * i));
 }
 
-/* ---- entry points: dispatch on the format code (validated by the caller) ---- */
+/* ---- entry points: dispatch on the variant code v (validated by the caller: gc_module.c) ---- */
 
-static void K(encode)(int fmt, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
+static void K(encode)(int v, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
 {
+    int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(encode8)(x, n, msg, block, 0, rng); break;
-    case GC_E5M2: K(encode8)(x, n, msg, block, 1, rng); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(encode_mx)(fmt, x, n, msg, rng); break;
+    case GC_E4M3: K(encode8)(x, n, msg, block, GC_E4M3_ELEM, rng); break;
+    case GC_E5M2: K(encode8)(x, n, msg, block, GC_E5M2_ELEM, rng); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+        K(encode_mx)(fmt, GC_VARIANT_RULE(v), x, n, msg, rng);
+        break;
     case GC_BF16: K(encode16)(x, n, msg, 0); break;
     case GC_FP16: K(encode16)(x, n, msg, 1); break;
-    default: memmove(msg, x, 4 * n); break;
+    case GC_FP32: memmove(msg, x, 4 * n); break;
+    default: break;
     }
 }
 
-static void K(decode)(int fmt, const uint8_t *msg, size_t n, float *out, size_t block)
+static void K(decode)(int v, const uint8_t *msg, size_t n, float *out, size_t block)
 {
+    int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(decode8)(msg, n, out, block, 0); break;
-    case GC_E5M2: K(decode8)(msg, n, out, block, 1); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(decode_mx)(fmt, msg, n, out, 0); break;
+    case GC_E4M3: K(decode8)(msg, n, out, block, GC_E4M3_ELEM); break;
+    case GC_E5M2: K(decode8)(msg, n, out, block, GC_E5M2_ELEM); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2: K(decode_mx)(fmt, msg, n, out, 0); break;
     case GC_BF16: K(decode16)(msg, n, out, 0); break;
     case GC_FP16: K(decode16)(msg, n, out, 1); break;
-    default: memmove(out, msg, 4 * n); break;
+    case GC_FP32: memmove(out, msg, 4 * n); break;
+    default: break;
     }
 }
 
-static void K(decode_add_encode)(int fmt, const uint8_t *msg_in, const float *local, size_t n,
+static void K(decode_add_encode)(int v, const uint8_t *msg_in, const float *local, size_t n,
                                  uint8_t *msg_out, float *sum_out, size_t block, float *tmp, const gc_rng *rng)
 {
+    int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 0, rng); break;
-    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, 1, rng); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5:
-        K(dae_mx)(fmt, msg_in, local, n, msg_out, sum_out, rng);
+    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, GC_E4M3_ELEM, rng); break;
+    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, GC_E5M2_ELEM, rng); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+        K(dae_mx)(fmt, GC_VARIANT_RULE(v), msg_in, local, n, msg_out, sum_out, rng);
         break;
     case GC_BF16: K(dae16)(msg_in, local, n, msg_out, sum_out, 0); break;
     case GC_FP16: K(dae16)(msg_in, local, n, msg_out, sum_out, 1); break;
-    default: K(dae32)(msg_in, local, n, msg_out, sum_out); break;
+    case GC_FP32: K(dae32)(msg_in, local, n, msg_out, sum_out); break;
+    default: break;
     }
 }
 
-static void K(decode_accumulate)(int fmt, const uint8_t *msg, size_t n, float *acc, size_t block)
+static void K(decode_accumulate)(int v, const uint8_t *msg, size_t n, float *acc, size_t block)
 {
+    int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(acc8)(msg, n, acc, block, 0); break;
-    case GC_E5M2: K(acc8)(msg, n, acc, block, 1); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: K(decode_mx)(fmt, msg, n, acc, 1); break;
+    case GC_E4M3: K(acc8)(msg, n, acc, block, GC_E4M3_ELEM); break;
+    case GC_E5M2: K(acc8)(msg, n, acc, block, GC_E5M2_ELEM); break;
+    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2: K(decode_mx)(fmt, msg, n, acc, 1); break;
     case GC_BF16: K(acc16)(msg, n, acc, 0); break;
     case GC_FP16: K(acc16)(msg, n, acc, 1); break;
-    default: K(acc32)(msg, n, acc); break;
+    case GC_FP32: K(acc32)(msg, n, acc); break;
+    default: break;
     }
 }
 

@@ -2,17 +2,13 @@
  * stochastic rounding, as part of the per-instruction-set template (included by gc_kernels.h,
  * with K() defined). Rules: docs/wire-format.md and giftcomm/reference/codec.py, bit for bit.
  *
- * Element kinds (ek): 0 E4M3, 1 E5M2, 2 E2M1. The MX and nvfp4 kernels work in chunks of
+ * Element kinds (ek): GC_ELEM_E4M3, GC_ELEM_E5M2, GC_ELEM_E2M1 and their facts (GC_ELEM_*(ek)) come
+ * from gc_formats.h, generated from giftcomm/formats.py. The MX and nvfp4 kernels work in chunks of
  * GC_CHUNK = 1024 values (whole MX blocks; exactly one nvfp4 group), so that the random bits,
  * element codes and the fused hop's sums of a chunk stay in L1 in small stack arrays.
  */
-#define GCE_M(ek) ((ek) == 0 ? 3 : (ek) == 1 ? 2 : 1)
-#define GCE_EMIN(ek) ((ek) == 0 ? -6 : (ek) == 1 ? -14 : 0)
-#define GCE_MAXB(ek) ((ek) == 0 ? 0x43e00000u : (ek) == 1 ? 0x47600000u : 0x40c00000u) /* 448, 57344, 6 */
-#define GCE_SBIT(ek) ((ek) == 2 ? 3 : 7)
-#define GCE_EMAX(ek) ((ek) == 0 ? 8u : (ek) == 1 ? 15u : 2u)
-#define GCE_NAN(ek) ((ek) == 2 ? 0u : 0x7fu)
 #define GC_INF_BITS 0x7f800000u
+
 
 /* ---- SIMD layer of the AVX-512 (GC_X512) and AVX2 (GC_X256) variants ----
  *
@@ -305,8 +301,8 @@ GC_INLINE uint32_t K(qelem)(float x, float mult, uint32_t r, const int ek, const
 {
     uint32_t u = gc_bits(x * mult);
     uint32_t a = u & 0x7fffffffu;
-    a = a < GCE_MAXB(ek) ? a : GCE_MAXB(ek);
-    return gc_qmag(a, r, GCE_M(ek), GCE_EMIN(ek), sr) | ((u >> 31) << GCE_SBIT(ek));
+    a = a < GC_ELEM_MAXB(ek) ? a : GC_ELEM_MAXB(ek);
+    return gc_qmag(a, r, GC_ELEM_MANT(ek), GC_ELEM_EMIN(ek), sr) | ((u >> 31) << GC_ELEM_SBIT(ek));
 }
 
 GC_INLINE uint32_t K(amax_plain)(const float *restrict x, size_t len)
@@ -326,7 +322,7 @@ GC_INLINE void K(qloop)(const float *restrict x, size_t len, float mult, const u
     if (r) {
         for (size_t i = 0; i < len; i++)
             codes[i] = (uint8_t)K(qelem)(x[i], mult, r[i], ek, 1);
-    } else if (ek == 2) { /* E2M1 nearest-even by thresholds (ties 0.25, 1.25, 2.5, 5 go down) */
+    } else if (ek == GC_ELEM_E2M1) { /* E2M1 nearest-even by thresholds (ties 0.25, 1.25, 2.5, 5 go down) */
         for (size_t i = 0; i < len; i++) {
             float y = x[i] * mult;
             float a = gc_float(gc_bits(y) & 0x7fffffffu);
@@ -374,11 +370,11 @@ GC_INLINE void K(enc8sr_block)(const float *restrict x, size_t len, uint8_t *res
 
 /* ---- MX: one chunk of len <= GC_CHUNK values, value i0 of the message at x[0] ---- */
 GC_INLINE void K(mx_chunk)(const float *restrict x, size_t len, uint8_t *restrict pay, uint8_t *restrict sc,
-                           uint64_t idx0, const gc_rng *rng, const int ek)
+                           uint64_t idx0, const gc_rng *rng, const int ek, const int rule)
 {
     uint32_t r[GC_CHUNK];
     uint8_t tmpc[GC_CHUNK];
-    uint8_t *codes = ek == 2 ? tmpc : pay;
+    uint8_t *codes = ek == GC_ELEM_E2M1 ? tmpc : pay;
     if (rng)
         K(rbits)(rng, idx0, len, r);
     for (size_t j0 = 0, b = 0; j0 < len; j0 += 32, b++) {
@@ -386,11 +382,10 @@ GC_INLINE void K(mx_chunk)(const float *restrict x, size_t len, uint8_t *restric
         uint32_t m = K(amax_plain)(x + j0, bl);
         if (m >= GC_INF_BITS) {
             sc[b] = 0xff;
-            memset(codes + j0, (int)GCE_NAN(ek), bl);
+            memset(codes + j0, (int)GC_ELEM_NAN(ek), bl);
             continue;
         }
-        uint32_t e = m >> 23;
-        uint32_t code = e > GCE_EMAX(ek) ? e - GCE_EMAX(ek) : 0u;
+        uint32_t code = gc_e8m0_code(m, ek, rule);
         sc[b] = (uint8_t)code;
         float mult = gc_float((254u - code) << 23);
         if (bl == 32)
@@ -398,7 +393,7 @@ GC_INLINE void K(mx_chunk)(const float *restrict x, size_t len, uint8_t *restric
         else
             K(qloop)(x + j0, bl, mult, rng ? r + j0 : NULL, codes + j0, ek);
     }
-    if (ek == 2)
+    if (ek == GC_ELEM_E2M1)
         K(pack4)(tmpc, len, pay);
 }
 
@@ -466,7 +461,7 @@ GC_INLINE void K(mx_dec_chunk)(const uint8_t *restrict pay, const uint8_t *restr
         if (c == 0xffu) {
             for (size_t i = 0; i < bl; i++)
                 o[i] = acc ? gc_addf(o[i], qnan) : qnan;
-        } else if (ek == 2) {
+        } else if (ek == GC_ELEM_E2M1) {
             const uint8_t *p = pay + j0 / 2;
             size_t h = bl / 2;
             for (size_t j = 0; j < h; j++) {
@@ -671,7 +666,7 @@ GC_INLINE void K(mx4_amax)(const float *restrict x, __m512i bm[GC_BMV])
 
 /* mxfp4 chunk from its block amax: E8M0 scales sc[32], multipliers mult[32]; returns the
  * non-finite blocks as bits */
-GC_INLINE uint64_t K(mx4_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult)
+GC_INLINE uint64_t K(mx4_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult, const int rule)
 {
     const __m512i inf = GV_SET1(GC_INF_BITS);
     uint64_t nanb = 0;
@@ -679,7 +674,12 @@ GC_INLINE uint64_t K(mx4_scales_bm)(const __m512i bm[GC_BMV], uint8_t *restrict 
         __m512i m = bm[k];
         __mmask16 bad = _mm512_cmpge_epu32_mask(m, inf);
         nanb |= (uint64_t)bad << (16 * k);
-        __m512i code = _mm512_sub_epi32(_mm512_max_epu32(_mm512_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
+        __m512i e = _mm512_srli_epi32(m, 23);
+        if (rule == GC_RULE_CEIL) /* gc_e8m0_code: + 1 where the mantissa field exceeds the max's, below the top binade */
+            e = _mm512_mask_add_epi32(e, _mm512_cmpgt_epu32_mask(_mm512_and_si512(m, GV_SET1(0x7fffffu)),
+                                                                 GV_SET1(GC_ELEM_MAXMANT(GC_ELEM_E2M1)))
+                                             & _mm512_cmplt_epu32_mask(m, GV_SET1(0x7f000000u)), e, GV_SET1(1));
+        __m512i code = _mm512_sub_epi32(_mm512_max_epu32(e, GV_SET1(GC_ELEM_EMAX(GC_ELEM_E2M1))), GV_SET1(GC_ELEM_EMAX(GC_ELEM_E2M1)));
         _mm512_store_si512(mult + 16 * k, _mm512_slli_epi32(_mm512_sub_epi32(GV_SET1(254), code), 23));
         code = _mm512_mask_mov_epi32(code, bad, GV_SET1(0xff));
         _mm_storeu_si128((__m128i *)(sc + 16 * k), _mm512_cvtepi32_epi8(code));
@@ -958,7 +958,7 @@ GC_INLINE void K(mx4_amax)(const float *restrict x, __m256i bm[GC_BMV])
     }
 }
 
-GC_INLINE uint64_t K(mx4_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult)
+GC_INLINE uint64_t K(mx4_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict sc, float *restrict mult, const int rule)
 {
     const __m256i fin = GV_SET1(0x7f7fffffu);
     __m256i cv[4];
@@ -967,7 +967,13 @@ GC_INLINE uint64_t K(mx4_scales_bm)(const __m256i bm[GC_BMV], uint8_t *restrict 
         __m256i m = bm[k];
         __m256i bad = _mm256_cmpgt_epi32(m, fin);
         nanb |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) << (8 * k);
-        __m256i code = _mm256_sub_epi32(_mm256_max_epu32(_mm256_srli_epi32(m, 23), GV_SET1(GCE_EMAX(2))), GV_SET1(GCE_EMAX(2)));
+        __m256i e = _mm256_srli_epi32(m, 23);
+        if (rule == GC_RULE_CEIL) /* gc_e8m0_code: + 1 (subtract -1) where the mantissa field exceeds the max's
+                                   * below the top binade (|bits| < 2^31: signed compares are exact) */
+            e = _mm256_sub_epi32(e, _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_and_si256(m, GV_SET1(0x7fffffu)),
+                                                                         GV_SET1(GC_ELEM_MAXMANT(GC_ELEM_E2M1))),
+                                                      _mm256_cmpgt_epi32(GV_SET1(0x7f000000u), m)));
+        __m256i code = _mm256_sub_epi32(_mm256_max_epu32(e, GV_SET1(GC_ELEM_EMAX(GC_ELEM_E2M1))), GV_SET1(GC_ELEM_EMAX(GC_ELEM_E2M1)));
         _mm256_store_si256((__m256i *)(void *)(mult + 8 * k), _mm256_slli_epi32(_mm256_sub_epi32(GV_SET1(254), code), 23));
         cv[k] = _mm256_blendv_epi8(code, GV_SET1(0xff), bad);
     }
@@ -1201,7 +1207,7 @@ static void K(nv_group_v)(const float *restrict x, uint8_t *restrict pay, uint8_
 }
 
 static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8_t *restrict sc,
-                           uint64_t idx0, const gc_rng *rng, const GV_I *bm_in)
+                           uint64_t idx0, const gc_rng *rng, const GV_I *bm_in, const int rule)
 {
     float mult[32] __attribute__((aligned(64)));
     GV_I bm[GC_BMV];
@@ -1209,13 +1215,13 @@ static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8
         K(mx4_amax)(x, bm);
         bm_in = bm;
     }
-    uint64_t nanb = K(mx4_scales_bm)(bm_in, sc, mult);
+    uint64_t nanb = K(mx4_scales_bm)(bm_in, sc, mult, rule);
     K(v_e2m1_pass)(x, mult, 5, nanb, pay, idx0, rng, bm_in == bm ? GC_CHUNK : 0);
 }
 #endif /* GC_VEC_MX */
 
-/* ---- whole messages: ek and packing from the format code ---- */
-#define GC_MX_EK(fmt) ((fmt) == GC_MXFP8 ? 0 : (fmt) == GC_MXFP8E5 ? 1 : 2)
+/* ---- whole messages: ek and packing from the format code (fmt: a format code; rule: the
+ * E8M0 formats' shared-exponent rule, GC_RULE_CEIL or GC_RULE_FLOOR) ---- */
 
 /* Pointers of chunk i0 (a multiple of GC_CHUNK) of a message of n values. */
 #define GC_CHUNK_PTRS(fmt, msg, n, i0, pay, sc, gs)                                                        \
@@ -1223,7 +1229,7 @@ static void K(mx4_chunk_v)(const float *restrict x, uint8_t *restrict pay, uint8
     uint8_t *sc = (msg) + gc_payload_bytes((n), (fmt)) + (i0) / gc_fixed_block(fmt);                      \
     uint8_t *gs = (fmt) == GC_NVFP4 ? (msg) + gc_group_offset(n) + 4u * ((i0) / GC_NVFP4_GROUP) : NULL
 
-GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, uint8_t *sc, uint8_t *gs,
+GC_INLINE void K(enc_chunk)(int fmt, int rule, const float *x, size_t len, uint8_t *pay, uint8_t *sc, uint8_t *gs,
                             uint64_t idx0, const gc_rng *rng)
 {
 #if GC_VEC_MX
@@ -1232,15 +1238,16 @@ GC_INLINE void K(enc_chunk)(int fmt, const float *x, size_t len, uint8_t *pay, u
         return;
     }
     if (len == GC_CHUNK && fmt == GC_MXFP4) {
-        K(mx4_chunk_v)(x, pay, sc, idx0, rng, NULL);
+        K(mx4_chunk_v)(x, pay, sc, idx0, rng, NULL, rule);
         return;
     }
 #endif
     switch (fmt) {
     case GC_NVFP4: K(nv_chunk)(x, len, pay, sc, gs, idx0, rng); break;
-    case GC_MXFP4: K(mx_chunk)(x, len, pay, sc, idx0, rng, 2); break;
-    case GC_MXFP8: K(mx_chunk)(x, len, pay, sc, idx0, rng, 0); break;
-    default: K(mx_chunk)(x, len, pay, sc, idx0, rng, 1); break;
+    case GC_MXFP4: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP4_ELEM, rule); break;
+    case GC_MXFP8: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP8_ELEM, rule); break;
+    case GC_MXFP8_E5M2: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP8_E5M2_ELEM, rule); break;
+    default: break;
     }
 }
 
@@ -1259,26 +1266,27 @@ GC_INLINE void K(dec_chunk)(int fmt, const uint8_t *pay, const uint8_t *sc, cons
 #endif
     switch (fmt) {
     case GC_NVFP4: K(nv_dec_chunk)(pay, sc, gs, len, out, acc); break;
-    case GC_MXFP4: K(mx_dec_chunk)(pay, sc, len, out, 2, acc); break;
-    case GC_MXFP8: K(mx_dec_chunk)(pay, sc, len, out, 0, acc); break;
-    default: K(mx_dec_chunk)(pay, sc, len, out, 1, acc); break;
+    case GC_MXFP4: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP4_ELEM, acc); break;
+    case GC_MXFP8: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP8_ELEM, acc); break;
+    case GC_MXFP8_E5M2: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP8_E5M2_ELEM, acc); break;
+    default: break;
     }
 }
 
 static void K(nvpad)(uint8_t *msg, size_t n)
 {
-    size_t a = gc_payload_bytes(n, GC_NVFP4) + (n + 15u) / 16u, b = gc_group_offset(n);
+    size_t a = gc_payload_bytes(n, GC_NVFP4) + (n + GC_NVFP4_FIXED_BLOCK - 1u) / GC_NVFP4_FIXED_BLOCK, b = gc_group_offset(n);
     memset(msg + a, 0, b - a);
 }
 
-static void K(encode_mx)(int fmt, const float *x, size_t n, uint8_t *msg, const gc_rng *rng)
+static void K(encode_mx)(int fmt, int rule, const float *x, size_t n, uint8_t *msg, const gc_rng *rng)
 {
     if (fmt == GC_NVFP4)
         K(nvpad)(msg, n);
     for (size_t i0 = 0; i0 < n; i0 += GC_CHUNK) {
         size_t len = n - i0 < GC_CHUNK ? n - i0 : GC_CHUNK;
         GC_CHUNK_PTRS(fmt, msg, n, i0, pay, sc, gs);
-        K(enc_chunk)(fmt, x + i0, len, pay, sc, gs, rng ? rng->offset + i0 : 0u, rng);
+        K(enc_chunk)(fmt, rule, x + i0, len, pay, sc, gs, rng ? rng->offset + i0 : 0u, rng);
     }
 }
 
@@ -1293,7 +1301,7 @@ static void K(decode_mx)(int fmt, const uint8_t *msg, size_t n, float *out, cons
 
 /* fused hop: per chunk, decode msg_in's chunk, add local, keep the sums in L1 (or sum_out) and
  * encode them into msg_out's chunk (which may be the same bytes: read before written) */
-static void K(dae_mx)(int fmt, const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out,
+static void K(dae_mx)(int fmt, int rule, const uint8_t *msg_in, const float *local, size_t n, uint8_t *msg_out,
                       float *sum_out, const gc_rng *rng)
 {
     float buf[GC_CHUNK];
@@ -1318,7 +1326,7 @@ static void K(dae_mx)(int fmt, const uint8_t *msg_in, const float *local, size_t
             if (fmt == GC_NVFP4)
                 K(nv_group_v)(dst, pay, sc, gs, idx0, r, bm);
             else
-                K(mx4_chunk_v)(dst, pay, sc, idx0, r, bm);
+                K(mx4_chunk_v)(dst, pay, sc, idx0, r, bm, rule);
             continue;
         }
 #endif
@@ -1331,6 +1339,6 @@ static void K(dae_mx)(int fmt, const uint8_t *msg_in, const float *local, size_t
         for (size_t i = 0; i < len; i++)
             dst[i] = gc_addf(buf[i], l[i]);
         GC_CHUNK_PTRS(fmt, msg_out, n, i0, pay, sc, gs);
-        K(enc_chunk)(fmt, dst, len, pay, sc, gs, rng ? rng->offset + i0 : 0u, rng);
+        K(enc_chunk)(fmt, rule, dst, len, pay, sc, gs, rng ? rng->offset + i0 : 0u, rng);
     }
 }

@@ -11,9 +11,13 @@
  *                                               sum_out: n float32 or None, receives the sum
  *   decode_accumulate(msg, acc, fmt_code, block)    acc (n float32) += decode(msg)
  *
- * fmt_code: giftcomm.formats.Format.code (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32, 6 nvfp4, 7 mxfp4,
- * 8 mxfp8, 9 mxfp8_e5m2); block: 1..2^20 elements per scale (checked for every format, used by
- * e4m3/e5m2; nvfp4 takes only 16, the MX formats only 32).
+ * fmt_code: giftcomm.formats.Format.variant_code: the format code (native/gc_formats.h, generated
+ * from giftcomm/formats.py) plus, for the E8M0 formats, the scale rule << GC_SCALE_RULE_SHIFT;
+ * block: 1..2^20 elements per scale (checked for every format, used by e4m3/e5m2; a fixed-block
+ * format takes only its own). A code these kernels do not implement is a ValueError.
+ *
+ *   _formats() -> {name: facts} of the formats these kernels implement (facts: GC_<NAME>_FACTS as
+ *                 compiled; giftcomm.codec compares them with giftcomm.formats_header.format_facts).
  * key: None (round to nearest even) or an int in [0, 2^64): stochastic rounding with Philox4x32-10
  * keyed by it, element i of the message using counter offset + i (offset: int in [0, 2^64), default
  * 0). Stochastic rounding of a pass-through format is a ValueError. The GIL is released
@@ -32,6 +36,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gc_codec.h"
 #include "gc_channel.h"
@@ -64,32 +69,39 @@ static const gc_kernels *const g_all[] = {
 };
 #define N_ISAS (sizeof(g_all) / sizeof(g_all[0]))
 
-/* ---- argument handling ---- */
+/* ---- argument handling ----
+ * `fmt` arguments are variant codes (giftcomm.formats.Format.variant_code): the format code in the
+ * low bits, the E8M0 formats' scale rule above them. A code of the table that these kernels do
+ * not implement is rejected here (giftcomm.codec runs such formats on the reference). */
 
-static int fmt_itemsize(int fmt)
+static const gc_format_row *format_of(int v)
 {
-    switch (fmt) {
-    case GC_E4M3: case GC_E5M2: return 1;
-    case GC_BF16: case GC_FP16: return 2;
-    case GC_FP32: return 4;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8E5: return 1;
-    default: return 0;
-    }
+    const gc_format_row *f = gc_format_row_of(GC_VARIANT_FORMAT(v));
+    return f && gc_implemented(f->code) ? f : NULL;
 }
 
-static int is_mx(int fmt) { return fmt >= GC_NVFP4 && fmt <= GC_MXFP8E5; }
-
-static int check_fmt_block(int fmt, long long block)
+static int rule_ok(const gc_format_row *f, int v)
 {
-    if (!fmt_itemsize(fmt)) {
-        PyErr_Format(PyExc_ValueError,
-                     "unknown format code %d (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32, 6 nvfp4, 7 mxfp4, 8 mxfp8, "
-                     "9 mxfp8_e5m2)", fmt);
+    int rule = GC_VARIANT_RULE(v);
+    return v >= 0 && (rule == GC_RULE_CEIL || (rule == GC_RULE_FLOOR && f->scale == GC_SCALE_E8M0));
+}
+
+static int check_fmt_block(int v, long long block)
+{
+    const gc_format_row *f = format_of(v);
+    if (!f) {
+        PyErr_Format(PyExc_ValueError, "format code %d is not implemented by the native kernels (see "
+                     "giftcomm.codec.native_formats())", GC_VARIANT_FORMAT(v));
         return -1;
     }
-    if (is_mx(fmt) && block != (long long)gc_fixed_block(fmt)) {
-        PyErr_Format(PyExc_ValueError, "format code %d has a fixed block of %zu values, got %lld", fmt,
-                     gc_fixed_block(fmt), block);
+    if (!rule_ok(f, v)) {
+        PyErr_Format(PyExc_ValueError, "variant code %d: scale rule %d is not one format %s takes", v,
+                     GC_VARIANT_RULE(v), f->name);
+        return -1;
+    }
+    if (f->fixed_block && block != (long long)f->fixed_block) {
+        PyErr_Format(PyExc_ValueError, "format %s has a fixed block of %d values, got %lld", f->name,
+                     f->fixed_block, block);
         return -1;
     }
     if (block < 1 || block > (long long)GC_MAX_BLOCK) {
@@ -99,33 +111,36 @@ static int check_fmt_block(int fmt, long long block)
     return 0;
 }
 
-/* message_nbytes(n, fmt, block) */
-static size_t msg_nbytes(size_t n, int fmt, size_t block)
+/* message_nbytes(n, fmt, block) of a valid variant */
+static size_t msg_nbytes(size_t n, int v, size_t block)
 {
-    if (fmt == GC_E4M3 || fmt == GC_E5M2)
-        return gc_scales_offset(n) + 4 * ((n + block - 1) / block);
-    if (fmt == GC_NVFP4)
-        return gc_group_offset(n) + 4 * ((n + GC_NVFP4_GROUP - 1) / GC_NVFP4_GROUP);
-    if (is_mx(fmt))
-        return gc_payload_bytes(n, fmt) + (n + 31) / 32;
-    return n * (size_t)fmt_itemsize(fmt);
+    int fmt = GC_VARIANT_FORMAT(v);
+    switch (GC_FMT_SCALE(fmt)) {
+    case GC_SCALE_F32: return gc_scales_offset(n) + 4 * ((n + block - 1) / block);
+    case GC_SCALE_NVFP4: return gc_group_offset(n) + 4 * ((n + GC_NVFP4_GROUP - 1) / GC_NVFP4_GROUP);
+    case GC_SCALE_E8M0: return gc_payload_bytes(n, fmt) + (n + block - 1) / block;
+    default: return n * (size_t)GC_FMT_ITEMSIZE(fmt);
+    }
 }
 
 const gc_kernels *gc_active_kernels(void) { return g_kernels; }
 
-size_t gc_message_nbytes(size_t n, int fmt, size_t block)
+size_t gc_message_nbytes(size_t n, int v, size_t block)
 {
-    if (!fmt_itemsize(fmt) || block < 1 || block > GC_MAX_BLOCK || (is_mx(fmt) && block != gc_fixed_block(fmt)))
+    const gc_format_row *f = format_of(v);
+    if (!f || !rule_ok(f, v) || block < 1 || block > GC_MAX_BLOCK || (f->fixed_block && block != (size_t)f->fixed_block))
         return SIZE_MAX;
-    return msg_nbytes(n, fmt, block);
+    return msg_nbytes(n, v, block);
 }
+
+int gc_is_scaled(int v) { return GC_FMT_SCALE(GC_VARIANT_FORMAT(v)) != GC_SCALE_NONE; }
 
 /* key (None or int in [0, 2^64)) and offset -> *rng; returns 1 (stochastic), 0 (nearest), -1 error */
 static int get_rng(PyObject *key, unsigned long long offset, int fmt, gc_rng *rng)
 {
     if (key == NULL || key == Py_None)
         return 0;
-    if (!(fmt == GC_E4M3 || fmt == GC_E5M2 || is_mx(fmt))) {
+    if (!gc_is_scaled(fmt)) {
         PyErr_Format(PyExc_ValueError, "stochastic rounding needs a block-scaled format (format code %d)", fmt);
         return -1;
     }
@@ -282,7 +297,7 @@ static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "sum_out must hold %zu float32 values, got %zd bytes", n, sum.len);
         goto done;
     }
-    if (fmt == GC_E4M3 || fmt == GC_E5M2) {
+    if (GC_FMT_SCALE(GC_VARIANT_FORMAT(fmt)) == GC_SCALE_F32) { /* block-local scratch of the FP8 hop */
         size_t t = n < (size_t)block ? n : (size_t)block;
         tmp = (float *)PyMem_RawMalloc(4 * (t ? t : 1));
         if (!tmp) {
@@ -341,6 +356,27 @@ static PyObject *py_decode_accumulate(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* ---- the formats these kernels implement ---- */
+
+static PyObject *py_formats(PyObject *self, PyObject *args)
+{
+    (void)self; (void)args;
+    PyObject *d = PyDict_New();
+    for (int code = 0; d && code < GC_FORMAT_CODE_LIMIT; code++) {
+        const gc_format_row *f = format_of(code);
+        if (!f)
+            continue;
+        PyObject *facts = PyUnicode_FromString(f->facts);
+        if (!facts || PyDict_SetItemString(d, f->name, facts) < 0) {
+            Py_XDECREF(facts);
+            Py_CLEAR(d);
+            break;
+        }
+        Py_DECREF(facts);
+    }
+    return d;
+}
+
 /* ---- kernel variant selection ---- */
 
 static PyObject *py_isa(PyObject *self, PyObject *args)
@@ -372,7 +408,7 @@ static PyObject *py_isas(PyObject *self, PyObject *args)
 static int set_isa(const char *name)
 {
     for (size_t i = 0; i < N_ISAS; i++) {
-        if (strcmp(g_all[i]->name, name) == 0) {
+        if (strcasecmp(g_all[i]->name, name) == 0) { /* GIFTCOMM_NATIVE_ISA=AVX2 as avx2 */
             if (!isa_supported(g_all[i]))
                 return -2;
             g_kernels = g_all[i];
@@ -407,6 +443,8 @@ static PyMethodDef methods[] = {
      "with the sum in float32; sum_out (float32[n] or None) receives the sum. Fused per block."},
     {"decode_accumulate", py_decode_accumulate, METH_VARARGS,
      "decode_accumulate(msg, acc, fmt_code, block): acc (float32[n]) += decode(msg)."},
+    {"_formats", py_formats, METH_NOARGS,
+     "{name: facts} of the formats these kernels implement (facts as compiled from native/gc_formats.h)."},
     {"_isa", py_isa, METH_NOARGS, "Name of the kernel variant in use."},
     {"_isas", py_isas, METH_NOARGS, "Kernel variants this CPU can run, best first."},
     {"_set_isa", py_set_isa, METH_VARARGS, "Select a kernel variant by name (tests, benchmarks)."},

@@ -31,9 +31,15 @@
 GC_INLINE uint32_t gc_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 GC_INLINE float gc_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-/* FP8 format constants; e5 = 0 for e4m3 (float8_e4m3fn), 1 for e5m2. */
-#define GC8_MAXBITS(e5) ((e5) ? 0x47600000u : 0x43e00000u)    /* 57344, 448 */
-#define GC8_MINNORM(e5) ((e5) ? (113u << 23) : (121u << 23))  /* 2^-14, 2^-6 */
+#include "gc_formats.h"
+
+/* FP8 conversion constants; e5 = the element kind: GC_ELEM_E4M3 (0, float8_e4m3fn) or GC_ELEM_E5M2
+ * (1). The largest value and the smallest normal come from the format table (gc_formats.h); the
+ * rest are the conversion's own derived constants. */
+#define GC8_MAXBITS(e5) GC_ELEM_MAXB(e5)                            /* 448, 57344 */
+#define GC8_MINNORM(e5) ((uint32_t)(127 + GC_ELEM_EMIN(e5)) << 23)  /* 2^-6, 2^-14 */
+/* the FP8 code below reads e5 as a flag: e4m3 must be kind 0 and e5m2 kind 1 */
+typedef char gc_fp8_kinds_check[(GC_ELEM_E4M3 == 0 && GC_ELEM_E5M2 == 1) ? 1 : -1];
 #define GC8_SHIFT(e5) ((e5) ? 21u : 20u)                      /* fp32 mantissa bits dropped */
 #define GC8_EBIAS(e5) ((e5) ? (112u << 2) : (120u << 3))      /* (127 - bias) << mantissa bits */
 #define GC8_MAGIC(e5) ((e5) ? 128.0f : 16384.0f)              /* 2^23 * smallest subnormal */
@@ -189,6 +195,19 @@ GC_INLINE float gc_de2m1(uint32_t c)
     uint32_t nb = (((m >> 1) + 126u) << 23) | ((m & 1u) << 22);
     uint32_t b = m < 2u ? (m ? 0x3f000000u : 0u) : nb;
     return gc_float(b | ((c & 8u) << 28));
+}
+
+/* E8M0 scale code of a block whose amax (float32 bits m) is finite, for element kind ek and
+ * shared-exponent rule `rule` (docs/wire-format.md). E = the biased float32 exponent of amax.
+ * GC_RULE_FLOOR (OCP MX v1.0): max(E - emax, 0). GC_RULE_CEIL: the smallest power of two that keeps
+ * amax / scale <= the element max: one more than floor exactly when amax's mantissa field exceeds
+ * the element max's (amax > max * 2^(E - 127 - emax)), except in the top float32 binade (E = 254,
+ * m < 0x7f000000 fails), where the larger scale's next element value above amax would decode past
+ * the float32 max; 0 (2^-127) at the bottom of the range under both rules. */
+GC_INLINE uint32_t gc_e8m0_code(uint32_t m, const int ek, const int rule)
+{
+    uint32_t e = (m >> 23) + (uint32_t)(rule == GC_RULE_CEIL && (m & 0x7fffffu) > GC_ELEM_MAXMANT(ek) && m < 0x7f000000u);
+    return e > GC_ELEM_EMAX(ek) ? e - GC_ELEM_EMAX(ek) : 0u;
 }
 
 /* E8M0 code -> float32 (2^(code-127); code 0 is the float32 subnormal 2^-127; 0xFF NaN) */

@@ -5,6 +5,7 @@ fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
 sharded-gift  what aligning GIFT with FSDP's dim-0 shards costs (P = 2, 4, 8)
 errors        allreduce error growth against P for every algorithm
+mx-scale      error and bias of the MX scale rules (ceil vs OCP floor)
 model         validate the cost model against measurements; project to cluster scale
 netbed        multi-host testbed: rate-shaped links in network namespaces (root)
 plot          busbw-vs-size plots from ``giftcomm.perf allreduce --json`` files
@@ -24,6 +25,7 @@ COMMANDS = {
     "gradients": "studies.gradients",
     "sharded-gift": "studies.sharded_gift",
     "errors": "studies.errors",
+    "mx-scale": "studies.mx_scale",
     "model": "studies.model",
     "netbed": "studies.netbed",
     "plot": "studies.plot",

@@ -225,7 +225,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus) -> tuple[list[di
             t_geo += time.perf_counter() - tg
         measure = step % cfg.val_every == 0 or step == cfg.steps - 1
         local = [b.copy() for b in sync.flat_grads()] if measure else None
-        times = sync.sync(seed=step)
+        times = sync.sync(step)
         e2 = ew = float("nan")
         if measure:
             allg = ctx.allgather(local)

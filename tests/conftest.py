@@ -74,3 +74,32 @@ def spawn_ranks(world: int, tmp_path, process_args) -> list:
         with open(f, "rb") as fh:
             res.append(pickle.load(fh))
     return res
+
+
+def scale_rule_edges(rng: np.random.Generator, fmt: str) -> np.ndarray:
+    """Three whole chunks and a partial one whose 32-value blocks have an amax at the scale rules'
+    edges: max * 2^k exactly and one ulp either side, powers of two and one ulp below, random
+    mantissas, the top float32 binade (ceil keeps the floor code there), the bottom of the E8M0
+    range, float32 subnormals, zero; the other values random below the amax."""
+    from giftcomm.formats import get_format
+
+    f = get_format(fmt)
+    n = 3 * 1024 + 45
+    nb = -(-n // 32)
+    top = np.finfo(np.float32).max
+    amaxes = []
+    for b in range(nb):
+        k = int(rng.integers(-140, 127))
+        m = np.float32(f.max_value * 2.0 ** max(min(k, 110), -130))
+        kind = b % 9
+        a = [m, np.nextafter(m, np.float32(np.inf)), np.nextafter(m, np.float32(0)), np.float32(2.0 ** max(k, -149)),
+             np.nextafter(np.float32(2.0 ** max(k, -148)), np.float32(0)), np.float32(rng.uniform(1, 2) * 2.0**k),
+             np.float32(rng.uniform(2.0**127, top)), np.float32(f.max_value * 2.0**-127 * rng.uniform(0.5, 2)),
+             np.float32(0.0)][kind]
+        amaxes.append(a)
+    x = np.empty(nb * 32, np.float32)
+    for b, a in enumerate(amaxes):
+        blk = (rng.uniform(-1, 1, 32) * np.float64(a)).astype(np.float32)
+        blk[rng.integers(32)] = a * np.float32(rng.choice([-1, 1]))
+        x[32 * b:32 * b + 32] = blk
+    return x[:n]

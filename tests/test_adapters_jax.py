@@ -157,3 +157,38 @@ def test_split_train_step_outside_jit(rng):
     for leaf0, leaf1 in zip(jax.tree_util.tree_leaves(new[0]), jax.tree_util.tree_leaves(new[1])):
         np.testing.assert_array_equal(np.asarray(leaf0), np.asarray(leaf1))
     assert new[0]["w"].dtype == jnp.bfloat16
+
+
+def test_adapters_take_every_call_option(rng):
+    """allreduce_tree / TreeSync check the options before anything moves (naming themselves);
+    nvfp4 needs no block; TreeSync's stochastic call k is seeded step_seed(seed, k, 0); its
+    damping default is the library's."""
+    from giftcomm.adapters.calls import step_seed
+    from giftcomm.options import DEFAULT_DAMPING
+    from giftcomm.reference import simulate_allreduce
+
+    t1 = giftcomm.LoopbackGroup(1).transports[0]
+    tree = _tree(rng)
+    for fn, owner in ((lambda **kw: allreduce_tree(tree, comm=t1, **kw), "allreduce_tree"),
+                      (lambda **kw: TreeSync(comm=t1, **kw), "TreeSync")):
+        for kwargs, words in [(dict(fmt="nvfp4", block=32), "fixed block"), (dict(algorithm="rnig"), "algorithm"),
+                              (dict(rounding="stochastic", fmt="fp32"), "stochastic"), (dict(seed=2**64), "seed")]:
+            with pytest.raises(ValueError, match=words) as err:
+                fn(**kwargs)
+            assert str(err.value).startswith(owner + ": ")
+    assert TreeSync().damping == DEFAULT_DAMPING
+    P, seed = 2, int(rng.integers(2**40))
+    trees = [_tree(rng) for _ in range(P)]
+
+    def fn(t):
+        sync = TreeSync(comm=t, fmt="nvfp4", rounding="stochastic", seed=seed, refresh_every=1000)
+        return [flatten_tree(sync(trees[t.rank]))[0] for _ in range(2)]
+
+    outs = giftcomm.LoopbackGroup(P).run(fn)
+    flats = [flatten_tree(tr)[0] for tr in trees]
+    for k in range(2):
+        ref = simulate_allreduce(flats, "nvfp4", None, "avg", rounding="stochastic", seed=step_seed(seed, k, 0))[0]
+        ref = flatten_tree(unflatten_tree(ref, tree_spec(trees[0])))[0]  # leaves back in their own dtypes
+        np.testing.assert_array_equal(outs[0][k], ref)
+        np.testing.assert_array_equal(outs[1][k], ref)
+    assert not np.array_equal(outs[0][0], outs[0][1])

@@ -319,3 +319,36 @@ def test_dlpack_zero_copy(rng):
         assert p.grad.data_ptr() == b.buffer.ctypes.data + b.offsets[i] * 4
     b.buffer[:] = 1.5
     assert all(bool((p.grad == 1.5).all()) for p in b.params)
+
+
+def test_grad_sync_takes_every_call_option(rng):
+    """Options checked when GradSync is built (naming it); nvfp4 with the format's own block and
+    stochastic rounding seeded step_seed(seed, step, bucket) equals the reference simulation."""
+    from giftcomm.adapters.calls import step_seed
+
+    t1 = giftcomm.LoopbackGroup(1).transports[0]
+    for kwargs, words in [(dict(fmt="mxfp4", block=256), "fixed block"), (dict(algorithm="rnig"), "algorithm"),
+                          (dict(rounding="stochastic", fmt="fp16"), "stochastic"), (dict(timeout=-1), "timeout"),
+                          (dict(op="max"), "op"), (dict(bucket_mb=0), "bucket_mb")]:
+        with pytest.raises(ValueError, match=words) as err:
+            GradSync(_mlp(0), comm=t1, **kwargs)
+        assert str(err.value).startswith("GradSync: ")
+    P, seed, widths = 2, int(rng.integers(2**40)), (24, 40, 16)
+    xs = [torch.from_numpy(rng.standard_normal((4, 24)).astype(np.float32)) for _ in range(P)]
+    models = [_mlp(3, widths) for _ in range(P)]
+
+    def rank_fn(t):
+        sync = GradSync(models[t.rank], comm=t, fmt="nvfp4", rounding="stochastic", seed=seed, bucket_mb=0.004)
+        sync.zero_grad()
+        models[t.rank](xs[t.rank]).pow(2).mean().backward()
+        local = [b.copy() for b in sync.flat_grads()]
+        sync.sync(step=5)
+        return local, [b.buffer.copy() for b in sync.buckets]
+
+    res = giftcomm.LoopbackGroup(P).run(rank_fn)
+    assert len(res[0][1]) > 1
+    for i, reduced in enumerate(res[0][1]):
+        ref = simulate_allreduce([res[r][0][i] for r in range(P)], "nvfp4", None, "avg", rounding="stochastic",
+                                 seed=step_seed(seed, 5, i))[0]
+        np.testing.assert_array_equal(reduced, ref)
+        np.testing.assert_array_equal(reduced, res[1][1][i])

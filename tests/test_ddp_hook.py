@@ -161,3 +161,90 @@ def test_kfac_capture_warns_on_multihead_attention():
     cap.step(0)
     model(torch.randn(5, 3, 8)).sum().backward()
     assert cap.silent_layers() == []
+
+
+# ------------------------------------------------------------------ call options, seeds, one rank
+def test_gift_state_takes_every_call_option_and_checks_it_at_build():
+    from giftcomm.formats import FORMATS, resolve_block
+
+    t = DeviceLoopbackGroup(1).transports[0]
+    for name in FORMATS:  # every format builds, with the format's own block
+        st = GiftState(transport=t, fmt=name)
+        assert st.fmt == name and st.block == resolve_block(name, None) and st.options.op == "avg"
+        st.shutdown()
+    st = GiftState(transport=t, fmt="nvfp4", rounding="stochastic", seed=5, algorithm="direct", slice_elems=4096,
+                   timeout=30)
+    assert (st.options.rounding, st.options.seed, st.options.algorithm, st.options.slice_elems,
+            st.options.timeout) == ("stochastic", 5, "direct", 4096, 30.0)
+    st.shutdown()
+    bad = [(dict(fmt="nvfp4", block=256), "fixed block"), (dict(rounding="stochastic", fmt="bf16"), "stochastic"),
+           (dict(rounding="up"), "rounding"), (dict(seed=-1), "seed"), (dict(algorithm="rnig"), "algorithm"),
+           (dict(slice_elems=0), "slice_elems"), (dict(timeout=float("nan")), "timeout")]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match=words) as err:
+            GiftState(transport=t, **kwargs)
+        assert str(err.value).startswith("GiftState: "), err.value
+
+
+def test_step_seed_is_a_fixed_mix_of_seed_step_and_index():
+    from giftcomm.adapters.calls import step_seed
+
+    seeds = {step_seed(7, s, i) for s in range(50) for i in range(20)}
+    assert len(seeds) == 1000 and all(0 <= v < 1 << 64 for v in seeds)
+    assert step_seed(7, 3, 2) == step_seed(7, 3, 2) != step_seed(8, 3, 2)
+    assert step_seed(None, 3, 2) == step_seed(0, 3, 2)
+    with pytest.raises(ValueError):
+        step_seed(1, -1, 0)
+
+
+@pytest.mark.parametrize("fmt,rounding", [("nvfp4", "stochastic"), ("mxfp8", "nearest")])
+def test_hook_uses_the_options_and_derives_per_step_seeds(rng, fmt, rounding):
+    """The hook's bucket equals the reference simulation of the state's options; under stochastic
+    rounding iteration it of bucket i is rounded with step_seed(seed, it, i)."""
+    from giftcomm.adapters.calls import step_seed
+
+    P, n, seed = 2, int(rng.integers(500, 3000)), int(rng.integers(2**40))
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(P)]
+    group = DeviceLoopbackGroup(P)
+    states = group.run(lambda t: GiftState(transport=t, fmt=fmt, rounding=rounding, seed=seed, algorithm="direct"))
+
+    def rank_fn(t):
+        got = []
+        for _ in range(2):
+            for i in range(2):
+                bucket = FakeBucket(torch.from_numpy(xs[t.rank].copy()), index=i, last=i == 1)
+                got.append(gift_hook(states[t.rank], bucket).wait().numpy().copy())
+        states[t.rank].shutdown()
+        return got
+
+    outs = group.run(rank_fn)
+    assert all(np.array_equal(a, b) for a, b in zip(outs[0], outs[1])), "ranks differ"
+    k = 0
+    for it in range(2):
+        for i in range(2):
+            s = step_seed(seed, it, i) if rounding == "stochastic" else None
+            ref = simulate_allreduce(xs, fmt, None, "avg", algorithm="direct", rounding=rounding, seed=s)[0]
+            assert np.array_equal(outs[0][k], ref), (it, i)
+            k += 1
+    if rounding == "stochastic":  # same data, fresh seed per bucket and step: different roundings
+        assert len({o.tobytes() for o in outs[0]}) == 4
+
+
+def test_one_rank_passes_buckets_through(monkeypatch):
+    """No process group (or a group of one): the bucket comes back unchanged, no error."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    st = GiftState(fmt="nvfp4", geometry="reduced")
+    x = torch.randn(1000)
+    buf = x.clone()
+    out = gift_hook(st, FakeBucket(buf)).wait()
+    assert out is buf and torch.equal(out, x) and st.iter == 1 and st.stats().passthrough_buckets == 1
+    st1 = GiftState(transport=DeviceLoopbackGroup(1).transports[0])
+    assert torch.equal(gift_hook(st1, FakeBucket(x.clone())).wait(), x)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        gift_hook(st, FakeBucket(x.clone()))
+    st.shutdown()
+    st1.shutdown()

@@ -1,10 +1,13 @@
-"""The examples run: torchrun DDP (2 processes, gloo), mpiexec GradSync + KFAC, JAX, each in its
-quick mode; the GPU device check's CPU-side parts (plan, model size, table, verdict, profiler
-filter)."""
+"""The examples run, each in its quick mode and showing what it claims: torchrun DDP (2 processes,
+gloo; GIFT transforms segments), Lightning's Trainer (its own launcher and torchrun; the strategy
+route and GiftCommCallback), Accelerate (``accelerate launch``, 2 CPU processes), mpiexec GradSync +
+KFAC, JAX; the README's snippets run verbatim; the GPU device check's CPU-side parts (plan, model
+size, table, verdict, profiler filter)."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,11 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 EX = ROOT / "examples"
 
 
-def _run(cmd: list[str], timeout: float = 120) -> str:
+def _run(cmd: list[str], timeout: float = 120, cwd: Path = ROOT) -> str:
+    """The command's stdout; it must exit 0 within ``timeout`` seconds and warn nothing of giftcomm's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "giftcomm GiftState:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout
+
+
+def _transformed(out: str) -> int:
+    """The "N transformed segments" an example printed (its GIFT geometry did something)."""
+    found = re.findall(r"(\d+) transformed segments", out)
+    assert found, out
+    return int(found[-1])
 
 
 def _free_port() -> str:
@@ -36,6 +49,7 @@ def test_ddp_torchrun_quick():
     out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
                 str(EX / "ddp_torchrun.py"), "--quick", "--geometry", "kfac", "--dtype", "bfloat16"])
     assert "world 2 bfloat16 geometry=kfac" in out and "host buckets" in out
+    assert _transformed(out) > 0, out
 
 
 def _mpiexec() -> str:
@@ -47,7 +61,7 @@ def _mpiexec() -> str:
 
 def test_gradsync_kfac_mpi_quick():
     out = _run([_mpiexec(), "-n", "2", sys.executable, str(EX / "gradsync_kfac_mpi.py"), "--quick"])
-    assert "2 ranks" in out and "transformed segments" in out
+    assert "2 ranks" in out and _transformed(out) > 0, out
 
 
 def test_zero_sharded_adam_quick():
@@ -57,7 +71,68 @@ def test_zero_sharded_adam_quick():
 
 def test_jax_quick():
     out = _run([_mpiexec(), "-n", "2", sys.executable, str(EX / "jax_train.py"), "--quick"])
-    assert "parameters identical on every rank: True" in out
+    assert "parameters identical on every rank: True" in out and _transformed(out) > 0, out
+
+
+# ----------------------------------------------------------------------- Lightning, Accelerate
+def _hook_counts(out: str) -> tuple[int, int]:
+    """(warm-up, host) buckets from the Lightning / Accelerate examples' line."""
+    m = re.search(r"(\d+) warm-up / (\d+) host / \d+ device buckets", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_lightning_strategy_route_with_lightnings_launcher():
+    """``DDPStrategy(ddp_comm_state=GiftState(...), ddp_comm_hook=gift_hook)`` with the state built
+    before any process group; Lightning starts the second process itself (CPU, gloo)."""
+    out = _run([sys.executable, str(EX / "lightning_ddp.py"), "--quick", "--route", "strategy"], timeout=240)
+    assert "lightning strategy route: world 2, e4m3, 6 iterations" in out, out
+    assert out.count("the hook used the strategy's GiftState: True") == 2, out
+    assert _hook_counts(out) == (2, 4) and "parameters identical on every rank: True" in out, out
+
+
+def test_lightning_callback_under_torchrun_nvfp4_bf16_mixed():
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+                str(EX / "lightning_ddp.py"), "--quick", "--fmt", "nvfp4", "--precision", "bf16-mixed"], timeout=240)
+    assert "lightning callback route: world 2, nvfp4, 6 iterations" in out, out
+    assert _hook_counts(out) == (2, 4) and "parameters identical on every rank: True" in out, out
+
+
+def test_accelerate_prepare_then_register_comm_hook():
+    """``accelerate launch --multi_gpu --num_processes 2`` is what starts 2 processes on a CPU
+    machine (``--cpu --num_processes 2`` starts one)."""
+    out = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                _free_port(), str(EX / "accelerate_ddp.py"), "--quick"], timeout=240)
+    assert "accelerate: 2 processes (DistributedType.MULTI_CPU), e4m3, 6 iterations" in out, out
+    assert _hook_counts(out)[1] > 0 and "parameters identical on every rank: True" in out, out
+
+
+# ----------------------------------------------------------------------------- README snippets
+def _readme_snippets() -> list[str]:
+    """The README's Python blocks that say how they are launched (first line "# torchrun ..." or
+    "# mpiexec ...")."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [b for b in blocks if b.startswith(("# torchrun", "# mpiexec"))]
+
+
+def test_readme_has_launchable_snippets():
+    firsts = [b.splitlines()[0] for b in _readme_snippets()]
+    assert any(f.startswith("# torchrun") for f in firsts) and any(f.startswith("# mpiexec") for f in firsts), firsts
+
+
+@pytest.mark.parametrize("index", range(len(_readme_snippets())))
+def test_readme_snippet_runs_verbatim(tmp_path, index):
+    """Each snippet, as written, on 2 CPU processes with the launcher its first line names."""
+    code = _readme_snippets()[index]
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    if code.startswith("# torchrun"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+               str(script)]
+    else:
+        cmd = [_mpiexec(), "-n", "2", sys.executable, str(script)]
+    _run(cmd, timeout=180, cwd=tmp_path)
 
 
 def _device_check():

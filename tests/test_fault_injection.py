@@ -58,8 +58,51 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def mpich_segments() -> set[str]:
+    """The MPI library's own segment files in /dev/shm (MPICH: mpich_shm_<id>_<n>)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def _mapped_segments() -> set[str]:
+    """Segment files some live process maps (a job still running, of this suite or another)."""
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped.update(line.rsplit("/", 1)[-1].split()[0] for line in f if "/dev/shm/mpich_shm_" in line)
+            except OSError:
+                continue
+    return mapped
+
+
+def remove_orphan_segments(before: set[str]) -> set[str]:
+    """Remove the segment files that appeared since ``before`` and no live process maps: what the
+    killed or os._exit()ed ranks of a finished job left (MPICH unlinks its segment in
+    MPI_Finalize, which such ranks never reach). Returns what was removed."""
+    orphans = mpich_segments() - before - _mapped_segments()
+    for name in orphans:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+    return orphans
+
+
 def run_mpi(tmp_path: Path, p: int, body: str, deadline: float = 40, **env: str) -> subprocess.CompletedProcess:
-    """``mpiexec -n p python <body>``; a run past ``deadline`` seconds is a hang: killed, test failed."""
+    """``mpiexec -n p python <body>``; a run past ``deadline`` seconds is a hang: killed, test failed.
+    The job's segment files left in /dev/shm by killed ranks are removed once it ended."""
+    before = mpich_segments()
+    try:
+        return _run_mpi(tmp_path, p, body, deadline, **env)
+    finally:
+        remove_orphan_segments(before)
+
+
+def _run_mpi(tmp_path: Path, p: int, body: str, deadline: float, **env: str) -> subprocess.CompletedProcess:
     script = _script(tmp_path, body)
     proc = subprocess.Popen([MPIEXEC, "-n", str(p), sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_env(**env), start_new_session=True)
@@ -295,7 +338,7 @@ while True:
 @pytest.mark.parametrize("sig,plan", [(signal.SIGINT, "0"), (signal.SIGINT, "0"), (signal.SIGTERM, "0"),
                                       (signal.SIGINT, "1")], ids=["int", "int-again", "term", "int-plan"])
 def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig, plan):
-    before = own_shm_files()
+    before, segments = own_shm_files(), mpich_segments()
     script = _script(tmp_path, LOOP)
     proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_env(GIFTCOMM_SHARED_MEMORY="1", PLAN=plan),
@@ -310,12 +353,15 @@ def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig, plan):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail(f"hang: mpiexec still running 20 s after {sig.name}")
+    finally:
+        remove_orphan_segments(segments)
     assert proc.returncode != 0
     assert own_shm_files() <= before
 
 
 # --- communicator lifetime ---------------------------------------------------------------------------
 LEAK = """
+from giftcomm.errors import CommClosed
 from giftcomm.transport import mpi as gmpi
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20
@@ -333,10 +379,20 @@ x = np.ones(1 << 16, np.float32)
 marks = {}
 for i in range(cycles):
     c = comm.Dup() if mode == "dup" else comm.Split(rank % 2 if mode == "split2" else 0, rank)
-    y = gc.allreduce(x, comm=c, algorithm="ring")
+    if mode == "plan":
+        plan = gc.plan_allreduce(x[:256], comm=c)
+        y = plan(x[:256])
+    else:
+        y = gc.allreduce(x, comm=c, algorithm="ring")
     if mode == "release":
         gmpi.release(c)
     c.Free()
+    if mode == "plan":
+        try:
+            plan(x[:256])
+            raise SystemExit("a plan of a freed communicator returned")
+        except CommClosed:
+            pass
     if i in (50, cycles - 1):
         marks["early" if i == 50 else "late"] = (rss(), *shm_maps())
 import json
@@ -346,7 +402,7 @@ print(f"LEAK rank={rank} " + json.dumps(marks), flush=True)
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("mode,cycles", [("dup", 300), ("split", 1100), ("release", 200)])
+@pytest.mark.parametrize("mode,cycles", [("dup", 300), ("split", 1100), ("release", 200), ("plan", 300)])
 def test_freed_communicators_release_their_transports(tmp_path, mode, cycles):
     """Dup/Split -> allreduce -> Free loops (Split: past the ~1022 cycles after which leaked
     private communicators ran out of MPI context ids; the 10,000-cycle runs are in
@@ -581,3 +637,369 @@ def test_a_bad_calibration_file_on_one_rank_does_not_fail_any_call(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     assert_same_everywhere(r.stdout, "auto", 2, "returned")
     assert "WARNINGS rank=1 1" in r.stdout and "WARNINGS rank=0 0" in r.stdout, r.stdout
+
+
+# --- what a communicator owns dies with it; stale plans, concurrency, forks, configuration -------------
+STALE = """
+from giftcomm.errors import CommClosed
+x = np.ones(256, np.float32)
+c = comm.Dup()
+fast = gc.plan_allreduce(x, comm=c)                           # the channel's C path
+slow = gc.plan_allreduce(x.astype(np.float64), comm=c)        # the Python path
+direct = gc.plan_allreduce(x, comm=c, algorithm="ring")       # no channel: the agreement's gather
+print(f"SUM rank={rank} {float(fast(x)[0])} {float(slow(x.astype(np.float64))[0])} {float(direct(x)[0])}", flush=True)
+t_stale = gc.transport.resolve(c)
+c.Free()
+report("fast", lambda: fast(x))
+report("slow", lambda: slow(x.astype(np.float64)))
+report("direct", lambda: direct(x))
+report("transport", lambda: gc.allreduce(x, comm=t_stale))
+# COMM_WORLD: released, then a new plan; one rank calls the stale plan, the other the new one
+old = gc.plan_allreduce(x, comm=comm)
+old(x)
+gc.release(comm)
+new = gc.plan_allreduce(x, comm=comm)
+t0 = time.monotonic()
+report("mixed", lambda: (old if rank == 0 else new)(x))
+print(f"TOOK rank={rank} {time.monotonic() - t0:.2f}", flush=True)
+report("after", lambda: new(x))
+"""
+
+
+@needs_mpiexec
+def test_a_plan_of_a_freed_or_released_communicator_raises_comm_closed_on_every_rank(tmp_path):
+    """After comm.Free() a plan (channel C path, Python path, gather path) and the stale transport
+    raise CommClosed on every rank: no sums through freed state, no raw MPI exception. After
+    giftcomm.release(COMM_WORLD) a stale plan on one rank against a new plan on the other raises on
+    both at once (CommClosed on the stale rank, "ranks disagree on plan" on the other), not at the
+    deadline, and the new plan still works."""
+    r = run_mpi(tmp_path, 2, STALE, GIFTCOMM_TIMEOUT="20", GIFTCOMM_ON_TIMEOUT="raise", GIFTCOMM_SHARED_MEMORY="1")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert r.stdout.count("SUM rank=") == 2 and "2.0 2.0 2.0" in r.stdout, r.stdout[-3000:]
+    for label in ("fast", "slow", "direct", "transport"):
+        msg = assert_same_everywhere(r.stdout, label, 2, "CommClosed")
+        assert "freed" in msg or "released" in msg, msg
+    mixed = results(r.stdout, "mixed")
+    assert mixed[0].startswith("CommClosed"), mixed
+    assert mixed[1].startswith("ValueError") and "ranks disagree on plan" in mixed[1], mixed
+    took = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("TOOK")]
+    assert len(took) == 2 and max(took) < 5, took
+    assert_same_everywhere(r.stdout, "after", 2, "returned")
+
+
+RELEASE_DURING_CALL = """
+from giftcomm.errors import CommClosed
+c = comm.Dup()
+x = np.ones(1 << 20, np.float32)
+plan = gc.plan_allreduce(x[:256], comm=c)
+t = gc.transport.resolve(c)
+kind = os.environ["KIND"]
+got = {}
+def work():
+    time.sleep(0.6 * rank)  # rank 0 is inside the call (waiting for rank 1) when it releases
+    try:
+        y = plan(x[:256]) if kind == "plan" else gc.allreduce(x, comm=c, algorithm="ring")
+        got["call"] = f"returned {float(y[0])}"
+    except Exception as exc:
+        got["call"] = f"{type(exc).__name__}: {exc}"
+th = threading.Thread(target=work)
+th.start()
+time.sleep(0.3 + 0.6 * rank)
+report("release", lambda: gc.release(c))
+th.join()
+print(f"RESULT call rank={rank} {got['call']}", flush=True)
+report("later", lambda: gc.allreduce(x, comm=t))
+report("plan", lambda: plan(x[:256]))
+c.Free()
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("kind", ["plain", "plan"])
+def test_release_waits_for_the_call_in_flight(tmp_path, kind):
+    """giftcomm.release(comm) from one thread while another thread is inside a call: the call
+    completes (release takes the transport's lock), then everything the transport owned is
+    closed: later calls on it, and its plans, raise CommClosed on every rank."""
+    r = run_mpi(tmp_path, 2, RELEASE_DURING_CALL, GIFTCOMM_TIMEOUT="20", GIFTCOMM_ON_TIMEOUT="raise",
+                GIFTCOMM_SHARED_MEMORY="1", KIND=kind)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_same_everywhere(r.stdout, "call", 2, "returned 2.0")
+    assert_same_everywhere(r.stdout, "release", 2, "returned")
+    assert_same_everywhere(r.stdout, "later", 2, "CommClosed")
+    assert_same_everywhere(r.stdout, "plan", 2, "CommClosed")
+
+
+MIXED = """
+x = np.ones(256, np.float32)
+plan = gc.plan_allreduce(x, comm=comm)
+plan(x)
+how = os.environ["HOW"]
+t0 = time.monotonic()
+if how == "ranks":  # rank 0 runs the plan, rank 1 a plain call
+    report("mixed", lambda: plan(x) if rank == 0 else gc.allreduce(x, comm=comm))
+else:  # on each rank, two threads: one runs the plan, the other a plain call; ranks pair them up crosswise
+    out = {}
+    def run(name, fn):
+        try:
+            fn(); out[name] = "returned"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    first = (lambda: plan(x)) if rank == 0 else (lambda: gc.allreduce(x, comm=comm))
+    th = threading.Thread(target=run, args=("a", first), name="worker")
+    th.start(); th.join()
+    print(f"RESULT mixed rank={rank} {out['a']}", flush=True)
+print(f"TOOK rank={rank} {time.monotonic() - t0:.2f}", flush=True)
+report("plan", lambda: plan(x))
+report("plain", lambda: gc.allreduce(x, comm=comm))
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("how", ["ranks", "threads"])
+def test_a_plan_against_a_plain_call_raises_ranks_disagree_at_once(tmp_path, how):
+    """A persistent plan on one rank against a plain call on the other (from the same thread, or
+    from differently named threads) raises "ranks disagree" on both within seconds (the plain call
+    meets the plan in the plan channel), not at the 20 s deadline; both stay usable."""
+    r = run_mpi(tmp_path, 2, MIXED, GIFTCOMM_TIMEOUT="20", GIFTCOMM_ON_TIMEOUT="raise", GIFTCOMM_SHARED_MEMORY="1",
+                HOW=how)
+    assert r.returncode == 0, r.stdout[-3000:]
+    got = results(r.stdout, "mixed")
+    assert sorted(got) == [0, 1] and all(v.startswith("ValueError") and "ranks disagree" in v for v in got.values()), got
+    took = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("TOOK")]
+    assert len(took) == 2 and max(took) < 5, took
+    assert_same_everywhere(r.stdout, "plan", 2, "returned")
+    assert_same_everywhere(r.stdout, "plain", 2, "returned")
+
+
+FORK = """
+x = np.ones(256, np.float32)
+plan = gc.plan_allreduce(x, comm=comm)
+plan(x)
+if rank == 0:
+    pid = os.fork()
+    if pid == 0:  # the child: everything it inherited refuses at once
+        t0 = time.monotonic()
+        report("child-plan", lambda: plan(np.full(256, 1000, np.float32)))
+        report("child-plain", lambda: gc.allreduce(x, comm=comm))
+        print(f"CHILD took {time.monotonic() - t0:.2f}", flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+comm.Barrier()
+y = plan(x)
+print(f"SUM rank={rank} {float(y.min())} {float(y.max())}", flush=True)
+"""
+
+
+@needs_mpiexec
+def test_a_forked_child_cannot_use_the_parents_plans_or_transports(tmp_path):
+    """A plan and a transport used in a fork()ed child raise CommClosed at once in the child and
+    post nothing: the parent's next plan call sums 1 + 1, not the child's 1000 + 1."""
+    r = run_mpi(tmp_path, 2, FORK, GIFTCOMM_TIMEOUT="20", GIFTCOMM_ON_TIMEOUT="raise", GIFTCOMM_SHARED_MEMORY="1")
+    assert r.returncode == 0, r.stdout[-3000:]
+    child = results(r.stdout, "child-plan")
+    assert child[0].startswith("CommClosed") and "fork" in child[0], child
+    assert results(r.stdout, "child-plain")[0].startswith("CommClosed"), r.stdout[-3000:]
+    took = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("CHILD")]
+    assert took and took[0] < 1, took
+    sums = [line for line in r.stdout.splitlines() if line.startswith("SUM")]
+    assert len(sums) == 2 and all(line.endswith("2.0 2.0") for line in sums), sums
+
+
+BAD_ENV = """
+if rank == 1:
+    os.environ[os.environ["VAR"]] = os.environ["VALUE"]
+x = np.ones(256, np.float32)
+t0 = time.monotonic()
+report("first", lambda: gc.allreduce(x, comm=comm))
+print(f"TOOK rank={rank} {time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("var,value", [("GIFTCOMM_TIMEOUT", "ten"), ("GIFTCOMM_ON_TIMEOUT", "explode"),
+                                       ("GIFTCOMM_NATIVE", "maybe"), ("GIFTCOMM_SHARED_MEMORY", "sometimes")])
+def test_a_bad_setting_on_one_rank_is_the_same_error_on_every_rank_at_once(tmp_path, var, value):
+    r = run_mpi(tmp_path, 2, BAD_ENV, GIFTCOMM_TIMEOUT="20", GIFTCOMM_ON_TIMEOUT="raise", VAR=var, VALUE=value)
+    msg = assert_same_everywhere(r.stdout, "first", 2, "ValueError")
+    assert var in msg and "rank(s) 1" in msg, msg
+    took = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("TOOK")]
+    assert len(took) == 2 and max(took) < 5, took
+
+
+def test_the_native_isa_variable_is_case_insensitive():
+    code = "import giftcomm._codec_native as m; print(m._isa())"
+    got = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, GIFTCOMM_NATIVE_ISA="GENERIC"))
+    assert got.returncode == 0 and got.stdout.strip() == "generic", got.stderr[-2000:]
+
+
+LATE = """
+from giftcomm.transport.mpi import MpiTransport
+step = os.environ["STEP"]
+x = np.ones(256, np.float32)
+if step == "dup":  # rank 1 comes after rank 0's deadline passed while creating the private communicator
+    if rank == 1:
+        time.sleep(2.5)
+    report("late", lambda: gc.allreduce(x, comm=comm))
+else:  # the transport exists; rank 1 comes late to the first plan (the channel's window) or split
+    gc.allreduce(x, comm=comm)
+    if rank == 1:
+        time.sleep(2.5)
+    if step == "plan":
+        report("late", lambda: gc.plan_allreduce(x, comm=comm))
+    else:
+        report("late", lambda: gc.allreduce(x, comm=comm, algorithm="hierarchical", local_size=1))
+comm.Barrier()
+os._exit(0)
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("step", ["dup", "plan", "split"])
+def test_a_deadline_during_set_up_leaves_no_rank_in_a_blocking_mpi_call(tmp_path, step):
+    """A 1 s deadline that passes on rank 0 while it waits for a late rank 1 at a set-up step: both
+    ranks raise CommTimeout (rank 1 at its own next wait), none stays in MPI_Comm_dup / a split /
+    the window allocation."""
+    r = run_mpi(tmp_path, 2, LATE, deadline=30, GIFTCOMM_TIMEOUT="1", GIFTCOMM_ON_TIMEOUT="raise", STEP=step)
+    got = results(r.stdout, "late")
+    assert sorted(got) == [0, 1] and all(v.startswith("CommTimeout") for v in got.values()), r.stdout[-3000:]
+
+
+TORCHRUN_NO_GROUP = """
+import numpy as np
+import torch  # noqa: F401  (torch.distributed imported, no process group)
+import giftcomm as gc
+rank = int(os.environ["RANK"])
+try:
+    gc.allreduce(np.ones(64, np.float32))
+    out = "returned"
+except Exception as exc:
+    out = f"{type(exc).__name__}: {exc}"
+print(f"RESULT nogroup rank={rank} {out}", flush=True)
+"""
+
+
+def test_torchrun_without_a_process_group_raises_naming_init_process_group(tmp_path):
+    """Under torchrun (WORLD_SIZE=2) without init_process_group, comm=None raises on every rank a
+    RuntimeError naming init_process_group instead of reducing over this rank alone."""
+    pytest.importorskip("torch")
+    script = tmp_path / "nogroup.py"
+    script.write_text("import os\n" + textwrap.dedent(TORCHRUN_NO_GROUP))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(script)]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(_env(), OMP_NUM_THREADS="1"))
+    msg = assert_same_everywhere(got.stdout, "nogroup", 2, "RuntimeError")
+    assert "init_process_group" in msg and "WORLD_SIZE=2" in msg, msg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_mpiexec
+def test_a_perf_tool_failing_on_one_rank_ends_every_rank_with_the_error(tmp_path):
+    """``python -m giftcomm.perf calibrate`` whose rank 0 cannot write the file (its directory is a
+    regular file): the job ends at once, with the error and a non-zero exit, instead of rank 0
+    waiting in MPI_Finalize and rank 1 in a barrier for ever."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "giftcomm.perf", "calibrate", "--out", str(blocker / "cal.json"),
+           "--small", "8,64", "--large", "256K,512K", "--reps", "5", "--budget", "0.01", "--no-codec",
+           "--overlap-bytes", "0"]
+    t0, segments = time.monotonic(), mpich_segments()
+    try:
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=_env(), start_new_session=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hang: perf calibrate with an unwritable output still running after 60 s")
+    finally:
+        remove_orphan_segments(segments)
+    assert got.returncode != 0, got.stdout[-2000:] + got.stderr[-2000:]
+    assert "rank 0 of 2 failed" in got.stderr, got.stderr[-3000:]
+    assert "NotADirectoryError" in got.stderr or "FileExistsError" in got.stderr, got.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+
+
+@needs_mpiexec
+def test_killed_ranks_leave_no_segment_files_in_dev_shm(tmp_path):
+    """A job whose ranks end without MPI_Finalize (os._exit, as the stalled-peer cases here end)
+    leaves MPICH's segment in /dev/shm; run_mpi removes it once the job ended, so the suite leaves
+    /dev/shm as it found it (before: ~32 MiB a run)."""
+    before = mpich_segments()
+    r = _run_mpi(tmp_path, 2, "comm.Barrier()\nos._exit(0)\n", 30)
+    assert r.returncode == 0, r.stdout[-2000:]
+    left = mpich_segments() - before
+    assert left, "this MPI library left no segment behind: the cleanup below is not exercised"
+    assert remove_orphan_segments(before) == left - _mapped_segments()
+    assert not (mpich_segments() - before) - _mapped_segments()
+
+
+# --- the documented exception types of every entry point (docs/api.md, "Exception types") ---------------
+class _FailingArray:
+    def __array__(self, dtype=None, copy=None):
+        raise KeyError("conversion fails")
+
+
+def _entry_points(x, plan):
+    """Each entry point called with ``x`` (the plan: made from a good float32 template)."""
+    import giftcomm as gc
+
+    return {
+        "allreduce": lambda t: gc.allreduce(x, comm=t),
+        "gift_allreduce": lambda t: gc.gift_allreduce(x, None, comm=t),
+        "reduce_scatter": lambda t: gc.reduce_scatter(x, comm=t),
+        "allgather": lambda t: gc.allgather(x, comm=t),
+        "plan_allreduce": lambda t: gc.plan_allreduce(x, comm=t),
+        "plan call": lambda t: plan[t.rank](x),
+    }
+
+
+@pytest.mark.parametrize("case,exc", [("int32", TypeError), ("masked", TypeError), ("bad fmt", ValueError),
+                                      ("not an array", TypeError), ("failing conversion", RuntimeError),
+                                      ("one rank int32", TypeError)])
+def test_every_entry_point_raises_the_documented_type_on_every_rank(case, exc):
+    import numpy as np
+
+    import giftcomm as gc
+
+    p = 2
+    inputs = {"int32": np.ones(64, np.int32), "masked": np.ma.masked_array(np.ones(64, np.float32)),
+              "bad fmt": np.ones(64, np.float32), "not an array": object(), "one rank int32": None,
+              "failing conversion": _FailingArray()}
+    names = list(_entry_points(None, None))
+    for name in names:
+        group = gc.LoopbackGroup(p)
+        plans = group.run(lambda t: gc.plan_allreduce(np.ones(64, np.float32), comm=t))
+
+        def body(t, name=name):
+            x = inputs[case]
+            if case == "one rank int32":
+                x = np.ones(64, np.int32) if t.rank == 1 else np.ones(64, np.float32)
+            fn = _entry_points(x, plans)[name]
+            if case == "bad fmt":
+                if name == "plan call":
+                    return "skip"
+                kw = {"fmt": "e9m9"}
+                fn = {"allreduce": lambda: gc.allreduce(x, comm=t, **kw),
+                      "gift_allreduce": lambda: gc.gift_allreduce(x, None, comm=t, **kw),
+                      "reduce_scatter": lambda: gc.reduce_scatter(x, comm=t, **kw),
+                      "allgather": lambda: gc.allgather(x, comm=t, **kw),
+                      "plan_allreduce": lambda: gc.plan_allreduce(x, comm=t, **kw)}[name]
+                try:
+                    fn()
+                except Exception as err:  # noqa: BLE001 - compared below
+                    return type(err)
+                return None
+            try:
+                fn(t)
+            except Exception as err:  # noqa: BLE001 - compared below
+                return type(err)
+            return None
+
+        got = group.run(body)
+        if got[0] == "skip":
+            continue
+        assert got == [exc] * p, (case, name, got)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from giftcomm import codec
-from giftcomm.formats import FORMATS, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
+from giftcomm.formats import FORMATS, SCALE_RULES, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
 from giftcomm.reference import codec as ref
 
 NEW = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
@@ -167,8 +167,10 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_right_probability(dt, rn
 
 
 # ------------------------------------------------------------------------- scale rules
-def mx_expected(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """OCP MX v1.0, re-stated with float64 log2 per block: (scale codes, element codes)."""
+def mx_expected(x: np.ndarray, fmt: str, rule: str = "ceil") -> tuple[np.ndarray, np.ndarray]:
+    """The MX scale rules re-stated with float64 log2 per block: (scale codes, element codes).
+    floor: OCP MX v1.0, s = floor(log2(amax)) - emax; ceil: s = ceil(log2(amax / max)), the
+    smallest power of two keeping amax / 2^s <= max; both clamped below at -127."""
     f = get_format(fmt)
     nb = num_blocks(x.size, 32)
     scodes = np.zeros(nb, np.uint8)
@@ -180,26 +182,44 @@ def mx_expected(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
             ecodes[32 * b : 32 * b + blk.size] = f.nan_code
             continue
         amax = float(np.max(np.abs(blk)))
-        s = -127 if amax == 0 else max(int(np.floor(np.log2(amax))) - f.emax, -127)
+        if amax == 0:
+            s = -127
+        elif rule == "floor":
+            s = max(int(np.floor(np.log2(amax))) - f.emax, -127)
+        else:  # in the top float32 binade, the floor exponent (a larger scale could decode to Inf)
+            s = max(int(np.ceil(np.log2(amax / f.max_value))), -127)
+            if amax >= 2.0**127:
+                s = min(s, int(np.floor(np.log2(amax))) - f.emax)
         scodes[b] = np.float32(2.0**s).astype(E8M0).view(np.uint8)
         y = np.clip((blk.astype(np.float64) * 2.0**-s).astype(np.float32), -f.max_value, f.max_value)
         ecodes[32 * b : 32 * b + blk.size] = y.astype(f.wire_dtype).view(np.uint8) & (0xF if f.packed else 0xFF)
     return scodes, ecodes
 
 
+@pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
-def test_mx_scales_and_elements_follow_ocp_rules(fmt, rng):
-    x = (rng.standard_normal(32 * 40) * np.exp2(rng.uniform(-30, 30, 32 * 40))).astype(np.float32)
+def test_mx_scales_and_elements_follow_the_scale_rule(fmt, rule, rng):
+    f = get_format(fmt).with_scale_rule(rule)
+    x = (rng.standard_normal(32 * 48) * np.exp2(rng.uniform(-30, 30, 32 * 48))).astype(np.float32)
     x[5] = np.nan
     x[32 * 7 + 3] = -np.inf
     x[32 * 9 : 32 * 10] = 0.0
     x[32 * 11 : 32 * 12] = np.finfo(np.float32).smallest_subnormal * 3
     x[32 * 12 : 32 * 13] *= np.float32(2.0**-120)
     x[32 * 13 : 32 * 14] = np.float32(3e38)
+    # the rules' edges: amax exactly max * 2^k (ceil: lands on max), one ulp above, a power of two,
+    # just below the next power of two, the largest float32, the bottom of the E8M0 range
+    edges = [f.max_value * 2.0**5, np.nextafter(np.float32(f.max_value * 2.0**5), np.float32(np.inf)), 2.0**7,
+             np.nextafter(np.float32(2.0**8), np.float32(0)), np.finfo(np.float32).max, f.max_value * 2.0**-127,
+             np.nextafter(np.float32(f.max_value * 2.0**-127), np.float32(1)), 2.0**-126]
+    for j, amax in enumerate(edges):
+        blk = x[32 * (14 + j) : 32 * (15 + j)]
+        blk *= np.float32(amax) / np.float32(np.max(np.abs(blk))) / 2
+        blk[j] = np.float32(amax) * (-1) ** j
     for n in (x.size, x.size - 7):
-        msg = ref.encode(x[:n], fmt)
-        _, scales = ref.split_message(msg, n, get_format(fmt))
-        s_want, e_want = mx_expected(x[:n], fmt)
+        msg = ref.encode(x[:n], f)
+        _, scales = ref.split_message(msg, n, f)
+        s_want, e_want = mx_expected(x[:n], fmt, rule)
         np.testing.assert_array_equal(scales, s_want)
         np.testing.assert_array_equal(elem_codes(msg, n, fmt), e_want)
         y = ref.decode(msg, n, fmt)
@@ -276,45 +296,93 @@ def test_edge_tables_decode_sanely(fmt, rounding):
 
 
 # ------------------------------------------------------------------------- unbiasedness
-@pytest.mark.parametrize("fmt", SCALED)
-def test_stochastic_rounding_is_unbiased(fmt, rng, monkeypatch):
-    """The mean of K stochastic quantizations (keys 0..K-1) of a fixed vector converges to it.
+#: every scaled format at every scale rule it has
+VARIANTS = [get_format(f).with_scale_rule(r) for f in SCALED
+            for r in (SCALE_RULES if get_format(f).scale_kind == "e8m0" else SCALE_RULES[:1])]
 
-    Per element, one stochastic rounding has values {lo, lo + step} with mean y (the scaled
-    value) and variance <= step^2 / 4, so the mean of K has standard deviation <= step / (2 sqrt K).
-    The scales do not depend on the key, so step is fixed per element. Tolerance: 6 sigma plus the
-    deterministic part: the 2^-32-of-a-step truncation of the probability and the float32
-    roundings of x * r and code * d (a few ulp of x): |mean - x| <= 3 step / sqrt(K) + 2^-20 |x|.
-    Nearest rounding, by contrast, is off by up to step / 2 on every run: a vector of small
-    components (below half a step) rounds to zero and its mean error is its full size."""
-    K = 400
-    n = 512
-    x = (rng.standard_normal(n) * np.exp2(rng.uniform(-3, 0, n))).astype(np.float32)
-    x[0] = 8.0  # sets the block scales: the other components are far below the largest one
-    dec = np.stack([ref.decode(ref.encode(x, fmt, rounding="stochastic", key=k), n, fmt) for k in range(K)])
-    near = ref.decode(ref.encode(x, fmt), n, fmt)
-    # the two neighbours of every element: random bits all 0 (never up) and all 1 (always up)
+
+def _variant_id(f) -> str:
+    return f.name + (f"-{f.scale_rule}" if f.scale_rule else "")
+
+
+def clamp_data(rng, n: int = 512) -> np.ndarray:
+    """Components spread over three binades below each 32-value block's largest one, which has
+    the mantissa 1.9 (above E4M3/E5M2's 1.75 and E2M1's 1.5): exactly the blocks whose top values
+    OCP's floor rule clamps to the element max."""
+    x = np.empty(n, np.float32)
+    for b in range(0, n, 32):
+        amax = 1.9 * 2.0 ** int(rng.integers(-4, 5))
+        v = rng.standard_normal(32) * np.exp2(rng.uniform(-3, 0, 32))
+        v *= 0.95 * amax / np.abs(v).max()
+        v[rng.integers(32)] = amax * rng.choice([-1, 1])
+        x[b:b + 32] = v
+    return x
+
+
+def stochastic_mean_error(f, x, K, monkeypatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(|mean of K stochastic quantizations - x|, its bound, the two rounding neighbours' gap
+    step, nearest's |error|) per element. The mean of K roundings between lo and lo + step (mean
+    y, variance <= step^2 / 4) has standard deviation <= step / (2 sqrt K); the bound is 6 sigma
+    plus the deterministic part (the 2^-32-of-a-step truncation of the probability and the
+    float32 roundings of x * r and code * d: a few ulp of x). A clamped element has step 0 and an
+    error of its distance to max: far above the bound."""
+    n = x.size
+    dec = np.stack([ref.decode(ref.encode(x, f, rounding="stochastic", key=k), n, f) for k in range(K)])
     ends = []
-    for bits in (0, 0xFFFFFFFF):
+    for bits in (0, 0xFFFFFFFF):  # random bits all 0 (never up) and all 1 (always up)
         monkeypatch.setattr(ref, "philox_bits", lambda key, off, m, b=bits: np.full(m, b, np.uint32))
-        ends.append(ref.decode(ref.encode(x, fmt, rounding="stochastic"), n, fmt).astype(np.float64))
+        ends.append(ref.decode(ref.encode(x, f, rounding="stochastic"), n, f).astype(np.float64))
     monkeypatch.undo()
-    step = np.abs(ends[1] - ends[0])
     assert np.all((dec == ends[0]) | (dec == ends[1]))
-    mean = dec.astype(np.float64).mean(axis=0)
-    tol = 3 * step / np.sqrt(K) + 2.0**-20 * np.abs(x)
-    # saturation is the one deterministic bias: OCP MX maps a block's amax into [2^emax, 2^(emax+1))
-    # and clamps above max (E2M1: 6, E4M3: 448); e4m3/e5m2/nvfp4 choose scales that never clamp
-    sat = (step == 0) & (np.abs(x) > np.abs(ends[0]))
-    if get_format(fmt).scale_kind == "e8m0":
-        assert sat.sum() < n // 8
-    else:
-        assert not np.any(sat & (np.abs(x) > np.abs(ends[0]) * (1 + 2.0**-20)))
-    ok = ~sat
-    assert np.all(np.abs(mean - x)[ok] <= tol[ok] + 1e-30), np.max(np.abs(mean - x) - tol)
+    step = np.abs(ends[1] - ends[0])
+    err = np.abs(dec.astype(np.float64).mean(axis=0) - x)
+    near = np.abs(ref.decode(ref.encode(x, f), n, f) - x)
+    return err, 3 * step / np.sqrt(K) + 2.0**-20 * np.abs(x) + 1e-30, step, near
+
+
+@pytest.mark.parametrize("f", VARIANTS, ids=_variant_id)
+def test_stochastic_rounding_is_unbiased(f, rng, monkeypatch):
+    """The mean of K stochastic quantizations (keys 0..K-1) of a fixed vector converges to it,
+    element by element, on data built to hit the MX clamp. Holds for every format whose scales
+    never clamp (e4m3, e5m2, nvfp4, the MX formats with mx_scale="ceil"); OCP's "floor" rule
+    clamps the top of every block here, and the same bound catches it."""
+    x = clamp_data(rng)
+    err, tol, step, near = stochastic_mean_error(f, x, 400, monkeypatch)
+    if f.scale_rule == "floor":
+        clamped = (step == 0) & (err > tol)
+        assert clamped.sum() >= x.size // 32, "the bound must catch the floor rule's clamp"
+        return
+    assert np.all(err <= tol), np.max(err - tol)
     # nearest is biased where the spacing is coarse; stochastic's total bias is far below it
     moving = step > 0
-    assert np.abs(mean - x)[moving].mean() < 0.25 * np.abs(near - x)[moving].mean()
+    assert err[moving].mean() < 0.25 * near[moving].mean()
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring"])
+def test_mean_of_stochastic_allreduces_converges_without_clamp(algorithm, rng):
+    """The issue's check, as a user runs it: the mean of 64 stochastic allreduces (P = 3,
+    loopback) of fixed Gaussian vectors. Unbiased rounding leaves ~1/sqrt(64) of the noise of one
+    call; measured relative L2 error of the mean / one nearest call: ~0.18 for every format
+    with non-clamping scales, 0.35-0.5 for the MX formats with mx_scale="floor"."""
+    import giftcomm as gc
+
+    p, n, calls = 3, 4096, 64
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+
+    def rel(y):
+        return np.linalg.norm(y - exact) / np.linalg.norm(exact)
+
+    for f in VARIANTS:
+        def run(**kw):
+            return gc.LoopbackGroup(p).run(lambda t: gc.allreduce(xs[t.rank], comm=t, fmt=f, algorithm=algorithm,
+                                                                  **kw))[0]
+        mean = np.mean([run(rounding="stochastic", seed=s) for s in range(calls)], axis=0)
+        ratio = rel(mean) / rel(run())
+        if f.scale_rule == "floor":
+            assert ratio > 0.27, (_variant_id(f), ratio)
+        else:
+            assert ratio < 0.27, (_variant_id(f), ratio)
 
 
 def test_nearest_is_biased_for_small_components_stochastic_is_not():
@@ -440,3 +508,88 @@ def test_public_codec_arguments():
         assert np.array_equal(m, ref.encode(x, fmt, rounding="stochastic", key=3, offset=10))
         assert m.size == message_nbytes(100, fmt) == message_nbytes(100, fmt, resolve_block(fmt, None))
         assert same_floats(codec.decode(m, 100, fmt), ref.decode(m, 100, fmt))
+
+
+def test_ranks_that_disagree_on_the_scale_rule_all_raise(rng):
+    from conftest import assert_same_error, outcomes
+
+    x = rng.standard_normal(100).astype(np.float32)
+    rules = ("ceil", "floor", "ceil")
+    got = outcomes(3, lambda t: codec_allreduce(x, t, get_format("mxfp8").with_scale_rule(rules[t.rank])))
+    assert_same_error(got, ValueError, "ranks disagree on fmt", "mxfp8 (mx_scale='floor')")
+
+
+def codec_allreduce(x, t, f):
+    import giftcomm as gc
+
+    return gc.allreduce(x, comm=t, fmt=f)
+
+
+def test_mx_scale_keyword_of_the_collectives(rng):
+    """mx_scale= reaches the wire (floor and ceil give the reference's bytes of their rule), ranks
+    passing different rules all raise, and a rule on a format without E8M0 scales raises the
+    same ValueError on every rank, also when only one rank asks for it."""
+    from conftest import assert_same_error, outcomes
+
+    import giftcomm as gc
+    from giftcomm.reference import simulate_allreduce
+
+    xs = [(rng.standard_normal(1000) * 3).astype(np.float32) for _ in range(2)]
+    for rule in SCALE_RULES:
+        f = get_format("mxfp4").with_scale_rule(rule)
+        got = gc.LoopbackGroup(2).run(lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="mxfp4", mx_scale=rule,
+                                                             algorithm="ring"))
+        want = simulate_allreduce(xs, fmt=f, algorithm="ring")
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), rule
+        shard = gc.LoopbackGroup(2).run(lambda t: gc.reduce_scatter(xs[t.rank], comm=t, fmt="mxfp8", mx_scale=rule))
+        assert all(np.all(np.isfinite(s)) for s in shard)
+    got = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="mxfp8", mx_scale=("ceil", "floor")[t.rank]))
+    assert_same_error(got, ValueError, "ranks disagree on fmt", "mx_scale='floor'")
+    got = outcomes(2, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="e4m3", mx_scale=("floor", "ceil")[t.rank]))
+    assert all(isinstance(e, ValueError) and "E8M0" in str(e) for e in got), got
+    got = outcomes(2, lambda t: gc.allgather(xs[t.rank], comm=t, fmt="nvfp4", mx_scale="floor"))
+    assert_same_error(got, ValueError, "mx_scale='floor' applies to the formats with E8M0 scales")
+
+
+def test_scale_rule_option():
+    from giftcomm.options import CallOptions
+
+    assert CallOptions().mx_scale == "ceil"
+    o = CallOptions.of(fmt="mxfp4", mx_scale="floor")
+    assert o.format == get_format("mxfp4").with_scale_rule("floor") and o.format.variant_code != o.format.code
+    assert CallOptions.of(fmt="mxfp8").format is get_format("mxfp8")
+    assert CallOptions.of(fmt="nvfp4", mx_scale="ceil").format is get_format("nvfp4")  # the default: no effect
+    # a Format variant given as fmt carries its rule into the record
+    assert CallOptions.of(fmt=get_format("mxfp8").with_scale_rule("floor")).mx_scale == "floor"
+    for fmt in ("e4m3", "e5m2", "nvfp4", "bf16", "fp32"):
+        with pytest.raises(ValueError, match=f"GiftState: mx_scale='floor' applies to the formats with E8M0 scales.*{fmt}"):
+            CallOptions.of("GiftState", fmt=fmt, mx_scale="floor")
+    with pytest.raises(ValueError, match="mx_scale must be one of 'ceil', 'floor'"):
+        CallOptions.of(fmt="mxfp8", mx_scale="round")
+    # the two rules give different bytes where a block's amax mantissa exceeds the element max's
+    x = np.full(32, 1.9, np.float32)
+    assert not np.array_equal(codec.encode(x, o.format), codec.encode(x, "mxfp4"))
+
+
+@pytest.mark.mpi
+def test_mx_scale_rules_over_mpi_and_plans():
+    """Both rules under mpiexec: plain allreduce and a persistent plan (the one-shot plan takes
+    the node-shared channel's native path, which encodes with the variant code) equal the
+    simulation of their rule."""
+    from mpi4py import MPI
+
+    import giftcomm as gc
+    from giftcomm.reference import simulate_allreduce
+
+    comm = MPI.COMM_WORLD
+    gen = np.random.default_rng(77)
+    xs = [(gen.standard_normal(3000) * 5).astype(np.float32) for _ in range(comm.size)]
+    for rule in SCALE_RULES:
+        f = get_format("mxfp8").with_scale_rule(rule)
+        for algorithm in ("ring", "oneshot"):
+            want = simulate_allreduce(xs, fmt=f, algorithm=algorithm)[comm.rank]
+            got = gc.allreduce(xs[comm.rank], comm=comm, fmt="mxfp8", mx_scale=rule, algorithm=algorithm)
+            assert got.tobytes() == want.tobytes(), (rule, algorithm)
+            plan = gc.plan_allreduce(xs[comm.rank], comm=comm, fmt="mxfp8", mx_scale=rule, algorithm=algorithm)
+            for _ in range(2):
+                assert plan(xs[comm.rank]).tobytes() == want.tobytes(), (rule, algorithm, "plan")

@@ -23,11 +23,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import scale_rule_edges
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
 from giftcomm.cuda.transform import SegmentPair, TransformPlan
-from giftcomm.formats import FORMATS, message_nbytes
+from giftcomm.formats import FORMATS, get_format, message_nbytes
+from giftcomm.formats_header import c_header
 from giftcomm.reference import codec as ref
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
@@ -118,9 +120,10 @@ def emu(tmp_path_factory):
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
     assert cxx is not None, "a host C++ compiler (c++, g++ or clang++) is needed to build the CUDA codec's CPU emulation"
     out = tmp_path_factory.mktemp("emu") / "gc_emu.so"
+    (out.parent / "gc_formats.h").write_text(c_header())  # the format table, as the loader serves it to NVRTC
     src = _loader.KERNEL_DIR / "gc_host_emu.cpp"
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-                    f"-I{_loader.KERNEL_DIR}", str(src), "-o", str(out)], check=True)
+                    f"-I{_loader.KERNEL_DIR}", f"-I{out.parent}", str(src), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     ll, i, p = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
     lib.gc_emu_encode.argtypes = [i, p, ll, i, p]
@@ -230,8 +233,9 @@ SR_KEY, SR_OFF = 0x0123456789ABCDEF, (1 << 32) - 9
 
 
 def _mx_check(lib, x, fmt, rounding, rng, what):
-    """The emulated MX / nvfp4 kernels (and stochastic e4m3/e5m2) against the reference."""
-    f = FORMATS[fmt]
+    """The emulated MX / nvfp4 kernels (and stochastic e4m3/e5m2) against the reference; fmt: a
+    name or a Format (an MX scale-rule variant goes to the emulation as its variant code)."""
+    f = get_format(fmt)
     n = x.size
     sr = int(rounding == "stochastic")
     kw = dict(rounding=rounding, key=SR_KEY, offset=SR_OFF)
@@ -244,8 +248,9 @@ def _mx_check(lib, x, fmt, rounding, rng, what):
         assert lib.gc_emu_sr8_encode(f.code, _ptr(x), n, 256, _ptr(got), SR_KEY, SR_OFF) == 0
         assert lib.gc_emu_sr8_dae(f.code, _ptr(want), _ptr(local), n, 256, _ptr(out), _ptr(s), SR_KEY, SR_OFF) == 0
     else:
-        assert lib.gc_emu_mx_encode(f.code, _ptr(x), n, _ptr(got), sr, SR_KEY, SR_OFF) == 0
-        assert lib.gc_emu_mx_dae(f.code, _ptr(want), _ptr(local), n, _ptr(out), _ptr(s), sr, SR_KEY, SR_OFF) == 0
+        assert lib.gc_emu_mx_encode(f.variant_code, _ptr(x), n, _ptr(got), sr, SR_KEY, SR_OFF) == 0
+        assert lib.gc_emu_mx_dae(f.variant_code, _ptr(want), _ptr(local), n, _ptr(out), _ptr(s), sr, SR_KEY,
+                                 SR_OFF) == 0
         dec = np.empty(n, np.float32)
         assert lib.gc_emu_mx_decode(f.code, _ptr(want), n, _ptr(dec), 0) == 0
         assert floats_equal(dec, ref.decode(want, n, fmt)).all(), f"decode {what}"
@@ -257,6 +262,15 @@ def _mx_check(lib, x, fmt, rounding, rng, what):
     with np.errstate(invalid="ignore", over="ignore"):
         assert floats_equal(s, ref.decode(want, n, fmt) + local).all(), f"sum {what}"
     assert np.array_equal(out, ref.decode_add_encode(want, local, fmt, **kw)), f"decode_add_encode {what}"
+
+
+@pytest.mark.parametrize("rule", ["ceil", "floor"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
+def test_emulation_mx_scale_rules(emu, fmt, rule, rng):
+    """Both E8M0 scale rules (gc_mx.cuh gc_mx_scale_code) at the rules' edges, both roundings."""
+    x = scale_rule_edges(rng, fmt)
+    for rounding in ("nearest", "stochastic"):
+        _mx_check(emu, x, get_format(fmt).with_scale_rule(rule), rounding, rng, f"{fmt} mx_scale={rule} {rounding}")
 
 
 # nearest e4m3/e5m2 are test_emulation_edge_tables / test_emulation_random

@@ -22,7 +22,7 @@ import pytest
 
 from giftcomm import _codec_native as native  # the build must have produced it
 from giftcomm import codec
-from giftcomm.formats import FORMATS, Format, message_nbytes, num_blocks, scales_offset
+from giftcomm.formats import FORMATS, FORMATS_BY_CODE, SCALE_RULE_SHIFT, Format, message_nbytes, num_blocks, scales_offset
 from giftcomm.reference import codec as ref
 
 # the reference's float16 cast warns on overflow to Inf, which these tests do on purpose
@@ -476,8 +476,12 @@ def test_bad_arguments_raise_value_error():
         native.decode_add_encode(msg, x, msg.copy(), np.empty(9, np.float32), 1, 4)
     with pytest.raises(ValueError, match="bytes"):
         native.decode_accumulate(msg, np.ones(13, np.float32), 1, 4)
-    with pytest.raises(ValueError, match="format code"):
-        native.encode(x, msg, 9, 4)
+    with pytest.raises(ValueError, match="not implemented by the native kernels"):
+        native.encode(x, msg, max(FORMATS_BY_CODE) + 1, 4)  # a code no format has
+    with pytest.raises(ValueError, match="fixed block of 32"):
+        native.encode(x, msg, FORMATS["mxfp8_e5m2"].code, 4)
+    with pytest.raises(ValueError, match="scale rule"):  # a scale rule on a format without E8M0 scales
+        native.encode(x, msg, FORMATS["e4m3"].code | 1 << SCALE_RULE_SHIFT, 4)
     with pytest.raises(ValueError, match="block"):
         native.encode(x, msg, 1, 0)
     with pytest.raises(ValueError, match="block"):

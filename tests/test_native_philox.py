@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import scale_rule_edges
 
 from giftcomm import codec
-from giftcomm.formats import get_format, message_nbytes, resolve_block
+from giftcomm.formats import Format, get_format, message_nbytes, resolve_block
 from giftcomm.reference import codec as ref
 
 pytestmark = pytest.mark.skipif(not codec.native_variants(), reason="native codec extension not built")
@@ -41,7 +42,7 @@ def _each_variant():
         codec.use_native_variant(before)
 
 
-def _check(x: np.ndarray, local: np.ndarray, fmt: str, key: int | None, offset: int, what: str) -> None:
+def _check(x: np.ndarray, local: np.ndarray, fmt: str | Format, key: int | None, offset: int, what: str) -> None:
     """encode, decode, decode_accumulate and the fused hop (plain, sum_out, fully aliased)."""
     n, f = x.size, get_format(fmt)
     block = resolve_block(f, None)
@@ -158,3 +159,18 @@ def test_message_sizes_unchanged():
             assert message_nbytes(n, fmt) == ref.encode(x, fmt).size
             _check(x, local, fmt, None, 0, f"{fmt} n={n}")
             _check(x, local, fmt, 99, n, f"{fmt} n={n} stochastic")
+
+
+@pytest.mark.parametrize("rule", ("ceil", "floor"))
+@pytest.mark.parametrize("fmt", ("mxfp4", "mxfp8", "mxfp8_e5m2"))
+@pytest.mark.parametrize("key", (None, 0xC0FFEE))
+def test_mx_scale_rules_equal_reference_on_every_variant(fmt, rule, key):
+    """Both E8M0 scale rules: every variant (the scalar MX chunk and the AVX2 / AVX-512 mxfp4
+    scales) equals the reference on blocks at the rules' edges, with either rounding."""
+    rng = np.random.default_rng(hash((fmt, rule)) % 1000)
+    f = get_format(fmt).with_scale_rule(rule)
+    x = scale_rule_edges(rng, fmt)
+    local = (x * np.float32(0.25) + rng.standard_normal(x.size).astype(np.float32)).astype(np.float32)
+    _check(x, local, f, key, 5, f"{fmt} mx_scale={rule}")
+    other = get_format(fmt).with_scale_rule("floor" if rule == "ceil" else "ceil")
+    assert not np.array_equal(ref.encode(x, f), ref.encode(x, other))  # the edges tell the rules apart

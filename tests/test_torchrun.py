@@ -230,6 +230,64 @@ def test_ddp_dtypes_bucket_views_geometry_checkpoint(tmp_path, rng, dtype, geome
         assert v["resumed_iter"] == 7
 
 
+# ------------------------------------------------------- GiftState before init_process_group, one rank
+def _state_before_init_worker(rank, world, port, out, seed):
+    """The GiftState is built, pickled and unpickled before init_process_group (as Lightning's
+    DDPStrategy(ddp_comm_state=...) and spawn launchers do); then DDP trains with it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from giftcomm.adapters.torch import GiftState, gift_hook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    state = pickle.loads(pickle.dumps(GiftState(fmt="nvfp4", start_gift_iter=1)))  # no process group yet
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    model = _mlp(seed, torch.float32)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(state, gift_hook)
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    res: dict = {"digests": [], "rel": []}
+    for _ in range(3):
+        x = torch.randn(16, 24, generator=gen)
+        ddp(x).pow(2).mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        local = _mlp(seed, torch.float32)
+        local.load_state_dict(model.state_dict())
+        local(x).pow(2).mean().backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
+        res["local_equal"] = bool(torch.equal(grads, mine))
+        dist.all_reduce(mine)
+        mine /= world
+        res["digests"].append(grads.numpy().tobytes())
+        res["rel"].append(float((grads - mine).norm() / mine.norm()))
+        ddp.zero_grad(set_to_none=False)
+    state.shutdown()
+    res["stats"] = state.stats().as_dict()
+    with open(out, "wb") as f:
+        pickle.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gift_state_built_before_init_and_one_rank(tmp_path, rng, world):
+    seed, port = int(rng.integers(2**20)), _free_port()
+    res = spawn_ranks(world, str(tmp_path),
+                      lambda r, out: (_state_before_init_worker, (r, world, port, out, seed)))
+    for v in res:
+        assert v["digests"] == res[0]["digests"], "ranks hold different gradients"
+        s = v["stats"]
+        if world == 1:  # one rank: passed through, the local gradients exactly
+            assert s["passthrough_buckets"] > 0 and s["host_buckets"] == 0 and v["local_equal"]
+            assert max(v["rel"]) == 0.0
+        else:  # nvfp4 with its own block (16), built before the process group existed
+            assert s["warmup_buckets"] > 0 and s["host_buckets"] > 0 and s["bytes_saved"] > 0
+            assert max(v["rel"][1:]) < 0.3 and np.isfinite(v["rel"]).all(), v["rel"]
+
+
 # ------------------------------------------------------------------------------ deadlines
 def _timeout_worker(rank, world):
     """Rank 1 never sends: rank 0's receive over gloo ends at the transport's deadline with

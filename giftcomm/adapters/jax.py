@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api
-from ..formats import DEFAULT_BLOCK
-from ..geometry import GradientFactorEstimator, Layout, SelectivePolicy
+from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
+from ..options import DEFAULT_DAMPING, CallOptions
+from .calls import call_kwargs
 
 __all__ = ["TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
            "on_gpu"]
@@ -111,39 +112,61 @@ def _flatten(tree, device: bool | None):
     return flatten_tree_jnp(tree) if device else flatten_tree(tree)
 
 
-def allreduce_tree(tree, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
-                   geometry=None, device: bool | None = None):
+def allreduce_tree(tree, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int | None = None,
+                   rounding: str = "nearest", seed: int | None = None, algorithm: str = "auto",
+                   slice_elems: int | None = None, timeout: float | None = None, geometry=None,
+                   device: bool | None = None):
     """Collective: the pytree reduced over all ranks (``op`` "avg" or "sum"), one flat
-    ``gift_allreduce`` of the leaves packed as float32. geometry: None or a Geometry over
-    ``tree_spec(tree).layout``. device: pack with ``jnp`` and hand giftcomm the jax array
-    (None: when a leaf is on a GPU; then ``comm`` None or an mpi4py communicator means NCCL, or
-    pass a device Transport). Bit-identical on every rank. Not for use inside ``jax.jit``."""
+    ``gift_allreduce`` of the leaves packed as float32. fmt, block (None: the format's own),
+    rounding, seed (stochastic rounding: the call's seed, used as given), algorithm, slice_elems,
+    timeout: the call options of ``giftcomm.allreduce`` (validated before anything moves: a bad
+    one raises ValueError/TypeError naming allreduce_tree). geometry: None or a Geometry over
+    ``tree_spec(tree).layout``. device: pack with ``jnp`` and hand giftcomm the jax array (None:
+    when a leaf is on a GPU; then ``comm`` None or an mpi4py communicator means NCCL, or pass a
+    device Transport). Bit-identical on every rank. Not for use inside ``jax.jit``."""
+    opts = CallOptions.of("allreduce_tree", op=op, fmt=fmt, block=block, rounding=rounding, seed=seed,
+                           algorithm=algorithm, slice_elems=slice_elems, timeout=timeout)
     flat, spec = _flatten(tree, device)
-    out = api.gift_allreduce(flat, geometry, comm=comm, op=op, fmt=fmt, block=block)
+    out = api.gift_allreduce(flat, geometry, comm=comm, **opts.as_kwargs())
     return unflatten_tree(out, spec)
 
 
 class TreeSync:
     """Reduce gradient pytrees step after step with GIFT geometry from the reduced gradients.
 
-    The ``GradientFactorEstimator`` is fed the reduced flat buffer (identical on every rank)
-    every ``estimate_every`` calls; every ``refresh_every`` calls the geometry is rebuilt with
-    the selective ``policy``: every rank builds the same geometry without communicating.
-    ``seconds`` accumulates the wall time of estimator updates and geometry builds.
+    fmt, block (None: the format's own), op, rounding, seed, algorithm, slice_elems, timeout: the
+    call options of ``giftcomm.allreduce`` (validated here; ``sync.options`` is the record); with
+    ``rounding="stochastic"`` call ``k`` (0, 1, ...) is rounded with the seed
+    ``giftcomm.adapters.calls.step_seed(seed, k, 0)``. The ``GradientFactorEstimator`` is fed
+    the reduced flat buffer (identical on every rank) every ``estimate_every`` calls; every
+    ``refresh_every`` calls the geometry is rebuilt with the selective ``policy`` and
+    ``damping`` (default ``giftcomm.options.DEFAULT_DAMPING``): every rank builds the same
+    geometry without communicating. ``seconds`` accumulates the wall time of estimator updates
+    and geometry builds.
     """
 
-    def __init__(self, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int = DEFAULT_BLOCK,
+    def __init__(self, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int | None = None,
+                 rounding: str = "nearest", seed: int | None = None, algorithm: str = "auto",
+                 slice_elems: int | None = None, timeout: float | None = None,
                  estimate_every: int = 1, refresh_every: int = 50, policy: SelectivePolicy | None = None,
-                 damping: float = 1e-3, decay: float = 0.95, device: bool | None = None) -> None:
-        if estimate_every < 1 or refresh_every < 1:
-            raise ValueError("estimate_every and refresh_every must be >= 1")
-        self.comm, self.op, self.fmt, self.block = comm, op, fmt, block
-        self.estimate_every, self.refresh_every = estimate_every, refresh_every
-        self.policy, self.damping, self.decay = policy or SelectivePolicy(), damping, decay
+                 damping: float = DEFAULT_DAMPING, decay: float = 0.95, device: bool | None = None) -> None:
+        self.options: CallOptions = CallOptions.of("TreeSync", op=op, fmt=fmt, block=block, rounding=rounding,
+                                                    seed=seed, algorithm=algorithm, slice_elems=slice_elems,
+                                                    timeout=timeout)
+        for name, value in (("estimate_every", estimate_every), ("refresh_every", refresh_every)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"TreeSync: {name} must be an int >= 1, got {value!r}")
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not (damping >= 0 and np.isfinite(damping)):
+            raise ValueError(f"TreeSync: damping must be a finite number >= 0, got {damping!r}")
+        if policy is not None and not isinstance(policy, SelectivePolicy):
+            raise TypeError(f"TreeSync: policy must be a SelectivePolicy, got {type(policy).__name__}")
+        self.comm = comm
+        self.estimate_every, self.refresh_every = int(estimate_every), int(refresh_every)
+        self.policy, self.damping, self.decay = policy or SelectivePolicy(), float(damping), decay
         self.device = device
         self.spec: TreeSpec | None = None
         self.estimator: GradientFactorEstimator | None = None
-        self.geometry = None
+        self.geometry: Geometry | None = None
         self.calls = 0
         self.seconds = 0.0
 
@@ -153,7 +176,8 @@ class TreeSync:
         if self.spec is None or spec.layout != self.spec.layout:
             self.spec, self.geometry = spec, None
             self.estimator = GradientFactorEstimator(spec.layout, decay=self.decay)
-        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block)
+        assert self.estimator is not None
+        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, **call_kwargs(self.options, self.calls))
         t0 = time.perf_counter()
         if self.calls % self.estimate_every == 0:
             self.estimator.update(np.asarray(out))  # a host copy for GPU arrays, estimator steps only

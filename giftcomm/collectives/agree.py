@@ -12,7 +12,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from ..formats import FORMATS
+from ..formats import describe_code
 from ..transport import Transport
 
 T = TypeVar("T")
@@ -116,8 +116,9 @@ def _uniform(table: np.ndarray, k: int) -> bool:
 def _describe(key: str, value: int) -> str:
     names: dict[str, dict[int, str]] = {
         "dtype": {v: k for k, v in DTYPE_CODES.items()},
-        "fmt": {f.code: f.name for f in FORMATS.values()},
         "op": {v: k for k, v in OP_CODES.items()},
         "rounding": {0: "nearest", 1: "stochastic"},
     }
+    if key == "fmt":
+        return describe_code(value)
     return names.get(key, {}).get(value, str(value))

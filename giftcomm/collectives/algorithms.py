@@ -125,8 +125,10 @@ def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration
 
 def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
     """Through a plan's node-shared channel: each rank encodes into its own slot, one handshake
-    (a shared-memory latency), then reads every slot in place: the codec work alone."""
-    return cal.shm.alpha + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
+    (a shared-memory latency, no message software), then decodes every other slot where it lies
+    (P-1 messages' bytes read over the node's memory at the shm rate) and the codec work."""
+    wire = (topo.ranks - 1) * n * bytes_per_value(fmt, block) * cal.shm.beta
+    return cal.shm.alpha + wire + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
 
 
 def _hierarchical_time(inner: str) -> Time:

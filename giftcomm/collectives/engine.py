@@ -28,9 +28,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import _xp
+from ..errors import CommClosed
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
+from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
@@ -62,23 +64,42 @@ class GeometryLike(Protocol):
 
 class held:
     """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
-    Threads), with its waits' deadline set to ``timeout`` seconds when given."""
+    Threads), with its waits' deadline set to ``timeout`` seconds when given. A transport whose
+    state was closed meanwhile (giftcomm.release) gives a fresh state; one gone for good (its
+    communicator freed, a forked child) raises CommClosed. ``plain``: a plain call (not a plan's),
+    which meets the plans in their channel when the transport has one, so that a plan on one rank
+    and a plain call on another raise "ranks disagree" on both at once."""
 
-    __slots__ = ("_t", "_timeout", "_previous")
+    __slots__ = ("_t", "_timeout", "_previous", "_lock", "_plain")
 
-    def __init__(self, t: Transport, timeout: float | None) -> None:
-        self._t, self._timeout = t, timeout
+    def __init__(self, t: Transport, timeout: float | None, plain: bool = True) -> None:
+        self._t, self._timeout, self._plain = t, timeout, plain
         self._previous: float = 0.0
 
     def __enter__(self) -> None:
-        self._t.state.lock.acquire()
-        if self._timeout is not None:
-            self._previous, self._t.timeout = self._t.timeout, self._timeout
+        t = self._t
+        while True:
+            st = t.state
+            st.lock.acquire()
+            if st.closed is None:
+                break
+            st.lock.release()
+            if t._state is st:  # closed for good: the state stays attached
+                raise CommClosed(st.closed)
+        self._lock = st.lock
+        try:
+            if self._timeout is not None:
+                self._previous, t.timeout = t.timeout, self._timeout
+            if self._plain and st.channel is not None:
+                st.channel.meet(t, PLAIN_WORD, planning.caller(), "giftcomm")
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         if self._timeout is not None:
             self._t.timeout = self._previous
-        self._t.state.lock.release()
+        self._lock.release()
 
 
 _OPTIONS: dict[tuple, CallOptions] = {}
@@ -86,12 +107,13 @@ _OPTIONS_MAX = 256
 
 
 def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
-                 op: Any) -> CallOptions | Exception:
+                 op: Any, mx_scale: Any = "ceil") -> CallOptions | Exception:
     """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
-    values = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op)
-    key: tuple | None = (values, tuple(map(type, values)))
+    # the numbers' types too: block=True or 1.0 must not find block=1's record
+    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, type(block),
+                         type(seed), type(slice_elems), type(timeout))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering
@@ -100,7 +122,7 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
         return opts
     try:
         opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
-                              slice_elems=slice_elems, timeout=timeout, op=op)
+                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
     if key is not None:
@@ -110,23 +132,24 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
     return opts
 
 
-@dataclass
 class Job:
     """One agreed call: the call record, its options, the algorithm every rank runs (None for
     allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
-    and the chunk bounds (reduce-scatter) or every rank's shard length (allgather). channel: the
-    call plans a persistent plan whose calls would go through the node-shared channel (so
-    ``auto`` predicts the one-exchange rows' cost there)."""
+    and the chunk bounds (reduce-scatter) or every rank's shard length and their total
+    (allgather). channel: the call plans a persistent plan whose calls would go through the
+    node-shared channel (so ``auto`` predicts the one-exchange rows' cost there). A plain class
+    with class-level defaults: it is made on every call, and only what a kind sets is written."""
 
-    call: Call
-    opts: CallOptions
     algorithm: Algorithm | None = None
     nodes: np.ndarray | None = None
     geometry: Any = None
     slice_n: int = 0
     bounds: np.ndarray | None = None
     counts: np.ndarray | None = None
-    channel: bool = False
+    total: int = 0
+
+    def __init__(self, call: Call, opts: CallOptions, channel: bool = False) -> None:
+        self.call, self.opts, self.channel = call, opts, channel
 
 
 @dataclass(frozen=True)
@@ -307,10 +330,13 @@ def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
                   bool(t.shared_memory), t.schedule)
 
 
-def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, nodes: Any, slice_n: int,
-                  out: Any) -> Any:
-    """Steps 2 and 3 of an agreed allreduce: move the data with ``algorithm``'s runner (around
-    the geometry's transforms when ``geo`` is given) and finish (avg, dtype, ``out``)."""
+def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) -> Any:
+    """Steps 2 and 3 of an agreed allreduce: move the data with the agreed algorithm's runner
+    (around the geometry's transforms when the job has one) and finish (avg, dtype, ``out``).
+    ``call``: this call's record when it is not the job's own (a persistent plan's calls)."""
+    call = job.call if call is None else call
+    geo, algorithm = job.geometry, job.algorithm
+    assert algorithm is not None
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
     flat = planning.flat_values(call)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
@@ -320,7 +346,7 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, node
     if n == 0:
         return planning.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
     into = planning.direct_out(call)
-    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, nodes, slice_n, into)
+    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
@@ -328,13 +354,8 @@ def run_allreduce(t: Transport, call: Call, geo: Any, algorithm: Algorithm, node
     return finish(t, call, total, into, out, shape)
 
 
-def _allreduce_run(t: Transport, job: Job, out: Any) -> Any:
-    assert job.algorithm is not None
-    return run_allreduce(t, job.call, job.geometry, job.algorithm, job.nodes, job.slice_n, out)
-
-
 ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prepare, _allreduce_agreed,
-                 _allreduce_run)
+                 run_allreduce)
 """allreduce and gift_allreduce (and the plans, when made)."""
 
 
@@ -395,8 +416,8 @@ def _gather_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size:
 
 
 def _gather_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
-    job.counts, total_n = planning.gathered_counts(table)
-    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, total_n)
+    job.counts, job.total = planning.gathered_counts(table)
+    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.total)
 
 
 def _gather_run(t: Transport, job: Job, out: Any) -> Any:
@@ -406,7 +427,7 @@ def _gather_run(t: Transport, job: Job, out: Any) -> Any:
     sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, job.slice_n)
     own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
     gathered = ring.allgather(t, own, counts, wire, job.slice_n)
-    return planning.finish(gathered, call, t.size, (int(counts.sum()),), out, op="sum")
+    return planning.finish(gathered, call, t.size, (job.total,), out, op="sum")
 
 
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,

@@ -105,7 +105,7 @@ def validate(x: Any, name: str, opts: CallOptions, reduces: bool = True) -> Call
     if opts.rounding == "stochastic" and seed is None:
         raise ValueError("rounding='stochastic' needs seed= (an int identifying the call, e.g. the training step)")
     sig = dict.fromkeys(FIELDS, 0)
-    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.code, block=opts.resolved_block,
+    sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.variant_code, block=opts.resolved_block,
                op=OP_CODES[opts.op] if reduces else 0, slice=opts.slice_elems or 0,
                rounding=int(seed is not None), seed=0 if seed is None else seed - (1 << 64) * (seed >= 1 << 63))
     return Call(imp, f, sig["block"], opts.op, sig, seed=seed)

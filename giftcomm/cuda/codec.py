@@ -34,10 +34,21 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
+from ..formats import SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
-__all__ = ["CudaKernels", "divide_inplace", "add_inplace", "add", "convert"]
+__all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "add_inplace", "add", "convert", "supports"]
+
+CUDA_FORMATS = frozenset({"e4m3", "e5m2", "bf16", "fp16", "fp32", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"})
+"""The formats kernels/gc_codec.cu has kernels for (its GC_*_ENTRIES / GC_PT_ENTRY lines and
+gc_pt_fp32; tests/test_format_table.py checks the two agree). Any other row of the format table
+runs on the reference through host copies (giftcomm.codec.CudaOrFallbackKernels)."""
+
+
+def supports(f: Format) -> bool:
+    """Whether the CUDA kernels implement format ``f`` (its facts come from the table itself:
+    the loader generates gc_formats.h from giftcomm.formats at load time)."""
+    return f.name in CUDA_FORMATS
 
 _THREADS = 256
 _MAX_GRID = 1 << 20
@@ -206,7 +217,8 @@ def _mx_encode(f: Format, count: int, x: Any, out: Any, key: int | None, offset:
     _loader.get_function(f"gc_mx_enc_{f.name}")(
         (_grid(units, warps),), (_THREADS,),
         (x, ipay, isc, igs, pay, sc, gs, _NULL if sum_out is None else sum_out, np.int32(message is not None),
-         np.int64(count), np.int64(units), np.int32(key is not None), np.uint64(key or 0), np.uint64(offset)))
+         np.int64(count), np.int64(units), np.int32(key is not None), np.uint64(key or 0), np.uint64(offset),
+         np.int32(f.variant_code >> SCALE_RULE_SHIFT)))
 
 
 def _mx_decode(f: Format, count: int, message: Any, out: Any, acc: bool) -> None:

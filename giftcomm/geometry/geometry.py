@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def check_damping(damping: float) -> float:
     return d
 
 
-def _rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
+def rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice]:
     """(choice for G, choice for A) from from_kfac's ``rank`` argument."""
     r = rank.get(name) if isinstance(rank, Mapping) else rank
     if r is None:
@@ -106,7 +107,7 @@ class Geometry:
         """True when every segment's transform is the identity (forward/inverse only cast)."""
         return all(t.is_identity for t in self.transforms)
 
-    def forward(self, flat, out=None):
+    def forward(self, flat: Any, out: Any = None) -> Any:
         """Flat (size,) array of any float dtype -> new float32 (size,) array in GIFT coordinates.
 
         NumPy in, NumPy out; a CuPy (device) array in, a CuPy array out (the side parameters are
@@ -115,7 +116,7 @@ class Geometry:
         reusing one saves the page faults of a fresh buffer (perf/results/gift-cost.md)."""
         return self._apply(flat, inverse=False, out=out)
 
-    def inverse(self, flat, out=None):
+    def inverse(self, flat: Any, out: Any = None) -> Any:
         """Flat (size,) array in GIFT coordinates -> new float32 (size,) array in the original ones
         (``out`` as for ``forward``)."""
         return self._apply(flat, inverse=True, out=out)
@@ -201,7 +202,7 @@ class Geometry:
         Segments without factors get the identity.
         """
         return cls._per_segment(layout, factors, damping,
-                                lambda seg: _rank_choice(rank, seg.name, *seg.matrix_shape))
+                                lambda seg: rank_choice(rank, seg.name, *seg.matrix_shape))
 
     @classmethod
     def diagonal(cls, layout, factors: Mapping, damping: float = DEFAULT_DAMPING) -> Geometry:
@@ -250,7 +251,7 @@ class Geometry:
         return cls(layout, ts)
 
     # ---------------------------------------------------------------- internals
-    def _apply(self, flat, inverse: bool, out=None):
+    def _apply(self, flat: Any, inverse: bool, out: Any = None) -> Any:
         xp = array_module(flat)
         x = flat if xp is not np else np.asarray(flat)
         if x.ndim != 1 or x.size != self.size:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..options import DEFAULT_DAMPING
-from .geometry import Geometry, _rank_choice, check_damping
+from .geometry import Geometry, check_damping, rank_choice
 from .layout import Layout, as_layout
 from .sides import DenseSide, DiagonalSide, Side
 from .spectral import Spectrum, damped
@@ -216,7 +216,7 @@ class ShardedGeometry:
             except (TypeError, ValueError):
                 raise ValueError(f"factors[{seg.name!r}] must be an (A, G) pair") from None
             m, n = seg.matrix_shape
-            choice_g, choice_a = _rank_choice(rank, seg.name, m, n)
+            choice_g, choice_a = rank_choice(rank, seg.name, m, n)
             if seg.ndim >= 2:  # rows sharded: G block-diagonal, A as chosen
                 pairs, diagonal = _block_pairs(g, m, shards, damping)
                 other = make_side(_spectrum(a, n), n, choice_a, damping)

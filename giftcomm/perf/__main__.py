@@ -37,6 +37,22 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _end_the_job(cmd: str) -> None:
+    """An error on one rank of a multi-rank run: print it, naming the rank, and end every rank with
+    MPI_Abort (exit code 1), so that the peers, inside a barrier or a measurement, do not wait for
+    this rank for ever (and this rank not in MPI_Finalize for them). Single-process runs raise."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() < 2:
+        return
+    import traceback
+
+    world = mpi.COMM_WORLD
+    sys.stderr.write(f"giftcomm.perf {cmd}: rank {world.Get_rank()} of {world.Get_size()} failed; ending the "
+                     f"job (MPI_Abort):\n{traceback.format_exc()}")
+    sys.stderr.flush()
+    world.Abort(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -48,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd in COMMANDS:
         module = importlib.import_module(COMMANDS[cmd][0])
-        return int(module.main(rest) or 0)
+        try:
+            return int(module.main(rest) or 0)
+        except Exception:
+            _end_the_job(cmd)
+            raise
     if cmd in MOVED:
         print(f"giftcomm.perf: the '{cmd}' command moved out of the installed package into the source "
               f"tree's studies/ package; from a checkout run:\n    python -m studies {cmd} "

@@ -12,16 +12,29 @@ is the largest ``|x|`` compared on the float32 bit patterns (NaN above Inf). The
 - element: ``y = clip(fp32(x * inv), -max, max)``, code = round(y) (see *Rounding*).
 - decode: ``fp32(float32(code) * scale)``.
 
-**mxfp8 / mxfp8_e5m2 / mxfp4** (OCP MX v1.0; 32 values per E8M0 scale; ``emax`` = 8 (E4M3),
-15 (E5M2), 2 (E2M1), the exponent of the element format's largest power of two):
+**mxfp8 / mxfp8_e5m2 / mxfp4** (OCP MX v1.0 layout; 32 values per E8M0 scale; ``emax`` = 8
+(E4M3), 15 (E5M2), 2 (E2M1), the exponent of the element format's largest power of two; ``E`` =
+the biased float32 exponent field of the block's amax):
 
 - amax NaN or Inf: scale code 0xFF (E8M0 NaN), every element code ``nan_code`` (0x7F for the
   FP8 elements, 0 for E2M1, which has no NaN: the scale carries it); decodes to NaN.
-- otherwise the shared exponent ``s = floor(log2(amax)) - emax`` clamped to [-127, 127], i.e.
-  scale code ``max(E(amax) - emax, 0)`` with ``E`` the biased float32 exponent field (zero and
-  float32-subnormal blocks get code 0, 2^-127).
+- otherwise the shared exponent ``s`` (scale code ``s + 127``) by the format's rule
+  (``Format.scale_rule``, the call option ``mx_scale``):
+
+  - ``"ceil"`` (default): the smallest power of two that keeps the block's amax within the
+    element max, ``s = ceil(log2(amax / max))``: scale code ``max(E - emax + c, 0)`` with
+    ``c = 1`` when amax's float32 mantissa field exceeds max's (amax > max * 2**(E-127-emax)),
+    else 0 (exact: a block whose amax is max times a power of two lands exactly on max). No
+    element saturates, so stochastic rounding stays unbiased.
+  - ``"floor"``: OCP MX v1.0's ``s = floor(log2(amax)) - emax``: scale code ``max(E - emax, 0)``.
+    Values at or above ``max * 2**s`` (up to the top quarter of the top binade) saturate to ±max.
+
+  Range ends: zero and float32-subnormal blocks get code 0 (2^-127) under both rules. In the top
+  float32 binade (E = 254) ceil keeps the floor code: the next element value above such an amax,
+  times the larger scale, would be beyond the float32 max (it would decode to Inf), so there, and
+  only there, the largest values saturate under ceil too. The code is never the NaN code 0xFF.
 - element: ``y = clip(fp32(x * 2**-s), -max, max)`` (the multiply is exact unless the result is
-  a float32 subnormal), code = round(y). Values at or above ``max * 2**s`` saturate to ±max.
+  a float32 subnormal), code = round(y).
 - decode: ``fp32(element * 2**s)`` (exact).
 
 **nvfp4** (E2M1 elements, E4M3 scale per 16 values, float32 scale per group of 1024 values =
@@ -53,8 +66,8 @@ is the largest ``|x|`` compared on the float32 bit patterns (NaN above Inf). The
   bits of frac(u) (truncated). The magnitude is ``floor(u) + 1`` when ``F + R >= 2**32``, else
   ``floor(u)``: it rounds up with probability F / 2^32, so E[result] = |y| up to 2^-32 of a
   step. Exact grid values (F = 0), zeros (-0 keeps its sign) and ±max never move; there is no
-  overflow because y is clipped to ±max first (values beyond max, possible only through a
-  rounded scale, saturate deterministically). Scales are always chosen as above (nearest),
+  overflow because y is clipped to ±max first (values beyond max, possible only under the MX
+  ``floor`` rule, saturate deterministically: a bias). Scales are always chosen as above (nearest),
   independently of the rounding of the elements.
 
 Fused hop: ``encode(fp32(decode(message) + local))`` with the same rounding, key and offset.
@@ -83,7 +96,7 @@ from ..formats import (
     scales_offset,
 )
 
-__all__ = ["encode", "decode", "decode_add_encode", "block_scales", "split_message", "philox4x32",
+__all__ = ["encode", "decode", "decode_add_encode", "block_scales", "e8m0_codes", "split_message", "philox4x32",
            "philox_bits", "round_elements"]
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -255,7 +268,7 @@ def _encode_mx(x, f, block, msg, rbits):
     nb = num_blocks(n, block)
     m = _amax_bits(x, block, nb)
     finite = m < 0x7F800000
-    code = np.maximum((m >> np.uint32(23)).astype(np.int64) - f.emax, 0)
+    code = e8m0_codes(m, f)
     mult = ((254 - np.where(finite, code, 0)) << 23).astype(np.uint32).view(np.float32)
     bad = np.repeat(~finite, block)[:n]
     xs = np.where(bad, np.float32(0), x)
@@ -268,6 +281,18 @@ def _encode_mx(x, f, block, msg, rbits):
     assert scales is not None  # a scaled format
     payload[...] = _pack4(codes) if f.packed else codes
     scales[...] = np.where(finite, code, 0xFF).astype(np.uint8)
+
+
+def e8m0_codes(amax_bits: np.ndarray, f: Format) -> np.ndarray:
+    """E8M0 scale codes (int64) of blocks with finite amax bits ``amax_bits`` (uint32) under the
+    format's shared-exponent rule (module docstring): floor ``max(E - emax, 0)``; ceil one more
+    where amax's mantissa field exceeds the element max's, i.e. where amax > max * 2**(E - 127 - emax),
+    except in the top float32 binade (E = 254)."""
+    e = (amax_bits >> np.uint32(23)).astype(np.int64)
+    if f.scale_rule == "ceil":
+        max_mant = int(np.float32(f.max_value).view(np.uint32)) & 0x7FFFFF
+        e = e + (((amax_bits & np.uint32(0x7FFFFF)) > max_mant) & (amax_bits < np.uint32(0x7F000000)))
+    return np.maximum(e - f.emax, 0)
 
 
 def _encode_nvfp4(x, f, block, msg, rbits):

@@ -2,6 +2,7 @@
 in-process loopbacks)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -37,6 +38,7 @@ def resolve(comm: Any, device: bool = False) -> Transport:
 
     if comm is None:
         comm = MPI.COMM_WORLD
+        _check_launcher_world(comm)
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
@@ -50,6 +52,22 @@ def resolve(comm: Any, device: bool = False) -> Transport:
 
             _device_cache[key] = NcclTransport.from_mpi(comm)
         return _device_cache[key]
+
+
+def _check_launcher_world(world: Any) -> None:
+    """``comm=None`` means MPI.COMM_WORLD here; under a launcher that started several ranks
+    (torchrun: ``WORLD_SIZE`` > 1) while MPI's world is this process alone, that would reduce over
+    this rank only and return its own values: raise instead, on every rank alike, naming the fix."""
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if launched > 1 and world.Get_size() == 1:
+        raise RuntimeError(
+            f"giftcomm: comm=None under a launcher of WORLD_SIZE={launched} ranks (torchrun) but "
+            f"torch.distributed is not initialised and MPI's world is this process alone: call "
+            f"torch.distributed.init_process_group(...) first (then comm=None reduces over its default group), "
+            f"or pass comm= explicitly")
 
 
 def release(comm: Any = None) -> None:

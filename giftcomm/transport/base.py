@@ -16,14 +16,16 @@ window, sub-transports) lives in one declared :class:`TransportState`.
 """
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import CommTimeout
+from ..errors import CommClosed, CommTimeout
 from .channel import PlanChannel, channel_window_nbytes, native_channel
 from .shared_window import SharedWindow, grown_size
 
@@ -64,6 +66,11 @@ class TransportState:
     lock: held by a collective for its whole duration (calls from several threads run one at a
     time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
+    pid: the process that created it. closed: None while alive; once :meth:`close` ran, why (what
+    a stale user -- a plan holding this state -- raises as :class:`~giftcomm.errors.CommClosed`).
+
+    This is the one registry of what a transport owns: everything a communicator's lifetime must
+    end (a future cache of plans included) is a field here and is released by :meth:`close`.
     """
 
     topology: dict[Any, Any] = field(default_factory=dict)
@@ -73,8 +80,41 @@ class TransportState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     plans: int = 0
     channel: PlanChannel | None = None
+    pid: int = field(default_factory=os.getpid)
+    closed: str | None = None
+
+    def close(self, reason: str, collective: bool = True) -> None:
+        """Release everything this state owns and mark it closed with ``reason``: the plan
+        channel (closed first, so a plan holding it refuses at once), the shared window, the
+        sub-transports, the workspaces. Takes :attr:`lock`, so a call in flight on another thread
+        finishes first. ``collective``: free the MPI windows (collective, the same order on every
+        rank); False (after a failure, in a forked child): only drop the references. Idempotent."""
+        if not collective:  # a fork()ed child may hold the lock copied from a parent's thread
+            self._close(reason, False)
+            return
+        with self.lock:
+            self._close(reason, True)
+
+    def _close(self, reason: str, collective: bool) -> None:
+        if self.closed is not None:
+            return
+        self.closed = reason
+        channel, window, splits = self.channel, self.window, list(self.splits.values())
+        self.channel = self.window = None
+        self.splits.clear()
+        self.workspaces.clear()
+        self.topology.clear()
+        if channel is not None:
+            channel.native.close()
+            if collective:
+                channel.window.release()
+        if window is not None and collective:
+            window.release()
+        for sub in splits:
+            sub.close(reason, collective)
 
 
+_LIVE: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # transports with state or MPI objects (fork hook)
 class Transport(ABC):
     """Point-to-point messages plus small control collectives, for ``size`` ranks."""
 
@@ -90,6 +130,8 @@ class Transport(ABC):
     its core while it spins."""
     _state: TransportState | None = None
     _timeout: float | None = None
+    _closed: str | None = None
+    """Why this transport is gone for good (its communicator freed, a forked child), or None."""
 
     @property
     def timeout(self) -> float:
@@ -113,12 +155,21 @@ class Transport(ABC):
 
     @property
     def state(self) -> TransportState:
-        """This transport's kept state (created on first use)."""
+        """This transport's kept state (created on first use; CommClosed once the transport is
+        gone for good)."""
         if self._state is None:
             with _STATE_LOCK:
+                if self._closed is not None:
+                    raise CommClosed(self._closed)
                 if self._state is None:
                     self._state = TransportState()
+                    _LIVE.add(self)
         return self._state
+
+    def successor(self) -> "Transport | None":
+        """The live transport that replaced this one over the same communicator (after
+        :func:`giftcomm.release`), where a stale plan meets its peers' next call; None here."""
+        return None
 
     @abstractmethod
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
@@ -251,14 +302,28 @@ class Transport(ABC):
         return SubTransport(self, members, tag_base=TAG_SPAN * (1 + index))
 
     def release_state(self) -> None:
-        """Free what this transport keeps (the shared window: collective), so that it can be
-        garbage-collected or reused from scratch."""
-        st, self._state = self._state, None
-        if st is not None and st.window is not None:
-            st.window.release()
-        if st is not None and st.channel is not None:
-            st.channel.release()
-            st.channel = None
+        """Free what this transport keeps (:meth:`TransportState.close`: the plan channel, the
+        shared window, the splits: collective), so that it can be garbage-collected or reused
+        from scratch; plans made before raise CommClosed."""
+        self.close("giftcomm: the transport's state was released (giftcomm.release / release_state); "
+                   "make a new plan", final=False)
+
+    def close(self, reason: str, collective: bool = True, final: bool = True) -> None:
+        """End this transport's state (:meth:`TransportState.close`, which waits for a call in
+        flight); ``final``: the transport itself is gone too (later uses raise CommClosed)."""
+        st = self._state
+        if st is not None and collective:
+            st.lock.acquire()  # the call in flight finishes first; no new call starts on st
+        try:
+            if not final and self._state is st:
+                self._state = None  # the next call starts from a fresh state
+            if st is not None:  # (its windows' collective frees still use this transport)
+                st.close(reason, collective)
+            if final:
+                self._closed = reason  # st stays attached, closed: a waiting call sees it and raises
+        finally:
+            if st is not None and collective:
+                st.lock.release()
 
 
 class QueuedRequest(Request):
@@ -366,3 +431,20 @@ def wait_all(requests: Sequence[Request]) -> None:
     """Wait for every request in order."""
     for req in requests:
         req.wait()
+
+
+def _after_fork_in_child() -> None:
+    """Everything a transport owns belongs to the parent: its channel slots and windows are shared
+    with the parent's peers. Close it all here, without any collective step, so the child's first
+    use raises CommClosed at once instead of posting into the parent's slots."""
+    pid = os.getpid()
+    for t in list(_LIVE):
+        st = t._state
+        made = st.pid if st is not None else getattr(t, "pid", pid)
+        t.close(f"giftcomm: this process (pid {pid}) is a fork()ed child of the process that created this "
+                f"transport (pid {made}): its communicator, windows and plans belong to the parent; make new "
+                f"ones in the child (or fork before using giftcomm)", collective=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -17,8 +17,10 @@ marks the transport unusable; when such an exception ends the program, the job i
 
 Lifetime: the transport of a user communicator (:func:`transport_for`) is kept in an MPI
 attribute of that communicator; freeing the communicator (``comm.Free()``) runs the attribute's
-delete callback, which frees the private duplicate, its splits and the shared window.
-:func:`release` does the same explicitly (collective).
+delete callback, which closes everything the transport owns (its TransportState: the plan
+channel, the shared window, the splits) and frees the private duplicate. :func:`release` does the
+same explicitly (collective; after the call in flight on another thread). Afterwards the
+transport and its plans raise :class:`~giftcomm.errors.CommClosed`.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import config
-from ..errors import CommAborted, CommTimeout
-from .base import Request, Transport
+from ..errors import CommAborted, CommClosed, CommTimeout
+from .base import _LIVE, Request, Transport
 from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, populate, shm_room, window_footprint
 
 __all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
@@ -79,6 +81,15 @@ def _abort_if_interrupted() -> None:
             sys.stderr.flush()
         finally:
             MPI.COMM_WORLD.Abort(INTERRUPT_EXIT_CODE)
+
+
+def _setting(errors: list[str], read: Callable[[], Any], fallback: Any) -> Any:
+    """``read()``, or ``fallback`` with its ValueError's message appended to ``errors``."""
+    try:
+        return read()
+    except ValueError as exc:
+        errors.append(str(exc))
+        return fallback
 
 
 class MpiRequest(Request):
@@ -124,30 +135,49 @@ class MpiTransport(Transport):
                  on_timeout: str | None = None) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"MpiTransport needs an mpi4py communicator, got {comm!r}")
-        if on_timeout is None:
-            on_timeout = config.choice("GIFTCOMM_ON_TIMEOUT")
+        # Settings are read before anything collective, and a bad one does not raise here: it is
+        # agreed with the node layout (_find_nodes), so every rank raises the same ValueError at
+        # once instead of one rank raising and its peers waiting out their deadline.
+        errors: list[str] = []
+        on_timeout = _setting(errors, lambda: on_timeout if on_timeout is not None else
+                              config.choice("GIFTCOMM_ON_TIMEOUT"), "abort")
         if on_timeout not in ("abort", "raise"):
-            raise ValueError(f"on_timeout must be 'abort' or 'raise', got {on_timeout!r}")
+            errors.append(f"on_timeout must be 'abort' or 'raise', got {on_timeout!r}")
+            on_timeout = "abort"
         self.on_timeout = on_timeout
-        self.timeout = timeout  # None: the environment's default, read now (a bad value raises here)
-        self.timeout  # noqa: B018
+        try:
+            self.timeout = timeout  # None: the environment's default, read now
+            self.timeout  # noqa: B018
+        except ValueError as exc:
+            errors.append(str(exc))
+            self.timeout = float(config.VARIABLES["GIFTCOMM_TIMEOUT"].default or 0)
+        want = shared_memory if shared_memory is not None else _setting(errors, enabled_by_env, False)
+        _setting(errors, lambda: config.flag("GIFTCOMM_NATIVE"), True)  # read by every call's codec
+        _setting(errors, lambda: config.choice("GIFTCOMM_NATIVE_ISA"), None)
+        self._env_error = "; ".join(errors)
         self._health = _Health()
         global _created
         _created = True
+        _LIVE.add(self)
+        self.pid = os.getpid()
         self.user_comm = comm
         self.comm = comm  # until the duplicate exists: waits below name ranks of the same group
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self._arrive(comm, "creating giftcomm's private communicator (MPI_Comm_dup)")
-        self.comm = comm.Dup()
-        env_error = ""
-        want = shared_memory
-        if want is None:
-            try:
-                want = enabled_by_env()
-            except ValueError as exc:
-                env_error = str(exc)
-        self._env_error = env_error
-        self._nodes = self._find_nodes()
+        # MPI_Comm_idup, polled under the deadline: a rank whose deadline passes here has posted
+        # nothing on the new communicator, so a late peer completes the duplicate and then times
+        # out at its own next wait, instead of blocking in MPI_Comm_dup for ever
+        dup, req = comm.Idup()
+        try:
+            self.wait_for(req, "creating giftcomm's private communicator (MPI_Comm_idup)")
+        except BaseException:
+            self._health.orphans.append(dup)
+            raise
+        self.comm = dup
+        try:
+            self._nodes = self._find_nodes()
+        except ValueError:  # a bad setting, agreed: every rank is here
+            self.comm.Free()
+            raise
         self.crowded = _crowded(self._nodes, self.rank)
         one_node = bool((self._nodes == 0).all())
         if shared_memory and not one_node:
@@ -156,6 +186,8 @@ class MpiTransport(Transport):
 
     # --- waiting ------------------------------------------------------------------------------
     def _check(self) -> None:
+        if self._closed is not None:
+            raise CommClosed(self._closed)
         if self._health.failure is not None:
             raise CommAborted(f"giftcomm: this communicator's transport is unusable after an earlier failure "
                               f"({self._health.failure}); free it and use a new communicator")
@@ -254,7 +286,7 @@ class MpiTransport(Transport):
         """Node index per rank from MPI_COMM_TYPE_SHARED (collective; done once, at creation).
         A bad $GIFTCOMM_SHARED_MEMORY on any rank (``_env_error``) is agreed here: every rank
         raises the same ValueError."""
-        env_error = getattr(self, "_env_error", "")
+        env_error = self._env_error
         self._arrive(self.comm, "finding the node layout (MPI_Comm_split_type)")
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         lgroup, group = local.Get_group(), self.comm.Get_group()
@@ -283,6 +315,8 @@ class MpiTransport(Transport):
         t._nodes = self._nodes[list(members)]
         t.crowded = self.crowded
         t._health, t.on_timeout, t.timeout = self._health, self.on_timeout, self.timeout
+        t._env_error, t.pid = "", self.pid
+        _LIVE.add(t)
         return t
 
     def allocate_window(self, nbytes: int) -> SharedWindow | None:
@@ -427,19 +461,32 @@ class MpiTransport(Transport):
 
     # --- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:
-        """Release the shared window, the splits and the private communicator (collective;
-        optional: MPI frees them at finalize). After a failure (timeout, interrupt) only the
-        references are dropped: the peers may be gone, so nothing collective is attempted."""
-        st, self._state = self._state, None
-        if self._health.failure is not None or self.comm == MPI.COMM_NULL:
-            return
-        if st is not None:
-            for sub in st.splits.values():
-                if isinstance(sub, MpiTransport):
-                    sub.free()
-            if st.window is not None:
-                st.window.release()
-        self.comm.Free()
+        """Release everything this transport owns and its private communicator (collective;
+        optional: MPI frees them at finalize); it and its plans raise CommClosed afterwards."""
+        self.close(FREED)
+
+    def close(self, reason: str, collective: bool = True, final: bool = True) -> None:
+        """:meth:`Transport.close` (the channel, the window, the splits; after the call in flight),
+        then the private communicator. After a failure (timeout, interrupt), or with
+        ``collective`` False (a forked child), only the references are dropped: the peers may be
+        gone, so nothing collective is attempted."""
+        collective = collective and self._health.failure is None and self._closed is None
+        super().close(reason, collective, final=True)
+        if collective and self.comm != MPI.COMM_NULL:
+            self.comm.Free()  # the private duplicate (a split's: its sub-communicator)
+
+    def successor(self) -> "MpiTransport | None":
+        """The cached transport that replaced this one over the same, still living, user
+        communicator (after :func:`release`), or None."""
+        comm = self.user_comm
+        if self.pid != os.getpid() or comm == MPI.COMM_NULL:
+            return None
+        t = _cache.get(MPI.Comm.py2f(comm))
+        return t if t is not None and t is not self and t._closed is None and t.user_comm == comm else None
+
+
+FREED = ("giftcomm: this transport's communicator was freed or released (comm.Free() / giftcomm.release); "
+         "make a new communicator (or call on the released one again) and new plans")
 
 
 _cache: dict[int, MpiTransport] = {}
@@ -455,7 +502,17 @@ def _on_comm_free(comm: MPI.Comm, keyval: int, t: MpiTransport) -> None:
     must not escape into MPI."""
     _forget(t)
     try:
-        t.free()
+        st = t._state
+        if st is not None and not st.lock.acquire(blocking=False):
+            # another thread is inside a call (comm.Free() under it: a program error); waiting for it
+            # here, inside MPI_Comm_free, could deadlock MPI: only drop the references
+            t.close(FREED, collective=False)
+            return
+        try:
+            t.free()
+        finally:
+            if st is not None:
+                st.lock.release()
     except BaseException as exc:  # noqa: BLE001 - reported, never raised into MPI_Comm_free
         log.warning("giftcomm: releasing the transport of a freed communicator failed: %s: %s",
                     type(exc).__name__, exc)
@@ -513,10 +570,18 @@ def release(comm: MPI.Comm | None = None) -> None:
         comm = MPI.COMM_WORLD
     if comm == MPI.COMM_NULL:
         return
-    if not _predefined(comm) and _keyval is not None and comm.Get_attr(_keyval) is not None:
-        comm.Delete_attr(_keyval)  # runs _on_comm_free
-        return
-    with _cache_lock:
-        t = _cache.pop(MPI.Comm.py2f(comm), None)
-    if t is not None:
-        t.free()
+    t = _cache.get(MPI.Comm.py2f(comm))
+    st = None if t is None else t._state
+    if st is not None:
+        st.lock.acquire()  # a call in flight on another thread completes first
+    try:
+        if not _predefined(comm) and _keyval is not None and comm.Get_attr(_keyval) is not None:
+            comm.Delete_attr(_keyval)  # runs _on_comm_free
+            return
+        with _cache_lock:
+            t = _cache.pop(MPI.Comm.py2f(comm), None)
+        if t is not None:
+            t.free()
+    finally:
+        if st is not None:
+            st.lock.release()

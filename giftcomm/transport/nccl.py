@@ -139,6 +139,7 @@ class NcclTransport(GroupedTransport):
 
     def free(self) -> None:
         """Destroy the NCCL communicator (after its work is done) and the control transport."""
+        self.close("giftcomm: this transport was freed (its plans and state with it); make a new one")
         self.flush()
         self.comm.destroy()
         if self.control is not None:

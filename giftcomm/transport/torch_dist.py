@@ -148,6 +148,7 @@ class TorchDistTransport(Transport):
 
     def free(self) -> None:
         """Destroy the private group (optional; torch frees it at destroy_process_group)."""
+        self.close("giftcomm: this transport was freed (its plans and state with it); make a new one")
         dist.destroy_process_group(self.group)
 
 

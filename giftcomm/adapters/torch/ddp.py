@@ -1,13 +1,17 @@
-"""DDP communication hook: giftcomm's FP8 allreduce (optionally GIFT) for DistributedDataParallel.
+"""DDP communication hook: giftcomm's low-precision allreduce (optionally GIFT) for DistributedDataParallel.
 
 ::
 
-    state = GiftState(fmt="e4m3", start_gift_iter=10, param_names=model)   # collective
+    state = GiftState(fmt="e4m3", start_gift_iter=10, param_names=model)   # validated; no communication
     ddp.register_comm_hook(state, gift_hook)
 
 What ``gift_hook(state, bucket)`` does, per gradient bucket (any float dtype: float32, float16,
 bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucket_view=True``):
 
+0. With one rank (a process group of size 1, or no process group at all) the bucket is returned
+   unchanged in a completed future. Otherwise the first bucket builds the state's private gloo
+   groups over the process group (collective; every rank reaches it in the same order), so the
+   state may be built before ``dist.init_process_group``.
 1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
    world size (DDP's default hook), returned as its own future.
 2. **CUDA buckets (device route)**: on the calling (autograd) thread, a side CUDA stream waits
@@ -35,6 +39,7 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
 import contextlib
 import copy
 import logging
+import os
 import threading
 import time
 import warnings
@@ -48,10 +53,11 @@ import torch
 import torch.distributed as dist
 
 from ... import api
-from ...formats import DEFAULT_BLOCK, check_block, get_format, message_nbytes
+from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
-from ...geometry.geometry import DEFAULT_DAMPING
+from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
+from ..calls import call_kwargs
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
 
@@ -66,13 +72,15 @@ _GEOMETRIES = ("none", "reduced", "kfac")
 class GiftStats:
     """What the hook did so far (``state.stats()``). Bytes are per rank, per reduction:
     ``bytes_in`` the buckets' size in their own dtype, ``bytes_wire`` the wire messages of the
-    same values (format + scales); ``bytes_saved`` their difference. ``comm_seconds``: wall time
+    same values (format + scales); ``bytes_saved`` their difference. ``passthrough_buckets``:
+    buckets returned unchanged because there is one rank. ``comm_seconds``: wall time
     of the reductions (host route: on the worker; device route: the host time to enqueue them,
     the GPU time is not measured here). ``geometry_seconds``: estimator updates and rebuilds on
     the geometry thread; ``geometry_waits``: times the hook had to wait for a rebuild."""
 
     iterations: int = 0
     warmup_buckets: int = 0
+    passthrough_buckets: int = 0
     host_buckets: int = 0
     device_buckets: int = 0
     bytes_in: int = 0
@@ -95,27 +103,19 @@ class GiftStats:
 
 
 class _Runtime:
-    """Internal state of a GiftState: transports, threads, estimators, geometries. Not pickled."""
+    """Internal state of a GiftState: transports, threads, estimators, geometries. Not pickled.
 
-    def __init__(self, state: "GiftState", transport: Optional[Transport], sync_transport: Optional[Transport]) -> None:
+    Nothing here talks to the process group when it is made: the transports over it are built
+    at the first bucket (:meth:`connect`, on the hook thread, in the same order on every rank),
+    so a GiftState can be built (or unpickled) before ``dist.init_process_group``."""
+
+    def __init__(self, transport: Optional[Transport], sync_transport: Optional[Transport]) -> None:
         self.lock = threading.Lock()
         self.given = transport
-        if transport is None:
-            from ...transport.torch_dist import TorchDistTransport
-
-            self.host: Optional[Transport] = TorchDistTransport(state.process_group)
-        else:
-            self.host = transport if transport.memory != DEVICE else None
+        self.host: Optional[Transport] = transport if transport is not None and transport.memory != DEVICE else None
         self.device: Optional[Transport] = transport if transport is not None and transport.memory in (DEVICE, ANY) \
             and transport.schedule == GROUPED else None
         self.sync_transport = sync_transport
-        if state.geometry == "kfac" and sync_transport is None:
-            if transport is None:
-                from ...transport.torch_dist import TorchDistTransport
-
-                self.sync_transport = TorchDistTransport(state.process_group)  # geometry thread's own group
-            else:
-                self.sync_transport = transport
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-ddp")
         self.geometry_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-geometry")
         self.streams: dict[int, Any] = {}
@@ -125,6 +125,21 @@ class _Runtime:
         self.pending: list[tuple[int, _CFuture]] = []  # (adopt at iteration, future of {index: (layout, geo)})
         self.adopted_iter = -1
         self.warned: set[str] = set()
+
+    def connect(self, state: "GiftState") -> None:
+        """Build the transports over ``state.process_group`` that are still missing (collective:
+        private gloo groups; called by the hook for every bucket, cheap once built)."""
+        if self.given is None and self.host is None:
+            from ...transport.torch_dist import TorchDistTransport
+
+            self.host = TorchDistTransport(state.process_group)
+        if state.geometry == "kfac" and self.sync_transport is None:
+            if self.given is None:
+                from ...transport.torch_dist import TorchDistTransport
+
+                self.sync_transport = TorchDistTransport(state.process_group)  # the geometry thread's own group
+            else:
+                self.sync_transport = self.given
 
     def device_transport(self, state: "GiftState") -> Transport:
         if self.device is None:
@@ -173,12 +188,17 @@ def _int_at_least(value: Any, name: str, least: int) -> int:
 class GiftState:
     """Settings of the giftcomm DDP hook (plus, apart, its internal runtime).
 
-    process_group: the DDP process group (None: the default group).
-    fmt, block: wire format ("e4m3", "e5m2", "bf16", "fp16", "fp32") and values per scale.
+    process_group: the DDP process group (None: the default group, looked up at the first bucket).
+    fmt, block, rounding, seed, algorithm, slice_elems, timeout: the call options of
+    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
+    own: 16 for nvfp4, 32 for the MX formats, 256 otherwise), used for every bucket; the hook
+    always averages (op "avg"). With ``rounding="stochastic"`` bucket ``i`` of iteration ``it``
+    is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
+    rank, a fresh stream per bucket and step. ``state.options`` is the validated record.
     start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
-    geometry: "none" (FP8 in plain coordinates), "reduced" (GIFT with factors estimated from the
-    reduced gradients: no communication) or "kfac" (GIFT with KFAC factors captured from the
-    model's nn.Linear layers and synchronised over the group; needs ``capture``).
+    geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
+    estimated from the reduced gradients: no communication) or "kfac" (GIFT with KFAC factors
+    captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``).
     capture: for "kfac", the model (a KfacCapture is made: every ``capture_every`` iterations,
     ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its ``step``.
     estimate_every ("reduced"): iterations between estimator updates (10: sparse by default).
@@ -192,21 +212,25 @@ class GiftState:
     ``process_group`` (a GROUPED one takes the device route; tests drive it with the device
     loopback). sync_transport: the transport for KFAC factor sync (default: a private gloo group).
 
-    Building a GiftState is collective over the group (it creates private gloo groups). Raises
-    ValueError/TypeError at once for bad settings.
+    Building a GiftState validates every setting (ValueError/TypeError at once, naming
+    GiftState) and needs no process group: it may be built before ``dist.init_process_group``
+    (as Lightning's ``DDPStrategy(ddp_comm_state=...)`` does). The first bucket the hook sees
+    builds the private gloo groups over the process group (collective, in bucket order). With
+    one rank (a world size 1 group, or no process group at all) the hook passes buckets through
+    unchanged.
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, fmt: str = "e4m3",
-                 block: int = DEFAULT_BLOCK, start_gift_iter: int = 0, geometry: str = "none",
+                 block: Optional[int] = None, rounding: str = "nearest", seed: Optional[int] = None,
+                 algorithm: str = "auto", slice_elems: Optional[int] = None, timeout: Optional[float] = None,
+                 start_gift_iter: int = 0, geometry: str = "none",
                  estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None) -> None:
-        try:
-            self.fmt = get_format(fmt).name
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"GiftState: {exc}") from None
-        self.block = check_block(block)
+        self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
+                                                    algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
+                                                    op="avg")
         if geometry not in _GEOMETRIES:
             raise ValueError(f"GiftState: geometry must be one of {_GEOMETRIES}, got {geometry!r}")
         self.geometry = geometry
@@ -226,9 +250,8 @@ class GiftState:
                             f"{type(process_group).__name__}")
         if transport is not None and not isinstance(transport, Transport):
             raise TypeError(f"GiftState: transport must be a giftcomm Transport, got {type(transport).__name__}")
-        if transport is None and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("GiftState needs an initialised torch.distributed (dist.init_process_group) "
-                               "before it is built")
+        if sync_transport is not None and not isinstance(sync_transport, Transport):
+            raise TypeError(f"GiftState: sync_transport must be a giftcomm Transport, got {type(sync_transport).__name__}")
         if geometry == "kfac":
             if capture is None:
                 raise ValueError('GiftState: geometry="kfac" needs capture= (the model, or a KfacCapture)')
@@ -247,30 +270,77 @@ class GiftState:
         self.iter = 0
         self._stats = GiftStats()
         self._sync_transport = sync_transport
-        self.runtime = _Runtime(self, transport, sync_transport)
+        self.runtime = _Runtime(transport, sync_transport)
         if self.capture is not None:
             self.capture.step(self.iter)
         warn_oversubscription()
 
+    @property
+    def fmt(self) -> str:
+        """The wire format's name (``options.fmt``)."""
+        return self.options.fmt
+
+    @property
+    def block(self) -> int:
+        """Values per scale the buckets use (``options.resolved_block``: the format's own when
+        ``block=None`` was given)."""
+        return self.options.resolved_block
+
+    def world_size(self) -> int:
+        """Ranks the buckets are reduced over: the given transport's, the process group's, or 1
+        when torch.distributed is not initialised. Raises RuntimeError when it is not initialised
+        but the launcher says there are several ranks ($WORLD_SIZE)."""
+        if self.runtime.given is not None:
+            return self.runtime.given.size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group)
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1:
+            raise RuntimeError(f"gift_hook: torch.distributed is not initialised but WORLD_SIZE={launched}; call "
+                               "dist.init_process_group before the first backward")
+        return 1
+
     # --- checkpoints -----------------------------------------------------------------------
-    _PICKLED = ("fmt", "block", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
+    _PICKLED = ("options", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
                 "blas_threads", "policy", "damping", "iter")
 
     def __getstate__(self) -> dict:
         """The user's settings, the iteration count, the statistics and the reduced-gradient
-        estimators and geometries (not the process group, transports, threads, capture hooks or
-        parameter names: like PyTorch's PowerSGDState)."""
+        estimators and geometries, including rebuilt geometries not adopted yet (not the process
+        group, transports, threads, capture hooks or parameter names: like PyTorch's
+        PowerSGDState). Rank-independent at an iteration boundary: the geometry thread's
+        submitted work is finished first (it is the same work on every rank, on identical reduced
+        buckets), and the timings of the statistics (this process's own) are saved as 0."""
         rt = self.runtime
+        self._settle()
         with rt.lock:
             geos = dict(rt.geometries)
-        est = rt.estimators
+            pending = [(at, fut.result()) for at, fut in rt.pending]
+            stats = copy.copy(self._stats)
+            estimators = {k: copy.deepcopy(v) for k, v in rt.estimators.items()}
+            layouts = dict(rt.layouts)
+        stats.comm_seconds = stats.geometry_seconds = 0.0
+        stats.geometry_waits = 0  # whether the hook had to wait depends on this process's timing
         d = {k: getattr(self, k) for k in self._PICKLED}
-        d.update(stats=copy.copy(self._stats), geometries=geos, estimators=dict(est), layouts=dict(rt.layouts))
+        d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending)
         return d
 
+    def _settle(self) -> None:
+        """Wait until the geometry thread finished the work submitted so far (one worker, in
+        order: a no-op submitted now runs last); nothing to wait for once it was shut down."""
+        try:
+            self.runtime.geometry_thread.submit(lambda: None).result()
+        except RuntimeError:  # shut down: its work is done
+            pass
+
     def __setstate__(self, d: dict) -> None:
-        """Restore on the default process group (collective: makes the private groups again).
-        Call :meth:`bind` with the model afterwards to name segments (and, for "kfac", capture)."""
+        """Restore on the default process group (no communication: the private groups are made at
+        the first bucket, so loading may precede ``dist.init_process_group``), with the saved
+        estimators, geometries and not yet adopted rebuilds, so the next iterations equal those of
+        an uninterrupted run. Call :meth:`bind` with the model (or :meth:`register` with the DDP)
+        afterwards to name segments (and, for "kfac", capture)."""
+        if "options" not in d:  # a state pickled before the call options were one record
+            d = dict(d, options=CallOptions.of("GiftState", fmt=d["fmt"], block=d["block"], op="avg"))
         for k in self._PICKLED:
             setattr(self, k, d[k])
         self.process_group = None
@@ -278,14 +348,14 @@ class GiftState:
         self.capture = None
         self._stats = d.get("stats") or GiftStats()
         self._sync_transport = None
-        geometry = self.geometry
-        if geometry == "kfac":
-            self.geometry = "none"  # no capture yet: bind(model) turns it back on
-        self.runtime = _Runtime(self, None, None)
-        self.geometry = geometry
+        self.runtime = _Runtime(None, None)
         self.runtime.geometries.update(d.get("geometries") or {})
         self.runtime.layouts.update(d.get("layouts") or {})
         self.runtime.estimators.update(d.get("estimators") or {})
+        for at, result in d.get("pending") or []:
+            done: _CFuture = _CFuture()
+            done.set_result(result)
+            self.runtime.pending.append((at, done))
         self.runtime.adopted_iter = self.iter - 1
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
@@ -294,10 +364,6 @@ class GiftState:
         self.param_names = _names_from(model)
         if self.geometry == "kfac":
             self.capture = capture if capture is not None else KfacCapture(model, **capture_args)
-            if self.runtime.sync_transport is None:
-                from ...transport.torch_dist import TorchDistTransport
-
-                self.runtime.sync_transport = TorchDistTransport(self.process_group)
             self.capture.step(self.iter)
         return self
 
@@ -364,8 +430,9 @@ class GiftState:
     def _end_iteration(self, it: int) -> None:
         """After the last bucket of iteration ``it``: KFAC snapshot/sync, capture step, iter += 1."""
         if it + 1 == self.start_gift_iter:
-            logger.info("giftcomm: warm-up ends after iteration %d; FP8 (%s) from iteration %d", it, self.fmt, it + 1)
-        if self.geometry == "kfac" and self.capture is not None and (it + 1) % self.refresh_every == 0:
+            logger.info("giftcomm: warm-up ends after iteration %d; %s from iteration %d", it, self.fmt, it + 1)
+        if self.geometry == "kfac" and self.capture is not None and (it + 1) % self.refresh_every == 0 \
+                and self.runtime.sync_transport is not None:
             self._submit_kfac(it)
         self.iter = it + 1
         if self.capture is not None:
@@ -480,7 +547,7 @@ def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool) ->
     with state.runtime.lock:
         s = state._stats
         s.bytes_in += n * buf.element_size()
-        s.bytes_wire += message_nbytes(n, state.fmt, state.block)
+        s.bytes_wire += message_nbytes(n, state.options.format, state.block)
         s.comm_seconds += seconds
         if device:
             s.device_buckets += 1
@@ -493,7 +560,7 @@ def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, 
     """Worker-thread body: reduce one CPU bucket in place and complete ``fut``."""
     try:
         t0 = time.perf_counter()
-        api.gift_allreduce(buf, geo, comm=state.runtime.host, op="avg", fmt=state.fmt, block=state.block, out=buf)
+        api.gift_allreduce(buf, geo, comm=state.runtime.host, out=buf, **call_kwargs(state.options, it, index))
         dt = time.perf_counter() - t0
         snap = None
         if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
@@ -536,7 +603,7 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     try:
         t0 = time.perf_counter()
         with _on_side_stream(state, buf) as side:
-            api.gift_allreduce(buf, geo, comm=transport, op="avg", fmt=state.fmt, block=state.block, out=buf)
+            api.gift_allreduce(buf, geo, comm=transport, out=buf, **call_kwargs(state.options, it, index))
             snap = None
             if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
                 copy_ = buf.detach().to(torch.float32, copy=True)  # device to device, on the side stream
@@ -566,6 +633,13 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
                         f"(got {type(state).__name__}; PyTorch's fp16/bf16 hooks take None, this one does not)")
     buf = bucket.buffer()
     it = state.iter
+    if state.world_size() == 1:  # one rank: the average is the bucket itself
+        with state.runtime.lock:
+            state._stats.passthrough_buckets += 1
+        state.maybe_increase_iter(bucket)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buf)
+        return done
     state._begin_iteration(it)
     index = bucket.index()
     if it < state.start_gift_iter:
@@ -576,6 +650,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
             state._stats.warmup_buckets += 1
         state.maybe_increase_iter(bucket)
         return work_fut.then(lambda f: f.value()[0])
+    state.runtime.connect(state)
     layout = None
     if state.geometry != "none":
         layout = _bucket_layout(state, bucket, buf.numel())

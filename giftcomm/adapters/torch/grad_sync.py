@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from ... import api
+from ...options import CallOptions
+from ..calls import call_kwargs
 from .buckets import GradBucket, make_buckets
 
 __all__ = ["GradSync", "SyncTimes"]
@@ -83,21 +85,27 @@ class _TimedGeometry:
 class GradSync:
     """Allreduce a model's gradients bucket by bucket with giftcomm.
 
-    model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm: mpi4py
-    communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block, op, algorithm,
-    slice_elems, rounding: as for ``giftcomm.allreduce`` (op="avg" averages like DDP). bucket_mb:
-    bucket size in MiB. With ``rounding="stochastic"`` each ``sync(seed=...)`` call gives bucket i
-    the seed ``seed * 4096 + i`` (seed defaults to the number of earlier sync calls, the same on
-    every rank that calls sync in step).
+    model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm:
+    mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block (None: the
+    format's own), op, rounding, seed, algorithm, slice_elems, timeout: the call options of
+    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`, validated here: a bad one
+    raises ValueError/TypeError naming GradSync; op="avg" averages like DDP); ``sync.options`` is
+    the record. bucket_mb: bucket size in MiB. With ``rounding="stochastic"``, ``sync(step)``
+    rounds bucket i with the seed ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step
+    defaults to the number of earlier sync calls, the same on every rank that calls sync in step).
     """
 
     def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
-                 slice_elems: int | None = None, rounding: str = "nearest") -> None:
-        self.comm, self.fmt, self.block, self.op = comm, fmt, block, op
-        self.rounding = rounding
-        self.calls = 0  # sync() calls so far: the seed of stochastic rounding when sync() gets none
-        self.algorithm, self.slice_elems = algorithm, slice_elems
+                 slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
+                 timeout: float | None = None) -> None:
+        self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
+                                                    slice_elems=slice_elems, rounding=rounding, seed=seed,
+                                                    timeout=timeout)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"GradSync: bucket_mb must be a number > 0, got {bucket_mb!r}")
+        self.comm = comm
+        self.calls = 0  # sync() calls so far: the step of stochastic rounding when sync() gets none
         self.buckets: list[GradBucket] = make_buckets(model, bucket_mb)
         self.geometries: list[Any] = [None] * len(self.buckets)
 
@@ -123,11 +131,11 @@ class GradSync:
         for b in self.buckets:
             b.zero()
 
-    def sync(self, seed: int | None = None) -> SyncTimes:
+    def sync(self, step: int | None = None) -> SyncTimes:
         """Collective: replace every gradient by its reduction over all ranks, in place.
-        seed: the call's stochastic-rounding seed (e.g. the step; default: the call count).
-        Returns the wall-time split (transform / comm)."""
-        seed = self.calls if seed is None else int(seed)
+        step: the training step the stochastic-rounding seeds derive from (default: the call
+        count). Returns the wall-time split (transform / comm)."""
+        step = self.calls if step is None else int(step)
         self.calls += 1
         times = SyncTimes()
         t0 = time.perf_counter()
@@ -135,10 +143,7 @@ class GradSync:
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
             with _torch_stream(b.tensor):
-                api.gift_allreduce(b.buffer, tg, comm=self.comm, op=self.op, fmt=self.fmt, block=self.block,
-                                   out=b.buffer, algorithm=self.algorithm, slice_elems=self.slice_elems,
-                                   rounding=self.rounding,
-                                   seed=seed * 4096 + b.index if self.rounding == "stochastic" else None)
+                api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **call_kwargs(self.options, step, b.index))
             if tg is not None:
                 times.transform += tg.seconds
         times.total = time.perf_counter() - t0

@@ -25,6 +25,7 @@
 //
 // Sizes: count < 2^62 values; block in [1, 2^20]; index arithmetic is 64-bit.
 
+#include "gc_formats.h"
 #include "gc_fp8.cuh"
 #include "gc_mx.cuh"
 
@@ -528,7 +529,7 @@ struct gc_mx_msg {
 // decoded value i of a message
 template <int EK, int NV>
 GC_DEV float gc_mx_in(const gc_mx_msg& m, long long i) {
-    const gc_u32 code = (EK == 2) ? ((gc_u32)(m.pay[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)m.pay[i];
+    const gc_u32 code = (EK == GC_ELEM_E2M1) ? ((gc_u32)(m.pay[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)m.pay[i];
     if (NV) return gc_nv_value(code, m.sc[i >> 4], m.gs[i >> 10]);
     return gc_mx_value(code, m.sc[i >> 5], EK);
 }
@@ -538,7 +539,7 @@ GC_DEV float gc_mx_in(const gc_mx_msg& m, long long i) {
 template <int EK, int MODE>
 GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
                              float* __restrict__ sum_out, long long count, long long nb, int sr, gc_u64 key,
-                             gc_u64 offset) {
+                             gc_u64 offset, int rule) {
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < nb; b += warps) {
@@ -552,10 +553,10 @@ GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
         }
         gc_u32 m = gc_abs_bits(v);
         for (int o = 16; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        const gc_u32 scode = gc_mx_scale_code(m, EK);
+        const gc_u32 scode = gc_mx_scale_code(m, EK, rule);
         gc_u32 code = GC_EK_NAN(EK);
         if (scode != 0xFFu) code = gc_qelem(v, gc_mx_mult(scode), sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, EK, sr != 0);
-        if (EK == 2) {
+        if (EK == GC_ELEM_E2M1) {
             const gc_u32 hi = __shfl_down_sync(0xFFFFFFFFu, code, 1);
             if (live && (lane & 1) == 0) pay[i >> 1] = (gc_u8)((code & 0xFu) | ((i + 1 < count ? hi & 0xFu : 0u) << 4));
         } else if (live) {
@@ -622,8 +623,8 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             const int h = k >> 4;
             gc_u32 c0 = 0, c1 = 0;
             if (bsc[h] != 0x7Fu && i < count) {
-                c0 = gc_qelem(v[k], r[h], sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, 2, sr != 0);
-                if (i + 1 < count) c1 = gc_qelem(v[k + 1], r[h], sr ? gc_rbits(key, offset + (gc_u64)(i + 1)) : 0u, 2, sr != 0);
+                c0 = gc_qelem(v[k], r[h], sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, GC_NVFP4_ELEM, sr != 0);
+                if (i + 1 < count) c1 = gc_qelem(v[k + 1], r[h], sr ? gc_rbits(key, offset + (gc_u64)(i + 1)) : 0u, GC_NVFP4_ELEM, sr != 0);
             }
             w[k >> 3] |= ((c0 & 0xFu) | ((c1 & 0xFu) << 4)) << (8 * ((k >> 1) & 3));
         }
@@ -679,7 +680,8 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
     }
 }
 
-#define GC_MX_ARGS_TAIL long long count, long long nb, int sr, gc_u64 key, gc_u64 offset
+// rule: the E8M0 formats' shared-exponent rule (GC_RULE_CEIL, GC_RULE_FLOOR); nvfp4 ignores it
+#define GC_MX_ARGS_TAIL long long count, long long nb, int sr, gc_u64 key, gc_u64 offset, int rule
 #define GC_MX_ENTRIES(EK, NV, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) gc_mx_enc_##NAME(const float* __restrict__ x,                 \
         const gc_u8* __restrict__ ipay, const gc_u8* __restrict__ isc, const float* __restrict__ igs,                \
@@ -690,8 +692,8 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
             if (mode) gc_nv_enc_kernel<1>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                   \
             else gc_nv_enc_kernel<0>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                        \
         } else {                                                                                                      \
-            if (mode) gc_mx_enc_kernel<EK, 1>(x, in, pay, sc, sum_out, count, nb, sr, key, offset);                   \
-            else gc_mx_enc_kernel<EK, 0>(x, in, pay, sc, sum_out, count, nb, sr, key, offset);                        \
+            if (mode) gc_mx_enc_kernel<EK, 1>(x, in, pay, sc, sum_out, count, nb, sr, key, offset, rule);             \
+            else gc_mx_enc_kernel<EK, 0>(x, in, pay, sc, sum_out, count, nb, sr, key, offset, rule);                  \
         }                                                                                                             \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gc_mx_dec_##NAME(const gc_u8* __restrict__ ipay,              \
@@ -702,10 +704,10 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
         else gc_mx_dec_kernel<EK, NV, false>(in, out, count, vec);                                                    \
     }
 
-GC_MX_ENTRIES(2, 1, nvfp4)
-GC_MX_ENTRIES(2, 0, mxfp4)
-GC_MX_ENTRIES(0, 0, mxfp8)
-GC_MX_ENTRIES(1, 0, mxfp8_e5m2)
+GC_MX_ENTRIES(GC_NVFP4_ELEM, 1, nvfp4)
+GC_MX_ENTRIES(GC_MXFP4_ELEM, 0, mxfp4)
+GC_MX_ENTRIES(GC_MXFP8_ELEM, 0, mxfp8)
+GC_MX_ENTRIES(GC_MXFP8_E5M2_ELEM, 0, mxfp8_e5m2)
 
 // ---------------------------------------------------------------- float32 <-> float64 casts
 // y = x converted (float32 -> float64 exactly; float64 -> float32 rounded to nearest even), for

@@ -4,6 +4,9 @@
 // compiler (-ffp-contract=off) and checks it bit for bit against giftcomm.reference.codec.
 // It emulates what each kernel computes per value and per block, not the kernels' parallel
 // structure (teams, shuffles, vector loads), which only a GPU can run (tests/test_gpu.py).
+// Format codes and facts: gc_formats.h (generated from giftcomm/formats.py; found with -Inative).
+// `fmt` arguments are variant codes (giftcomm.formats.Format.variant_code).
+#include "gc_formats.h"
 #include "gc_fp8.cuh"
 #include "gc_mx.cuh"
 
@@ -93,7 +96,13 @@ static void sr8_t(const float* x, long long n, int block, gc_u8* msg, gc_u64 key
 }
 
 // ---- MX formats and nvfp4 (what gc_mx_enc_F / gc_mx_dec_F compute per block, group, value) ----
-static int mx_ek(int fmt) { return fmt == 8 ? 0 : (fmt == 9 ? 1 : 2); }
+static int mx_ek(int fmt) { return GC_FMT_ELEM(GC_VARIANT_FORMAT(fmt)); }
+static bool mx_packed(int fmt) { return GC_FMT_VALUE_BITS(GC_VARIANT_FORMAT(fmt)) == 4; }
+static bool mx_nv(int fmt) { return GC_VARIANT_FORMAT(fmt) == GC_NVFP4; }
+static bool mx_known(int fmt) {
+    const int s = GC_FMT_SCALE(GC_VARIANT_FORMAT(fmt)), rule = GC_VARIANT_RULE(fmt);
+    return (s == GC_SCALE_E8M0 && (rule == GC_RULE_CEIL || rule == GC_RULE_FLOOR)) || (s == GC_SCALE_NVFP4 && rule == 0);
+}
 
 struct mx_layout {
     gc_u8* pay;
@@ -102,9 +111,9 @@ struct mx_layout {
 };
 
 static mx_layout mx_parts(int fmt, gc_u8* msg, long long n) {
-    const long long pb = (fmt == 6 || fmt == 7) ? (n + 1) / 2 : n;
+    const long long pb = mx_packed(fmt) ? (n + 1) / 2 : n;
     mx_layout l{msg, msg + pb, 0};
-    if (fmt == 6) {
+    if (mx_nv(fmt)) {
         const long long nb = (n + 15) / 16;
         const long long goff = align4(pb + nb);
         for (long long i = pb + nb; i < goff; ++i) msg[i] = 0;
@@ -117,7 +126,7 @@ static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int
     const int ek = mx_ek(fmt);
     const mx_layout l = mx_parts(fmt, msg, n);
     gc_u8* codes = new gc_u8[n > 0 ? n : 1];
-    if (fmt == 6) {
+    if (mx_nv(fmt)) {
         for (long long g = 0; g * 1024 < n; ++g) {
             const long long g0 = g * 1024, gend = (n - g0 < 1024) ? n : g0 + 1024;
             gc_u32 f = 0;
@@ -134,7 +143,7 @@ static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int
                 const gc_u32 bs = gc_nv_block(m, grp, &r);
                 l.sc[b0 / 16] = (gc_u8)bs;
                 for (long long i = b0; i < b0 + 16 && i < gend; ++i)
-                    codes[i] = bs == 0x7Fu ? 0 : (gc_u8)gc_qelem(v[i], r, sr ? gc_rbits(key, off + (gc_u64)i) : 0u, 2, sr != 0);
+                    codes[i] = bs == 0x7Fu ? 0 : (gc_u8)gc_qelem(v[i], r, sr ? gc_rbits(key, off + (gc_u64)i) : 0u, GC_NVFP4_ELEM, sr != 0);
             }
             l.gs[g] = grp.s2;
         }
@@ -143,7 +152,7 @@ static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int
             const long long end = (n - b0 < 32) ? n : b0 + 32;
             gc_u32 m = 0;
             for (long long i = b0; i < end; ++i) m = gc_umax(m, gc_abs_bits(v[i]));
-            const gc_u32 scode = gc_mx_scale_code(m, ek);
+            const gc_u32 scode = gc_mx_scale_code(m, ek, GC_VARIANT_RULE(fmt));
             l.sc[b0 / 32] = (gc_u8)scode;
             for (long long i = b0; i < end; ++i)
                 codes[i] = scode == 0xFFu ? (gc_u8)GC_EK_NAN(ek)
@@ -151,7 +160,7 @@ static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int
                                                             ek, sr != 0);
         }
     }
-    if (ek == 2) {
+    if (ek == GC_ELEM_E2M1) {
         for (long long i = 0; i < n; i += 2)
             l.pay[i / 2] = (gc_u8)((codes[i] & 0xFu) | ((i + 1 < n ? codes[i + 1] & 0xFu : 0u) << 4));
     } else {
@@ -162,9 +171,9 @@ static void mx_encode_vals(int fmt, const float* v, long long n, gc_u8* msg, int
 
 static float mx_value(int fmt, const gc_u8* msg, long long n, long long i) {
     const int ek = mx_ek(fmt);
-    const long long pb = (fmt == 6 || fmt == 7) ? (n + 1) / 2 : n;
-    const gc_u32 code = ek == 2 ? (gc_u32)((msg[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)msg[i];
-    if (fmt == 6) {
+    const long long pb = mx_packed(fmt) ? (n + 1) / 2 : n;
+    const gc_u32 code = ek == GC_ELEM_E2M1 ? (gc_u32)((msg[i >> 1] >> (4 * (int)(i & 1))) & 0xFu) : (gc_u32)msg[i];
+    if (mx_nv(fmt)) {
         const float* gs = reinterpret_cast<const float*>(msg + align4(pb + (n + 15) / 16));
         return gc_nv_value(code, msg[pb + i / 16], gs[i / 1024]);
     }
@@ -172,15 +181,15 @@ static float mx_value(int fmt, const gc_u8* msg, long long n, long long i) {
 }
 
 extern "C" {
-// MX formats and nvfp4 (fmt 6 nvfp4, 7 mxfp4, 8 mxfp8, 9 mxfp8_e5m2); sr: 0 nearest, 1 stochastic
+// MX formats and nvfp4 (variant codes of GC_NVFP4, GC_MXFP4, GC_MXFP8, GC_MXFP8_E5M2); sr: 0 nearest, 1 stochastic
 int gc_emu_mx_encode(int fmt, const float* x, long long n, gc_u8* msg, int sr, gc_u64 key, gc_u64 off) {
-    if (fmt < 6 || fmt > 9) return -1;
+    if (!mx_known(fmt)) return -1;
     mx_encode_vals(fmt, x, n, msg, sr, key, off);
     return 0;
 }
 
 int gc_emu_mx_decode(int fmt, const gc_u8* msg, long long n, float* out, int acc) {
-    if (fmt < 6 || fmt > 9) return -1;
+    if (!mx_known(fmt)) return -1;
     for (long long i = 0; i < n; ++i) {
         const float v = mx_value(fmt, msg, n, i);
         out[i] = acc ? gc_add(out[i], v) : v;
@@ -190,7 +199,7 @@ int gc_emu_mx_decode(int fmt, const gc_u8* msg, long long n, float* out, int acc
 
 int gc_emu_mx_dae(int fmt, const gc_u8* min, const float* local, long long n, gc_u8* mout, float* sum_out, int sr,
                   gc_u64 key, gc_u64 off) {
-    if (fmt < 6 || fmt > 9) return -1;
+    if (!mx_known(fmt)) return -1;
     float* tmp = new float[n > 0 ? n : 1];
     for (long long i = 0; i < n; ++i) tmp[i] = gc_add(mx_value(fmt, min, n, i), local[i]);
     if (sum_out)
@@ -200,21 +209,21 @@ int gc_emu_mx_dae(int fmt, const gc_u8* min, const float* local, long long n, gc
     return 0;
 }
 
-// stochastic e4m3 (1) / e5m2 (2): encode, and decode-add-encode
+// stochastic e4m3 / e5m2: encode, and decode-add-encode
 int gc_emu_sr8_encode(int fmt, const float* x, long long n, int block, gc_u8* msg, gc_u64 key, gc_u64 off) {
-    if (fmt == 1) sr8_t<gc_e4m3>(x, n, block, msg, key, off);
-    else if (fmt == 2) sr8_t<gc_e5m2>(x, n, block, msg, key, off);
+    if (fmt == GC_E4M3) sr8_t<gc_e4m3>(x, n, block, msg, key, off);
+    else if (fmt == GC_E5M2) sr8_t<gc_e5m2>(x, n, block, msg, key, off);
     else return -1;
     return 0;
 }
 
 int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, int block, gc_u8* mout, float* sum_out,
                    gc_u64 key, gc_u64 off) {
-    if (fmt != 1 && fmt != 2) return -1;
+    if (fmt != GC_E4M3 && fmt != GC_E5M2) return -1;
     const float* sin = reinterpret_cast<const float*>(min + align4(n));
     float* tmp = new float[n > 0 ? n : 1];
     for (long long i = 0; i < n; ++i) {
-        const float d = fmt == 1 ? gc_e4m3::to_f32(min[i]) : gc_e5m2::to_f32(min[i]);
+        const float d = fmt == GC_E4M3 ? gc_e4m3::to_f32(min[i]) : gc_e5m2::to_f32(min[i]);
         tmp[i] = gc_add(gc_mul(d, sin[i / block]), local[i]);
     }
     if (sum_out)
@@ -224,33 +233,33 @@ int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, i
     return 0;
 }
 
-// fmt codes: giftcomm.formats (1 e4m3, 2 e5m2, 3 bf16, 4 fp16, 5 fp32). Return 0, or -1 for a bad code.
+// e4m3, e5m2 and the pass-through formats (codes: gc_formats.h). Return 0, or -1 for another code.
 int gc_emu_encode(int fmt, const float* x, long long n, int block, gc_u8* msg) {
-    if (fmt == 1) encode_t<gc_e4m3>(x, n, block, msg);
-    else if (fmt == 2) encode_t<gc_e5m2>(x, n, block, msg);
-    else if (fmt == 3) pt_t<gc_bf16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
-    else if (fmt == 4) pt_t<gc_fp16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
-    else if (fmt == 5) pt_f32(0, x, 0, reinterpret_cast<float*>(msg), 0, n);
+    if (fmt == GC_E4M3) encode_t<gc_e4m3>(x, n, block, msg);
+    else if (fmt == GC_E5M2) encode_t<gc_e5m2>(x, n, block, msg);
+    else if (fmt == GC_BF16) pt_t<gc_bf16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
+    else if (fmt == GC_FP16) pt_t<gc_fp16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
+    else if (fmt == GC_FP32) pt_f32(0, x, 0, reinterpret_cast<float*>(msg), 0, n);
     else return -1;
     return 0;
 }
 
 int gc_emu_decode(int fmt, const gc_u8* msg, long long n, int block, float* out, int acc) {
-    if (fmt == 1) decode_t<gc_e4m3>(msg, n, block, out, acc);
-    else if (fmt == 2) decode_t<gc_e5m2>(msg, n, block, out, acc);
-    else if (fmt == 3) pt_t<gc_bf16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
-    else if (fmt == 4) pt_t<gc_fp16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
-    else if (fmt == 5) pt_f32(acc ? 2 : 1, 0, reinterpret_cast<const float*>(msg), 0, out, n);
+    if (fmt == GC_E4M3) decode_t<gc_e4m3>(msg, n, block, out, acc);
+    else if (fmt == GC_E5M2) decode_t<gc_e5m2>(msg, n, block, out, acc);
+    else if (fmt == GC_BF16) pt_t<gc_bf16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
+    else if (fmt == GC_FP16) pt_t<gc_fp16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
+    else if (fmt == GC_FP32) pt_f32(acc ? 2 : 1, 0, reinterpret_cast<const float*>(msg), 0, out, n);
     else return -1;
     return 0;
 }
 
 int gc_emu_dae(int fmt, const gc_u8* min, const float* local, long long n, int block, gc_u8* mout, float* sum_out) {
-    if (fmt == 1) dae_t<gc_e4m3>(min, local, n, block, mout, sum_out);
-    else if (fmt == 2) dae_t<gc_e5m2>(min, local, n, block, mout, sum_out);
-    else if (fmt == 3) pt_t<gc_bf16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
-    else if (fmt == 4) pt_t<gc_fp16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
-    else if (fmt == 5) pt_f32(3, local, reinterpret_cast<const float*>(min), reinterpret_cast<float*>(mout), sum_out, n);
+    if (fmt == GC_E4M3) dae_t<gc_e4m3>(min, local, n, block, mout, sum_out);
+    else if (fmt == GC_E5M2) dae_t<gc_e5m2>(min, local, n, block, mout, sum_out);
+    else if (fmt == GC_BF16) pt_t<gc_bf16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
+    else if (fmt == GC_FP16) pt_t<gc_fp16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
+    else if (fmt == GC_FP32) pt_f32(3, local, reinterpret_cast<const float*>(min), reinterpret_cast<float*>(mout), sum_out, n);
     else return -1;
     return 0;
 }
@@ -258,8 +267,8 @@ int gc_emu_dae(int fmt, const gc_u8* min, const float* local, long long n, int b
 // The portable float32 -> FP8 conversion alone, on values already within [-max, max].
 int gc_emu_fp8_cast(int fmt, const float* v, long long n, gc_u8* out) {
     for (long long i = 0; i < n; ++i) {
-        if (fmt == 1) out[i] = gc_e4m3::from_f32(v[i]);
-        else if (fmt == 2) out[i] = gc_e5m2::from_f32(v[i]);
+        if (fmt == GC_E4M3) out[i] = gc_e4m3::from_f32(v[i]);
+        else if (fmt == GC_E5M2) out[i] = gc_e5m2::from_f32(v[i]);
         else return -1;
     }
     return 0;

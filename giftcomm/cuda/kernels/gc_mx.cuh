@@ -3,18 +3,21 @@
 // emulation (gc_host_emu.cpp). Same rules, bit for bit, as giftcomm/reference/codec.py and the
 // native C codec (native/gc_scalar.h, native/gc_kernels_mx.h); docs/wire-format.md states them.
 //
-// Element kinds EK: 0 E4M3, 1 E5M2, 2 E2M1.
+// Element kinds EK (GC_ELEM_E4M3, GC_ELEM_E5M2, GC_ELEM_E2M1) and their facts come from gc_formats.h,
+// generated from giftcomm/formats.py (the loader serves it to NVRTC; nvcc and the host emulation
+// find native/gc_formats.h with -Inative).
 #pragma once
-// needs gc_fp8.cuh included before it (the loader inlines headers once per #include, so no nested include)
+// needs gc_formats.h and gc_fp8.cuh included before it (the loader inlines headers once per #include,
+// so no nested include)
 
 typedef unsigned long long gc_u64;
 
-#define GC_EK_M(ek) ((ek) == 0 ? 3 : (ek) == 1 ? 2 : 1)
-#define GC_EK_EMIN(ek) ((ek) == 0 ? -6 : (ek) == 1 ? -14 : 0)
-#define GC_EK_MAXB(ek) ((ek) == 0 ? 0x43E00000u : (ek) == 1 ? 0x47600000u : 0x40C00000u)
-#define GC_EK_SBIT(ek) ((ek) == 2 ? 3 : 7)
-#define GC_EK_EMAX(ek) ((ek) == 0 ? 8u : (ek) == 1 ? 15u : 2u)
-#define GC_EK_NAN(ek) ((ek) == 2 ? 0u : 0x7Fu)
+#define GC_EK_M(ek) GC_ELEM_MANT(ek)
+#define GC_EK_EMIN(ek) GC_ELEM_EMIN(ek)
+#define GC_EK_MAXB(ek) GC_ELEM_MAXB(ek)
+#define GC_EK_SBIT(ek) GC_ELEM_SBIT(ek)
+#define GC_EK_EMAX(ek) GC_ELEM_EMAX(ek)
+#define GC_EK_NAN(ek) GC_ELEM_NAN(ek)
 
 // word 0 of Philox4x32-10 (Random123), counter (c0, c1, 0, 0), key (k0, k1)
 GC_HD gc_u32 gc_philox_w0(gc_u32 c0, gc_u32 c1, gc_u32 k0, gc_u32 k1) {
@@ -78,13 +81,16 @@ GC_HD float gc_de2m1(gc_u32 c) {
 GC_HD float gc_de8m0(gc_u32 c) { return gc_u2f(c == 0xFFu ? GC_F32_QNAN_BITS : (c ? c << 23 : 0x400000u)); }
 
 GC_HD float gc_elem_f32(gc_u32 code, int ek) {
-    return ek == 2 ? gc_de2m1(code) : (ek == 0 ? gc_e4m3::to_f32((gc_u8)code) : gc_e5m2::to_f32((gc_u8)code));
+    return ek == GC_ELEM_E2M1 ? gc_de2m1(code) : (ek == GC_ELEM_E4M3 ? gc_e4m3::to_f32((gc_u8)code) : gc_e5m2::to_f32((gc_u8)code));
 }
 
-// MX scale from the block's amax bits: code (0xFF non-finite) and the encode multiplier 2^-s
-GC_HD gc_u32 gc_mx_scale_code(gc_u32 m, int ek) {
+// MX scale from the block's amax bits: code (0xFF non-finite) and the encode multiplier 2^-s.
+// rule GC_RULE_FLOOR (OCP MX v1.0): max(E - emax, 0), E the biased float32 exponent of amax;
+// GC_RULE_CEIL: one more where amax's mantissa field exceeds the element max's, so amax / scale <= max,
+// except in the top float32 binade (m >= 0x7F000000) (native/gc_scalar.h gc_e8m0_code, the same text)
+GC_HD gc_u32 gc_mx_scale_code(gc_u32 m, int ek, int rule) {
     if (m >= GC_F32_INF_BITS) return 0xFFu;
-    const gc_u32 e = m >> 23;
+    const gc_u32 e = (m >> 23) + (gc_u32)(rule == GC_RULE_CEIL && (m & 0x7FFFFFu) > GC_ELEM_MAXMANT(ek) && m < 0x7F000000u);
     return e > GC_EK_EMAX(ek) ? e - GC_EK_EMAX(ek) : 0u;
 }
 GC_HD float gc_mx_mult(gc_u32 code) { return gc_u2f((254u - (code == 0xFFu ? 254u : code)) << 23); }

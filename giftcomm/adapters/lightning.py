@@ -1,0 +1,91 @@
+"""Lightning integration (needs ``lightning`` or ``pytorch_lightning``, and ``torch``): a Callback
+that puts giftcomm's DDP communication hook on the model Lightning wraps, on any device.
+
+::
+
+    from giftcomm.adapters.lightning import GiftCommCallback
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+                        callbacks=[GiftCommCallback(fmt="e4m3", start_gift_iter=10)])
+
+Lightning's own route, ``DDPStrategy(ddp_comm_state=GiftState(...), ddp_comm_hook=gift_hook)``,
+registers the hook only when the root device is CUDA; on CPUs it silently trains with DDP's
+default allreduce. ``GiftCommCallback()`` with no arguments completes that route: at
+``on_fit_start`` (after the strategy has wrapped the model in DistributedDataParallel) it takes
+the strategy's ``GiftState`` and registers it where Lightning did not. Given a state or options,
+it registers its own. A hook already registered with the same state (Lightning on CUDA) is left
+alone; a different hook already on the model is an error, as DDP takes one.
+
+The callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
+installed, else ``pytorch_lightning.Callback``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from .torch.ddp import GiftState
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package
+    from pytorch_lightning import Callback  # type: ignore[no-redef,assignment]
+
+__all__ = ["GiftCommCallback"]
+
+logger = logging.getLogger("giftcomm.adapters")
+
+
+class GiftCommCallback(Callback):
+    """Register ``gift_hook`` on the trainer's DDP model at the start of ``fit``.
+
+    state: the :class:`~giftcomm.adapters.torch.GiftState` to use; or ``gift_options``, the
+    keywords of ``GiftState(...)`` (fmt, block, rounding, seed, algorithm, slice_elems, timeout,
+    start_gift_iter, geometry, ...: validated here, when the callback is built); or neither: the
+    state given to ``DDPStrategy(ddp_comm_state=...)``, else ``GiftState()`` (e4m3). For
+    ``geometry="kfac"`` pass ``capture=`` the LightningModule. ``callback.state`` is the state in use
+    (its ``stats()`` after training). With one process (no DDP wrapper, world size 1) nothing is
+    registered. Raises TypeError when several processes train without a DDP strategy, and
+    RuntimeError when the DDP model already has another communication hook.
+    """
+
+    def __init__(self, state: GiftState | None = None, **gift_options: Any) -> None:
+        super().__init__()
+        if state is not None and gift_options:
+            raise TypeError("GiftCommCallback: pass a GiftState or GiftState's options, not both")
+        if state is not None and not isinstance(state, GiftState):
+            raise TypeError(f"GiftCommCallback: state must be a GiftState, got {type(state).__name__}")
+        self.state: GiftState | None = state if state is not None else (GiftState(**gift_options) if gift_options else None)
+        self.registered = False
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        strategy = trainer.strategy
+        ddp = strategy.model
+        if not isinstance(ddp, DistributedDataParallel):
+            if trainer.world_size > 1:
+                raise TypeError(f"GiftCommCallback needs a DDP strategy (strategy='ddp' or DDPStrategy(...)) to reduce "
+                                f"gradients with giftcomm; the trainer's strategy is {type(strategy).__name__}")
+            logger.info("giftcomm: one process and no DDP wrapper: GiftCommCallback registers nothing")
+            return
+        strategy_state = getattr(strategy, "_ddp_comm_state", None)
+        if self.state is None:
+            if isinstance(strategy_state, GiftState):
+                self.state = strategy_state
+            elif strategy_state is not None or getattr(strategy, "_ddp_comm_hook", None) is not None:
+                raise RuntimeError("GiftCommCallback: the DDP strategy has another communication hook "
+                                   f"({getattr(strategy, '_ddp_comm_hook', None)!r}); give the strategy "
+                                   "ddp_comm_state=GiftState(...), ddp_comm_hook=gift_hook, or drop its hook")
+            else:
+                self.state = GiftState()
+        hooks = list(getattr(ddp, "_comm_hooks", []))
+        if any(state is self.state for _, state in hooks):
+            self.registered = True  # Lightning registered it (CUDA root device)
+            return
+        if hooks:
+            raise RuntimeError(f"GiftCommCallback: the DDP model already has a communication hook ({hooks[0][0]!r}); "
+                               "DDP takes one")
+        self.state.register(ddp)
+        self.registered = True
+        logger.info("giftcomm: gift_hook registered on the DDP model (%s)", self.state.fmt)
