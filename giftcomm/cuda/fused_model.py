@@ -113,14 +113,23 @@ class FusedLayout:
                        g.o["ul"] + bi * g.m * g.kl, g.o["R2t"] + bi * g.n * g.kl]
                 pieces.append((int(s), int(s) + g.m * g.n, rec, float(par["cc"][bi])))
         pieces.sort()
-        starts, recs, ccs, at = [], [], [], 0
+        starts: list[int] = []
+        recs: list[list[int]] = []
+        ccs: list[float] = []
+        at = 0
+
+        def piece(start: int, rec: list[int], cc: float) -> None:
+            starts.append(start)
+            recs.append(rec)
+            ccs.append(cc)
+
         for a, b, rec, cc in pieces:
-            if a > at:
-                starts.append(at), recs.append([at, 0, 0, 0, 0, 0, 0, 0]), ccs.append(1.0)
-            starts.append(a), recs.append(rec), ccs.append(cc)
+            if a > at:  # a gap between segments: copied
+                piece(at, [at, 0, 0, 0, 0, 0, 0, 0], 1.0)
+            piece(a, rec, cc)
             at = b
         if at < size or not starts:
-            starts.append(at), recs.append([at, 0, 0, 0, 0, 0, 0, 0]), ccs.append(1.0)
+            piece(at, [at, 0, 0, 0, 0, 0, 0, 0], 1.0)
         starts.append(max(size, at))
         return cls(size, groups, pool, np.array(starts, np.int64), np.array(recs, np.int64).reshape(-1),
                    np.array(ccs, f32))
@@ -199,7 +208,7 @@ def project(lay: FusedLayout, pool: np.ndarray, x: np.ndarray) -> None:
 
 def small(lay: FusedLayout, pool: np.ndarray, g: GroupLayout) -> None:
     """Pass S (gc_fz_small, gc_fz_r2) of group ``g`` on host ``pool``."""
-    b, m, n, kl, kr = g.b, g.m, g.n, g.kl, g.kr
+    b, m, kl, kr = g.b, g.m, g.kl, g.kr
     v = lambda name: lay.view(pool, g, name)  # noqa: E731
     if kr:
         v("L1")[...] = v("ldr")[:, None, :] * v("P")
