@@ -37,7 +37,7 @@ import numpy as np
 from ..formats import SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
-__all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "add_inplace", "add", "convert", "supports"]
+__all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports", "add_inplace", "add", "convert"]
 
 CUDA_FORMATS = frozenset({"e4m3", "e5m2", "bf16", "fp16", "fp32", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"})
 """The formats kernels/gc_codec.cu has kernels for (its GC_*_ENTRIES / GC_PT_ENTRY lines and

@@ -603,7 +603,7 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             float t = 0.0f;
             if (i < count) {
                 t = tw[lane * GC_NV_ROW + k];
-                if (MODE == 1) t = gc_add(gc_mx_in<2, 1>(in, i), t);
+                if (MODE == 1) t = gc_add(gc_mx_in<GC_NVFP4_ELEM, 1>(in, i), t);
                 if (sum_out) sum_out[i] = t;
             }
             v[k] = t;
@@ -651,14 +651,14 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups; t += (long long)gridDim.x * blockDim.x) {
         const long long i0 = t << 3;
         if (vec && i0 + 7 < count) {
-            const gc_u32 w0 = *reinterpret_cast<const gc_u32*>(in.pay + (EK == 2 ? (i0 >> 1) : i0));
-            const gc_u32 w1 = (EK == 2) ? 0u : *reinterpret_cast<const gc_u32*>(in.pay + i0 + 4);
+            const gc_u32 w0 = *reinterpret_cast<const gc_u32*>(in.pay + (EK == GC_ELEM_E2M1 ? (i0 >> 1) : i0));
+            const gc_u32 w1 = (EK == GC_ELEM_E2M1) ? 0u : *reinterpret_cast<const gc_u32*>(in.pay + i0 + 4);
             const gc_u32 scode = NV ? (gc_u32)in.sc[i0 >> 4] : (gc_u32)in.sc[i0 >> 5];
             const float s2 = NV ? in.gs[i0 >> 10] : 0.0f;
             float v[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                const gc_u32 code = (EK == 2) ? (w0 >> (4 * k)) & 0xFu : ((k < 4 ? w0 : w1) >> (8 * (k & 3))) & 0xFFu;
+                const gc_u32 code = (EK == GC_ELEM_E2M1) ? (w0 >> (4 * k)) & 0xFu : ((k < 4 ? w0 : w1) >> (8 * (k & 3))) & 0xFFu;
                 v[k] = NV ? gc_nv_value(code, scode, s2) : gc_mx_value(code, scode, EK);
             }
             float4* o = reinterpret_cast<float4*>(out + i0);
