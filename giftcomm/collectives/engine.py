@@ -36,7 +36,7 @@ from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
-from .agree import agree, confirm
+from .agree import agree, confirm, meet_plans
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
@@ -91,7 +91,7 @@ class held:
             if self._timeout is not None:
                 self._previous, t.timeout = t.timeout, self._timeout
             if self._plain and st.channel is not None:
-                st.channel.meet(t, PLAIN_WORD, planning.caller(), "giftcomm")
+                meet_plans(t, st.channel, PLAIN_WORD, planning.caller(), "giftcomm")
         except BaseException:
             self.__exit__()
             raise
