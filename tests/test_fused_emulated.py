@@ -195,3 +195,47 @@ def test_fused_rejects_what_it_does_not_implement(cp, rng):
         plan.project(cp.zeros(geo.size + 1, np.float32))
     with pytest.raises(ValueError, match="low-rank or identity"):
         cuda_fused.FusedPlan(Geometry.hadamard(geo.layout, seed=1), cp)
+
+
+def test_fused_ring_device_steps_equal_host_model(cp, rng):
+    """A 3-rank ring of the fused device steps on one emulated device: each chunk starts at the
+    rank after its owner with a fused encode of that rank's transformed values, every later rank
+    adds its own with a fused decode-add-encode hop, and every rank decodes all chunks (codec
+    kernel) and applies the fused inverse (op="avg"). Equal bit for bit to the host model of the
+    same steps (so every rank, running the same kernels on the same bytes, gets the same bits), and
+    inverse(sum(forward)) / P close to the average."""
+    from giftcomm.cuda.codec import CudaKernels
+
+    geo, nr = geometry(rng), 3
+    n, f, block = geo.size, get_format("e4m3"), 32
+    xs = [random_x(rng, n) for _ in range(nr)]
+    cuts = [0, (n // 3 // block) * block, (2 * n // 3 // block) * block, n]  # at scale blocks, not rows
+    lay_f, lay_i = FusedLayout.build(geo, False), FusedLayout.build(geo, True)
+    fwd, inv = cuda_fused.FusedPlan(geo, cp), cuda_fused.FusedPlan(geo, cp, inverse=True)
+    ys = []
+    for x in xs:
+        pool = lay_f.pool.copy()
+        project(lay_f, pool, x)
+        ys.append(apply_model(lay_f, pool, x))
+    z_dev, z_host = cp.empty(n, np.float32), np.empty(n, np.float32)
+    for c in range(nr):
+        lo, count = cuts[c], cuts[c + 1] - cuts[c]
+        order = [(c + 1 + h) % nr for h in range(nr)]  # the owner c adds last
+        host = encode(ys[order[0]][lo : lo + count], f, block)
+        fwd.project(xd := cp.asarray(xs[order[0]]))
+        dev = fwd.encode(xd, lo, count, f, block, cp.zeros(host.size, np.uint8))
+        for r in order[1:]:
+            host = decode_add_encode(host, ys[r][lo : lo + count], f, block)
+            fwd.project(xd := cp.asarray(xs[r]))
+            dev = fwd.decode_add_encode(xd, lo, count, dev, f, block, cp.zeros(host.size, np.uint8))
+        assert np.array_equal(dev.get(), host), f"chunk {c}"
+        CudaKernels.decode(dev, count, f, block, z_dev[lo : lo + count])
+        z_host[lo : lo + count] = decode(host, count, f, block)
+    out = cp.empty(n, np.float32)
+    inv.apply(z_dev, out, float(nr))
+    pool = lay_i.pool.copy()
+    project(lay_i, pool, z_host)
+    want = apply_model(lay_i, pool, z_host) / np.float32(nr)
+    assert np.array_equal(bits(out.get()), bits(want))
+    avg = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    assert np.linalg.norm(want - avg) <= 0.2 * np.linalg.norm(avg)
