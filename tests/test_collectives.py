@@ -20,12 +20,22 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_same_error, same
+from conftest import (
+    ALGORITHM_CHOICES,
+    ALGORITHM_NAMES,
+    FORMAT_NAMES,
+    SCALED_FORMATS,
+    SCATTER_ALGORITHMS,
+    assert_same_error,
+    block_for,
+    covering,
+    local_sizes,
+    same,
+)
 from conftest import outcomes as shared_outcomes
 from test_gpu_plumbing import FakeDeviceArray
 
 import giftcomm as gc
-from giftcomm.collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
 from giftcomm.cuda import available as cuda_available
 from giftcomm.geometry import Geometry
 from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_gift_allreduce, simulate_reduce_scatter
@@ -34,12 +44,11 @@ from giftcomm.transport import GROUPED, Request, Transport
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 from studies.device.collective_check import KFAC_LAYOUT, random_kfac_geometry
 
-PS = [1, 2, 3, 4, 5, 8]
+PS = [1, 2, 3, 4, 5, 6, 8]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
-# (fmt, n, block): block-scaled FP8 with partial last blocks, fewer blocks than ranks, raw formats
-CASES = [("e4m3", 1000, 32), ("e5m2", 515, 256), ("e4m3", 7, 3), ("bf16", 300, 64), ("fp32", 41, 8)]
-ALL_ALGORITHMS = CHOICES
+# (n, block): partial last blocks, fewer blocks than ranks, odd blocks (fixed-block formats: their own)
+CASES = [(1000, 32), (515, 256), (7, 3), (300, 64), (41, 8)]
 
 
 @dataclass(frozen=True)
@@ -118,82 +127,188 @@ def outcomes(p, fn, group=DeviceLoopbackGroup):
     return shared_outcomes(p, fn, group)
 
 
-def _local_size(algorithm: str, p: int) -> int | None:
-    """A node layout for the hierarchical algorithms: two ranks a node when P is even, else one."""
-    if algorithm == AUTO or not BY_NAME[algorithm].needs_nodes:
-        return None
-    return 2 if p % 2 == 0 else 1
+def _rounding(fmt: str, i: int, rng) -> tuple[str, int | None]:
+    """Stochastic rounding (a random seed) on every other case of a block-scaled format."""
+    if fmt in SCALED_FORMATS and i % 2:
+        return "stochastic", int(rng.integers(0, 2**63))
+    return "nearest", None
 
 
 # ----------------------------------------------------------------------- reduce_scatter
-@pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])
-def test_reduce_scatter_matches_simulation(rng, path, p, algorithm):
-    for fmt, n, block in CASES:
-        for dtype in DTYPES:
-            xs = inputs(rng, p, n, dtype)
-            args = [path.to(x) for x in xs]
-            op = ("sum", "avg")[int(rng.integers(2))]
-            got = path.run(p, lambda t: gc.reduce_scatter(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
-                                                          algorithm=algorithm))
-            want = simulate_reduce_scatter(xs, fmt, block, op, algorithm)
-            bounds = gc.chunk_bounds(n, p, block)
-            for r in range(p):
-                g = path.back(got[r])
-                assert g.shape == (bounds[r + 1] - bounds[r],)
-                assert same(g, want[r]), (fmt, n, block, dtype, op, r)
-            assert all(same(path.back(a), x) for a, x in zip(args, xs))  # inputs untouched
+SCATTER_CASES = covering(FORMAT_NAMES, SCATTER_ALGORITHMS, PS, CASES)
+
+
+@pytest.mark.parametrize("fmt, algorithm, p, case", SCATTER_CASES)
+def test_reduce_scatter_matches_simulation(rng, path, fmt, algorithm, p, case):
+    """Every format through every reduce-scatter algorithm (P and the size rotating)."""
+    n, block = case
+    block = block_for(fmt, block)
+    i = SCATTER_CASES.index((fmt, algorithm, p, case))
+    for dtype in (DTYPES[i % 4], DTYPES[(i + 1) % 4]):
+        xs = inputs(rng, p, n, dtype)
+        args = [path.to(x) for x in xs]
+        op = ("sum", "avg")[int(rng.integers(2))]
+        rounding, seed = _rounding(fmt, i, rng)
+        got = path.run(p, lambda t: gc.reduce_scatter(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
+                                                      algorithm=algorithm, rounding=rounding, seed=seed))
+        want = simulate_reduce_scatter(xs, fmt, block, op, algorithm, rounding=rounding, seed=seed)
+        bounds = gc.chunk_bounds(n, p, gc.formats.resolve_block(fmt, block))
+        for r in range(p):
+            g = path.back(got[r])
+            assert g.shape == (bounds[r + 1] - bounds[r],)
+            assert same(g, want[r]), (n, block, dtype, op, rounding, r)
+        assert all(same(path.back(a), x) for a, x in zip(args, xs))  # inputs untouched
 
 
 # ---------------------------------------------------------------------------- allgather
-@pytest.mark.parametrize("p", PS)
-def test_allgather_unequal_shards_matches_simulation(rng, path, p):
-    for fmt, _, block in CASES:
-        for dtype in DTYPES:
-            shards = [inputs(rng, 1, int(rng.integers(0, 3 * block + 2)), dtype)[0] for _ in range(p)]
-            if p > 1:
-                shards[int(rng.integers(p))] = np.zeros(0, dtype)  # an empty shard somewhere
-            args = [path.to(s) for s in shards]
-            got = path.run(p, lambda t: gc.allgather(args[t.rank], comm=t, fmt=fmt, block=block))
-            want = simulate_allgather(shards, fmt, block)
-            assert all(same(path.back(g), w) for g, w in zip(got, want)), (fmt, block, dtype)
+@pytest.mark.parametrize("fmt, p", [(f, PS[i % len(PS)]) for i, f in enumerate(FORMAT_NAMES)])
+def test_allgather_unequal_shards_matches_simulation(rng, path, fmt, p):
+    for i, dtype in enumerate(DTYPES):
+        block = block_for(fmt, CASES[i][1])
+        unit = gc.formats.resolve_block(fmt, block)
+        shards = [inputs(rng, 1, int(rng.integers(0, 3 * unit + 2)), dtype)[0] for _ in range(p)]
+        if p > 1:
+            shards[int(rng.integers(p))] = np.zeros(0, dtype)  # an empty shard somewhere
+        args = [path.to(s) for s in shards]
+        rounding, seed = _rounding(fmt, i, rng)
+        got = path.run(p, lambda t: gc.allgather(args[t.rank], comm=t, fmt=fmt, block=block, rounding=rounding,
+                                                 seed=seed))
+        want = simulate_allgather(shards, fmt, block, rounding=rounding, seed=seed)
+        assert all(same(path.back(g), w) for g, w in zip(got, want)), (block, dtype, rounding)
 
 
-@pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])
-def test_allgather_of_reduce_scatter_is_allreduce(rng, path, p, algorithm):
+@pytest.mark.parametrize("algorithm, p, fmt", covering(SCATTER_ALGORITHMS, PS, FORMAT_NAMES))
+def test_allgather_of_reduce_scatter_is_allreduce(rng, path, algorithm, p, fmt):
+    block = block_for(fmt, 64)
     for dtype in (np.float32, np.float64):
         xs = inputs(rng, p, 2049, dtype)
         args = [path.to(x) for x in xs]
 
         def both(t):
-            shard = gc.reduce_scatter(args[t.rank], comm=t, block=64, algorithm=algorithm)
-            return gc.allgather(shard, comm=t, block=64), gc.allreduce(args[t.rank], comm=t, block=64,
-                                                                       algorithm=algorithm)
+            shard = gc.reduce_scatter(args[t.rank], comm=t, fmt=fmt, block=block, algorithm=algorithm)
+            return (gc.allgather(shard, comm=t, fmt=fmt, block=block),
+                    gc.allreduce(args[t.rank], comm=t, fmt=fmt, block=block, algorithm=algorithm))
 
-        want = simulate_allreduce(xs, "e4m3", 64, "sum", algorithm)
+        want = simulate_allreduce(xs, fmt, block, "sum", algorithm)
         for (gathered, reduced), w in zip(path.run(p, both), want):
             assert same(path.back(gathered), w) and same(path.back(reduced), w)
 
 
 # ---------------------------------------------------------------------------- allreduce
-@pytest.mark.parametrize("p", PS)
-@pytest.mark.parametrize("algorithm", ALL_ALGORITHMS)
-def test_allreduce_matches_simulation(rng, path, p, algorithm):
-    local_size = _local_size(algorithm, p)
-    for fmt, n, block in CASES:
-        for dtype in DTYPES:
+ALLREDUCE_CASES = covering(FORMAT_NAMES, ALGORITHM_CHOICES, PS, CASES)
+
+
+@pytest.mark.parametrize("fmt, algorithm, p, case", ALLREDUCE_CASES)
+def test_allreduce_matches_simulation(rng, path, fmt, algorithm, p, case):
+    """Every format through every algorithm (and ``auto``) on this path: a covering design, P and
+    the size rotating so that every algorithm and every format meets every P; the rows that
+    need nodes run with every node size dividing P."""
+    n, block = case
+    block = block_for(fmt, block)
+    i = ALLREDUCE_CASES.index((fmt, algorithm, p, case))
+    for dtype in (DTYPES[i % 4], DTYPES[(i + 2) % 4]):
+        for local_size in local_sizes(algorithm, p):
             xs = [x.reshape(-1, 1) if n % 2 else x.reshape(2, -1) for x in inputs(rng, p, n, dtype)]
             args = [path.to(x) for x in xs]
             op = ("sum", "avg")[int(rng.integers(2))]
-            slice_elems = int(rng.choice([block, 4 * block, 1 << 18]))
+            unit = gc.formats.resolve_block(fmt, block)
+            slice_elems = int(rng.choice([unit, 4 * unit, 1 << 18]))
+            rounding, seed = _rounding(fmt, i, rng)
             got = path.run(p, lambda t: gc.allreduce(args[t.rank], comm=t, op=op, fmt=fmt, block=block,
                                                      algorithm=algorithm, local_size=local_size,
-                                                     slice_elems=slice_elems))
-            ran = resolve_algorithm(algorithm, n, p, None, fmt, block)
-            want = simulate_allreduce(xs, fmt, block, op, ran, local_size=local_size)
-            assert all(same(path.back(g), w) for g, w in zip(got, want)), (fmt, n, block, dtype, op, ran)
+                                                     slice_elems=slice_elems, rounding=rounding, seed=seed))
+            ran = resolve_algorithm(algorithm, n, p, local_size, fmt, block)
+            want = simulate_allreduce(xs, fmt, block, op, ran, local_size=local_size, rounding=rounding, seed=seed)
+            assert all(same(path.back(g), w) for g, w in zip(got, want)), (n, block, dtype, op, ran, local_size)
             assert all(same(path.back(a), x) for a, x in zip(args, xs))
+
+
+def test_default_auto_matches_the_simulations_default(rng):
+    """No ``algorithm=`` at all: the cost model's choice, the same one the simulation makes."""
+    for n in (10, 5000, 300000):
+        xs = inputs(rng, 4, n, np.float32)
+        outs = gc.LoopbackGroup(4).run(lambda t: gc.allreduce(xs[t.rank], comm=t))
+        assert same(outs[0], simulate_allreduce(xs)[0])
+
+
+@pytest.mark.parametrize("fmt, p", [(f, (2, 3, 4, 6)[i % 4]) for i, f in enumerate(FORMAT_NAMES)])
+def test_pipelined_bytes_do_not_depend_on_the_slice_size(rng, fmt, p):
+    """Slices are whole slice units (blocks; nvfp4: its 1024-value scale groups), so the bytes of
+    every block do not depend on how a hop is cut (38 blocks, the last one partial)."""
+    f = gc.formats.get_format(fmt)
+    block = block_for(fmt, 32)
+    unit = f.slice_unit(gc.formats.resolve_block(fmt, block))
+    n = unit * 37 + 5
+    dtype = (np.float32, np.float64, np.float16)[FORMAT_NAMES.index(fmt) % 3]
+    xs = inputs(rng, p, n, dtype)
+    rounding, seed = _rounding(fmt, FORMAT_NAMES.index(fmt), rng)
+    kw = dict(fmt=fmt, block=block, rounding=rounding, seed=seed)
+    want = simulate_allreduce(xs, fmt, block, "sum", "ring", rounding=rounding, seed=seed)
+    want_rs = simulate_reduce_scatter(xs, fmt, block, "sum", "ring", rounding=rounding, seed=seed)
+    for slice_elems in (1, 32, 96, 1000, 1 << 18):
+        outs = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(xs[t.rank], comm=t, algorithm="ring",
+                                                              slice_elems=slice_elems, **kw))
+        assert all(same(o, w) for o, w in zip(outs, want)), slice_elems
+        shards = gc.LoopbackGroup(p).run(lambda t: gc.reduce_scatter(xs[t.rank], comm=t, slice_elems=slice_elems,
+                                                                     **kw))
+        assert all(same(s, w) for s, w in zip(shards, want_rs)), slice_elems
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_shapes_and_accuracy(rng, dtype, op):
+    """A 3-D input keeps its shape, equals the simulation, and e4m3 on three ranks lands within
+    10% of the exact sum."""
+    p = 3
+    xs = [rng.standard_normal((5, 7, 11)).astype(dtype) for _ in range(p)]
+    outs = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(xs[t.rank], comm=t, op=op, block=16))
+    assert all(same(o, w) for o, w in zip(outs, simulate_allreduce(xs, block=16, op=op)))
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0) / (p if op == "avg" else 1)
+    assert np.linalg.norm(outs[0].astype(np.float64) - exact) / np.linalg.norm(exact) < 0.1
+
+
+def test_input_is_not_modified_and_non_contiguous_input_is_accepted(rng):
+    p = 3
+    base = [rng.standard_normal((40, 30)).astype(np.float32) for _ in range(p)]
+    views = [b[::2, 1::3] for b in base]
+    before = [b.copy() for b in base]
+    outs = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(views[t.rank], comm=t))
+    assert all(same(o, w) for o, w in zip(outs, simulate_allreduce([np.ascontiguousarray(v) for v in views])))
+    assert all(np.array_equal(b, c) for b, c in zip(base, before))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_input_on_one_rank_is_non_finite_everywhere(rng, fmt, bad):
+    """A NaN or Inf on one rank: non-finite at its place on every rank; a block-scaled format
+    poisons exactly the block holding it (the format's own block), nothing else."""
+    p = 4
+    xs = inputs(rng, p, 2000, np.float32, spread=1)
+    xs[2][777] = bad
+    outs = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(xs[t.rank], comm=t, fmt=fmt, algorithm="ring"))
+    block = gc.formats.resolve_block(fmt, None)
+    lo = 777 // block * block
+    for o in outs:
+        assert not np.isfinite(o[777])
+        if fmt in SCALED_FORMATS:
+            assert np.all(np.isnan(o[lo:lo + block]))
+            assert np.all(np.isfinite(o[:lo])) and np.all(np.isfinite(o[lo + block:]))
+    assert same(outs[0], simulate_allreduce(xs, fmt=fmt, algorithm="ring")[0])
+
+
+def test_stochastic_rounding_is_reproducible_identical_everywhere_and_seeded(rng):
+    p, n = 4, 4096
+    xs = inputs(rng, p, n, np.float32, spread=1)
+    run = lambda seed: gc.LoopbackGroup(p).run(  # noqa: E731
+        lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="nvfp4", rounding="stochastic", seed=seed))
+    a, b, c = run(1), run(1), run(2)
+    assert all(same(x, a[0]) for x in a) and all(same(x, y) for x, y in zip(a, b))
+    assert not same(a[0], c[0])
+    exact = np.sum(xs, axis=0)
+    mean = np.mean([run(s)[0] for s in range(40)], axis=0)
+    nearest = gc.LoopbackGroup(p).run(lambda t: gc.allreduce(xs[t.rank], comm=t, fmt="nvfp4"))[0]
+    # averaging over seeds removes most of stochastic rounding's error, not nearest rounding's bias
+    assert np.linalg.norm(mean - exact) < 0.5 * np.linalg.norm(nearest - exact)
 
 
 def test_empty_and_single_values(rng, path):
@@ -209,31 +324,37 @@ def test_empty_and_single_values(rng, path):
 
 # ------------------------------------------------------------------------ gift_allreduce
 SIZE = sum(int(np.prod(shape)) for _, shape in KFAC_LAYOUT)
+GIFT_CASES = [(a, (1, 2, 3, 5)[(i + k) % 4], FORMAT_NAMES[(2 * i + k) % len(FORMAT_NAMES)])
+              for i, a in enumerate(ALGORITHM_NAMES) for k in range(2)]
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 5])
-@pytest.mark.parametrize("algorithm", ["ring", "direct", "doubling", "oneshot"])
-def test_gift_allreduce_geometry_matches_simulation(rng, path, p, algorithm):
+@pytest.mark.parametrize("algorithm, p, fmt", GIFT_CASES)
+def test_gift_allreduce_geometry_matches_simulation(rng, path, algorithm, p, fmt):
     geo = random_kfac_geometry(rng, rank=6)
     assert not geo.is_identity
-    for dtype in (np.float32, np.float64, BF16):
-        for op in ("sum", "avg"):
-            xs = inputs(rng, p, SIZE, dtype, spread=2)
-            args = [path.to(x) for x in xs]
-            got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], geo, comm=t, op=op, block=64,
-                                                          algorithm=algorithm))
-            want = simulate_gift_allreduce(xs, geo, "e4m3", 64, op, algorithm)
-            assert all(same(path.back(g), w) for g, w in zip(got, want)), (dtype, op)
-            assert all(same(path.back(a), x) for a, x in zip(args, xs))
+    i = GIFT_CASES.index((algorithm, p, fmt))
+    block = block_for(fmt, 64)
+    for dtype, op in ((np.float32, "sum"), ((np.float64, BF16)[i % 2], "avg")):
+        local_size = local_sizes(algorithm, p)[-1]
+        xs = inputs(rng, p, SIZE, dtype, spread=2)
+        args = [path.to(x) for x in xs]
+        rounding, seed = _rounding(fmt, i, rng)
+        got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], geo, comm=t, op=op, fmt=fmt, block=block,
+                                                      algorithm=algorithm, local_size=local_size,
+                                                      rounding=rounding, seed=seed))
+        want = simulate_gift_allreduce(xs, geo, fmt, block, op, algorithm, local_size, rounding=rounding, seed=seed)
+        assert all(same(path.back(g), w) for g, w in zip(got, want)), (dtype, op)
+        assert all(same(path.back(a), x) for a, x in zip(args, xs))
 
 
-def test_identity_geometry_is_plain_allreduce(rng, path):
+def test_no_geometry_or_the_identity_is_plain_allreduce(rng, path):
     p = 3
     xs = inputs(rng, p, SIZE, np.float32)
     args = [path.to(x) for x in xs]
-    ident = Geometry.identity(KFAC_LAYOUT)
-    got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], ident, comm=t, algorithm="ring"))
-    assert all(same(path.back(g), w) for g, w in zip(got, simulate_allreduce(xs, "e4m3", 256, "sum", "ring")))
+    want = simulate_allreduce(xs, "e4m3", 256, "sum", "ring")
+    for geo in (None, Geometry.identity(KFAC_LAYOUT)):
+        got = path.run(p, lambda t: gc.gift_allreduce(args[t.rank], geo, comm=t, algorithm="ring"))
+        assert all(same(path.back(g), w) for g, w in zip(got, want))
 
 
 # ---------------------------------------------------------------------------------- out=
