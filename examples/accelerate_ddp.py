@@ -64,6 +64,7 @@ def main() -> None:
               f"device buckets, {s.bytes_saved / 2**10:.1f} KiB saved; parameters identical on every rank: "
               f"{bool((digests == digests[0]).all())}", flush=True)
     state.shutdown()
+    accelerator.wait_for_everyone()  # every rank done before any tears its connections down
     accelerator.end_training()
 
 

@@ -105,6 +105,7 @@ def main() -> None:
         if base is not None:
             line += f", default allreduce {base * 1e3:.1f} ms/step"
         print(line, flush=True)
+    dist.barrier()  # every rank done before any tears its gloo/NCCL connections down
     dist.destroy_process_group()
 
 

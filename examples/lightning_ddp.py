@@ -101,7 +101,7 @@ def main() -> None:
               flush=True)
     callback.state.shutdown()
     dist.barrier()
-    dist.destroy_process_group()  # before the interpreter exits: no rank tears gloo down under a live peer
+    dist.destroy_process_group()  # every rank done (the barrier) before any tears its connections down
 
 
 if __name__ == "__main__":

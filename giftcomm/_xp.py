@@ -24,6 +24,7 @@ __all__ = [
     "DTYPES", "DtypeInfo", "Imported", "array_module", "is_device_array", "import_array", "export_like",
     "to_float32", "from_float32", "bf16_bits_from_float32", "dtype_info", "synchronize", "device_pointer", "data_pointer",
     "DLPACK_CPU", "DLPACK_CUDA",
+    "astype", "add_inplace", "add",
 ]
 
 DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST, DLPACK_CUDA_MANAGED = 1, 2, 3, 13
@@ -161,9 +162,16 @@ def import_array(obj: Any) -> Imported:
     bf16 = dtype_name == "bfloat16"
     if hasattr(obj, "__dlpack__"):
         device = is_device_array(obj)
-        # a torch bfloat16 tensor goes as its bits, an int16 view (no copy): DLPack consumers that
-        # do not know bfloat16 (NumPy, older CuPy) take that instead
-        producer = obj.view(sys.modules["torch"].int16) if bf16 and source == "torch" else obj
+        # a bfloat16 array goes as its bits, which DLPack consumers that do not know bfloat16
+        # (NumPy, CuPy 13) take: torch as an int16 view (no copy), JAX as a uint16 bitcast on the
+        # JAX side (JAX arrays are immutable, so a new array of the same bits)
+        producer = obj
+        if bf16 and source == "torch":
+            producer = obj.view(sys.modules["torch"].int16)
+        elif bf16 and source == "jax":
+            import jax
+
+            producer = jax.lax.bitcast_convert_type(obj, np.uint16)
         if device:
             arr = _cupy().from_dlpack(producer)
             if bf16:
@@ -256,3 +264,45 @@ def device_pointer(x: Any) -> int:
         raise TypeError(f"{type(x).__name__} is not a device array")
     return int(cai["data"][0])
 
+
+
+# ---------------------------------------------------------------- float arithmetic of the collectives
+# CuPy compiles its elementwise kernels (+, +=, astype) with -ftz=true: a float32 subnormal input
+# or result becomes zero, which NumPy (and the reference) never does. The collectives' float work on
+# device arrays therefore goes through these three, which use giftcomm's non-.ftz kernels there
+# (giftcomm.cuda.codec) and plain NumPy on the host. float16 casts need nothing: a float16 is never
+# a float32 subnormal, and a float32 subnormal rounds to a float16 zero of its sign either way.
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def astype(x: Any, dtype: Any, copy: bool = True) -> Any:
+    """``x.astype(dtype, copy=copy)``; on the device float32 <-> float64 without flush-to-zero."""
+    if isinstance(x, np.ndarray):
+        return x.astype(dtype, copy=copy)
+    dt = np.dtype(dtype)
+    if x.dtype == dt:
+        return x.copy() if copy else x
+    if {x.dtype, dt} == {_F32, _F64}:
+        from .cuda.codec import convert
+
+        return convert(x if x.flags.c_contiguous else x.copy(), dt)
+    return x.astype(dt, copy=copy)
+
+
+def add_inplace(acc: Any, x: Any) -> Any:
+    """``acc += x`` (same dtype and size); on the device float32 without flush-to-zero."""
+    if isinstance(acc, np.ndarray) or acc.dtype != _F32:
+        acc += x
+        return acc
+    from .cuda.codec import add_inplace as device_add_inplace
+
+    return device_add_inplace(acc, x)
+
+
+def add(a: Any, b: Any) -> Any:
+    """``a + b`` (same dtype and size, a new array); on the device float32 without flush-to-zero."""
+    if isinstance(a, np.ndarray) or a.dtype != _F32:
+        return a + b
+    from .cuda.codec import add as device_add
+
+    return device_add(a, b)

@@ -31,7 +31,7 @@ from . import _xp
 from .codec import native_available, native_supports
 from .collectives import engine, oneshot
 from .collectives import plan as planning
-from .collectives.agree import error_code, raise_failures
+from .collectives.agree import error_code, meet_plans, raise_failures
 from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted, CommClosed, CommError
@@ -79,7 +79,7 @@ class AllreducePlan:
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = planning._import(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
+        imp = planning.import_checked(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
@@ -127,7 +127,7 @@ class AllreducePlan:
             try:
                 with engine.held(succ, None, plain=False):
                     if st.channel is not None:
-                        st.channel.meet(succ, STALE_WORD, planning.caller(), "giftcomm plan")
+                        meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
             except CommError:
                 raise
             except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below

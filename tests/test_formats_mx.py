@@ -363,7 +363,7 @@ def test_mean_of_stochastic_allreduces_converges_without_clamp(algorithm, rng):
     """The issue's check, as a user runs it: the mean of 64 stochastic allreduces (P = 3,
     loopback) of fixed Gaussian vectors. Unbiased rounding leaves ~1/sqrt(64) of the noise of one
     call; measured relative L2 error of the mean / one nearest call: ~0.18 for every format
-    with non-clamping scales, 0.35-0.5 for the MX formats with mx_scale="floor"."""
+    with non-clamping scales, 0.27-0.55 for the MX formats with mx_scale="floor"."""
     import giftcomm as gc
 
     p, n, calls = 3, 4096, 64
@@ -379,10 +379,11 @@ def test_mean_of_stochastic_allreduces_converges_without_clamp(algorithm, rng):
                                                                   **kw))[0]
         mean = np.mean([run(rounding="stochastic", seed=s) for s in range(calls)], axis=0)
         ratio = rel(mean) / rel(run())
+        # measured over seeds: 0.17-0.19 unclamped; floor 0.27-0.55 (mxfp8_e5m2 on the ring lowest)
         if f.scale_rule == "floor":
-            assert ratio > 0.27, (_variant_id(f), ratio)
+            assert ratio > 0.235, (_variant_id(f), ratio)
         else:
-            assert ratio < 0.27, (_variant_id(f), ratio)
+            assert ratio < 0.235, (_variant_id(f), ratio)
 
 
 def test_nearest_is_biased_for_small_components_stochastic_is_not():

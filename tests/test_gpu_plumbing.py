@@ -538,3 +538,30 @@ def test_device_bench_arguments_and_tables():
     assert "1.700 ms" in tr and "k=32" in tr
     g = db.format_gift({"gift": 3.0, "plain": 1.0, "codec": 0.3, "transform": 1.7}, db.layer_values())
     assert "3.00x" in g and "| 400 |" in g and "| 100 |" in g
+
+
+def test_device_bench_timer_amortizes_the_launch_gap():
+    """giftcomm.perf.device_bench.event_timer: several back-to-back calls between one event pair,
+    the elapsed time divided by their number (the host's launch gap is not counted per call)."""
+    from types import SimpleNamespace
+
+    from giftcomm.perf.device_bench import event_timer
+
+    clock = {"t": 0.0}
+    calls = []
+
+    class Event:
+        def record(self):
+            self.t = clock["t"]
+
+        def synchronize(self):
+            pass
+
+    def fn():
+        calls.append(1)
+        clock["t"] += 2.0  # each call keeps the device busy 2 ms
+
+    cuda = SimpleNamespace(Event=Event, Device=lambda: SimpleNamespace(synchronize=lambda: None),
+                           get_elapsed_time=lambda a, b: b.t - a.t)
+    ms = event_timer(SimpleNamespace(cuda=cuda), warmup=2, reps=3, calls=5)(fn)
+    assert ms == pytest.approx(2.0) and len(calls) == 2 + 3 * 5

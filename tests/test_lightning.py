@@ -37,12 +37,22 @@ def _one_process_trainer(port: int, out: str) -> None:
             self.net = torch.nn.Linear(8, 3)
 
         def training_step(self, batch, batch_idx):
+            self.last = batch[0]
             return self.net(batch[0]).pow(2).mean()
+
+        def on_after_backward(self):  # one rank: DDP's gradients are the local ones, bit for bit
+            x = self.last
+            local = torch.nn.Linear(8, 3)
+            local.load_state_dict(self.net.state_dict())
+            local(x).pow(2).mean().backward()
+            same.append(all(torch.equal(a.grad, b.grad) for a, b in zip(self.net.parameters(), local.parameters())))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 8)), batch_size=4)
+    data = torch.randn(12, 8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+    same: list[bool] = []
 
     def trainer(strategy, callback):
         return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=[callback], max_steps=3,
@@ -52,7 +62,7 @@ def _one_process_trainer(port: int, out: str) -> None:
     res: dict = {}
     cb = GiftCommCallback(fmt="mxfp4")
     trainer(DDPStrategy(timeout=timeout), cb).fit(Tiny(), loader)
-    res["registered"], res["stats"] = cb.registered, cb.state.stats().as_dict()
+    res["registered"], res["stats"], res["same"] = cb.registered, cb.state.stats().as_dict(), list(same)
     cb.state.shutdown()
     try:
         trainer(DDPStrategy(ddp_comm_hook=allreduce_hook, timeout=timeout), GiftCommCallback()).fit(Tiny(), loader)
@@ -73,6 +83,7 @@ def test_callback_in_a_one_process_ddp_trainer(tmp_path):
     (res,) = spawn_ranks(1, str(tmp_path), lambda r, out: (_one_process_trainer, (port, out)))
     s = res["stats"]
     assert res["registered"] and s["passthrough_buckets"] == 3 and s["host_buckets"] == 0, s
+    assert res["same"] == [True] * 3, res["same"]
     assert res["other_hook"] is not None and "another communication hook" in res["other_hook"]
     assert res["bad_option"] is not None and res["bad_option"].startswith("GiftState: ")
 

@@ -93,11 +93,13 @@ def test_device_timer_reads_cuda_events_or_the_host_clock_to_a_synchronize():
     class Cp:
         cuda = Cuda
 
-    assert event_timer(Cp, 2, 3)(lambda: log.append("call")) == pytest.approx(2.0)
+    # 4 back-to-back calls between each pair of events: the median of 3, 1, 2 ms over 4 calls
+    assert event_timer(Cp, 2, 3, calls=4)(lambda: log.append("call")) == pytest.approx(0.5)
     assert log[:2] == ["call", "call"]
-    assert log[2:] == ["device sync", "record", "call", "record", "event sync"] * 3
+    assert log[2:] == ["device sync", "record"] + ["call"] * 4 + ["record", "event sync"] * 1 + \
+        (["device sync", "record"] + ["call"] * 4 + ["record", "event sync"]) * 2
     log.clear()
-    wall = event_timer(Cp, 0, 2, wall=True)(lambda: log.append("call"))
+    wall = event_timer(Cp, 0, 2, wall=True, calls=1)(lambda: log.append("call"))
     assert log == ["device sync", "record", "call", "record", "device sync"] * 2 and 0 <= wall < 1e3
 
 

@@ -259,7 +259,6 @@ def _state_before_init_worker(rank, world, port, out, seed):
         local.load_state_dict(model.state_dict())
         local(x).pow(2).mean().backward()
         mine = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
-        res["local_equal"] = bool(torch.equal(grads, mine))
         dist.all_reduce(mine)
         mine /= world
         res["digests"].append(grads.numpy().tobytes())
@@ -272,20 +271,16 @@ def _state_before_init_worker(rank, world, port, out, seed):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_gift_state_built_before_init_and_one_rank(tmp_path, rng, world):
-    seed, port = int(rng.integers(2**20)), _free_port()
+def test_gift_state_built_before_init(tmp_path, rng):
+    """(A one-process DDP passing buckets through: tests/test_lightning.py, in a real Trainer.)"""
+    world, seed, port = 2, int(rng.integers(2**20)), _free_port()
     res = spawn_ranks(world, str(tmp_path),
                       lambda r, out: (_state_before_init_worker, (r, world, port, out, seed)))
     for v in res:
         assert v["digests"] == res[0]["digests"], "ranks hold different gradients"
-        s = v["stats"]
-        if world == 1:  # one rank: passed through, the local gradients exactly
-            assert s["passthrough_buckets"] > 0 and s["host_buckets"] == 0 and v["local_equal"]
-            assert max(v["rel"]) == 0.0
-        else:  # nvfp4 with its own block (16), built before the process group existed
-            assert s["warmup_buckets"] > 0 and s["host_buckets"] > 0 and s["bytes_saved"] > 0
-            assert max(v["rel"][1:]) < 0.3 and np.isfinite(v["rel"]).all(), v["rel"]
+        s = v["stats"]  # nvfp4 with its own block (16), built before the process group existed
+        assert s["warmup_buckets"] > 0 and s["host_buckets"] > 0 and s["bytes_saved"] > 0
+        assert max(v["rel"][1:]) < 0.3 and np.isfinite(v["rel"]).all(), v["rel"]
 
 
 # ------------------------------------------------------------------------------ deadlines

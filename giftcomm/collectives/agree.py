@@ -12,8 +12,10 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from ..errors import CommAborted
 from ..formats import describe_code
 from ..transport import Transport
+from ..transport.channel import PLAIN_WORD, STALE_WORD, PlanChannel
 
 T = TypeVar("T")
 
@@ -122,3 +124,25 @@ def _describe(key: str, value: int) -> str:
     if key == "fmt":
         return describe_code(value)
     return names.get(key, {}).get(value, str(value))
+
+
+def meet_plans(t: Transport, channel: PlanChannel, word: int, caller: int, what: str) -> None:
+    """Post a header with no message in the plans' channel (``word``: PLAIN_WORD for a plain
+    call, STALE_WORD for a stale plan) and check it against every rank's, so that a plain call
+    (or a stale plan) on one rank and a persistent plan on another meet here and raise on both at
+    once: the plans' calls and the plain calls share one caller agreement. Raises on every rank
+    alike: what a failing rank posted, or ValueError when the ranks disagree."""
+    status = channel.native.call(0, int(word), int(caller), 0, None, None, 0, 1, None, False, t.timeout)
+    if status == 4:
+        raise CommAborted(f"{what}: the plan channel is unusable after an earlier timeout or interrupt")
+    if status == 2:
+        late = tuple(int(q) for q in np.flatnonzero(channel.table[:, 0] == -1))
+        t.expired(f"{what} (meeting the plans in the shared-memory channel)", late, t.timeout)
+    table = channel.table
+    if table[:, 0].any():
+        raise_failures(t, what, table, None)
+    if (table[1:, 1:3] != table[0, 1:3]).any():
+        kinds = {PLAIN_WORD: "a plain call", STALE_WORD: "a plan of a released communicator"}
+        ranks = "; ".join(f"rank {q}: {kinds.get(int(table[q, 1]), 'a persistent plan')}" for q in range(len(table)))
+        col = "plan" if (table[:, 1] != table[0, 1]).any() else "caller"
+        raise ValueError(f"{what}: ranks disagree on {col} ({ranks}; or differently named threads)")

@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from .. import _xp
 from ..transport import Transport
 from .wire import Wire
 from .workspace import workspace_of
 
 
 def _decoded(wire: Wire, msg: Any, n: int, acc_t: np.dtype) -> Any:
-    return wire.decode(msg, n).astype(acc_t, copy=False)
+    return _xp.astype(wire.decode(msg, n), acc_t, copy=False)
 
 
 def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None) -> Any:
@@ -36,7 +37,7 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None
     nbytes = wire.nbytes(n)
     ws = workspace_of(t, wire.xp)
     mine, theirs = ws.get("rd_mine", nbytes), ws.get("rd_theirs", nbytes)
-    acc = x.astype(acc_t, copy=True)
+    acc = _xp.astype(x, acc_t, copy=True)
     rounds = p2.bit_length() - 1
     if r >= p2:  # fold into r - p2, then wait for the final message
         wire.at(party=wire.party, stage=0).encode(acc, mine)
@@ -46,13 +47,13 @@ def allreduce(t: Transport, x: Any, wire: Wire, acc_t: np.dtype, out: Any = None
     with np.errstate(invalid="ignore", over="ignore"):
         if r + p2 < p:
             t.irecv(theirs, r + p2, tag=0).wait()
-            acc += _decoded(wire, theirs, n, acc_t)
+            _xp.add_inplace(acc, _decoded(wire, theirs, n, acc_t))
         for i in range(rounds):
             partner = r ^ (1 << i)
             wire.at(party=r >> i, stage=1 + i).encode(acc, mine)
             t.sendrecv(mine, partner, theirs, partner, tag=2)
             low, high = (mine, theirs) if r < partner else (theirs, mine)
-            acc = _decoded(wire, low, n, acc_t) + _decoded(wire, high, n, acc_t)
+            acc = _xp.add(_decoded(wire, low, n, acc_t), _decoded(wire, high, n, acc_t))
     wire.at(party=0, stage=1 + rounds).encode(acc, mine)
     if r + p2 < p:
         t.isend(mine, r + p2, tag=1).wait()

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _xp
 from ..errors import CommClosed
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
@@ -35,7 +36,7 @@ from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
-from .agree import agree, confirm
+from .agree import agree, confirm, meet_plans
 from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
@@ -90,7 +91,7 @@ class held:
             if self._timeout is not None:
                 self._previous, t.timeout = t.timeout, self._timeout
             if self._plain and st.channel is not None:
-                st.channel.meet(t, PLAIN_WORD, planning.caller(), "giftcomm")
+                meet_plans(t, st.channel, PLAIN_WORD, planning.caller(), "giftcomm")
         except BaseException:
             self.__exit__()
             raise
@@ -349,7 +350,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
-        total = total.astype(acc_t, copy=False)
+        total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
     return finish(t, call, total, into, out, shape)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import _xp
 from ..transport import Transport, wait_all
 from .wire import Wire
 from .workspace import workspace_of
@@ -71,9 +72,9 @@ def reduce(messages: Sequence[Any], n: int, wire: Wire, acc_t: np.dtype, out: An
             for msg in messages[1:]:
                 wire.accumulate(msg, total)
             return total
-        total = wire.decode(messages[0], n).astype(acc_t)
+        total = _xp.astype(wire.decode(messages[0], n), acc_t)
         for msg in messages[1:]:
-            total += wire.decode(msg, n).astype(acc_t)
+            total += _xp.astype(wire.decode(msg, n), acc_t)
         return total
 
 

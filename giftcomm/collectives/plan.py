@@ -82,7 +82,7 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _import(x: Any, name: str) -> _xp.Imported:
+def import_checked(x: Any, name: str) -> _xp.Imported:
     """``x`` imported zero-copy; TypeError for dtypes giftcomm does not take and for masked
     arrays (their mask would be ignored)."""
     if isinstance(x, np.ma.MaskedArray):
@@ -99,7 +99,7 @@ def validate(x: Any, name: str, opts: CallOptions, reduces: bool = True) -> Call
     """The checks every collective shares, on top of the validated options: ``x`` is an array
     giftcomm takes, and stochastic rounding has its seed (``reduces`` False: allgather, whose
     signature has no op); raises TypeError/ValueError."""
-    imp = _import(x, name)
+    imp = import_checked(x, name)
     f = opts.format
     seed = opts.seed if opts.rounding == "stochastic" else None
     if opts.rounding == "stochastic" and seed is None:
@@ -125,7 +125,7 @@ def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:
     writable."""
     if out is None:
         return
-    o = _import(out, "out")
+    o = import_checked(out, "out")
     if o.device != call.imp.device or o.source == "jax":
         where = "a CUDA" if call.imp.device else "a host (NumPy or CPU torch)"
         raise TypeError(f"out must be {where} array, like the input; got {type(out).__name__}")

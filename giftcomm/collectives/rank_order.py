@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _xp
 from .wire import Wire
 
 
@@ -24,7 +25,7 @@ def _add_decoded(acc: Any, msg: Any, wire: Wire, first: bool) -> None:
         else:
             wire.accumulate(msg, acc)
         return
-    values = wire.decode(msg, acc.size).astype(acc.dtype)
+    values = _xp.astype(wire.decode(msg, acc.size), acc.dtype)
     if first:
         acc[...] = values
     else:
@@ -48,5 +49,5 @@ def sum_in_rank_order(acc: Any, nranks: int, rank: int, own: Any, message_of: Ca
             elif src == 0:
                 acc[...] = own
             else:
-                acc += own.astype(acc.dtype, copy=False)
+                _xp.add_inplace(acc, _xp.astype(own, acc.dtype, copy=False))
     return acc

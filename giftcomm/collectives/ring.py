@@ -30,15 +30,13 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from typing import Any
-
+from .._xp import data_pointer
 from ..formats import Format, message_nbytes
 from ..transport import Request, Transport, wait_all
-from .._xp import data_pointer
 from ..transport.base import GROUPED
 from .wire import Wire
 from .workspace import workspace_of

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _xp
 from ..codec import Kernels, kernels_for
 from ..formats import Format, message_nbytes
 from ..reference.rounding import call_key
@@ -66,7 +67,7 @@ class Wire:
     def encode(self, values: Any, out: Any, offset: int = 0) -> Any:
         """Encode ``values`` (1-D contiguous, any float dtype: cast to float32) into ``out``;
         ``offset``: the index of ``values[0]`` in the buffer the algorithm works on."""
-        return self.kernels.encode(values.astype(np.float32, copy=False), self.fmt, self.block, out, self._key(),
+        return self.kernels.encode(_xp.astype(values, np.float32, copy=False), self.fmt, self.block, out, self._key(),
                                    int(self.base + offset))
 
     def decode(self, message: Any, count: int, out: Any = None) -> Any:
@@ -87,7 +88,7 @@ class Wire:
                                            int(self.base + offset))
             return
         with np.errstate(invalid="ignore", over="ignore"):
-            total = self.decode(recv, local.size).astype(local.dtype) + local
+            total = _xp.astype(self.decode(recv, local.size), local.dtype) + local
         self.encode(total, out, offset)
         if sum_out is not None:
             sum_out[...] = total

@@ -15,10 +15,13 @@ scale block, values in registers (x read once: 5 bytes of traffic per value for 
 (amax with atomics, then quantize: x read twice). 16-byte vector loads when block % 4 == 0 and
 the pointers are aligned.
 
-Stochastic rounding of e4m3/e5m2 (``key`` not None) always takes the two-pass path (amax, then
-gc_{enc,dae}_big_sr_F). MX formats: one warp per 32-value block (gc_mx_enc_F); nvfp4: one warp per
-1024-value group (gc_mx_enc_nvfp4); decode and decode-accumulate: one thread per value
-(gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
+Stochastic rounding of e4m3/e5m2 (``key`` not None): the same team / cta kernels, one pass
+(gc_{enc,dae}_{team,cta}_sr[_vec]_F), for block <= 4096; the two-pass path (amax, then
+gc_{enc,dae}_big_sr_F) for larger blocks. e4m3/e5m2 decode and decode-accumulate: 16 values per
+thread (16- or 4-byte payload loads, float4 stores). MX formats: one warp per 32-value block
+(gc_mx_enc_F); nvfp4: one warp per 1024-value group (gc_mx_enc_nvfp4); their decode and
+decode-accumulate: 8 values per thread, one scale read, 4-byte payload loads and float4 stores
+where aligned (gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
 decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
@@ -26,6 +29,7 @@ of message value i use counter ``offset + i`` (docs/wire-format.md).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,7 +37,7 @@ import numpy as np
 from ..formats import SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
-__all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports"]
+__all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports", "add_inplace", "add", "convert"]
 
 CUDA_FORMATS = frozenset({"e4m3", "e5m2", "bf16", "fp16", "fp32", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"})
 """The formats kernels/gc_codec.cu has kernels for (its GC_*_ENTRIES / GC_PT_ENTRY lines and
@@ -73,6 +77,44 @@ def _parts(msg: Any, count: int, f: Format, block: int) -> tuple[Any, Any]:
     return msg[:count], msg[off : off + 4 * num_blocks(count, block)].view(cp.float32)
 
 
+_scratch_local = threading.local()
+
+
+def _amax_scratch(nb: int) -> Any:
+    """``nb`` zeroed uint32 words for the big path's amax pass: one buffer per thread, device and
+    stream, grown to the largest request and reused (no allocation in a call's steady state, so
+    a call can be captured in a CUDA graph). Reuse is safe: the next call on the same stream
+    zeroes it only after this call's kernels ran (stream order); other threads or streams get
+    their own."""
+    cp = _cp()
+    bufs = getattr(_scratch_local, "bufs", None)
+    if bufs is None:
+        bufs = _scratch_local.bufs = {}
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    buf = bufs.get(key)
+    if buf is None or buf.size < nb:
+        buf = bufs[key] = cp.empty(max(nb, 2 * (0 if buf is None else buf.size), 64), cp.uint32)
+    amax = buf[:nb]
+    amax.fill(0)
+    return amax
+
+
+def _aligned(a: Any, name: str) -> Any:
+    """``a`` unchanged; ValueError when its start is not 4-byte aligned (a float32 access there is a
+    sticky CUDA fault that breaks the context, not an exception)."""
+    if _ptr(a) % 4:
+        raise ValueError(f"{name} must start at a 4-byte aligned address (device pointer {_ptr(a):#x})")
+    return a
+
+
+def _dec_vec(payload: Any, out: Any) -> np.int32:
+    """The decode kernels' access width: 2 (16-byte payload loads), 1 (4-byte), 0 (bytes); the
+    vector paths need a 16-byte aligned float32 ``out``."""
+    if _ptr(out) % 16:
+        return np.int32(0)
+    return np.int32(2 if _ptr(payload) % 16 == 0 else 1 if _ptr(payload) % 4 == 0 else 0)
+
+
 def _grid(items: int, per_cta: int = 1) -> int:
     return max(1, min(-(-items // per_cta), _MAX_GRID))
 
@@ -85,9 +127,10 @@ def _team_width(block: int) -> int:
 
 
 def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any,
-                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
-    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format."""
-    cp = _cp()
+                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0,
+                   key: int | None = None, offset: int = 0) -> None:
+    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format;
+    ``key`` given: stochastic rounding (block <= CTA_MAX_BLOCK: the one-pass ``_sr`` kernels)."""
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     s_out = _NULL if sum_out is None else sum_out
@@ -96,18 +139,19 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
         vec = block % 4 == 0 and _ptr(x) % 16 == 0 and _ptr(payload_out) % 4 == 0
         if mode == "dae":
             vec = vec and _ptr(pin) % 4 == 0 and (sum_out is None or _ptr(sum_out) % 16 == 0)
-        suffix = ("_vec_" if vec else "_") + f.name
+        suffix = ("_sr" if key is not None else "") + ("_vec_" if vec else "_") + f.name
+        tail = () if key is None else (np.uint64(key), np.uint64(offset))
         if block <= TEAM_MAX_BLOCK:
             g = _team_width(block)
             fn = _loader.get_function(f"gc_{mode}_team{suffix}")
-            fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32))
+            fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32) + tail)
         else:
             threads = max(32, min(512, _team_width(block)))
             fn = _loader.get_function(f"gc_{mode}_cta{suffix}")
-            fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32))
+            fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32) + tail)
         return
     splits = -(-block // BIG_TILE)
-    amax = cp.zeros(nb, cp.uint32)
+    amax = _amax_scratch(nb)
     grid = (_grid(nb * splits),)
     if mode == "enc":
         _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
@@ -122,12 +166,16 @@ def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: An
 
 def _sr8_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any,
                 key: int, offset: int, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
-    """Stochastic e4m3/e5m2: the big path's amax pass, then the stochastic store pass."""
-    cp = _cp()
+    """Stochastic e4m3/e5m2: block <= CTA_MAX_BLOCK the one-pass team / cta kernels, larger blocks
+    the big path's amax pass, then the stochastic store pass."""
+    if block <= CTA_MAX_BLOCK:
+        _scaled_launch(mode, f, block, count, payload_out, scales_out, x, pin=pin, sin=sin, sum_out=sum_out, pad=pad,
+                       key=key, offset=offset)
+        return
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
     splits = -(-block // BIG_TILE)
-    amax = cp.zeros(nb, cp.uint32)
+    amax = _amax_scratch(nb)
     grid = (_grid(nb * splits),)
     k64, o64 = np.uint64(key), np.uint64(offset)
     if mode == "enc":
@@ -175,8 +223,9 @@ def _mx_encode(f: Format, count: int, x: Any, out: Any, key: int | None, offset:
 
 def _mx_decode(f: Format, count: int, message: Any, out: Any, acc: bool) -> None:
     ipay, isc, igs = _mx_parts(message, count, f)
+    vec = np.int32(_ptr(out) % 16 == 0 and _ptr(ipay) % 4 == 0)
     _loader.get_function(f"gc_mx_dec_{f.name}")(
-        (_grid(count, _THREADS),), (_THREADS,), (ipay, isc, igs, out, np.int64(count), np.int32(acc)))
+        (_grid(-(-count // 8), _THREADS),), (_THREADS,), (ipay, isc, igs, out, np.int64(count), np.int32(acc), vec))
 
 
 def _pt_launch(f: Format, op: int, count: int, x: Any = None, win: Any = None, wout: Any = None, out: Any = None) -> None:
@@ -217,6 +266,52 @@ def divide_inplace(x: Any, d: float) -> Any:
     return x
 
 
+def _flat32(a: Any, name: str) -> Any:
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 device array (got {a.dtype})")
+    return a.reshape(-1)
+
+
+def add_inplace(acc: Any, x: Any) -> Any:
+    """``acc += x`` on contiguous float32 CuPy arrays of one size (gc_pt_fp32: IEEE float32 adds
+    without flush-to-zero, unlike CuPy's ``+=``, compiled with -ftz=true). Returns acc."""
+    a, b = _flat32(acc, "acc"), _flat32(x, "x")
+    if a.size != b.size:
+        raise ValueError(f"add_inplace: sizes differ ({a.size} vs {b.size})")
+    if a.size:
+        _pt_fp32(2, a.size, b, a)
+    return acc
+
+
+def add(a: Any, b: Any, out: Any = None) -> Any:
+    """``a + b`` of contiguous float32 CuPy arrays of one size, without flush-to-zero (into ``out``,
+    float32, when given)."""
+    fa, fb = _flat32(a, "a"), _flat32(b, "b")
+    if fa.size != fb.size:
+        raise ValueError(f"add: sizes differ ({fa.size} vs {fb.size})")
+    res = _cp().empty(a.shape, np.float32) if out is None else out
+    if fa.size:
+        _pt_fp32(3, fa.size, fa, None, x=fb, wout=_flat32(res, "out"))
+    return res
+
+
+def convert(x: Any, dtype: Any, out: Any = None) -> Any:
+    """``x`` (contiguous float32 or float64 CuPy array) cast to float64 / float32 without
+    flush-to-zero (gc_cvt_f32_f64: exact; gc_cvt_f64_f32: round to nearest even, subnormal results
+    kept), into ``out`` when given; a CuPy ``astype`` between the two flushes subnormals."""
+    dt = np.dtype(dtype)
+    kernels = {(np.dtype(np.float32), np.dtype(np.float64)): "gc_cvt_f32_f64",
+               (np.dtype(np.float64), np.dtype(np.float32)): "gc_cvt_f64_f32"}
+    name = kernels.get((x.dtype, dt))
+    if name is None or not x.flags.c_contiguous:
+        raise ValueError(f"convert: float32 <-> float64 of a contiguous array only (got {x.dtype} -> {dt})")
+    res = _cp().empty(x.shape, dt) if out is None else out
+    n = x.size
+    if n:
+        _loader.get_function(name)((_grid(n, _THREADS),), (_THREADS,), (x.reshape(-1), res.reshape(-1), np.int64(n)))
+    return res
+
+
 class CudaKernels:
     """The four codec operations on CuPy arrays (checked by the caller)."""
 
@@ -227,12 +322,13 @@ class CudaKernels:
         n = x.size
         if n == 0:
             return out
+        _aligned(x, "x")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, x, out, key, offset)
             return out
         if not f.scaled:
             if f.name == "fp32":
-                out.view(_cp().float32)[...] = x
+                _aligned(out, "a fp32 wire message").view(_cp().float32)[...] = x
             else:
                 _pt_launch(f, 0, n, x=x, wout=out)
             return out
@@ -248,19 +344,20 @@ class CudaKernels:
         cp = _cp()
         if count == 0:
             return out
+        _aligned(out, "out")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, count, message, out, False)
             return out
         if not f.scaled:
             if f.name == "fp32":
-                out[...] = message.view(cp.float32)
+                out[...] = _aligned(message, "a fp32 wire message").view(cp.float32)
             else:
                 _pt_launch(f, 1, count, win=message, out=out)
             return out
         payload, scales = _parts(message, count, f, block)
-        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(out) % 16 == 0)
         _loader.get_function(f"gc_dec_{f.name}")(
-            (_grid(-(-count // 4), _THREADS),), (_THREADS,), (payload, scales, out, np.int64(count), np.int32(block), vec))
+            (_grid(-(-count // 16), _THREADS),), (_THREADS,),
+            (payload, scales, out, np.int64(count), np.int32(block), _dec_vec(payload, out)))
         return out
 
     @staticmethod
@@ -269,6 +366,9 @@ class CudaKernels:
         n = local.size
         if n == 0:
             return out
+        _aligned(local, "local")
+        if sum_out is not None:
+            _aligned(sum_out, "sum_out")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, local, out, key, offset, message=message, sum_out=sum_out)
             return out
@@ -293,6 +393,7 @@ class CudaKernels:
         n = acc.size
         if n == 0:
             return acc
+        _aligned(acc, "acc")
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, n, message, acc, True)
             return acc
@@ -303,7 +404,7 @@ class CudaKernels:
                 _pt_launch(f, 2, n, win=message, out=acc)
             return acc
         payload, scales = _parts(message, n, f, block)
-        vec = np.int32(_ptr(payload) % 4 == 0 and _ptr(acc) % 16 == 0)
         _loader.get_function(f"gc_acc_{f.name}")(
-            (_grid(-(-n // 4), _THREADS),), (_THREADS,), (payload, scales, acc, np.int64(n), np.int32(block), vec))
+            (_grid(-(-n // 16), _THREADS),), (_THREADS,),
+            (payload, scales, acc, np.int64(n), np.int32(block), _dec_vec(payload, acc)))
         return acc

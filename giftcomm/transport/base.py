@@ -114,7 +114,7 @@ class TransportState:
             sub.close(reason, collective)
 
 
-_LIVE: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # transports with state or MPI objects (fork hook)
+LIVE_TRANSPORTS: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # transports with state or MPI objects (fork hook)
 class Transport(ABC):
     """Point-to-point messages plus small control collectives, for ``size`` ranks."""
 
@@ -163,7 +163,7 @@ class Transport(ABC):
                     raise CommClosed(self._closed)
                 if self._state is None:
                     self._state = TransportState()
-                    _LIVE.add(self)
+                    LIVE_TRANSPORTS.add(self)
         return self._state
 
     def successor(self) -> "Transport | None":
@@ -438,7 +438,7 @@ def _after_fork_in_child() -> None:
     with the parent's peers. Close it all here, without any collective step, so the child's first
     use raises CommClosed at once instead of posting into the parent's slots."""
     pid = os.getpid()
-    for t in list(_LIVE):
+    for t in list(LIVE_TRANSPORTS):
         st = t._state
         made = st.pid if st is not None else getattr(t, "pid", pid)
         t.close(f"giftcomm: this process (pid {pid}) is a fork()ed child of the process that created this "

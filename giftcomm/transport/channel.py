@@ -18,7 +18,7 @@ import numpy as np
 from .shared_window import SharedWindow
 
 if TYPE_CHECKING:
-    from .base import Transport
+    pass
 
 WORDS = 4
 """Header words per message: error code, plan word, caller, seed (giftcomm.persistent)."""
@@ -68,29 +68,3 @@ class PlanChannel:
         """Close the channel (later calls raise) and free its window (collective)."""
         self.native.close()
         self.window.release()
-
-    def meet(self, t: "Transport", word: int, caller: int, what: str) -> None:
-        """Post a header with no message (``word``: :data:`PLAIN_WORD` for a plain call,
-        :data:`STALE_WORD` for a stale plan) and check it against every rank's, so that a plain
-        call (or a stale plan) on one rank and a persistent plan on another meet here and raise
-        on both at once: the plans' calls and the plain calls share one caller agreement. Raises
-        on every rank alike: what a failing rank posted, or ValueError when the ranks disagree."""
-        from ..errors import CommAborted
-
-        status = self.native.call(0, int(word), int(caller), 0, None, None, 0, 1, None, False, t.timeout)
-        if status == 4:
-            raise CommAborted(f"{what}: the plan channel is unusable after an earlier timeout or interrupt")
-        if status == 2:
-            late = tuple(int(q) for q in np.flatnonzero(self.table[:, 0] == -1))
-            t.expired(f"{what} (meeting the plans in the shared-memory channel)", late, t.timeout)
-        table = self.table
-        if table[:, 0].any():
-            from ..collectives.agree import raise_failures
-
-            raise_failures(t, what, table, None)
-        if (table[1:, 1:3] != table[0, 1:3]).any():
-            kinds = {PLAIN_WORD: "a plain call", STALE_WORD: "a plan of a released communicator"}
-            ranks = "; ".join(f"rank {q}: {kinds.get(int(table[q, 1]), 'a persistent plan')}"
-                              for q in range(len(table)))
-            col = "plan" if (table[:, 1] != table[0, 1]).any() else "caller"
-            raise ValueError(f"{what}: ranks disagree on {col} ({ranks}; or differently named threads)")

@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from .. import config
 from ..errors import CommAborted, CommClosed, CommTimeout
-from .base import _LIVE, Request, Transport
+from .base import LIVE_TRANSPORTS, Request, Transport
 from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, populate, shm_room, window_footprint
 
 __all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
@@ -158,7 +158,7 @@ class MpiTransport(Transport):
         self._health = _Health()
         global _created
         _created = True
-        _LIVE.add(self)
+        LIVE_TRANSPORTS.add(self)
         self.pid = os.getpid()
         self.user_comm = comm
         self.comm = comm  # until the duplicate exists: waits below name ranks of the same group
@@ -316,7 +316,7 @@ class MpiTransport(Transport):
         t.crowded = self.crowded
         t._health, t.on_timeout, t.timeout = self._health, self.on_timeout, self.timeout
         t._env_error, t.pid = "", self.pid
-        _LIVE.add(t)
+        LIVE_TRANSPORTS.add(t)
         return t
 
     def allocate_window(self, nbytes: int) -> SharedWindow | None:

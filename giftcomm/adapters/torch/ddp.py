@@ -640,6 +640,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buf)
         return done
+    state.runtime.connect(state)  # the first bucket builds the private groups (KFAC may rebuild during warm-up)
     state._begin_iteration(it)
     index = bucket.index()
     if it < state.start_gift_iter:
@@ -650,7 +651,6 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
             state._stats.warmup_buckets += 1
         state.maybe_increase_iter(bucket)
         return work_fut.then(lambda f: f.value()[0])
-    state.runtime.connect(state)
     layout = None
     if state.geometry != "none":
         layout = _bucket_layout(state, bucket, buf.numel())

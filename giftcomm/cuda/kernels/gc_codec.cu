@@ -17,7 +17,7 @@
 //   gc_{enc,dae}_big_F         amax into a scratch array with atomicMax on the bits, pass 2 reads
 //                              the values again and quantizes.
 //   gc_dec_F, gc_acc_F         decode (out = value) and decode-accumulate (acc += value):
-//                              elementwise, 4 values per thread.
+//                              elementwise, 16 values per thread (16- or 4-byte payload loads).
 // "enc" reads float32 x; "dae" (decode-add-encode, one ring hop) reads an input message and a
 // float32 local vector, forms fp32(decode + local), optionally stores that sum (sum_out, may be
 // NULL) and encodes it. The _vec variants need block % 4 == 0 and 16-byte aligned float pointers,
@@ -91,10 +91,17 @@ GC_DEV gc_u32 gc_team_load(const gc_src<F, MODE>& src, long long base, long long
     return m;
 }
 
-// Quantize and store a lane's values (and the fp32 sums when sum_out is given).
-template <class F, bool VEC>
+// One code: nearest (SR false) or stochastic with the Philox bits of message index idx (SR true).
+template <class F, bool SR>
+GC_DEV gc_u8 gc_q(const gc_scale<F>& s, float v, gc_u64 key, gc_u64 idx) {
+    return SR ? gc_sr8<F>(v, s.inv, s.finite, gc_rbits(key, idx)) : s.quantize(v);
+}
+
+// Quantize and store a lane's values (and the fp32 sums when sum_out is given); SR: stochastic
+// rounding, value i of the message with the bits of (key, offset + i).
+template <class F, bool VEC, bool SR>
 GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, int n, int lane, int width,
-                          gc_u8* __restrict__ pout, float* __restrict__ sum_out) {
+                          gc_u8* __restrict__ pout, float* __restrict__ sum_out, gc_u64 key, gc_u64 offset) {
     if (VEC) {
 #pragma unroll
         for (int k = 0; k < GC_VPT; k += 4) {
@@ -102,14 +109,14 @@ GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, 
             if (e + 3 < n) {
                 gc_u32 c = 0;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) c |= (gc_u32)s.quantize(v[k + j]) << (8 * j);
+                for (int j = 0; j < 4; ++j) c |= (gc_u32)gc_q<F, SR>(s, v[k + j], key, offset + (gc_u64)(base + e + j)) << (8 * j);
                 *reinterpret_cast<gc_u32*>(pout + base + e) = c;
                 if (sum_out) *reinterpret_cast<float4*>(sum_out + base + e) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
             } else {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     if (e + j < n) {
-                        pout[base + e + j] = s.quantize(v[k + j]);
+                        pout[base + e + j] = gc_q<F, SR>(s, v[k + j], key, offset + (gc_u64)(base + e + j));
                         if (sum_out) sum_out[base + e + j] = v[k + j];
                     }
                 }
@@ -120,7 +127,7 @@ GC_DEV void gc_team_store(const gc_scale<F>& s, const float* v, long long base, 
         for (int k = 0; k < GC_VPT; ++k) {
             const int e = gc_elem<false>(k, lane, width);
             if (e < n) {
-                pout[base + e] = s.quantize(v[k]);
+                pout[base + e] = gc_q<F, SR>(s, v[k], key, offset + (gc_u64)(base + e));
                 if (sum_out) sum_out[base + e] = v[k];
             }
         }
@@ -134,9 +141,10 @@ GC_DEV void gc_zero_pad(gc_u8* __restrict__ pout, long long count, int pad) {
 
 // ---------------------------------------------------------------- team path (block <= 256)
 // blockDim.x = 256; G = lanes per scale block (power of two, 1..32, G*8 >= block).
-template <class F, int MODE, bool VEC>
+template <class F, int MODE, bool VEC, bool SR = false>
 GC_DEV void gc_team_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
-                           float* __restrict__ sum_out, long long count, int block, long long nb, int G, int pad) {
+                           float* __restrict__ sum_out, long long count, int block, long long nb, int G, int pad,
+                           gc_u64 key = 0, gc_u64 offset = 0) {
     gc_zero_pad(pout, count, pad);
     const int tid = threadIdx.x;
     const int lane = tid & (G - 1);
@@ -151,16 +159,17 @@ GC_DEV void gc_team_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float*
         gc_u32 m = gc_team_load<F, MODE, VEC>(src, base, b, n, lane, G, v);
         for (int o = G >> 1; o > 0; o >>= 1) m = gc_umax(m, __shfl_xor_sync(mask, m, o, G));
         const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
-        gc_team_store<F, VEC>(s, v, base, n, lane, G, pout, sum_out);
+        gc_team_store<F, VEC, SR>(s, v, base, n, lane, G, pout, sum_out, key, offset);
         if (lane == 0) sout[b] = s.scale;
     }
 }
 
 // ---------------------------------------------------------------- cta path (256 < block <= 4096)
 // blockDim.x = T, a multiple of 32 with T*8 >= block; one scale block per CTA iteration.
-template <class F, int MODE, bool VEC>
+template <class F, int MODE, bool VEC, bool SR = false>
 GC_DEV void gc_cta_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* __restrict__ sout,
-                          float* __restrict__ sum_out, long long count, int block, long long nb, int pad) {
+                          float* __restrict__ sum_out, long long count, int block, long long nb, int pad,
+                          gc_u64 key = 0, gc_u64 offset = 0) {
     __shared__ gc_u32 red[32];
     gc_zero_pad(pout, count, pad);
     const int tid = threadIdx.x, T = blockDim.x;
@@ -177,7 +186,7 @@ GC_DEV void gc_cta_kernel(gc_src<F, MODE> src, gc_u8* __restrict__ pout, float* 
         for (int w = 0; w < (T >> 5); ++w) m = gc_umax(m, red[w]);
         __syncthreads();  // red is rewritten by the next iteration
         const gc_scale<F> s = gc_scale<F>::from_amax_bits(m);
-        gc_team_store<F, VEC>(s, v, base, n, tid, T, pout, sum_out);
+        gc_team_store<F, VEC, SR>(s, v, base, n, tid, T, pout, sum_out, key, offset);
         if (tid == 0) sout[b] = s.scale;
     }
 }
@@ -236,38 +245,54 @@ GC_DEV void gc_big_store_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ 
 }
 
 // ---------------------------------------------------------------- decode / decode-accumulate
-// Each thread handles 4 consecutive values; vec: 4-byte aligned payload, 16-byte aligned out.
+// Each thread handles 16 consecutive values: the scale block of the first by one division (32-bit
+// while the index fits in 31 bits), later block starts by comparison, so no 64-bit division per
+// value. vec 2: one 16-byte payload load and four float4 stores (payload and out 16-byte
+// aligned); vec 1: four 4-byte payload loads, four float4 stores (payload 4-byte, out 16-byte
+// aligned); vec 0: one value at a time. The host picks vec from the pointers.
 template <class F, bool ACC>
 GC_DEV float gc_dec_step(float acc, gc_u8 code, float scale) {
     const float v = gc_mul(F::to_f32(code), scale);
     return ACC ? gc_add(acc, v) : v;
 }
 
+GC_DEV long long gc_block_of(long long i, int block) {
+    return i < 0x7FFFFFFFLL ? (long long)((gc_u32)i / (gc_u32)block) : i / block;
+}
+
 template <class F, bool ACC>
 GC_DEV void gc_decode_kernel(const gc_u8* __restrict__ pin, const float* __restrict__ sin, float* __restrict__ out,
                              long long count, int block, int vec) {
-    const long long groups = (count + 3) >> 2;
+    const long long groups = (count + 15) >> 4;
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups;
          t += (long long)gridDim.x * blockDim.x) {
-        const long long i0 = t << 2;
-        long long b = i0 / block;
+        const long long i0 = t << 4;
+        long long b = gc_block_of(i0, block);
         long long next = (b + 1) * (long long)block;
-        if (vec && i0 + 3 < count) {
-            const gc_u32 c = *reinterpret_cast<const gc_u32*>(pin + i0);
+        if (vec && i0 + 15 < count) {
+            gc_u32 w[4];
+            if (vec == 2) {
+                const uint4 c = *reinterpret_cast<const uint4*>(pin + i0);
+                w[0] = c.x; w[1] = c.y; w[2] = c.z; w[3] = c.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) w[q] = *reinterpret_cast<const gc_u32*>(pin + i0 + 4 * q);
+            }
             float4* o = reinterpret_cast<float4*>(out + i0);
-            float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (ACC) r = *o;
             float s = sin[b];
-            r.x = gc_dec_step<F, ACC>(r.x, (gc_u8)c, s);
-            if (i0 + 1 == next) { ++b; next += block; s = sin[b]; }
-            r.y = gc_dec_step<F, ACC>(r.y, (gc_u8)(c >> 8), s);
-            if (i0 + 2 == next) { ++b; next += block; s = sin[b]; }
-            r.z = gc_dec_step<F, ACC>(r.z, (gc_u8)(c >> 16), s);
-            if (i0 + 3 == next) { ++b; next += block; s = sin[b]; }
-            r.w = gc_dec_step<F, ACC>(r.w, (gc_u8)(c >> 24), s);
-            *o = r;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float4 r = ACC ? o[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                float v[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (i0 + 4 * q + j == next) { ++b; next += block; s = sin[b]; }
+                    v[j] = gc_dec_step<F, ACC>(v[j], (gc_u8)(w[q] >> (8 * j)), s);
+                }
+                o[q] = make_float4(v[0], v[1], v[2], v[3]);
+            }
         } else {
-            for (int j = 0; j < 4 && i0 + j < count; ++j) {
+            for (int j = 0; j < 16 && i0 + j < count; ++j) {
                 if (i0 + j == next) { ++b; next += block; }
                 const float val = gc_mul(F::to_f32(pin[i0 + j]), sin[b]);
                 out[i0 + j] = ACC ? gc_add(out[i0 + j], val) : val;
@@ -462,6 +487,34 @@ GC_DEV void gc_big_sr_kernel(gc_src<F, MODE> src, const gc_u32* __restrict__ ama
 GC_SR8_ENTRIES(gc_e4m3, e4m3)
 GC_SR8_ENTRIES(gc_e5m2, e5m2)
 
+// Stochastic rounding at block <= 4096: the one-pass team / cta kernels (x read once, as for
+// nearest), each value with the bits of (key, offset + its message index); same bytes as the
+// two-pass path, which stays for blocks > 4096.
+#define GC_SR_ONE_PASS(F, NAME, V, VB)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gc_enc_team_sr##V##NAME(GC_ENC_ARGS, int G, int pad,         \
+                                                                            gc_u64 key, gc_u64 offset) {              \
+        gc_team_kernel<F, 0, VB, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, G, pad, key, offset); \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gc_dae_team_sr##V##NAME(GC_DAE_ARGS, int G, int pad,         \
+                                                                            gc_u64 key, gc_u64 offset) {              \
+        gc_team_kernel<F, 1, VB, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, G, pad, \
+                                       key, offset);                                                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_enc_cta_sr##V##NAME(GC_ENC_ARGS, int pad, gc_u64 key,   \
+                                                                              gc_u64 offset) {                        \
+        gc_cta_kernel<F, 0, VB, true>(gc_src<F, 0>{x, 0, 0}, pout, sout, 0, count, block, nb, pad, key, offset);     \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) gc_dae_cta_sr##V##NAME(GC_DAE_ARGS, int pad, gc_u64 key,   \
+                                                                              gc_u64 offset) {                        \
+        gc_cta_kernel<F, 1, VB, true>(gc_src<F, 1>{local, pin, sin}, pout, sout, sum_out, count, block, nb, pad, key, \
+                                      offset);                                                                        \
+    }
+
+GC_SR_ONE_PASS(gc_e4m3, e4m3, _, false)
+GC_SR_ONE_PASS(gc_e4m3, e4m3, _vec_, true)
+GC_SR_ONE_PASS(gc_e5m2, e5m2, _, false)
+GC_SR_ONE_PASS(gc_e5m2, e5m2, _vec_, true)
+
 // ---------------------------------------------------------------- MX formats and nvfp4
 // Message parts: payload (codes; 4-bit formats packed, value 2j in the low nibble of byte j),
 // block scales (one byte each: E8M0 for MX, E4M3 for nvfp4), nvfp4 group scales (float32, one per
@@ -514,15 +567,34 @@ GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
 }
 
 // nvfp4 encode / decode-add-encode: one warp per 1024-value group; lane l holds the 32 values of
-// blocks 2l and 2l+1 in registers; the group amax (finite blocks only) by warp shuffles.
+// blocks 2l and 2l+1 in registers; the group amax (finite blocks only) by warp shuffles. x is read
+// coalesced (instruction j: lanes read values 32j..32j+31 of the group) into a per-warp shared tile
+// (rows padded to 33 floats: no bank conflicts either way), from which each lane takes its 32; each
+// lane's 16 payload bytes go out as one 16-byte store when the group is full and pay 16-byte aligned.
+#define GC_NV_ROW 33
+// one tile for both instantiations below (a static __shared__ in the template would be two: 66 KiB)
+GC_DEV float* gc_nv_tile() {
+    __shared__ float tile[8 * 32 * GC_NV_ROW];  // blockDim.x <= 256: 8 warps, 33 KiB
+    return tile;
+}
+
 template <int MODE>
 GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
                              float* __restrict__ gs, float* __restrict__ sum_out, long long count, long long ng, int sr,
                              gc_u64 key, gc_u64 offset) {
     const int lane = threadIdx.x & 31;
+    float* tw = gc_nv_tile() + (threadIdx.x >> 5) * 32 * GC_NV_ROW;
+    const bool pay16 = ((unsigned long long)pay & 15u) == 0;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     for (long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); g < ng; g += warps) {
-        const long long base = g * 1024 + lane * 32;
+        const long long g0 = g * 1024;
+        const long long base = g0 + lane * 32;
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {  // value e = 32j + lane of the group belongs to lane j, slot `lane`
+            const long long i = g0 + 32 * j + lane;
+            tw[j * GC_NV_ROW + lane] = i < count ? x[i] : 0.0f;
+        }
+        __syncwarp();
         float v[32];
         gc_u32 m0 = 0, m1 = 0;
 #pragma unroll
@@ -530,30 +602,38 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             const long long i = base + k;
             float t = 0.0f;
             if (i < count) {
-                t = x[i];
-                if (MODE == 1) t = gc_add(gc_mx_in<2, 1>(in, i), t);
+                t = tw[lane * GC_NV_ROW + k];
+                if (MODE == 1) t = gc_add(gc_mx_in<GC_NVFP4_ELEM, 1>(in, i), t);
                 if (sum_out) sum_out[i] = t;
             }
             v[k] = t;
             if (k < 16) m0 = gc_umax(m0, gc_abs_bits(t));
             else m1 = gc_umax(m1, gc_abs_bits(t));
         }
+        __syncwarp();  // the tile is rewritten by the next group
         gc_u32 f = gc_umax(m0 < GC_F32_INF_BITS ? m0 : 0u, m1 < GC_F32_INF_BITS ? m1 : 0u);
         for (int o = 16; o > 0; o >>= 1) f = gc_umax(f, __shfl_xor_sync(0xFFFFFFFFu, f, o));
         const gc_nv_group grp = gc_nv_group::from_bits(f);
         float r[2];
         const gc_u32 bsc[2] = {gc_nv_block(m0, grp, &r[0]), gc_nv_block(m1, grp, &r[1])};
+        gc_u32 w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int k = 0; k < 32; k += 2) {
             const long long i = base + k;
-            if (i >= count) break;
             const int h = k >> 4;
             gc_u32 c0 = 0, c1 = 0;
-            if (bsc[h] != 0x7Fu) {
+            if (bsc[h] != 0x7Fu && i < count) {
                 c0 = gc_qelem(v[k], r[h], sr ? gc_rbits(key, offset + (gc_u64)i) : 0u, GC_NVFP4_ELEM, sr != 0);
                 if (i + 1 < count) c1 = gc_qelem(v[k + 1], r[h], sr ? gc_rbits(key, offset + (gc_u64)(i + 1)) : 0u, GC_NVFP4_ELEM, sr != 0);
             }
-            pay[i >> 1] = (gc_u8)((c0 & 0xFu) | ((c1 & 0xFu) << 4));
+            w[k >> 3] |= ((c0 & 0xFu) | ((c1 & 0xFu) << 4)) << (8 * ((k >> 1) & 3));
+        }
+        if (pay16 && base + 31 < count) {
+            uint4 q;
+            q.x = w[0]; q.y = w[1]; q.z = w[2]; q.w = w[3];
+            *reinterpret_cast<uint4*>(pay + (base >> 1)) = q;
+        } else {
+            for (int k = 0; k < 32 && base + k < count; k += 2) pay[(base + k) >> 1] = (gc_u8)(w[k >> 3] >> (8 * ((k >> 1) & 3)));
         }
         if (base < count) sc[base >> 4] = (gc_u8)bsc[0];
         if (base + 16 < count) sc[(base >> 4) + 1] = (gc_u8)bsc[1];
@@ -561,11 +641,42 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
     }
 }
 
+// MX / nvfp4 decode and decode-accumulate: 8 consecutive values per thread, which share one block
+// scale (MX blocks are 32 values, nvfp4 blocks 16, groups 1024): the scale is read once; vec (the
+// host checks: payload 4-byte, out 16-byte aligned): 4-byte payload loads (one for 4-bit codes,
+// two for 8-bit) and two float4 stores; else one value at a time.
 template <int EK, int NV, bool ACC>
-GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long count) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-        const float v = gc_mx_in<EK, NV>(in, i);
-        out[i] = ACC ? gc_add(out[i], v) : v;
+GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long count, int vec) {
+    const long long groups = (count + 7) >> 3;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < groups; t += (long long)gridDim.x * blockDim.x) {
+        const long long i0 = t << 3;
+        if (vec && i0 + 7 < count) {
+            const gc_u32 w0 = *reinterpret_cast<const gc_u32*>(in.pay + (EK == GC_ELEM_E2M1 ? (i0 >> 1) : i0));
+            const gc_u32 w1 = (EK == GC_ELEM_E2M1) ? 0u : *reinterpret_cast<const gc_u32*>(in.pay + i0 + 4);
+            const gc_u32 scode = NV ? (gc_u32)in.sc[i0 >> 4] : (gc_u32)in.sc[i0 >> 5];
+            const float s2 = NV ? in.gs[i0 >> 10] : 0.0f;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const gc_u32 code = (EK == GC_ELEM_E2M1) ? (w0 >> (4 * k)) & 0xFu : ((k < 4 ? w0 : w1) >> (8 * (k & 3))) & 0xFFu;
+                v[k] = NV ? gc_nv_value(code, scode, s2) : gc_mx_value(code, scode, EK);
+            }
+            float4* o = reinterpret_cast<float4*>(out + i0);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float4 r = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+                if (ACC) {
+                    const float4 a = o[h];
+                    r = make_float4(gc_add(a.x, r.x), gc_add(a.y, r.y), gc_add(a.z, r.z), gc_add(a.w, r.w));
+                }
+                o[h] = r;
+            }
+        } else {
+            for (int j = 0; j < 8 && i0 + j < count; ++j) {
+                const float v = gc_mx_in<EK, NV>(in, i0 + j);
+                out[i0 + j] = ACC ? gc_add(out[i0 + j], v) : v;
+            }
+        }
     }
 }
 
@@ -587,13 +698,30 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gc_mx_dec_##NAME(const gc_u8* __restrict__ ipay,              \
         const gc_u8* __restrict__ isc, const float* __restrict__ igs, float* __restrict__ out, long long count,      \
-        int acc) {                                                                                                    \
+        int acc, int vec) {                                                                                           \
         const gc_mx_msg in{ipay, isc, igs};                                                                           \
-        if (acc) gc_mx_dec_kernel<EK, NV, true>(in, out, count);                                                      \
-        else gc_mx_dec_kernel<EK, NV, false>(in, out, count);                                                         \
+        if (acc) gc_mx_dec_kernel<EK, NV, true>(in, out, count, vec);                                                 \
+        else gc_mx_dec_kernel<EK, NV, false>(in, out, count, vec);                                                    \
     }
 
 GC_MX_ENTRIES(GC_NVFP4_ELEM, 1, nvfp4)
 GC_MX_ENTRIES(GC_MXFP4_ELEM, 0, mxfp4)
 GC_MX_ENTRIES(GC_MXFP8_ELEM, 0, mxfp8)
 GC_MX_ENTRIES(GC_MXFP8_E5M2_ELEM, 0, mxfp8_e5m2)
+
+// ---------------------------------------------------------------- float32 <-> float64 casts
+// y = x converted (float32 -> float64 exactly; float64 -> float32 rounded to nearest even), for
+// the collectives' float64 accumulation on device arrays (giftcomm._xp.astype): explicit
+// cvt.f64.f32 / cvt.rn.f32.f64 without .ftz, where a CuPy astype (compiled with -ftz=true) reads a
+// subnormal float32 as zero or writes a subnormal float32 result as zero.
+extern "C" __global__ void __launch_bounds__(256) gc_cvt_f32_f64(const float* __restrict__ x, double* __restrict__ y,
+                                                                 long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x)
+        y[i] = gc_f32_to_f64(x[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gc_cvt_f64_f32(const double* __restrict__ x, float* __restrict__ y,
+                                                                 long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x)
+        y[i] = gc_f64_to_f32(x[i]);
+}

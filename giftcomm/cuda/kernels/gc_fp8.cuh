@@ -91,6 +91,29 @@ GC_HD float gc_add(float a, float b) {
 #endif
 }
 
+// float32 -> float64 (exact) and float64 -> float32 (round to nearest even), never flushing a
+// float32 subnormal (explicit non-.ftz cvt on the device; see the header comment).
+GC_HD double gc_f32_to_f64(float a) {
+#if defined(__CUDA_ARCH__)
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));  // no .ftz: a subnormal a is kept
+    return r;
+#else
+    return (double)a;
+#endif
+}
+
+GC_HD float gc_f64_to_f32(double a) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a));  // no .ftz: a subnormal result is kept
+    return r;
+#else
+    volatile float r = (float)a;
+    return r;
+#endif
+}
+
 // np.clip(v, -m, m) for a finite m > 0; keeps -0 and NaN. Compares bit patterns (integers), so no
 // float compare or min/max instruction can flush a subnormal v under -ftz=true.
 GC_HD float gc_clip(float v, float m) {
