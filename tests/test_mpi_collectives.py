@@ -4,8 +4,8 @@ Every rank builds all P inputs from one seed broadcast by rank 0, runs its part 
 and checks its output against the single-process simulation, bit for bit; the ranks then compare
 digests so the results are also bit-identical across ranks: the home of invariant 1
 (tests/README.md). Every format of the table runs through every algorithm, over the shared
-window and over MPI messages, as covering designs (each format x algorithm pair once, the size
-rotating: conftest.covering); tests/run_all.sh runs the module at P = 1..5.
+window and over MPI messages, as covering designs (each format x algorithm pair at least once
+over the runs at P = 1..5 of tests/run_all.sh, the size rotating: conftest.on_this_world).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import hashlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ALGORITHM_CHOICES, FORMAT_NAMES, SCALED_FORMATS, SCATTER_ALGORITHMS, covering
+from conftest import ALGORITHM_CHOICES, FORMAT_NAMES, SCALED_FORMATS, SCATTER_ALGORITHMS, on_this_world
 
 import giftcomm as gc
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
@@ -49,12 +49,14 @@ def assert_identical_everywhere(comm, a: np.ndarray) -> None:
 SIZES = [0, 1, 3, 5, 1000, 65537]
 
 
-@pytest.mark.parametrize("fmt, n", [(f, SIZES[(i + k) % len(SIZES)]) for i, f in enumerate(FORMAT_NAMES) for k in (0, 2, 4)])
-def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, n, fmt):
-    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-    y = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt)
-    assert digest(y) == digest(simulate_allreduce(xs, fmt=fmt)[comm.rank])
-    assert_identical_everywhere(comm, y)
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, fmt):
+    i = FORMAT_NAMES.index(fmt)
+    for n in (SIZES[i % len(SIZES)], SIZES[(i + 3) % len(SIZES)]):
+        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+        y = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt)
+        assert digest(y) == digest(simulate_allreduce(xs, fmt=fmt)[comm.rank]), n
+        assert_identical_everywhere(comm, y)
 
 
 @pytest.fixture(params=["window", "messages"])
@@ -77,14 +79,18 @@ def test_dtypes_and_ops(transport, shared_rng, dtype, op):
         assert_identical_everywhere(transport.comm, y)
 
 
-@pytest.mark.parametrize("fmt, algorithm", covering(FORMAT_NAMES, SCATTER_ALGORITHMS))
-def test_reduce_scatter_then_allgather(comm, shared_rng, fmt, algorithm):
-    xs = [shared_rng.standard_normal(10007).astype(np.float32) for _ in range(comm.size)]
-    shard = gc.reduce_scatter(xs[comm.rank], comm=comm, fmt=fmt, algorithm=algorithm)
-    assert digest(shard) == digest(simulate_reduce_scatter(xs, fmt, None, "sum", algorithm)[comm.rank])
-    full = gc.allgather(shard, comm=comm, fmt=fmt)
-    assert digest(full) == digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank])
-    assert_identical_everywhere(comm, full)
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
+def test_reduce_scatter_then_allgather(comm, shared_rng, algorithm):
+    j = SCATTER_ALGORITHMS.index(algorithm)
+    for i, fmt in enumerate(FORMAT_NAMES):
+        if not (on_this_world(i + j, comm.size) or on_this_world(i + j + 1, comm.size)):
+            continue  # the pairs dealt over P = 1..5, each twice
+        xs = [shared_rng.standard_normal(10007).astype(np.float32) for _ in range(comm.size)]
+        shard = gc.reduce_scatter(xs[comm.rank], comm=comm, fmt=fmt, algorithm=algorithm)
+        assert digest(shard) == digest(simulate_reduce_scatter(xs, fmt, None, "sum", algorithm)[comm.rank]), fmt
+        full = gc.allgather(shard, comm=comm, fmt=fmt)
+        assert digest(full) == digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank]), fmt
+        assert_identical_everywhere(comm, full)
 
 
 @pytest.mark.parametrize("fmt, algorithm", [(f, (["auto"] + SCATTER_ALGORITHMS)[i % 3])
@@ -164,39 +170,47 @@ def test_pipelined_slices_over_mpi(transport, shared_rng, slice_elems):
     assert_identical_everywhere(transport.comm, y)
 
 
-MPI_CASES = covering(ALGORITHM_CHOICES, FORMAT_NAMES, [7, 4099, 30001])
+@pytest.mark.parametrize("algorithm", ALGORITHM_CHOICES)
+def test_every_algorithm_over_mpi(comm, shared_rng, algorithm):
+    """Every format through every algorithm, with every node size dividing P: a covering design,
+    the pairs dealt over P = 1..5 (conftest.on_this_world; each run of tests/run_all.sh takes its
+    share), the size rotating, stochastic rounding on every other block-scaled pair."""
+    j = ALGORITHM_CHOICES.index(algorithm)
+    for i, fmt in enumerate(FORMAT_NAMES):
+        if not on_this_world(i + j, comm.size):
+            continue
+        n = (7, 4099, 30001)[(i + j) % 3]
+        rounding, seed = ("stochastic", 3 + i) if fmt in SCALED_FORMATS and (i + j) % 2 else ("nearest", None)
+        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+        for k in [k for k in range(1, comm.size + 1) if comm.size % k == 0]:
+            kw = dict(algorithm=algorithm, local_size=k, fmt=fmt, rounding=rounding, seed=seed)
+            y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
+            assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), (kw, n)
+            assert_identical_everywhere(comm, y)
 
 
-@pytest.mark.parametrize("algorithm, fmt, n", MPI_CASES)
-def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, fmt, n):
-    """Every format through every algorithm (a covering design: the size rotating; stochastic
-    rounding on every other pair of a block-scaled format), with every node size dividing P."""
-    i = MPI_CASES.index((algorithm, fmt, n))
-    rounding, seed = ("stochastic", 3 + i) if fmt in SCALED_FORMATS and i % 2 else ("nearest", None)
-    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-    for k in [k for k in range(1, comm.size + 1) if comm.size % k == 0]:
-        kw = dict(algorithm=algorithm, local_size=k, fmt=fmt, rounding=rounding, seed=seed)
-        y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
-        assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), kw
-        assert_identical_everywhere(comm, y)
-
-
-@pytest.mark.parametrize("algorithm, fmt, n", covering(SCATTER_ALGORITHMS, FORMAT_NAMES, [5, 4099, 70001]))
-def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm, fmt, n):
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
+def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm):
     """MpiTransport uses an MPI shared window on one node (the default) or MPI messages
-    (shared_memory=False); both must give the simulation's bytes, over repeated calls."""
+    (shared_memory=False); both must give the simulation's bytes, over repeated calls, for every
+    format (the size rotating; the pairs dealt over P = 1..5, conftest.on_this_world)."""
     from giftcomm.transport.mpi import MpiTransport
 
     on, off = MpiTransport(comm), MpiTransport(comm, shared_memory=False)
     assert on.shared_memory == bool((on.node_ids() == 0).all()) and not off.shared_memory
-    for _ in range(2):
-        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-        want = digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank])
-        for t in (on, off):
-            y = gc.allreduce(xs[comm.rank], comm=t, fmt=fmt, algorithm=algorithm, slice_elems=65536)
-            assert digest(y) == want, t.shared_memory
-    if on.shared_memory:
-        assert on.shared_window(0).nbytes >= n // comm.size // 2  # >= 4 bits a value; kept for the next call
+    for i, fmt in enumerate(FORMAT_NAMES):
+        j = SCATTER_ALGORITHMS.index(algorithm)
+        if not (on_this_world(i + j, comm.size) or on_this_world(i + j + 1, comm.size)):
+            continue  # two fifths of the pairs at each P: every pair twice over P = 1..5
+        n = (5, 4099, 70001)[(i + j) % 3]
+        for _ in range(2):
+            xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+            want = digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank])
+            for t in (on, off):
+                y = gc.allreduce(xs[comm.rank], comm=t, fmt=fmt, algorithm=algorithm, slice_elems=65536)
+                assert digest(y) == want, (t.shared_memory, fmt, n)
+        if on.shared_memory:
+            assert on.shared_window(0).nbytes >= n // comm.size // 2  # >= 4 bits a value; kept for the next call
     on.free()
     off.free()
 
