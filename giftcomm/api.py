@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import plan_cache
 from ._xp import is_device_array
 from .collectives import engine
 from .collectives.algorithms import CHOICES
@@ -106,10 +107,13 @@ def allreduce(
     format raises (docs/wire-format.md). Returns an
     array of x's shape and dtype, bit-identical on every rank and equal to
     ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
+    Repeated calls with one signature reuse a cached plan where the ranks share a node's memory
+    (docs/api.md, Plan cache); ``auto`` there predicts the plans' channel, as
+    :func:`giftcomm.plan_allreduce` does.
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
-    return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+    return plan_cache.allreduce(t, x, out, opts, local_size)
 
 def reduce_scatter(
     x: Any,

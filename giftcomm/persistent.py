@@ -38,9 +38,14 @@ from .errors import CommAborted, CommClosed, CommError
 from .formats import Format, check_key
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
-from .transport.channel import STALE_WORD, WORDS, PlanChannel, native_channel
+from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
 
-__all__ = ["AllreducePlan", "plan_allreduce"]
+__all__ = ["AllreducePlan", "plan_allreduce", "plan_of", "Missed"]
+
+
+class Missed(Exception):
+    """A cached plan's call (giftcomm.plan_cache) met plain calls or other cached plans on some
+    ranks: every rank falls back to the agreement of a plain call."""
 
 
 class AllreducePlan:
@@ -50,9 +55,11 @@ class AllreducePlan:
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, job: engine.Job, word: int, channel: bool) -> None:
+    def __init__(self, t: Transport, job: engine.Job, word: int, channel: bool, cached: bool = False) -> None:
         call, algorithm = job.call, job.algorithm
         assert algorithm is not None
+        self._cached = cached  # a plain call's cached plan (giftcomm.plan_cache): its word carries CACHED
+        self._what = "giftcomm (cached plan)" if cached else "giftcomm plan"
         self.transport, self.algorithm, self._row, self._job = t, algorithm.name, algorithm, job
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
         self._template, self._word = call, word
@@ -64,6 +71,7 @@ class AllreducePlan:
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
         self._owner = t.state  # the transport's state this plan belongs to: closed with it (CommClosed)
         self._state = self._owner if channel else None
+        self.through_channel = channel  # whether the calls go through the node-shared plan channel
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
                       and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
@@ -207,13 +215,17 @@ class AllreducePlan:
         self._check(channel.table, error)
 
     def _check(self, table: np.ndarray, error: Exception | None) -> None:
-        """Raise on every rank when any rank failed locally or ran another plan / thread."""
+        """Raise on every rank when any rank failed locally or ran another plan / thread; a
+        cached plan raises :class:`Missed` when a peer is about to agree on a plain call (every
+        rank then agrees)."""
         if table[:, 0].any():
-            raise_failures(self.transport, "giftcomm plan", table, error)
+            raise_failures(self.transport, self._what, table, error)
         if (table[1:] != table[0]).any():  # one test; name the column only then
+            if self._cached and (plain_words(table[:, 1]) == PLAIN_WORD).all() and (table[:, 2] == table[0, 2]).all():
+                raise Missed  # plain calls elsewhere, or cached plans made apart: every rank agrees afresh
             for col, what in ((1, "plan"), (2, "caller"), (3, "seed")):
                 if (table[:, col] != table[0, col]).any():
-                    raise ValueError(f"giftcomm plan: ranks disagree on {what} (ranks called different plans, "
+                    raise ValueError(f"{self._what}: ranks disagree on {what} (ranks called different plans, "
                                      f"from differently named threads, or with different seeds)")
 
 
@@ -243,17 +255,24 @@ def plan_allreduce(
                                timeout, op, mx_scale)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
-                                channel=_able(t, _xp.is_device_array(x)))
-        call, chosen = job.call, job.algorithm
-        assert chosen is not None
-        # the same word on every rank: the agreed signature and the plan's number on this transport
-        # (plans are made collectively, so every rank counts them alike)
-        t.state.plans += 1
-        word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
-        return AllreducePlan(t, job, word, _channel(t, call, chosen))
+                                channel=able(t, _xp.is_device_array(x)))
+        return plan_of(t, job)
 
 
-def _able(t: Transport, device: bool) -> bool:
+def plan_of(t: Transport, job: engine.Job, cached: bool = False) -> AllreducePlan:
+    """The plan of an agreed allreduce ``job`` without geometry (collective: every rank makes it
+    after the same agreement). ``cached``: a plain call's plan (giftcomm.plan_cache), whose
+    word carries :data:`~giftcomm.transport.channel.CACHED`."""
+    call, chosen = job.call, job.algorithm
+    assert chosen is not None and job.geometry is None
+    # the same word on every rank: the agreed signature and the plan's number on this transport
+    # (plans are made collectively, so every rank counts them alike)
+    t.state.plans += 1
+    word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
+    return AllreducePlan(t, job, word | (CACHED if cached else 0), _channel(t, call, chosen), cached)
+
+
+def able(t: Transport, device: bool) -> bool:
     """Whether this rank could run a plan's calls through the node-shared channel: host arrays on
     a host shared-memory transport, with the native channel built."""
     return (t.memory == HOST and not device and bool(t.shared_memory) and native_channel() is not None
@@ -263,7 +282,7 @@ def _able(t: Transport, device: bool) -> bool:
 def _channel(t: Transport, call: Call, algorithm: Algorithm) -> bool:
     """Whether the plan's calls go through the node-shared channel (collective: every rank
     alike): host arrays, every rank able to run the native channel, and a channel to be had."""
-    if not t.allgather_int64(np.array([int(_able(t, call.imp.device))], np.int64))[:, 0].all():
+    if not t.allgather_int64(np.array([int(able(t, call.imp.device))], np.int64))[:, 0].all():
         return False
     wire = call.wire(t.rank)
     return t.plan_channel(wire.nbytes(call.arr.size) if algorithm.one_exchange else 0) is not None

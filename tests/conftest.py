@@ -1,6 +1,15 @@
-"""Shared fixtures: a fresh random generator per test, its seed printed so a failure can be replayed."""
+"""Shared fixtures and the tables the tests parametrise over.
+
+``rng``: a fresh random generator per test, its seed printed so a failure can be replayed.
+FORMAT_NAMES, ALGORITHM_NAMES, ALGORITHM_CHOICES, SCATTER_ALGORITHMS: read from the format table
+(giftcomm.formats.FORMATS) and the algorithm table (giftcomm.collectives.algorithms), so a new row
+is tested everywhere the day it lands; no test file writes these lists by hand. ``covering``
+builds a covering design over them (every format x every algorithm once, other axes rotating).
+Which module is the home of which invariant of DESIGN.md: tests/README.md.
+"""
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 
@@ -16,6 +25,55 @@ def rng(request) -> np.random.Generator:
     seed = int(os.environ.get("GIFTCOMM_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
     print(f"[{request.node.name}] seed={seed} (replay with GIFTCOMM_TEST_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------ the tables, as test axes
+from giftcomm.collectives.algorithms import BY_NAME, CHOICES, NAMES, SCATTER_CHOICES  # noqa: E402
+from giftcomm.formats import FORMATS  # noqa: E402
+
+#: every wire format of the table, in table order
+FORMAT_NAMES: list[str] = list(FORMATS)
+#: the block-scaled formats (the ones stochastic rounding and block NaN rules apply to)
+SCALED_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.scaled]
+#: every allreduce algorithm of the table, and the ``algorithm=`` choices ("auto" first)
+ALGORITHM_NAMES: list[str] = list(NAMES)
+ALGORITHM_CHOICES: list[str] = list(CHOICES)
+#: the algorithms reduce_scatter runs (and the shared-window path takes), without "auto"
+SCATTER_ALGORITHMS: list[str] = [a for a in SCATTER_CHOICES if a in BY_NAME]
+
+
+def covering(first: list, second: list, *rotating: list) -> list[tuple]:
+    """Every pair of ``first`` x ``second`` once, each followed by one value of every list in
+    ``rotating``, chosen so that every value of a rotating list meets every value of ``first``
+    and of ``second`` when the lists allow it (index ``(i + (k + 1) * j) % len`` for pair (i, j)):
+    a covering design that keeps a product over the tables cheap."""
+    out = []
+    for (i, a), (j, b) in itertools.product(enumerate(first), enumerate(second)):
+        out.append((a, b, *(r[(i + (k + 1) * j) % len(r)] for k, r in enumerate(rotating))))
+    return out
+
+
+MPI_WORLD_SIZES = 5
+
+
+def on_this_world(i: int, size: int) -> bool:
+    """Whether case ``i`` of a covering design runs at world size ``size`` under mpiexec: the
+    cases are dealt round-robin over P = 1..MPI_WORLD_SIZES (tests/run_all.sh runs each), so the
+    union of those runs covers every case once and each run stays small."""
+    return i % MPI_WORLD_SIZES == (size - 1) % MPI_WORLD_SIZES
+
+
+def block_for(fmt: str, block: int | None) -> int | None:
+    """``block`` for a format that takes any block, None (the format's own) for a fixed-block one."""
+    return None if FORMATS[fmt].fixed_block is not None else block
+
+
+def local_sizes(algorithm: str, p: int) -> list:
+    """Node layouts to run ``algorithm`` with on P ranks: every divisor of P for the rows that
+    need nodes, else [None]."""
+    if algorithm not in BY_NAME or not BY_NAME[algorithm].needs_nodes:
+        return [None]
+    return [k for k in range(1, p + 1) if p % k == 0]
 
 
 # ------------------------------------------------------------------ helpers the test files share

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import FORMAT_NAMES, SCATTER_ALGORITHMS
 
 import giftcomm as gc
 from giftcomm.collectives.plan import GATHER_MATCH, MATCH
@@ -116,7 +117,8 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
     elif field == "geometry":
         geometry = _Geometry(x.size, 2 if odd else 1)
     elif field == "algorithm":
-        kw["algorithm"] = ("direct" if algorithm == "ring" else "ring") if odd else algorithm
+        others = [a for a in SCATTER_ALGORITHMS if a != algorithm]
+        kw["algorithm"] = others[0] if odd else algorithm
     elif field == "local_size":
         kw["local_size"] = 1 if odd else None
     elif field == "shared_memory":
@@ -162,7 +164,7 @@ def test_every_agreed_field_has_a_case():
     assert set(GATHER_MATCH) <= GATHER_CASES, set(GATHER_MATCH) - GATHER_CASES
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
 @pytest.mark.parametrize("field", list(MATCH))
 def test_one_rank_differs_in_an_allreduce_field(comm, transport, field, algorithm):
     t = transport
@@ -203,3 +205,21 @@ def test_one_rank_differs_in_an_allgather_field(comm, transport, field):
     assert_same_error_everywhere(comm, _in_thread(name, lambda: gc.allgather(shard, **kw)), field)
     got = gc.allgather(np.ones(100 + comm.rank, np.float32), comm=transport, fmt="fp32")
     assert got.size == sum(100 + r for r in range(comm.size))
+
+
+def test_one_rank_differs_in_format_for_every_format(comm):
+    """Every format of the table against its neighbour in the table, both directions: the same
+    ValueError naming fmt on every rank, for allreduce and allgather; then the agreed call runs."""
+    from giftcomm.reference import simulate_allreduce
+    from giftcomm.transport.mpi import MpiTransport
+
+    t = MpiTransport(comm, timeout=DEADLINE_S, on_timeout="raise")
+    odd = comm.rank == comm.size - 1
+    x = np.ones(N, np.float32)
+    for i, fmt in enumerate(FORMAT_NAMES):
+        other = FORMAT_NAMES[(i + 1) % len(FORMAT_NAMES)]
+        assert_same_error_everywhere(comm, lambda: gc.allreduce(x, comm=t, fmt=other if odd else fmt), "fmt")
+        assert_same_error_everywhere(comm, lambda: gc.allgather(x[:100], comm=t, fmt=fmt if odd else other), "fmt")
+        y = gc.allreduce(x, comm=t, fmt=fmt)
+        assert y.tobytes() == simulate_allreduce([x] * comm.size, fmt)[comm.rank].tobytes(), fmt
+    t.free()

@@ -2,7 +2,10 @@
 
 Every rank builds all P inputs from one seed broadcast by rank 0, runs its part of the collective,
 and checks its output against the single-process simulation, bit for bit; the ranks then compare
-digests so the results are also bit-identical across ranks.
+digests so the results are also bit-identical across ranks: the home of invariant 1
+(tests/README.md). Every format of the table runs through every algorithm, over the shared
+window and over MPI messages, as covering designs (each format x algorithm pair at least once
+over the runs at P = 1..5 of tests/run_all.sh, the size rotating: conftest.on_this_world).
 """
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import hashlib
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ALGORITHM_CHOICES, FORMAT_NAMES, SCALED_FORMATS, SCATTER_ALGORITHMS, on_this_world
 
 import giftcomm as gc
-from giftcomm.collectives.algorithms import CHOICES, SCATTER_CHOICES
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.reference.simulate import resolve_algorithm
 
@@ -43,13 +46,17 @@ def assert_identical_everywhere(comm, a: np.ndarray) -> None:
     assert len(set(digests)) == 1, digests
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 5, 1000, 65537])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16", "fp32"])
-def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, n, fmt):
-    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-    y = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt)
-    assert digest(y) == digest(simulate_allreduce(xs, fmt=fmt)[comm.rank])
-    assert_identical_everywhere(comm, y)
+SIZES = [0, 1, 3, 5, 1000, 65537]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_allreduce_equals_simulation_bit_for_bit(comm, shared_rng, fmt):
+    i = FORMAT_NAMES.index(fmt)
+    for n in (SIZES[i % len(SIZES)], SIZES[(i + 3) % len(SIZES)]):
+        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+        y = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt)
+        assert digest(y) == digest(simulate_allreduce(xs, fmt=fmt)[comm.rank]), n
+        assert_identical_everywhere(comm, y)
 
 
 @pytest.fixture(params=["window", "messages"])
@@ -66,21 +73,28 @@ def transport(request, comm):
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_dtypes_and_ops(transport, shared_rng, dtype, op):
     xs = [shared_rng.standard_normal((33, 17)).astype(dtype) for _ in range(transport.size)]
-    for algorithm in ("ring", "direct"):
+    for algorithm in SCATTER_ALGORITHMS:
         y = gc.allreduce(xs[transport.rank], comm=transport, op=op, block=64, algorithm=algorithm)
         assert digest(y) == digest(simulate_allreduce(xs, block=64, op=op, algorithm=algorithm)[transport.rank])
         assert_identical_everywhere(transport.comm, y)
 
 
-def test_reduce_scatter_then_allgather(comm, shared_rng):
-    xs = [shared_rng.standard_normal(10007).astype(np.float32) for _ in range(comm.size)]
-    shard = gc.reduce_scatter(xs[comm.rank], comm=comm)
-    assert digest(shard) == digest(simulate_reduce_scatter(xs)[comm.rank])
-    full = gc.allgather(shard, comm=comm)
-    assert digest(full) == digest(simulate_allreduce(xs, algorithm="ring")[comm.rank])
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
+def test_reduce_scatter_then_allgather(comm, shared_rng, algorithm):
+    j = SCATTER_ALGORITHMS.index(algorithm)
+    for i, fmt in enumerate(FORMAT_NAMES):
+        if not (on_this_world(i + j, comm.size) or on_this_world(i + j + 1, comm.size)):
+            continue  # the pairs dealt over P = 1..5, each twice
+        xs = [shared_rng.standard_normal(10007).astype(np.float32) for _ in range(comm.size)]
+        shard = gc.reduce_scatter(xs[comm.rank], comm=comm, fmt=fmt, algorithm=algorithm)
+        assert digest(shard) == digest(simulate_reduce_scatter(xs, fmt, None, "sum", algorithm)[comm.rank]), fmt
+        full = gc.allgather(shard, comm=comm, fmt=fmt)
+        assert digest(full) == digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank]), fmt
+        assert_identical_everywhere(comm, full)
 
 
-@pytest.mark.parametrize("fmt,algorithm", [("e4m3", "ring"), ("nvfp4", "direct"), ("mxfp8", "auto")])
+@pytest.mark.parametrize("fmt, algorithm", [(f, (["auto"] + SCATTER_ALGORITHMS)[i % 3])
+                                            for i, f in enumerate(FORMAT_NAMES)])
 def test_reduce_scatter_equal_layout(comm, shared_rng, fmt, algorithm):
     n = comm.size * 1031  # each shard 1031 values: no whole number of blocks
     xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
@@ -156,34 +170,47 @@ def test_pipelined_slices_over_mpi(transport, shared_rng, slice_elems):
     assert_identical_everywhere(transport.comm, y)
 
 
-@pytest.mark.parametrize("algorithm", CHOICES)
-@pytest.mark.parametrize("n", [7, 4099, 300001])
-def test_every_algorithm_over_mpi(comm, shared_rng, algorithm, n):
-    xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-    for k in [k for k in range(1, comm.size + 1) if comm.size % k == 0]:
-        kw = dict(algorithm=algorithm, local_size=k)
-        y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
-        assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), kw
-        assert_identical_everywhere(comm, y)
+@pytest.mark.parametrize("algorithm", ALGORITHM_CHOICES)
+def test_every_algorithm_over_mpi(comm, shared_rng, algorithm):
+    """Every format through every algorithm, with every node size dividing P: a covering design,
+    the pairs dealt over P = 1..5 (conftest.on_this_world; each run of tests/run_all.sh takes its
+    share), the size rotating, stochastic rounding on every other block-scaled pair."""
+    j = ALGORITHM_CHOICES.index(algorithm)
+    for i, fmt in enumerate(FORMAT_NAMES):
+        if not on_this_world(i + j, comm.size):
+            continue
+        n = (7, 4099, 30001)[(i + j) % 3]
+        rounding, seed = ("stochastic", 3 + i) if fmt in SCALED_FORMATS and (i + j) % 2 else ("nearest", None)
+        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+        for k in [k for k in range(1, comm.size + 1) if comm.size % k == 0]:
+            kw = dict(algorithm=algorithm, local_size=k, fmt=fmt, rounding=rounding, seed=seed)
+            y = gc.allreduce(xs[comm.rank], comm=comm, slice_elems=4096, **kw)
+            assert digest(y) == digest(simulate_allreduce(xs, **kw)[comm.rank]), (kw, n)
+            assert_identical_everywhere(comm, y)
 
 
-@pytest.mark.parametrize("algorithm", SCATTER_CHOICES[1:])  # the algorithms with a shared-window path
-@pytest.mark.parametrize("n", [5, 4099, 300001])
-def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm, n):
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
+def test_shared_window_and_mpi_messages_give_the_same_bytes(comm, shared_rng, algorithm):
     """MpiTransport uses an MPI shared window on one node (the default) or MPI messages
-    (shared_memory=False); both must give the simulation's bytes, over repeated calls."""
+    (shared_memory=False); both must give the simulation's bytes, over repeated calls, for every
+    format (the size rotating; the pairs dealt over P = 1..5, conftest.on_this_world)."""
     from giftcomm.transport.mpi import MpiTransport
 
     on, off = MpiTransport(comm), MpiTransport(comm, shared_memory=False)
     assert on.shared_memory == bool((on.node_ids() == 0).all()) and not off.shared_memory
-    for _ in range(2):
-        xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
-        want = digest(simulate_allreduce(xs, algorithm=algorithm)[comm.rank])
-        for t in (on, off):
-            y = gc.allreduce(xs[comm.rank], comm=t, algorithm=algorithm, slice_elems=65536)
-            assert digest(y) == want, t.shared_memory
-    if on.shared_memory:
-        assert on.shared_window(0).nbytes >= n // comm.size  # e4m3: >= 1 byte a value; kept for the next call
+    for i, fmt in enumerate(FORMAT_NAMES):
+        j = SCATTER_ALGORITHMS.index(algorithm)
+        if not (on_this_world(i + j, comm.size) or on_this_world(i + j + 1, comm.size)):
+            continue  # two fifths of the pairs at each P: every pair twice over P = 1..5
+        n = (5, 4099, 70001)[(i + j) % 3]
+        for _ in range(2):
+            xs = [shared_rng.standard_normal(n).astype(np.float32) for _ in range(comm.size)]
+            want = digest(simulate_allreduce(xs, fmt, None, "sum", algorithm)[comm.rank])
+            for t in (on, off):
+                y = gc.allreduce(xs[comm.rank], comm=t, fmt=fmt, algorithm=algorithm, slice_elems=65536)
+                assert digest(y) == want, (t.shared_memory, fmt, n)
+        if on.shared_memory:
+            assert on.shared_window(0).nbytes >= n // comm.size // 2  # >= 4 bits a value; kept for the next call
     on.free()
     off.free()
 

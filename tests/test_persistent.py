@@ -1,31 +1,38 @@
 """Persistent allreduce plans (giftcomm.plan_allreduce): equal to the simulation of the planned
 algorithm on every call; a bad array on one rank, or ranks calling different plans, raises the
 same error on every rank (with the check word inside the one-shot message, and with the small
-gather of the other algorithms); under mpiexec the same over MPI."""
+gather of the other algorithms); under mpiexec the same over MPI.
+
+Plans run every format of the table through every algorithm on both schedules as a covering
+design (each format x algorithm pair once per schedule, P and the size rotating: conftest.covering);
+under mpiexec every format runs through a plan and through the node-shared channel."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import outcomes, same
+from conftest import ALGORITHM_CHOICES, FORMAT_NAMES, block_for, covering, local_sizes, outcomes, same
 
 import giftcomm as gc
-from giftcomm.collectives.algorithms import CHOICES
 from giftcomm.reference import simulate_allreduce
 from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
+PLAN_CASES = covering(FORMAT_NAMES, ALGORITHM_CHOICES, [1, 2, 3, 5], [0, 7, 300, 40000])
 
-@pytest.mark.parametrize("p", [1, 2, 3, 5])
-@pytest.mark.parametrize("n", [0, 7, 300, 40000])
-@pytest.mark.parametrize("algorithm", CHOICES)
+
+@pytest.mark.parametrize("fmt, algorithm, p, n", PLAN_CASES)
 @pytest.mark.parametrize("group", [gc.LoopbackGroup, DeviceLoopbackGroup])
-def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
+def test_plan_calls_equal_the_simulation(rng, fmt, algorithm, p, n, group):
+    """Every format through every algorithm's plan (a covering design: P and n rotating)."""
     dtype = (np.float32, np.float64, np.float16)[int(rng.integers(3))]
     rounds = [[rng.standard_normal(n).astype(dtype) for _ in range(p)] for _ in range(3)]
     op = ("sum", "avg")[int(rng.integers(2))]
+    block = block_for(fmt, 32)
+    local_size = local_sizes(algorithm, p)[-1]
 
     def body(t):
-        plan = gc.plan_allreduce(rounds[0][t.rank], comm=t, op=op, block=32, algorithm=algorithm)
+        plan = gc.plan_allreduce(rounds[0][t.rank], comm=t, op=op, fmt=fmt, block=block, algorithm=algorithm,
+                                 local_size=local_size)
         outs = [plan(r[t.rank]) for r in rounds]
         into = np.empty(n, dtype)
         assert plan(rounds[0][t.rank], out=into) is into
@@ -34,11 +41,28 @@ def test_plan_calls_equal_the_simulation(rng, p, n, algorithm, group):
     res = group(p).run(body)
     ran = res[0][0]
     if algorithm == "auto":  # no node-shared channel here: the plain call's choice
-        assert ran == resolve_algorithm("auto", n, p, None, "e4m3", 32)
+        assert ran == resolve_algorithm("auto", n, p, local_size, fmt, block)
     for k, xs in enumerate(rounds):
-        want = simulate_allreduce(xs, "e4m3", 32, op, ran)
+        want = simulate_allreduce(xs, fmt, block, op, ran, local_size)
         assert all(same(r[1][k], w) for r, w in zip(res, want)), (ran, k)
-    assert all(same(r[2], w) for r, w in zip(res, simulate_allreduce(rounds[0], "e4m3", 32, op, ran)))
+    assert all(same(r[2], w) for r, w in zip(res, simulate_allreduce(rounds[0], fmt, block, op, ran, local_size)))
+
+
+def test_a_plan_rounds_stochastically_with_a_seed_per_call(rng):
+    p, n = 3, 500
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+
+    def body(t):
+        plan = gc.plan_allreduce(xs[t.rank], comm=t, fmt="mxfp4", rounding="stochastic")
+        return plan.algorithm, plan(xs[t.rank], seed=11), plan(xs[t.rank], seed=12)
+
+    res = gc.LoopbackGroup(p).run(body)
+    for k, seed in ((1, 11), (2, 12)):
+        want = simulate_allreduce(xs, "mxfp4", None, "sum", res[0][0], rounding="stochastic", seed=seed)
+        assert all(same(r[k], w) for r, w in zip(res, want))
+    errors = outcomes(p, lambda t: gc.plan_allreduce(xs[t.rank], comm=t, rounding="stochastic")(xs[t.rank],
+                                                                                                 seed=t.rank))
+    assert all(type(e) is ValueError and "disagree on seed" in str(e) for e in errors), errors
 
 
 @pytest.mark.parametrize("n", [64, 40000])  # one-shot (check word in the message) and ring (a gather)
@@ -84,11 +108,12 @@ def test_plans_over_mpi(rng):
     comm = MPI.COMM_WORLD
     p, r = comm.size, comm.rank
     gen = np.random.default_rng(77)  # the same inputs on every rank
-    for n in (100, 30000):
+    for i, fmt in enumerate(FORMAT_NAMES):  # every format, the size alternating
+        n = (100, 30000)[i % 2]
         xs = [gen.standard_normal(n).astype(np.float32) for _ in range(p)]
-        plan = gc.plan_allreduce(xs[r], comm=comm, op="avg")
+        plan = gc.plan_allreduce(xs[r], comm=comm, op="avg", fmt=fmt)
         got = [plan(xs[r]) for _ in range(3)]
-        want = simulate_allreduce(xs, "e4m3", 256, "avg", plan.algorithm)[r]
+        want = simulate_allreduce(xs, fmt, None, "avg", plan.algorithm)[r]
         assert all(same(g, want) for g in got)
         if p > 1:
             with pytest.raises(ValueError, match="rank"):
@@ -109,8 +134,7 @@ def _channel_of(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "mxfp8", "bf16", "fp32"])
-@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("fmt, op", [(f, ("sum", "avg")[i % 2]) for i, f in enumerate(FORMAT_NAMES)])
 def test_channel_plans_equal_the_simulation_on_every_call(rng, fmt, op):
     """On one node a one-shot plan's calls go through the shared-memory channel (native encode,
     exchange and rank-order sum); every call, with and without out= (in place too), equals the

@@ -2,18 +2,21 @@
 
 The loopback transport offers a shared window when asked (LoopbackGroup(P, shared_memory=True));
 every result must equal the reference simulation and the message path bit for bit, and the
-window must be reused, grown and kept race-free across calls.
+window must be reused, grown and kept race-free across calls. Every format of the table runs
+through every algorithm with a shared-window path (the reduce-scatter rows), twice, as a
+covering design (P and the size rotating), both roundings.
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import FORMAT_NAMES, SCALED_FORMATS, SCATTER_ALGORITHMS, block_for, covering
 
 import giftcomm as gc
 from giftcomm.collectives import shared
 from giftcomm.collectives.wire import Wire
-from giftcomm.formats import get_format
+from giftcomm.formats import FORMATS, get_format
 from giftcomm.reference import simulate_allreduce
 from giftcomm.transport.shared_window import ENV_SWITCH, enabled_by_env, grown_size, shm_room
 
@@ -40,23 +43,28 @@ def shared_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
-@pytest.mark.parametrize("n", [1, 7, 300, 4099, 70001])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16", "fp16", "fp32"])
-def test_equals_simulation_and_takes_the_shared_path(rng, shared_calls, p, algorithm, n, fmt):
+# every format x every shared-window algorithm, twice, P and the size rotating (conftest.covering)
+WINDOW_CASES = (covering(FORMAT_NAMES, SCATTER_ALGORITHMS, [1, 2, 3, 4, 5, 8], [1, 7, 300, 4099, 70001])
+                + covering(FORMAT_NAMES, SCATTER_ALGORITHMS, [5, 8, 3, 2, 4, 1], [4099, 300, 70001, 7, 1]))
+
+
+@pytest.mark.parametrize("fmt, algorithm, p, n", WINDOW_CASES)
+def test_equals_simulation_and_takes_the_shared_path(rng, shared_calls, fmt, algorithm, p, n):
     xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-4, 4)).astype(np.float32) for _ in range(p)]
-    slice_elems = int(rng.choice([64, 640, 1 << 18]))
-    outs = run_shared(p, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt=fmt, block=64, algorithm=algorithm,
-                                                slice_elems=slice_elems))
-    want = simulate_allreduce(xs, fmt=fmt, block=64, algorithm=algorithm)
+    block = block_for(fmt, 64)
+    unit = FORMATS[fmt].slice_unit(FORMATS[fmt].fixed_block or 64)
+    slice_elems = int(rng.choice([unit, 10 * unit, 1 << 18]))
+    rounding, seed = ("stochastic", int(rng.integers(2**63))) if fmt in SCALED_FORMATS and n % 2 else ("nearest", None)
+    outs = run_shared(p, lambda t: gc.allreduce(xs[t.rank], comm=t, fmt=fmt, block=block, algorithm=algorithm,
+                                                slice_elems=slice_elems, rounding=rounding, seed=seed))
+    want = simulate_allreduce(xs, fmt, block, "sum", algorithm, rounding=rounding, seed=seed)
     assert all(same_bytes(o, w) for o, w in zip(outs, want))
     assert shared_calls == [algorithm == "direct"] * p
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("op", ["sum", "avg"])
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", SCATTER_ALGORITHMS)
 def test_dtypes_ops_and_out(rng, dtype, op, algorithm):
     p = 3
     xs = [rng.standard_normal((37, 29)).astype(dtype) for _ in range(p)]
@@ -87,7 +95,7 @@ def test_window_is_reused_grown_and_results_stay_exact_across_calls(rng):
     reallocated only when a call needs more than it has."""
     p = 4
     sizes = [5000, 300, 300000, 7000, 300000, 1000000, 10]
-    algos = ["ring", "direct"] * 4
+    algos = SCATTER_ALGORITHMS * 4
     plan = [(n, a, [rng.standard_normal(n).astype(np.float32) for _ in range(p)]) for n, a in zip(sizes, algos)]
 
     def body(t):
@@ -113,7 +121,7 @@ def test_window_is_reused_grown_and_results_stay_exact_across_calls(rng):
 def test_nan_in_one_block_stays_in_that_block(rng):
     xs = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
     xs[2][1500] = np.nan
-    for algorithm in ("ring", "direct"):
+    for algorithm in SCATTER_ALGORITHMS:
         outs = run_shared(3, lambda t: gc.allreduce(xs[t.rank], comm=t, algorithm=algorithm))
         for y, w in zip(outs, simulate_allreduce(xs, algorithm=algorithm)):
             assert same_bytes(y, w)

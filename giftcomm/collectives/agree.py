@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import CommAborted
 from ..formats import describe_code
 from ..transport import Transport
-from ..transport.channel import PLAIN_WORD, STALE_WORD, PlanChannel
+from ..transport.channel import PLAIN_WORD, STALE_WORD, PlanChannel, plain_words
 
 T = TypeVar("T")
 
@@ -141,6 +141,8 @@ def meet_plans(t: Transport, channel: PlanChannel, word: int, caller: int, what:
     table = channel.table
     if table[:, 0].any():
         raise_failures(t, what, table, None)
+    table = table.copy()
+    table[:, 1] = plain_words(table[:, 1])  # a cached plan's call is a plain call (it then agrees)
     if (table[1:, 1:3] != table[0, 1:3]).any():
         kinds = {PLAIN_WORD: "a plain call", STALE_WORD: "a plan of a released communicator"}
         ranks = "; ".join(f"rank {q}: {kinds.get(int(table[q, 1]), 'a persistent plan')}" for q in range(len(table)))

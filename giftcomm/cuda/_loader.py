@@ -26,7 +26,7 @@ from typing import Any
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 
 #: module name -> source file in KERNEL_DIR
-MODULES: dict[str, str] = {"codec": "gc_codec.cu"}
+MODULES: dict[str, str] = {"codec": "gc_codec.cu", "fused": "gc_fused.cu"}
 
 #: NVRTC options. IEEE float32: no FMA contraction, no flush-to-zero, correctly rounded division
 #: (the kernels also use the _rn intrinsics, so this is belt and braces).

@@ -20,6 +20,7 @@ import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -66,6 +67,8 @@ class TransportState:
     lock: held by a collective for its whole duration (calls from several threads run one at a
     time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
+    plan_cache: the plain calls' cached plans by call signature, least recently used first
+    (giftcomm.plan_cache).
     pid: the process that created it. closed: None while alive; once :meth:`close` ran, why (what
     a stale user -- a plan holding this state -- raises as :class:`~giftcomm.errors.CommClosed`).
 
@@ -80,6 +83,7 @@ class TransportState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     plans: int = 0
     channel: PlanChannel | None = None
+    plan_cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     pid: int = field(default_factory=os.getpid)
     closed: str | None = None
 
@@ -102,6 +106,7 @@ class TransportState:
         channel, window, splits = self.channel, self.window, list(self.splits.values())
         self.channel = self.window = None
         self.splits.clear()
+        self.plan_cache.clear()
         self.workspaces.clear()
         self.topology.clear()
         if channel is not None:

@@ -1,0 +1,90 @@
+"""The plain calls' plan cache: repeated identical allreduces run as fast as persistent plans.
+
+A plain :func:`giftcomm.allreduce` whose signature this transport has seen before runs the
+persistent plan (giftcomm.persistent) made the first time, instead of validating, agreeing and
+planning again. The signature (:func:`signature`) is everything the call's checks depend on:
+the array's type, shape, dtype and device, ``out``'s (or None), the validated options and
+``local_size``. The cache holds the :data:`PLAN_CACHE_SIZE` most recently used signatures per
+transport (least recently used evicted first) and lives in the transport's state, so it is
+released with the communicator (``Free``, :func:`giftcomm.release`).
+
+Only plans whose calls go through the node-shared plan channel are cached (host arrays on one
+node, the native channel built): each cached call's four check words travel in the channel
+with the data, as a plan's do, its word flagged ``CACHED`` (giftcomm.transport.channel). A
+rank that finds no plan meets its peers in the channel before it agrees (as every plain call
+does: ``engine.held``), so a peer inside a cached plan sees a plain call and joins the
+agreement: the agreement then raises the same "ranks disagree" error on every
+rank when the signatures differ, or runs the call and caches its plan everywhere. A cached plan
+is therefore never run against another signature: its word (the agreed signature and the plan's
+number) differs from every other plan's, so ranks on different cached plans (made in different
+calls) agree afresh, as after a miss. Results are those of the plan: bit-identical on every rank and equal to
+``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``
+predicts the channel's cost, as :func:`giftcomm.plan_allreduce` does).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import _xp, persistent
+from .collectives import engine
+from .options import CallOptions
+from .transport import HOST, Transport
+
+__all__ = ["PLAN_CACHE_SIZE", "signature", "allreduce"]
+
+PLAN_CACHE_SIZE = 32
+"""Cached plans per transport (least recently used evicted first)."""
+CACHED_MAX_BYTES = 1 << 20
+"""Largest input (bytes) whose plan is cached: a plan keeps a zero buffer of its size, and above
+this size the per-call planning is a small part of the call."""
+
+
+def _array_key(a: Any) -> tuple[Any, ...]:
+    return (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
+
+
+def signature(x: Any, out: Any, opts: CallOptions, local_size: int | None) -> tuple[Any, ...] | None:
+    """The cache key of an allreduce call (None: not cacheable, e.g. an object without shape
+    and dtype; such a call is planned every time). Stochastic rounding's seed is left out: it
+    varies per call and the plan takes it per call."""
+    try:
+        key = (_array_key(x), None if out is None else _array_key(out),
+               opts if opts.seed is None else opts.replace(seed=0), local_size)
+        hash(key)
+    except Exception:  # noqa: BLE001 - anything odd is simply not cached (the agreement checks it)
+        return None
+    return key
+
+
+def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, local_size: int | None) -> Any:
+    """:func:`giftcomm.allreduce` of ``x`` over ``t`` through the cache (collective)."""
+    if isinstance(opts, Exception):
+        return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+    key = signature(x, out, opts, local_size)
+    cache = t.state.plan_cache
+    plan = None if key is None else cache.get(key)
+    missed = False
+    if plan is not None:
+        try:
+            cache.move_to_end(key)  # (another thread may have evicted it meanwhile: the plan still runs)
+        except KeyError:
+            pass
+        try:
+            return plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
+        except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
+            missed = True
+    with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
+        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size,
+                                channel=persistent.able(t, _xp.is_device_array(x)))
+        if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
+            plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
+            if key is not None and plan.through_channel:
+                _keep(cache, key, plan)
+        return engine.ALLREDUCE.run(t, job, out)
+
+
+def _keep(cache: Any, key: Any, plan: Any) -> None:
+    cache[key] = plan
+    cache.move_to_end(key)
+    while len(cache) > PLAN_CACHE_SIZE:
+        cache.popitem(last=False)

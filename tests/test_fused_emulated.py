@@ -1,0 +1,241 @@
+"""The fused GIFT transform + codec kernels (giftcomm/cuda/kernels/gc_fused.cu) on the CPU: the
+real kernel bodies through the SIMT shim and the CuPy stand-in (tests/emulator), against
+
+- the host model of the same operation order (giftcomm.cuda.fused_model): bit for bit;
+- the exact transform (float64, the geometry's own float32 parameters) within the rounding bound
+  of docs/gpu.md "Fused transform" (gamma_K times the transform evaluated in absolute values),
+  and giftcomm.geometry + giftcomm.reference within that bound plus one FP8 step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from giftcomm.cuda import fused as cuda_fused
+from giftcomm.cuda.fused_model import FusedLayout, apply_model, project
+from giftcomm.formats import get_format, message_nbytes
+from giftcomm.geometry import Geometry
+from giftcomm.geometry.layout import Layout
+from giftcomm.geometry.spectral import Spectrum
+from giftcomm.geometry.transform import identity_transform, kfac_transform
+from giftcomm.reference.codec import decode, decode_add_encode, encode
+from tests.test_gpu_emulated import install
+
+pytestmark = pytest.mark.emulated_gpu
+
+U = 2.0**-24
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    return install(monkeypatch)
+
+
+def _spec(rng, d):
+    q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    v = np.logspace(0, -3, d)
+    return Spectrum(v / v.mean(), q, 1.0)
+
+
+def geometry(rng):
+    """Two-sided segments of one shape (batched, B = 2), a right-only one, a left-only one with
+    two rank tiles (k = 9 > 8), identity segments and pieces between them."""
+    layout = Layout([("w1", (24, 40)), ("b1", (24,)), ("w2", (24, 40)), ("w3", (16, 48)), ("w4", (40, 16)),
+                     ("norm", (7,))])
+    choice = {"w1": (5, 3), "w2": (5, 3), "w3": (None, 4), "w4": (9, None)}
+    ts = []
+    for seg in layout:
+        if seg.name not in choice:
+            ts.append(identity_transform(seg))
+            continue
+        m, n = seg.matrix_shape
+        cg, ca = choice[seg.name]
+        ts.append(kfac_transform(seg, _spec(rng, m) if cg else None, _spec(rng, n) if ca else None, cg, ca, 0.03))
+    return Geometry(layout, ts)
+
+
+def exact(geo, x, inverse=False, absolute=False):
+    """The transform in float64 from the sides' float32 parameters (``absolute``: every parameter
+    and value replaced by its absolute value: the magnitude the rounding bound scales with)."""
+    a = (np.abs if absolute else (lambda v: v))
+    y = a(np.asarray(x, np.float64)).copy()
+    for t in geo.transforms:
+        if t.is_identity:
+            continue
+        s = t.segment
+        m, n = s.matrix_shape
+        xs = a(np.asarray(x[s.offset : s.stop], np.float64).reshape(m, n))
+
+        def side(sd):
+            if sd.is_identity:
+                return np.eye(sd.dim)
+            c = float(sd.c_inv if inverse else sd.c_fwd)
+            d = np.asarray(sd.delta_inv if inverse else sd.delta_fwd, np.float64)
+            u = np.asarray(sd.u, np.float64)
+            if absolute:
+                return abs(c) * np.eye(sd.dim) + np.abs(u) @ np.diag(np.abs(d)) @ np.abs(u).T
+            return c * np.eye(sd.dim) + u @ np.diag(d) @ u.T
+
+        y[s.offset : s.stop] = (side(t.left) @ xs @ side(t.right)).reshape(-1)
+    return y
+
+
+def bound(geo, x, inverse=False):
+    """Per-element bound on |fused - exact|: gamma_K times the absolute-value transform, K the
+    longest chain of roundings (docs/gpu.md: n/32 + 5 for P, m for W, k_R for R2, k_L + k_R for
+    the update, and a few single roundings)."""
+    k = max(t.segment.matrix_shape[1] // 32 + t.segment.matrix_shape[0] + 2 * (t.right.rank or 0)
+            + (t.left.rank or 0) + 24 for t in geo.transforms)
+    g = k * U / (1 - k * U)
+    return g * exact(geo, x, inverse, absolute=True)
+
+
+def bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def random_x(rng, n):
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-3, 3, n))).astype(np.float32)
+    x[rng.integers(0, n, 5)] *= np.float32(2.0**-130)  # a few subnormals
+    return x
+
+
+def test_pass_a_batched_projections_bit_exact(cp, rng, monkeypatch):
+    geo = geometry(rng)
+    x = random_x(rng, geo.size)
+    lay = FusedLayout.build(geo, inverse=False)
+    assert any(g.b == 2 for g in lay.groups)  # the two equal segments go in one launch
+    host = lay.pool.copy()
+    project(lay, host, x)
+    for grid in (cuda_fused.MAX_GRID, 2):  # 2 CTAs: the grid-stride loops iterate
+        monkeypatch.setattr(cuda_fused, "MAX_GRID", grid)
+        plan = cuda_fused.FusedPlan(geo, cp)
+        plan.project(cp.asarray(x))
+        assert np.array_equal(bits(plan.pool.get()), bits(host)), f"grid cap {grid}"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fused_encode_bit_exact_and_within_bound(cp, rng, fmt, monkeypatch):
+    geo = geometry(rng)
+    n = geo.size
+    f = get_format(fmt)
+    x = random_x(rng, n)
+    lay = FusedLayout.build(geo, inverse=False)
+    host = lay.pool.copy()
+    project(lay, host, x)
+    y_model = apply_model(lay, host, x)
+    y_exact = exact(geo, x)
+    assert np.all(np.abs(y_model - y_exact) <= bound(geo, x))
+    monkeypatch.setattr(cuda_fused, "MAX_GRID", 3)
+    plan = cuda_fused.FusedPlan(geo, cp)
+    xd = cp.asarray(x)
+    plan.project(xd)
+    # chunk ranges not at row or segment boundaries (slices are cut at scale blocks of the buffer)
+    for lo, count, block in ((0, n, 256), (37, 1001, 32), (961, 600, 7), (n - 5, 5, 16), (100, 1, 1)):
+        msg = cp.zeros(message_nbytes(count, f, block), np.uint8)
+        y_out = cp.zeros(count, np.float32)
+        plan.encode(xd, lo, count, f, block, msg, y_out=y_out)
+        want = encode(y_model[lo : lo + count], f, block)
+        assert np.array_equal(msg.get(), want), (lo, count, block)
+        assert np.array_equal(bits(y_out.get()), bits(y_model[lo : lo + count]))
+        # against giftcomm.geometry.forward + giftcomm.reference.encode: one FP8 step apart at most
+        ref = decode(encode(geo.forward(x)[lo : lo + count], f, block), count, f, block)
+        got = decode(msg.get(), count, f, block)
+        amax = np.abs(ref).max()
+        assert np.all(np.abs(got - ref) <= 2.0 ** -(3 if f.name == "e4m3" else 2)
+                      * np.abs(ref) + 1e-3 * amax + 1e-30), (lo, count, block)
+    # one ring hop: decode(incoming) + Y, encoded
+    lo, count, block = 123, 700, 32
+    incoming = encode(random_x(rng, count), f, block)
+    out = cp.zeros(incoming.size, np.uint8)
+    plan.decode_add_encode(xd, lo, count, cp.asarray(incoming), f, block, out)
+    assert np.array_equal(out.get(), decode_add_encode(incoming, y_model[lo : lo + count], f, block))
+
+
+@pytest.mark.parametrize("divisor", [None, 3.0])
+def test_fused_inverse_decode_bit_exact_and_within_bound(cp, rng, divisor):
+    geo = geometry(rng)
+    n = geo.size
+    f, block = get_format("e4m3"), 32
+    msg = encode(random_x(rng, n), f, block)
+    z = decode(msg, n, f, block)
+    lay = FusedLayout.build(geo, inverse=True)
+    host = lay.pool.copy()
+    project(lay, host, z)
+    want = apply_model(lay, host, z)
+    if divisor is not None:
+        want = want / np.float32(divisor)
+    assert np.all(np.abs(apply_model(lay, host, z) - exact(geo, z, inverse=True)) <= bound(geo, z, inverse=True))
+    plan = cuda_fused.FusedPlan(geo, cp, inverse=True)
+    md = cp.asarray(msg)
+    out = cp.empty(n, np.float32)
+    plan.project_wire(md, f, block)
+    plan.decode(md, f, block, out, divisor)
+    assert np.array_equal(bits(out.get()), bits(want))
+    # the float32 route (direct's and oneshot's sums): the same bits from the decoded values
+    out2 = cp.empty(n, np.float32)
+    plan.apply(cp.asarray(z), out2, divisor)
+    assert np.array_equal(bits(out2.get()), bits(want))
+    # steady state: a second call allocates nothing (CUDA-graph capturable)
+    before = cp.runtime_state.allocations
+    plan.project_wire(md, f, block)
+    plan.decode(md, f, block, out, divisor)
+    assert cp.runtime_state.allocations == before
+
+
+def test_fused_rejects_what_it_does_not_implement(cp, rng):
+    geo = geometry(rng)
+    plan = cuda_fused.FusedPlan(geo, cp)
+    x = cp.zeros(geo.size, np.float32)
+    with pytest.raises(ValueError, match="block <= 256"):
+        plan.encode(x, 0, 10, get_format("e4m3"), 512, cp.zeros(message_nbytes(10, "e4m3", 512), np.uint8))
+    with pytest.raises(ValueError, match="supports e4m3, e5m2"):
+        plan.encode(x, 0, 10, get_format("nvfp4"), 16, cp.zeros(message_nbytes(10, "nvfp4", 16), np.uint8))
+    with pytest.raises(ValueError, match="float32"):
+        plan.project(cp.zeros(geo.size + 1, np.float32))
+    with pytest.raises(ValueError, match="low-rank or identity"):
+        cuda_fused.FusedPlan(Geometry.hadamard(geo.layout, seed=1), cp)
+
+
+def test_fused_ring_device_steps_equal_host_model(cp, rng):
+    """A 3-rank ring of the fused device steps on one emulated device: each chunk starts at the
+    rank after its owner with a fused encode of that rank's transformed values, every later rank
+    adds its own with a fused decode-add-encode hop, and every rank decodes all chunks (codec
+    kernel) and applies the fused inverse (op="avg"). Equal bit for bit to the host model of the
+    same steps (so every rank, running the same kernels on the same bytes, gets the same bits), and
+    inverse(sum(forward)) / P close to the average."""
+    from giftcomm.cuda.codec import CudaKernels
+
+    geo, nr = geometry(rng), 3
+    n, f, block = geo.size, get_format("e4m3"), 32
+    xs = [random_x(rng, n) for _ in range(nr)]
+    cuts = [0, (n // 3 // block) * block, (2 * n // 3 // block) * block, n]  # at scale blocks, not rows
+    lay_f, lay_i = FusedLayout.build(geo, False), FusedLayout.build(geo, True)
+    fwd, inv = cuda_fused.FusedPlan(geo, cp), cuda_fused.FusedPlan(geo, cp, inverse=True)
+    ys = []
+    for x in xs:
+        pool = lay_f.pool.copy()
+        project(lay_f, pool, x)
+        ys.append(apply_model(lay_f, pool, x))
+    z_dev, z_host = cp.empty(n, np.float32), np.empty(n, np.float32)
+    for c in range(nr):
+        lo, count = cuts[c], cuts[c + 1] - cuts[c]
+        order = [(c + 1 + h) % nr for h in range(nr)]  # the owner c adds last
+        host = encode(ys[order[0]][lo : lo + count], f, block)
+        fwd.project(xd := cp.asarray(xs[order[0]]))
+        dev = fwd.encode(xd, lo, count, f, block, cp.zeros(host.size, np.uint8))
+        for r in order[1:]:
+            host = decode_add_encode(host, ys[r][lo : lo + count], f, block)
+            fwd.project(xd := cp.asarray(xs[r]))
+            dev = fwd.decode_add_encode(xd, lo, count, dev, f, block, cp.zeros(host.size, np.uint8))
+        assert np.array_equal(dev.get(), host), f"chunk {c}"
+        CudaKernels.decode(dev, count, f, block, z_dev[lo : lo + count])
+        z_host[lo : lo + count] = decode(host, count, f, block)
+    out = cp.empty(n, np.float32)
+    inv.apply(z_dev, out, float(nr))
+    pool = lay_i.pool.copy()
+    project(lay_i, pool, z_host)
+    want = apply_model(lay_i, pool, z_host) / np.float32(nr)
+    assert np.array_equal(bits(out.get()), bits(want))
+    avg = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    assert np.linalg.norm(want - avg) <= 0.2 * np.linalg.norm(avg)

@@ -1,0 +1,150 @@
+"""The plain calls' plan cache (giftcomm.plan_cache): repeated allreduces run their cached plan,
+equal to the simulation bit for bit; calls whose signatures (shape, dtype, format, out=) differ
+across ranks, hitting and missing the cache in any mix, raise "ranks disagree" on every rank or
+run correctly, never mixing; a plan's call against a plain call raises on every rank; the cache
+is bounded (LRU) and released with the transport's state. Under mpiexec: the same over MPI."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import outcomes, same
+
+import giftcomm as gc
+from giftcomm import plan_cache
+from giftcomm.reference import simulate_allreduce
+
+# (shape, dtype, fmt, out=): A and B agree (count, dtype, fmt) while their shapes and out= differ
+VARIANTS = [((64,), np.float32, "e4m3", False), ((8, 8), np.float32, "e4m3", True),
+            ((64,), np.float64, "e4m3", False), ((96,), np.float32, "e4m3", True), ((64,), np.float32, "bf16", False)]
+
+
+def _inputs(step: int, size: int, n: int, dtype) -> list[np.ndarray]:
+    gen = np.random.default_rng(1000 + step)
+    return [gen.standard_normal(n).astype(dtype) for _ in range(size)]
+
+
+def _alternate(comm, t, rank: int, size: int, seed: int, steps: int) -> list[str]:
+    """``steps`` calls, each rank drawing its variant at random; checks every outcome and returns
+    what each step did ("ok" / "disagree") for the caller to compare across ranks."""
+    picks = [np.random.default_rng([seed, q]).integers(len(VARIANTS), size=steps) for q in range(size)]
+    done = []
+    for step in range(steps):
+        mine = VARIANTS[picks[rank][step]]
+        shape, dtype, fmt, with_out = mine
+        every = [VARIANTS[picks[q][step]] for q in range(size)]
+        agree = len({(int(np.prod(v[0])), v[1], v[2]) for v in every}) == 1
+        n = int(np.prod(shape))
+        xs = _inputs(step, size, n, dtype)
+        x = xs[rank].reshape(shape)
+        kept = x.copy()
+        out = np.full(shape, np.nan, dtype) if with_out else None
+        try:
+            got = gc.allreduce(x, comm=comm, fmt=fmt, out=out)
+        except ValueError as exc:
+            assert not agree and "ranks disagree" in str(exc), (step, every, exc)
+            done.append("disagree")
+            continue
+        assert agree, (step, every)
+        assert same(x, kept)  # the input is not modified
+        if with_out:
+            assert got is out
+        algorithm = next(reversed(t.state.plan_cache.values())).algorithm  # the plan this call ran or made
+        want = simulate_allreduce(xs, fmt, None, "sum", algorithm)[rank]
+        assert same(got.reshape(-1), want), (step, every, algorithm)
+        done.append("ok")
+    return done
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_alternating_signatures_never_mix(p):
+    def body(t):
+        return _alternate(t, t, t.rank, p, seed=p, steps=24)
+
+    res = gc.LoopbackGroup(p, shared_memory=True).run(body)
+    assert all(r == res[0] for r in res) and {"ok", "disagree"} <= set(res[0])
+
+
+def test_repeated_calls_reuse_one_plan(rng):
+    xs = [rng.standard_normal(300).astype(np.float32) for _ in range(2)]
+
+    def body(t):
+        outs = [gc.allreduce(xs[t.rank], comm=t, op="avg") for _ in range(4)]
+        plans = list(t.state.plan_cache.values())
+        return outs, [id(p) for p in plans], plans[0].algorithm
+
+    res = gc.LoopbackGroup(2, shared_memory=True).run(body)
+    assert all(len(r[1]) == 1 for r in res)
+    want = simulate_allreduce(xs, "e4m3", None, "avg", res[0][2])
+    assert all(same(o, want[q]) for q, r in enumerate(res) for o in r[0])
+
+
+def test_bad_input_after_a_cached_call_raises_on_every_rank(rng):
+    xs = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+
+    def body(t):
+        gc.allreduce(xs[t.rank], comm=t)  # cached on every rank
+        bad = xs[t.rank].astype(np.int32) if t.rank == 1 else xs[t.rank]
+        return gc.allreduce(bad, comm=t)
+
+    errors = outcomes(3, body, group=lambda p: gc.LoopbackGroup(p, shared_memory=True))
+    assert all(type(e) is TypeError and "rank(s) 1" in str(e) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+
+
+def test_plan_call_against_a_plain_call_raises_on_every_rank(rng):
+    xs = [rng.standard_normal(64).astype(np.float32) for _ in range(2)]
+
+    def body(t):
+        plan = gc.plan_allreduce(xs[t.rank], comm=t)
+        gc.allreduce(xs[t.rank], comm=t)  # cached everywhere
+        if t.rank == 0:
+            return plan(xs[0])
+        return gc.allreduce(xs[1], comm=t)  # a cached hit here
+
+    errors = outcomes(2, body, group=lambda p: gc.LoopbackGroup(p, shared_memory=True))
+    assert all(type(e) is ValueError and "ranks disagree on plan" in str(e) for e in errors), errors
+
+    def missing(t):
+        plan = gc.plan_allreduce(xs[t.rank], comm=t)
+        return plan(xs[0]) if t.rank == 0 else gc.allreduce(xs[1][:10], comm=t)  # a miss here
+
+    errors = outcomes(2, missing, group=lambda p: gc.LoopbackGroup(p, shared_memory=True))
+    assert all(type(e) is ValueError and "ranks disagree" in str(e) for e in errors), errors
+
+
+def test_cache_is_bounded_and_released(rng, monkeypatch):
+    monkeypatch.setattr(plan_cache, "PLAN_CACHE_SIZE", 3)
+    sizes = [10, 20, 30, 40, 10]
+
+    def body(t):
+        lengths = []
+        for n in sizes:
+            gc.allreduce(np.ones(n, np.float32), comm=t)
+            lengths.append(len(t.state.plan_cache))
+        kept = sorted(p.shape[0] for p in t.state.plan_cache.values())
+        t.release_state()
+        return lengths, kept, len(t.state.plan_cache)
+
+    res = gc.LoopbackGroup(2, shared_memory=True).run(body)
+    assert all(r == ([1, 2, 3, 3, 3], [10, 30, 40], 0) for r in res), res
+
+
+def test_no_cache_without_a_channel(rng):
+    def body(t):
+        out = gc.allreduce(np.ones(16, np.float32), comm=t)
+        return out, len(t.state.plan_cache)
+
+    res = gc.LoopbackGroup(2).run(body)  # no shared memory: every call agrees
+    assert all(r[1] == 0 and same(r[0], np.full(16, 2, np.float32)) for r in res)
+
+
+@pytest.mark.mpi
+def test_alternating_signatures_over_mpi():
+    from mpi4py import MPI
+
+    from giftcomm.transport import resolve
+
+    comm = MPI.COMM_WORLD
+    seed = comm.bcast(int(np.random.default_rng().integers(2**31)), root=0)
+    done = _alternate(comm, resolve(comm), comm.rank, comm.size, seed, steps=24)
+    assert comm.allgather(done) == [done] * comm.size and "ok" in done
