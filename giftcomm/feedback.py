@@ -6,20 +6,18 @@ of *this rank's own encoding of its contribution*, computed locally with the exa
 uses (same format, block, rounding key and element offsets), so it costs one local encode and
 decode per step and no communication:
 
-- ``direct``, ``oneshot`` (and the shared-window direct path): each contribution is quantized
-  exactly once, by its rank, before it is summed in fp32: the residual is that whole error, and
-  with feedback the running sum of the results telescopes to the running sum of the gradients
-  (minus the last step's residuals);
-- ``doubling``: the first round's message is the rank's own values (the residual covers it); later
-  rounds re-encode partial sums shared by a group of ranks and are not compensated;
-- ``ring``: a rank's own values are quantized alone only in the first hop of the reduce-scatter;
-  every later hop re-encodes a partial sum (in-ring requantization) and the allgather phase
-  re-encodes the owner's total. Those errors are introduced by one rank each but belong to the
-  sum, not to a contribution, and are not compensated: the residual here is the error the rank's
-  contribution would have had on its own, which removes the contribution's share of the bias
-  and leaves the requantization noise;
-- ``hierarchical``: nodes reduce in fp32 first; the residual is the error of the rank's values
-  encoded alone, as for the ring (an upper estimate of its share).
+- ``oneshot``: each contribution is quantized exactly once, by its rank, before it is summed in
+  fp32: the residual is that whole error, and with feedback the running sum of the results
+  telescopes to the running sum of the gradients (minus the last step's residuals);
+- ``direct``: the rank encodes every chunk but its own (the owner sums that in fp32): exact for
+  the reduce-scatter; an allreduce's allgather re-encodes the owner's total (not compensated);
+- ``ring``: a rank's own values are encoded alone only in hop 0 (chunk ``rank - 1``); later hops
+  re-encode partial sums and the allgather the owner's total: not compensated;
+- ``doubling``: round 0's message is the rank's own vector (P a power of two, stage 1; a
+  folded-in rank's, stage 0); later rounds carry partial sums: not compensated;
+- ``hierarchical``: nodes reduce in fp32 first: nothing of a rank's own is encoded alone.
+
+:func:`own_pieces` is that table; docs/method.md ("Error feedback") says the same.
 
 With a geometry (GIFT) quantization happens in the transformed coordinates ``y = T(g)``; the
 residual is mapped back with the geometry's inverse (linear, the same on every rank) and kept in
