@@ -6,7 +6,8 @@ Usage: mpiexec -n P python perf/phase_breakdown.py [--count N] [--iters K] [--fm
 Wraps the codec kernels the collectives call (giftcomm.codec's native and reference kernel
 tables: encode, decode, decode_add_encode, decode_accumulate), the MPI transport's request waits,
 isend/irecv and agreement allgather, and the shared window's fence with timers, then times K calls of
-``giftcomm.allreduce(x, out=out)`` (each after a barrier) on N float32 values. Prints, per rank,
+``giftcomm.gift_allreduce(x, None, out=out)`` (the agreed, uncached path of a plain call; each
+after a barrier) on N float32 values. Prints, per rank,
 the mean microseconds per call in each part; "other" is the rest (Python, slicing, the result).
 A diagnostic, not a benchmark: the timers add about a microsecond per wrapped call.
 """
@@ -65,9 +66,9 @@ def main() -> None:
     x = np.random.default_rng(comm.rank).standard_normal(args.count).astype(np.float32)
     out = np.empty_like(x)
     for _ in range(5):
-        giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt)
+        giftcomm.gift_allreduce(x, None, comm=comm, out=out, fmt=args.fmt)
     _spent.clear()
-    mean, _ = time_calls(lambda: giftcomm.allreduce(x, comm=comm, out=out, fmt=args.fmt), args.iters, warmup=0,
+    mean, _ = time_calls(lambda: giftcomm.gift_allreduce(x, None, comm=comm, out=out, fmt=args.fmt), args.iters, warmup=0,
                          barrier=comm.comm.Barrier, stat="mean")
     rows = comm.comm.gather((mean * args.iters, dict(_spent)))
     if comm.rank == 0:

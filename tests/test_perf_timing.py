@@ -119,7 +119,7 @@ def test_an_unknown_statistic_is_refused():
 
 @pytest.mark.parametrize("script, args, pattern", [
     ("perf/side_by_side.py", ["LABEL", "1K"], r"LABEL P=1   1K: giftcomm e4m3 +[0-9.]+ us   MPI fp32 +[0-9.]+ us"),
-    ("perf/small_calls.py", ["--sizes", "1K", "--calls", "5"], r"^ +1024 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x  \w+"),
+    ("perf/small_calls.py", ["--sizes", "1K", "--calls", "5"], r"^ +1024 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x +[0-9.]+x  \w+"),
 ])
 def test_side_by_side_scripts_run_one_rank(script, args, pattern, tmp_path):
     """The scripts print their one line per size with the helper (side_by_side loads it by path,
