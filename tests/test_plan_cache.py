@@ -27,6 +27,8 @@ def _alternate(comm, t, rank: int, size: int, seed: int, steps: int) -> list[str
     """``steps`` calls, each rank drawing its variant at random; checks every outcome and returns
     what each step did ("ok" / "disagree") for the caller to compare across ranks."""
     picks = [np.random.default_rng([seed, q]).integers(len(VARIANTS), size=steps) for q in range(size)]
+    for q in range(1, size):  # every third step the ranks draw alike, so agreeing calls occur at any P
+        picks[q][::3] = picks[0][::3]
     done = []
     for step in range(steps):
         mine = VARIANTS[picks[rank][step]]
