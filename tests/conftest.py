@@ -161,3 +161,37 @@ def scale_rule_edges(rng: np.random.Generator, fmt: str) -> np.ndarray:
         blk[rng.integers(32)] = a * np.float32(rng.choice([-1, 1]))
         x[32 * b:32 * b + 32] = blk
     return x[:n]
+
+
+_SHM_AT_START: set[str] = set()
+
+
+def _segment_files() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session):
+    _SHM_AT_START.update(_segment_files())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Leave /dev/shm as the run found it: remove MPICH segment files that appeared during the run
+    and that no live process maps (left by ranks a test killed or ended with os._exit)."""
+    new = _segment_files() - _SHM_AT_START
+    if not new:
+        return
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped.update(name for name in new if name in f.read())
+        except OSError:
+            continue
+    for name in new - mapped:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
