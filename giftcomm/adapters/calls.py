@@ -21,18 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..options import CallOptions
+from ..reference.rounding import mix64
 
 __all__ = ["call_kwargs", "step_seed"]
 
 _MASK = (1 << 64) - 1
-
-
-def _mix(z: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit ints that spreads every input bit."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
 
 
 def step_seed(seed: int | None, step: int, index: int = 0) -> int:
@@ -42,7 +35,7 @@ def step_seed(seed: int | None, step: int, index: int = 0) -> int:
     or index."""
     if step < 0 or index < 0:
         raise ValueError(f"step_seed: step and index must be >= 0, got {step}, {index}")
-    return _mix(_mix(_mix((seed or 0) & _MASK) ^ (int(step) & _MASK)) ^ (int(index) & _MASK))
+    return mix64(mix64(mix64((seed or 0) & _MASK) ^ (int(step) & _MASK)) ^ (int(index) & _MASK))
 
 
 def call_kwargs(opts: CallOptions, step: int, index: int = 0) -> dict[str, Any]:

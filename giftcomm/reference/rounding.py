@@ -15,12 +15,12 @@ function, so stochastic results stay bit-identical to the simulation and across 
 """
 from __future__ import annotations
 
-__all__ = ["call_key"]
+__all__ = ["call_key", "mix64"]
 
 _MASK = (1 << 64) - 1
 
 
-def _mix(z: int) -> int:
+def mix64(z: int) -> int:
     """SplitMix64's finaliser: a bijection of 64-bit ints that spreads every input bit."""
     z = (z + 0x9E3779B97F4A7C15) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
@@ -31,4 +31,4 @@ def _mix(z: int) -> int:
 def call_key(seed: int, party: int, stage: int = 0) -> int:
     """The Philox key (an int in [0, 2**64)) of ``party``'s encodes at ``stage`` of a call with
     ``seed`` (an int in [0, 2**64))."""
-    return _mix(_mix(seed & _MASK) ^ _mix(((party & 0xFFFFFFFF) << 32) | (stage & 0xFFFFFFFF)))
+    return mix64(mix64(seed & _MASK) ^ mix64(((party & 0xFFFFFFFF) << 32) | (stage & 0xFFFFFFFF)))
