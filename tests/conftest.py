@@ -179,7 +179,10 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """Leave /dev/shm as the run found it: remove MPICH segment files that appeared during the run
-    and that no live process maps (left by ranks a test killed or ended with os._exit)."""
+    and that no live process maps (left by ranks a test killed or ended with os._exit). Under
+    pytest-xdist only the controller does this, once every worker has finished."""
+    if hasattr(session.config, "workerinput"):
+        return
     new = _segment_files() - _SHM_AT_START
     if not new:
         return

@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-timeout 1200 python -m pytest -m "not mpi" -q "$@"
+# The serial tests on every core (pytest-xdist; GIFTCOMM_TEST_WORKERS overrides, 0 = in this process):
+# most of them run in-process on one core, and the ones that launch jobs wait on them.
+workers="${GIFTCOMM_TEST_WORKERS:-$(nproc)}"
+timeout 1200 python -m pytest -m "not mpi" -q -n "$workers" "$@"
 for p in 1 2 3 4 5; do
     echo "=== MPI tests at P=$p ==="
     select="mpi and not big"
