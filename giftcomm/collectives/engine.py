@@ -325,7 +325,9 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
     if geo is not None:
         if geo.size != call.arr.size:
             raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
-        call.sig["geometry"] = int(geo.fingerprint())
+        # the route is part of what the ranks agree on: a rank with a host array (unfused transform)
+        # and one with a device array (the fused kernels) would round differently
+        call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
     job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel)
     call.sig["shared_memory"] = int(t.shared_memory)
