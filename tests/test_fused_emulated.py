@@ -420,3 +420,26 @@ def test_gift_allreduce_host_and_device_ranks_disagree(cp, rng):
 
     got = DeviceLoopbackGroup(2).run(call)
     assert all(g is not None and "geometry" in g for g in got), got
+
+
+def test_device_bench_gift_section_on_the_stand_in(cp, rng, monkeypatch):
+    """``python -m giftcomm.perf device --sections gift``'s measuring code runs end to end (every
+    call it times, the fused vs unfused comparison) with a timer that calls once; the unfused
+    route's transforms go through the host (the stand-in has no matmul)."""
+    import types
+
+    from giftcomm.perf import device_bench as db
+
+    monkeypatch.setattr(cp, "random", types.SimpleNamespace(
+        standard_normal=lambda n, dtype=np.float32: cp.asarray(rng.standard_normal(n).astype(dtype))), raising=False)
+    monkeypatch.setattr(cp, "linalg", types.SimpleNamespace(
+        norm=lambda a: cp.asarray(np.array(np.linalg.norm(a.get()), np.float32))), raising=False)
+    geo = geometry(rng)
+    fwd, inv = geo.forward, geo.inverse
+    monkeypatch.setattr(geo, "forward", lambda x, **k: cp.asarray(fwd(x.get())))
+    monkeypatch.setattr(geo, "inverse", lambda x, **k: cp.asarray(inv(x.get())))
+    calls = []
+    res = db.measure_gift(cp, lambda fn: (calls.append(fn()), 1.0)[1], lambda fn: (fn(), 2.0)[1], geo)
+    assert len(calls) == 4 and res["gift"] == res["plain"] == 2.0
+    assert 0 < res["diff"] < 0.1  # fused vs unfused gift_allreduce at P = 1: one e4m3 quantization apart at most
+    assert "| 400 |" in db.format_gift(res, geo.size, 4000.0)
