@@ -302,8 +302,8 @@ def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm
     equal bit for bit to the host model (simulate_gift_allreduce with the fused kernels'
     arithmetic, fused_model.ModelGeometry); within the stated bound of the unfused reference
     (giftcomm.geometry + giftcomm.reference); the forward inside the encodes where the algorithm
-    takes it (gc_fz_enc/dae launched, nothing else transforms), else written once by the apply
-    kernel; the inverse inside the final decode for ring and direct."""
+    takes it (gc_fz_enc/dae launched; hierarchical: the node ring's fp32 ones), else written
+    once by the apply kernel; the inverse inside the final decode for ring and direct."""
     import giftcomm as gc
     from giftcomm.collectives import gift
     from giftcomm.cuda.fused_model import ModelGeometry
@@ -327,11 +327,14 @@ def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm
     if hasattr(cp, "runtime_state"):  # the stand-in counts launches per kernel
         launched = cp.runtime_state.launches
         fused = gift.fused_encode(algorithm, get_format(fmt), block or 32, seed)
-        assert bool(launched.get(f"gc_fz_enc_{fmt}")) == fused
-        assert bool(launched.get(f"gc_fz_dae_{fmt}")) == (fused and algorithm == "ring")
-        assert bool(launched.get(f"gc_fz_dec_{fmt}")) == (fused and algorithm in ("ring", "direct"))
-        # the apply kernel: direct's own values, oneshot's inverse of its float32 sum, the unfused route
-        assert bool(launched.get("gc_fz_apply_f32")) == (not fused or algorithm in ("direct", "oneshot"))
+        node = algorithm in gift.NODE_FUSED_ROWS  # fused into the node-local fp32 ring
+        fp8 = fused and not node
+        assert bool(launched.get(f"gc_fz_enc_{fmt}")) == fp8
+        assert bool(launched.get(f"gc_fz_dae_{fmt}")) == (fp8 and algorithm == "ring")
+        assert bool(launched.get(f"gc_fz_dec_{fmt}")) == (fp8 and algorithm in ("ring", "direct"))
+        assert bool(launched.get("gc_fz_enc_fp32")) == bool(launched.get("gc_fz_dae_fp32")) == node
+        # the apply kernel: direct's own values, the float32 route's inverse, the unfused route
+        assert bool(launched.get("gc_fz_apply_f32")) == (not fused or algorithm in ("direct", "oneshot") or node)
     ref = simulate_gift_allreduce(xs, geo, fmt, block, **sim)[0].astype(np.float64)
     if fmt in ("e4m3", "e5m2"):
         nodes = p // (local_size or p)

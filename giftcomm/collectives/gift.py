@@ -18,19 +18,24 @@ oneshot                fused: the one encode of the whole buffer
 doubling               unfused: its first message is a sum (the folded rank's decoded values plus
                        its own), so Y is written once (``FusedPlan.apply``) and the plain
                        algorithm runs on it
-hierarchical(_direct)  unfused, the same way: the inter-node encode is of the node's fp32 sum,
-                       whose fused form needs every member's projections summed in the node
-                       (not built)
+hierarchical(_direct)  fused into the node-local fp32 ring (any cross-node format): its hop 0
+                       writes this rank's Y of a chunk as the fp32 message, its hops add Y to the
+                       received float32 values (gc_fz_enc_fp32 / gc_fz_dae_fp32), so the node sum
+                       is of transformed values and the inter-node encode is the plain codec's
+                       (fusing that encode itself would need every member's projections summed
+                       in the node: not built)
 =====================  ==========================================================================
 
-The fused encode exists for e4m3 / e5m2, rounding to nearest, block <= 256; any other format,
-block or stochastic rounding takes the unfused route of the same kernels' arithmetic (Y written
-by ``FusedPlan.apply``), so the device path has one host model whatever the route.
+The fused FP8 encode exists for e4m3 / e5m2, rounding to nearest, block <= 256; with any other
+format, block or stochastic rounding, ring, direct and oneshot take the unfused route of the same
+kernels' arithmetic (Y written by ``FusedPlan.apply``), so the device path has one host model
+whatever the route.
 
 Inverse: ring and direct gather the chunk messages without decoding them, then the fused inverse
 decode reads the gathered wire twice (pass A over the decoded values, then decode + update +
 ``/ P`` for op="avg") into the result; the other rows (and the unfused formats) sum into a
-float32 buffer and the inverse is ``FusedPlan.apply`` of it (with the division).
+float32 buffer (hierarchical: the node-local allgather's) and the inverse is ``FusedPlan.apply``
+of it (with the division).
 
 Host model: ``giftcomm.reference.simulate_gift_allreduce`` with
 ``giftcomm.cuda.fused_model.ModelGeometry(geometry)``, the transforms of the kernels' operation
@@ -53,15 +58,18 @@ from .. import _xp
 from ..formats import Format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
-from . import oneshot, ring
+from . import hierarchical, oneshot, ring
+from .hierarchical import check_uniform
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["takes", "fused_encode", "FUSED_ROWS", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
+__all__ = ["takes", "fused_encode", "FUSED_ROWS", "NODE_FUSED_ROWS", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
 
 FUSED_ROWS = ("ring", "direct", "oneshot")
-"""The algorithms whose forward transform runs inside their encodes (the others: see the module
-docstring)."""
+"""The algorithms whose forward transform runs inside their FP8 encodes (e4m3 / e5m2, nearest,
+block <= 256)."""
+NODE_FUSED_ROWS = ("hierarchical", "hierarchical_direct")
+"""The algorithms whose forward transform runs inside their node-local fp32 ring (any format)."""
 MAX_STATES = 4
 """Geometries whose device state a transport keeps (a training loop refreshes its geometry now
 and then: the old one's state is dropped)."""
@@ -82,6 +90,8 @@ def fused_encode(algorithm: str, fmt: Format, block: int, seed: int | None) -> b
     """Whether the forward transform runs inside the encodes for this call (else Y is written)."""
     from ..cuda.fused import FORMATS, MAX_BLOCK
 
+    if algorithm in NODE_FUSED_ROWS:
+        return True
     return algorithm in FUSED_ROWS and fmt.name in FORMATS and block <= MAX_BLOCK and seed is None
 
 
@@ -194,6 +204,15 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, flat: An
         total = runner(t, y, wire, f32, nodes, slice_n, ws.get("gift_sum", 4 * n).view(np.float32))
         return st.inv.apply(_xp.astype(total, f32, copy=False), dest, divisor)
     st.fwd.project(x)  # pass A and S: the projections every fused encode reads
+    if algorithm in NODE_FUSED_ROWS:
+        from .engine import SCATTERS
+
+        local_n = int(np.diff(shared_chunk_bounds(n, check_uniform(nodes), wire.block)).max())
+        scratch = ws.get("gift_own", 4 * local_n).view(np.float32)
+        total = hierarchical.allreduce(t, x, nodes, wire, f32, slice_n,
+                                       scatter=SCATTERS["ring" if algorithm == "hierarchical" else "direct"],
+                                       local_own=lambda local_wire: FusedOwn(st.fwd, x, local_wire, scratch))
+        return st.inv.apply(total, dest, divisor)
     if algorithm == "oneshot":
         fmt, block = wire.fmt, wire.block
         got = oneshot.exchange(t, x, wire, encode=lambda msg: st.fwd.encode(x, 0, n, fmt, block, msg))

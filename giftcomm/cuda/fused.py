@@ -23,7 +23,9 @@ pool and piece table once and keeps every work buffer, so a call allocates nothi
 
 Verified (emulator, tests/test_fused_emulated.py): every kernel bit for bit against the host
 model and within the stated bound of giftcomm.geometry + giftcomm.reference; not run on a GPU.
-Formats: e4m3 and e5m2, nearest rounding, block <= 256 (the team path); others raise ValueError.
+Formats: e4m3 and e5m2, nearest rounding, block <= 256 (the team path); ``encode`` and
+``decode_add_encode`` also fp32 pass-through (the hierarchical algorithms' node-local ring);
+others raise ValueError.
 """
 from __future__ import annotations
 
@@ -171,13 +173,28 @@ class FusedPlan:
                                                     np.int32(scales_offset(count, f) - count)) + self._table)
         return message
 
+    def _pt(self, kind: str, x: Any, lo: int, count: int, head: tuple, message: Any, y_out: Any) -> Any:
+        """fp32 pass-through: the message is the float32 values (the hierarchical node ring)."""
+        if lo < 0 or lo + count > self.size:
+            raise ValueError(f"range [{lo}, {lo + count}) outside the buffer of {self.size}")
+        if count:
+            _fn(f"gc_fz_{kind}_fp32")((_grid(count),), (_THREADS,),
+                                      (self._flat(x), np.int64(lo)) + head
+                                      + (message[: 4 * count].view(np.float32), _NULL if y_out is None else y_out,
+                                         np.int64(count)) + self._table)
+        return message
+
     def encode(self, x: Any, lo: int, count: int, f: Format, block: int, message: Any, y_out: Any = None) -> Any:
-        """Wire message of ``Y[lo:lo+count]`` (after :meth:`project` of the same ``x``)."""
+        """Wire message of ``Y[lo:lo+count]`` (after :meth:`project` of the same ``x``); fp32 too."""
+        if f.name == "fp32":
+            return self._pt("enc", x, lo, count, (), message, y_out)
         return self._enc("enc", x, lo, count, f, block, message, (), y_out)
 
     def decode_add_encode(self, x: Any, lo: int, count: int, message_in: Any, f: Format, block: int,
                           message: Any, y_out: Any = None) -> Any:
-        """One ring hop: ``encode(decode(message_in) + Y[lo:lo+count])`` (float32 sum)."""
+        """One ring hop: ``encode(decode(message_in) + Y[lo:lo+count])`` (float32 sum); fp32 too."""
+        if f.name == "fp32":
+            return self._pt("dae", x, lo, count, (message_in[: 4 * count].view(np.float32),), message, y_out)
         pin, sin = self._parts(message_in, count, f, block)
         return self._enc("dae", x, lo, count, f, block, message, (pin, sin), y_out)
 

@@ -253,6 +253,31 @@ GC_DEV void gc_fz_enc(const float* __restrict__ x, long long lo, const gc_u8* __
     }
 }
 
+// ---------------------------------------------------------------- fused fp32 pass-through
+// The node-local ring of the hierarchical algorithms: the message is the float32 values themselves.
+// MODE 0: out = Y[lo, lo + count); MODE 1 (a hop): out = in + Y, one float32 add (gc_pt_fp32's
+// decode-add-encode: fp32(decode + local)). y_out (may be NULL): the values written.
+template <int MODE>
+GC_DEV void gc_fz_pt(const float* __restrict__ x, long long lo, const float* __restrict__ in, float* __restrict__ out,
+                     float* __restrict__ y_out, long long count, gc_fz_table tab) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (long long)gridDim.x * blockDim.x) {
+        float y = tab.apply(lo + e, x[lo + e]);
+        if (MODE == 1) y = gc_add(in[e], y);
+        out[e] = y;
+        if (y_out) y_out[e] = y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gc_fz_enc_fp32(const float* __restrict__ x, long long lo,
+    float* __restrict__ out, float* __restrict__ y_out, long long count, GC_FZ_TABLE_ARGS) {
+    gc_fz_pt<0>(x, lo, 0, out, y_out, count, gc_fz_table{pstart, rec, pcc, pool, np});
+}
+extern "C" __global__ void __launch_bounds__(256) gc_fz_dae_fp32(const float* __restrict__ x, long long lo,
+    const float* __restrict__ in, float* __restrict__ out, float* __restrict__ y_out, long long count,
+    GC_FZ_TABLE_ARGS) {
+    gc_fz_pt<1>(x, lo, in, out, y_out, count, gc_fz_table{pstart, rec, pcc, pool, np});
+}
+
 // ---------------------------------------------------------------- fused inverse decode / apply
 // out[e] = cc z + update at buffer index lo + e (z: the decoded wire value, or x[lo + e]); avg
 // (has_div): then / div (gc_div, the order of giftcomm's unfused path: inverse, then op="avg").
