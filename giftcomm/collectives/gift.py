@@ -15,9 +15,9 @@ ring, direct           fused: hop 0's encode (ring) / every encode of own values
                        the chunk passing by computed in the hop); direct's owner adds its own Y
                        (``FusedPlan.values``) unquantized, as in the plain direct algorithm
 oneshot                fused: the one encode of the whole buffer
-doubling               unfused: its first message is a sum (the folded rank's decoded values plus
-                       its own), so Y is written once (``FusedPlan.apply``) and the plain
-                       algorithm runs on it
+doubling               fused: each rank's first message is the fused encode of its Y, or, on a
+                       rank a folded one adds into, the fused decode-add-encode of the folded
+                       rank's message and its Y; the later rounds' sums are the plain ones
 hierarchical(_direct)  fused into the node-local fp32 ring (any cross-node format): its hop 0
                        writes this rank's Y of a chunk as the fp32 message, its hops add Y to the
                        received float32 values (gc_fz_enc_fp32 / gc_fz_dae_fp32), so the node sum
@@ -27,9 +27,9 @@ hierarchical(_direct)  fused into the node-local fp32 ring (any cross-node forma
 =====================  ==========================================================================
 
 The fused FP8 encode exists for e4m3 / e5m2, rounding to nearest, block <= 256; with any other
-format, block or stochastic rounding, ring, direct and oneshot take the unfused route of the same
-kernels' arithmetic (Y written by ``FusedPlan.apply``), so the device path has one host model
-whatever the route.
+format, block or stochastic rounding, ring, direct, oneshot and doubling take the unfused route
+of the same kernels' arithmetic (Y written by ``FusedPlan.apply``), so the device path has one
+host model whatever the route.
 
 Inverse: ring and direct gather the chunk messages without decoding them, then the fused inverse
 decode reads the gathered wire twice (pass A over the decoded values, then decode + update +
@@ -58,14 +58,14 @@ from .. import _xp
 from ..formats import Format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
-from . import hierarchical, oneshot, ring
+from . import doubling, hierarchical, oneshot, ring
 from .hierarchical import check_uniform
 from .wire import Wire
 from .workspace import workspace_of
 
 __all__ = ["takes", "fused_encode", "FUSED_ROWS", "NODE_FUSED_ROWS", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
 
-FUSED_ROWS = ("ring", "direct", "oneshot")
+FUSED_ROWS = ("ring", "direct", "oneshot", "doubling")
 """The algorithms whose forward transform runs inside their FP8 encodes (e4m3 / e5m2, nearest,
 block <= 256)."""
 NODE_FUSED_ROWS = ("hierarchical", "hierarchical_direct")
@@ -212,6 +212,10 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, flat: An
         total = hierarchical.allreduce(t, x, nodes, wire, f32, slice_n,
                                        scatter=SCATTERS["ring" if algorithm == "hierarchical" else "direct"],
                                        local_own=lambda local_wire: FusedOwn(st.fwd, x, local_wire, scratch))
+        return st.inv.apply(total, dest, divisor)
+    if algorithm == "doubling":
+        own = FusedOwn(st.fwd, x, wire, ws.get("gift_own", 0).view(np.float32))  # no owner values
+        total = doubling.allreduce(t, x, wire, f32, out=ws.get("gift_sum", 4 * n).view(np.float32), own=own)
         return st.inv.apply(total, dest, divisor)
     if algorithm == "oneshot":
         fmt, block = wire.fmt, wire.block
