@@ -64,7 +64,9 @@ def gift_allreduce(
     with the transform in float32 on x's backend (then ``/ P`` for ``op="avg"``). Returns an
     array of x's shape and dtype in x's framework (``out`` if given), bit-identical on every
     rank. Raises TypeError/ValueError on every rank when any rank's input is bad or the ranks
-    disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry).
+    disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry). Device
+    arrays with a low-rank / identity giftcomm Geometry: the transforms run inside the codec
+    kernels (giftcomm.collectives.gift; docs/gpu.md "Fused transform").
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)

@@ -10,7 +10,10 @@
 #
 # Steps, in this order (riskiest first), each under its own timeout cut to what is left of the
 # budget (BUDGET_S, default 465 s), so the whole script ends within 8 minutes:
-#  1. kernels: tests/test_gpu.py (every kernel vs giftcomm.reference, edge tables, NaN/Inf)
+#  1. kernels: tests/test_gpu.py (every kernel vs giftcomm.reference, edge tables, NaN/Inf); then
+#     the fused GIFT transform: tests/test_fused_emulated.py on the real GPU
+#     (GIFTCOMM_FUSED_ON_GPU=1: the kernels and gift_allreduce on device arrays against the host
+#     model, bit for bit; the stand-in's allocation-counting test left out)
 #  2. collectives: studies/device/matrix.py --sections collectives (every format x rounding x
 #     algorithm, float32/float64, normal data and the subnormal probe), then the cupy path of
 #     tests/test_collectives.py
@@ -19,7 +22,8 @@
 #  4. FSDP2 through giftcomm at world size 1 (tests/test_fsdp*.py -k "cuda or device", when present)
 #  5. plans on device arrays (matrix --sections plans)
 #  6. JAX GPU arrays (matrix --sections jax; reports "skipped" without a JAX GPU backend)
-#  7. codec benchmark at 2^28 values (python -m giftcomm.perf device)
+#  7. the fused GIFT targets on one Llama-like layer (python -m giftcomm.perf device --sections
+#     gift), then the codec benchmark at 2^28 values (the other sections)
 # A failing step is reported and the next one still runs; a step with no time left is reported as
 # skipped (and fails the script). Outputs -- the summary device-check-<date>.md, every step's
 # Markdown/JSON, and the log -- go to perf/results/ and are copied to $OUT after every step.
@@ -75,6 +79,8 @@ fi
 "$PY" -c "import cupy, giftcomm.cuda as c; print('cupy', cupy.__version__, 'devices', c.device_count())" 2>&1 | tee -a "$LOG"
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
 step "1 kernels: tests/test_gpu.py" 100 "${PYTEST[@]}" -x tests/test_gpu.py
+step "1b fused GIFT transform on the GPU" 40 env GIFTCOMM_FUSED_ON_GPU=1 "${PYTEST[@]}" tests/test_fused_emulated.py \
+    -k "not steady_state"
 step "2a collectives matrix (subnormal probe)" 75 "$PY" -m studies.device.matrix --quick --sections collectives --out "$RES"
 step "2b collectives: cupy path of tests/test_collectives.py" 40 "${PYTEST[@]}" tests/test_collectives.py -k cupy
 step "3a DDP hook device route: results" 35 "$PY" -m studies.device.matrix --quick --sections ddp --out "$RES"
@@ -86,7 +92,9 @@ else
 fi
 step "5 plans on device" 20 "$PY" -m studies.device.matrix --sections plans --out "$RES"
 step "6 JAX GPU arrays" 20 "$PY" -m studies.device.matrix --sections jax --out "$RES"
-step "7 codec benchmark 2^28" 75 "$PY" -m giftcomm.perf device --log2n 28 --reps 10 \
+step "7a fused GIFT targets (one layer)" 45 "$PY" -m giftcomm.perf device --sections gift --reps 10 \
+    --out "$RES/device-gift-$DAY.md" --json "$RES/device-gift-$DAY.json"
+step "7b codec benchmark 2^28" 75 "$PY" -m giftcomm.perf device --log2n 28 --reps 10 --sections codec,torch,transform \
     --out "$RES/device-bench-$DAY.md" --json "$RES/device-bench-$DAY.json"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 { echo; echo "overall exit $status; total ${SECONDS} s"; } >> "$SUM"

@@ -8,6 +8,8 @@ real kernel bodies through the SIMT shim and the CuPy stand-in (tests/emulator),
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,15 @@ U = 2.0**-24
 
 @pytest.fixture
 def cp(monkeypatch):
+    """The CuPy stand-in; with GIFTCOMM_FUSED_ON_GPU=1 (perf/device_check.sh) real CuPy on a GPU."""
+    if os.environ.get("GIFTCOMM_FUSED_ON_GPU") == "1":
+        import giftcomm.cuda
+
+        if not giftcomm.cuda.available():
+            pytest.skip("no CUDA GPU (GIFTCOMM_FUSED_ON_GPU=1 asks for one)")
+        import cupy
+
+        return cupy
     return install(monkeypatch)
 
 
@@ -176,11 +187,11 @@ def test_fused_inverse_decode_bit_exact_and_within_bound(cp, rng, divisor):
     out2 = cp.empty(n, np.float32)
     plan.apply(cp.asarray(z), out2, divisor)
     assert np.array_equal(bits(out2.get()), bits(want))
-    # steady state: a second call allocates nothing (CUDA-graph capturable)
-    before = cp.runtime_state.allocations
-    plan.project_wire(md, f, block)
-    plan.decode(md, f, block, out, divisor)
-    assert cp.runtime_state.allocations == before
+    if hasattr(cp, "runtime_state"):  # steady state: a second call allocates nothing (the stand-in counts)
+        before = cp.runtime_state.allocations
+        plan.project_wire(md, f, block)
+        plan.decode(md, f, block, out, divisor)
+        assert cp.runtime_state.allocations == before
 
 
 def test_fused_rejects_what_it_does_not_implement(cp, rng):
@@ -239,3 +250,200 @@ def test_fused_ring_device_steps_equal_host_model(cp, rng):
     assert np.array_equal(bits(out.get()), bits(want))
     avg = np.mean(np.stack(xs).astype(np.float64), axis=0)
     assert np.linalg.norm(want - avg) <= 0.2 * np.linalg.norm(avg)
+
+
+# ---------------------------------------------------------------- gift_allreduce on device arrays
+# (giftcomm.collectives.gift): P virtual ranks over the device loopback on the stand-in.
+
+def _sim_bound(geo, xs, fmt, algorithm, p, nodes, op):
+    """Per-element bound on |device result - simulate_gift_allreduce(xs, geo)| (the unfused
+    reference: giftcomm.geometry's transforms + giftcomm.reference's codec; docs/gpu.md "Fused
+    transform", gift_allreduce): each rank's transformed values differ by at most beta (both
+    transforms within gamma_K of exact, K the fused chain plus the dense one, m + n); each of the
+    algorithm's Q quantizations adds at most one FP8 step of its scale block (s amax, s = 2^-3
+    e4m3, 2^-2 e5m2) on top of the difference it is given; the inverse maps the difference with
+    |S^-1| and adds its own rounding (both inverses)."""
+    from giftcomm.collectives.algorithms import BY_NAME
+    from giftcomm.machine import Topology
+
+    q = BY_NAME[algorithm].quantizations(Topology(p, nodes, p // nodes))
+    s = 2.0 ** (-3 if fmt == "e4m3" else -2)
+    block = 32
+    k = max(t.segment.matrix_shape[1] // 32 + 3 * sum(t.segment.matrix_shape) + 2 * (t.right.rank or 0)
+            + (t.left.rank or 0) + 24 for t in geo.transforms)
+    g = k * U / (1 - k * U)
+    ys = [np.abs(exact(geo, x)) for x in xs]
+    beta = sum(g * exact(geo, x, absolute=True) for x in xs)
+    mag = sum(ys) + beta
+    nb = -(-geo.size // block)
+    amax = np.pad(mag, (0, nb * block - geo.size)).reshape(nb, block).max(axis=1).repeat(block)[: geo.size]
+    dz = beta + q * s * (1 + s) ** q * amax + 2.0**-20 * mag
+    zmax = mag + dz
+    bound = exact(geo, dz, inverse=True, absolute=True) + 2 * g * exact(geo, zmax, inverse=True, absolute=True)
+    return bound / p if op == "avg" else bound
+
+
+GIFT_CASES = [  # algorithm, P, local_size, fmt, dtype, op, rounding
+    ("ring", 3, None, "e4m3", np.float32, "avg", "nearest"),
+    ("direct", 3, None, "e5m2", np.float64, "sum", "nearest"),
+    ("oneshot", 3, None, "e4m3", np.float32, "sum", "nearest"),
+    ("doubling", 3, None, "e4m3", np.float32, "avg", "nearest"),
+    ("hierarchical", 4, 2, "e4m3", np.float32, "avg", "nearest"),
+    ("hierarchical_direct", 4, 2, "e5m2", np.float32, "sum", "nearest"),
+    ("ring", 2, None, "mxfp8", np.float32, "avg", "stochastic"),
+]
+
+
+@pytest.mark.parametrize("algorithm,p,local_size,fmt,dtype,op,rounding", GIFT_CASES,
+                         ids=[f"{c[0]}-{c[3]}-{c[6]}" for c in GIFT_CASES])
+def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm, p, local_size, fmt, dtype, op,
+                                                 rounding):
+    """gift_allreduce of device arrays over P device-loopback ranks: every rank bit-identical;
+    equal bit for bit to the host model (simulate_gift_allreduce with the fused kernels'
+    arithmetic, fused_model.ModelGeometry); within the stated bound of the unfused reference
+    (giftcomm.geometry + giftcomm.reference); the forward inside the encodes where the algorithm
+    takes it (gc_fz_enc/dae launched; hierarchical: the node ring's fp32 ones), else written
+    once by the apply kernel; the inverse inside the final decode for ring and direct."""
+    import giftcomm as gc
+    from giftcomm.collectives import gift
+    from giftcomm.cuda.fused_model import ModelGeometry
+    from giftcomm.reference import simulate_gift_allreduce
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    monkeypatch.setattr(cuda_fused, "MAX_GRID", 4)
+    geo = geometry(rng)
+    xs = [random_x(rng, geo.size).astype(dtype) for _ in range(p)]
+    args = [cp.asarray(x) for x in xs]
+    seed = 7 if rounding == "stochastic" else None
+    block = None if fmt == "mxfp8" else 32
+    kw = dict(op=op, fmt=fmt, block=block, algorithm=algorithm, local_size=local_size, rounding=rounding, seed=seed)
+    got = DeviceLoopbackGroup(p).run(lambda t: gc.gift_allreduce(args[t.rank], geo, comm=t, slice_elems=256, **kw))
+    res = [cp.asnumpy(g) for g in got]
+    for r in range(p):
+        assert res[r].dtype == dtype and res[r].tobytes() == res[0].tobytes(), f"rank {r} differs from rank 0"
+    sim = dict(op=op, algorithm=algorithm, local_size=local_size, rounding=rounding, seed=seed)
+    want = simulate_gift_allreduce(xs, ModelGeometry(geo), fmt, block, **sim)[0]
+    assert res[0].tobytes() == want.tobytes(), "device result != host model"
+    if hasattr(cp, "runtime_state"):  # the stand-in counts launches per kernel
+        launched = cp.runtime_state.launches
+        fused = gift.fused_encode(algorithm, get_format(fmt), block or 32, seed)
+        node = algorithm in gift.NODE_FUSED_ROWS  # fused into the node-local fp32 ring
+        fp8 = fused and not node
+        assert bool(launched.get(f"gc_fz_enc_{fmt}")) == fp8
+        folds = algorithm == "doubling" and p & (p - 1)  # a rank folds into another: a hop
+        assert bool(launched.get(f"gc_fz_dae_{fmt}")) == (fp8 and (algorithm == "ring" or bool(folds)))
+        assert bool(launched.get(f"gc_fz_dec_{fmt}")) == (fp8 and algorithm in ("ring", "direct"))
+        assert bool(launched.get("gc_fz_enc_fp32")) == bool(launched.get("gc_fz_dae_fp32")) == node
+        # the apply kernel: direct's own values, the float32 route's inverse, the unfused route
+        assert bool(launched.get("gc_fz_apply_f32")) == (not fused or algorithm != "ring")
+    ref = simulate_gift_allreduce(xs, geo, fmt, block, **sim)[0].astype(np.float64)
+    if fmt in ("e4m3", "e5m2"):
+        nodes = p // (local_size or p)
+        assert np.all(np.abs(res[0] - ref) <= _sim_bound(geo, xs, fmt, algorithm, p, nodes, op)), \
+            "device result outside the bound of the unfused reference"
+
+
+def test_gift_allreduce_device_steady_state(cp, rng, monkeypatch):
+    """A repeated device gift_allreduce (ring, fused route, out= given) allocates nothing on the
+    device and never waits on it or copies to the host, apart from the device loopback's own
+    message copies (which NCCL does not make): the call's device work is a fixed launch sequence
+    on the current stream (docs/gpu.md, graph capture)."""
+    import giftcomm as gc
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup, DeviceLoopbackTransport
+
+    geo, p = geometry(rng), 3
+    args = [cp.asarray(random_x(rng, geo.size)) for _ in range(p)]
+    outs = [cp.empty(geo.size, np.float32) for _ in range(p)]
+    import threading
+
+    rt = cp.runtime_state
+    counted = {"allocations": 0, "syncs": 0}
+    in_transport = threading.local()  # the loopback ranks are threads: count per thread
+    issue, alloc = DeviceLoopbackTransport.issue, rt.alloc
+
+    def counting_issue(self, ops):  # the transport's own copies are not the collective's
+        in_transport.on = True
+        try:
+            issue(self, ops)
+        finally:
+            in_transport.on = False
+
+    def counting_alloc(*a, **k):
+        if not getattr(in_transport, "on", False):
+            counted["allocations"] += 1
+        return alloc(*a, **k)
+
+    monkeypatch.setattr(DeviceLoopbackTransport, "issue", counting_issue)
+    monkeypatch.setattr(rt, "alloc", counting_alloc)
+
+    def counting(fn):  # a device-to-host read or a wait on the device, outside the transport
+        def wrapped(*a, **k):
+            if not getattr(in_transport, "on", False):
+                counted["syncs"] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    for name in ("get", "item", "__float__", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(cp.ndarray, name, counting(getattr(cp.ndarray, name)))
+    for owner in (type(cp.cuda.get_current_stream()), cp.cuda.Device):
+        monkeypatch.setattr(owner, "synchronize", counting(owner.synchronize))
+    monkeypatch.setattr(cp.cuda.runtime, "deviceSynchronize", counting(cp.cuda.runtime.deviceSynchronize))
+    group = DeviceLoopbackGroup(p)
+
+    def call(t):
+        return gc.gift_allreduce(args[t.rank], geo, comm=t, op="avg", block=32, algorithm="ring",
+                                 out=outs[t.rank], slice_elems=512)
+
+    group.run(call)
+    assert counted["allocations"] > 0  # the counter sees the first call's workspaces
+    first = [o.get() for o in outs]
+    counted["syncs"] = counted["allocations"] = 0
+    group.run(call)
+    assert counted == {"allocations": 0, "syncs": 0}
+    for r in range(p):
+        assert np.array_equal(outs[r].get(), first[r])
+
+
+def test_gift_allreduce_host_and_device_ranks_disagree(cp, rng):
+    """The route (fused kernels for a device array, giftcomm.geometry for a host one) is agreed:
+    ranks mixing the two would round differently, so every rank raises instead."""
+    import giftcomm as gc
+    from giftcomm.transport.device_loopback import DeviceLoopbackGroup
+
+    geo = geometry(rng)
+    xs = [random_x(rng, geo.size) for _ in range(2)]
+    args = [xs[0], cp.asarray(xs[1])]  # rank 0 host, rank 1 device
+
+    def call(t):
+        try:
+            gc.gift_allreduce(args[t.rank], geo, comm=t, block=32)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    got = DeviceLoopbackGroup(2).run(call)
+    assert all(g is not None and "geometry" in g for g in got), got
+
+
+def test_device_bench_gift_section_on_the_stand_in(cp, rng, monkeypatch):
+    """``python -m giftcomm.perf device --sections gift``'s measuring code runs end to end (every
+    call it times, the fused vs unfused comparison) with a timer that calls once; the unfused
+    route's transforms go through the host (the stand-in has no matmul)."""
+    import types
+
+    from giftcomm.perf import device_bench as db
+
+    monkeypatch.setattr(cp, "random", types.SimpleNamespace(
+        standard_normal=lambda n, dtype=np.float32: cp.asarray(rng.standard_normal(n).astype(dtype))), raising=False)
+    monkeypatch.setattr(cp, "linalg", types.SimpleNamespace(
+        norm=lambda a: cp.asarray(np.array(np.linalg.norm(a.get()), np.float32))), raising=False)
+    geo = geometry(rng)
+    fwd, inv = geo.forward, geo.inverse
+    monkeypatch.setattr(geo, "forward", lambda x, **k: cp.asarray(fwd(x.get())))
+    monkeypatch.setattr(geo, "inverse", lambda x, **k: cp.asarray(inv(x.get())))
+    calls = []
+    res = db.measure_gift(cp, lambda fn: (calls.append(fn()), 1.0)[1], lambda fn: (fn(), 2.0)[1], geo)
+    assert len(calls) == 4 and res["gift"] == res["plain"] == 2.0
+    assert 0 < res["diff"] < 0.1  # fused vs unfused gift_allreduce at P = 1: one e4m3 quantization apart at most
+    assert "| 400 |" in db.format_gift(res, geo.size, 4000.0)

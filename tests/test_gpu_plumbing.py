@@ -536,8 +536,20 @@ def test_device_bench_arguments_and_tables():
     assert db.layer_values() == 4 * 1024 * 1024 + 3 * 2816 * 1024
     tr = db.format_transform(0.9, 0.8, db.layer_values(), 32, 4000.0)
     assert "1.700 ms" in tr and "k=32" in tr
-    g = db.format_gift({"gift": 3.0, "plain": 1.0, "codec": 0.3, "transform": 1.7}, db.layer_values())
-    assert "3.00x" in g and "| 400 |" in g and "| 100 |" in g
+    # the fused transform's targets: compute ratio, HBM roofline share, the step at 100/200/400 Gbit/s
+    n = db.layer_values()
+    t = {"gift": 3.0, "plain": 1.0, "plain_codec": 0.3, "gift_codec": 0.6, "forward": 0.1, "inverse": 0.1, "diff": 0.01}
+    g = db.format_gift(t, n, 4000.0)
+    assert "**2.00x** (target <= 1.5x: **missed**)" in g
+    floor = 16 * n / 4e9  # ms: one float32 read + write per direction at 4000 GB/s
+    assert f"**0.200 ms**, {100 * floor / 0.2:.0f}% of the HBM roofline ({floor:.3f} ms" in g and "1.00e-02" in g
+    assert "(target <= 1.5x: met)" in db.format_gift({**t, "gift_codec": 0.45}, n, 4000.0)
+    assert "target >= 50%: met" in db.format_gift({**t, "forward": 0.01, "inverse": 0.01}, n, 4000.0)
+    rows = [r for r in g.splitlines() if r.startswith("| 1") or r.startswith("| 2") or r.startswith("| 4")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 100", "| 200", "| 400"]
+    fp8, bf = 2 * (n + 4 * -(-n // 256)) * 8 / 400e9 * 1e3, 4 * n * 8 / 400e9 * 1e3
+    assert rows[2] == (f"| 400 | {fp8:.3f} | {bf:.3f} | {fp8 + 0.3:.3f} | {fp8 + 0.6:.3f} | "
+                       f"{100 * 0.6 / (fp8 + 0.6):.0f}% | {(fp8 + 0.6) / bf:.2f} | {bf - fp8 - 0.6:.3f} |")
 
 
 def test_device_bench_timer_amortizes_the_launch_gap():

@@ -19,19 +19,21 @@ import numpy as np
 
 from ..transport import Request, Transport, wait_all
 from .rank_order import sum_in_rank_order
-from .ring import DEFAULT_SLICE_ELEMS, encode_sliced, layout_of, owner_buffer
+from .ring import DEFAULT_SLICE_ELEMS, Own, encode_sliced, layout_of, owner_buffer
 from .wire import Wire
 from .workspace import workspace_of
 
 
 def reduce_scatter(
     t: Transport, x: Any, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None, own: Own | None = None,
 ) -> tuple[Any, Any]:
     """Direct reduce-scatter of the flat vector ``x``; returns (sum, owner message) like the ring's
     (sum None when ``keep_sum`` is False: it is then summed in a reused workspace buffer; the
-    message goes to ``own_out`` when given)."""
+    message goes to ``own_out`` when given). ``own``: where this rank's values come from
+    (ring.Own; default: ``x``)."""
     p, r, xp = t.size, t.rank, wire.xp
+    own = Own(x, wire, acc_t) if own is None else own
     counts = np.diff(bounds)
     slices = layout_of(counts, wire.fmt, wire.block, slice_elems).slices
     mine = slices[r]
@@ -54,7 +56,7 @@ def reduce_scatter(
         for j in range(sl.nslices):
             a, b = sl.elems[j], sl.elems[j + 1]
             piece = msg[sl.bytes[j] : sl.bytes[j + 1]]
-            wire.encode(x[lo + a : lo + b], piece, lo + a)
+            own.encode(lo + a, lo + b, piece)
             sends.append(t.isend(piece, dest, tag=j))
     # Sum the contributions in rank order, slice by slice, as they arrive.
     n_r = int(counts[r])
@@ -67,8 +69,7 @@ def reduce_scatter(
 
     for j in range(mine.nslices):
         a, b = mine.elems[j], mine.elems[j + 1]
-        sum_in_rank_order(total[a:b], p, r, x[lo_r + a : lo_r + b],
-                          lambda src: arrived(src, j), wire)
+        sum_in_rank_order(total[a:b], p, r, own.values(lo_r + a, lo_r + b), lambda src: arrived(src, j), wire)
     wait_all(sends)
     own_msg = encode_sliced(wire, total, mine, owner_buffer(t, wire, mine.nbytes, own_out), lo_r)
     return (total if keep_sum else None), own_msg

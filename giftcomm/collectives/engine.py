@@ -34,7 +34,7 @@ from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
 from ..transport.channel import PLAIN_WORD
-from . import direct, doubling, hierarchical, oneshot, ring, shared
+from . import direct, doubling, gift, hierarchical, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm, meet_plans
@@ -325,7 +325,9 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
     if geo is not None:
         if geo.size != call.arr.size:
             raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
-        call.sig["geometry"] = int(geo.fingerprint())
+        # the route is part of what the ranks agree on: a rank with a host array (unfused transform)
+        # and one with a device array (the fused kernels) would round differently
+        call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
     job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel)
     call.sig["shared_memory"] = int(t.shared_memory)
@@ -353,6 +355,8 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     assert algorithm is not None
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
     flat = planning.flat_values(call)
+    if geo is not None and gift.takes(call.imp.device, geo):
+        return _run_fused(t, job, call, flat, out)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
         flat = confirm(t, "giftcomm.gift_allreduce: geometry.forward",
                        lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
@@ -366,6 +370,25 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if into is None or total is not into:
         total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
     return finish(t, call, total, into, out, shape)
+
+
+def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
+    """gift_allreduce of a device array through the fused transform kernels
+    (giftcomm.collectives.gift); the inverse and ``avg`` are done there."""
+    assert job.algorithm is not None
+    shape = tuple(call.arr.shape)
+    if flat.size == 0:
+        return planning.finish(call.xp.zeros(0, np.float32), call, t.size, shape, out)
+    into = planning.direct_out(call)
+    name = job.algorithm.name
+    if not gift.has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
+        # a failure on some ranks (the plans' upload: device memory) is raised on every rank
+        confirm(t, "giftcomm.gift_allreduce: fused transform", lambda: gift.state_of(t, job.geometry, call.xp))
+    total = gift.allreduce(t, job.geometry, name, RUNNERS[name], flat, call.wire(t.rank), job.nodes, job.slice_n,
+                           call.op, into)
+    if into is not None and total is into:
+        return out
+    return planning.finish(total, call, t.size, shape, out, op="sum")
 
 
 ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prepare, _allreduce_agreed,

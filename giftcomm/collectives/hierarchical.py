@@ -53,9 +53,12 @@ def contiguous_nodes(p: int, local_size: int) -> np.ndarray:
 def allreduce(
     t: Transport, x: Any, node_of: np.ndarray, wire: Wire, acc_t: np.dtype,
     slice_elems: int, local_fmt: str = "fp32", scatter: ReduceScatter = ring.reduce_scatter,
+    local_own: Callable[[Wire], ring.Own] | None = None,
 ) -> Any:
     """Sum of the flat vector ``x`` over all ranks (float32, identical on every rank);
-    ``scatter``: the cross-node reduce-scatter (ring's, or direct's for hierarchical_direct)."""
+    ``scatter``: the cross-node reduce-scatter (ring's, or direct's for hierarchical_direct).
+    ``local_own(local_wire)``: where the node-local ring reads this rank's values (ring.Own;
+    default: ``x``; the fused GIFT path computes them in its hops)."""
     groups = node_groups(node_of)
     local_size = check_uniform(node_of)
     mine = next(g for g in groups if t.rank in g)
@@ -64,7 +67,8 @@ def allreduce(
     cross = t.split([g[lr] for g in groups], "hier-cross")
     local_wire = wire.with_format(get_format(local_fmt))
     local_bounds = shared_chunk_bounds(x.size, local_size, wire.block)
-    node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems)
+    node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems,
+                                      own=None if local_own is None else local_own(local_wire))
     cross_bounds = shared_chunk_bounds(node_sum.size, cross.size, wire.block)
     cross_wire = wire.at(base=wire.base + int(local_bounds[lr]))  # node_sum[0] is that element of x
     _, own = scatter(cross, node_sum, cross_bounds, cross_wire, acc_t, slice_elems)

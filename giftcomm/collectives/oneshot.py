@@ -13,7 +13,7 @@ same call costs no extra round trip). Host or device arrays; headers only on hos
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -43,9 +43,11 @@ class Exchanged:
         return self.buf[lo : lo + self.nbytes]
 
 
-def exchange(t: Transport, x: Any, wire: Wire, header: np.ndarray | None = None) -> Exchanged:
+def exchange(t: Transport, x: Any, wire: Wire, header: np.ndarray | None = None,
+             encode: Callable[[Any], None] | None = None) -> Exchanged:
     """Encode ``x`` (1-D, contiguous, any float dtype) behind ``header`` (int64, host arrays only)
-    and swap messages with every other rank."""
+    and swap messages with every other rank. ``encode(message)``: writes this rank's message
+    instead (the fused GIFT path, giftcomm.collectives.gift)."""
     p, r = t.size, t.rank
     head = 0 if header is None else 8 * header.size
     nbytes = wire.nbytes(x.size)
@@ -54,7 +56,10 @@ def exchange(t: Transport, x: Any, wire: Wire, header: np.ndarray | None = None)
     got = Exchanged(buf, stride, head, nbytes)
     if header is not None:
         got.header(r)[...] = header
-    wire.encode(x, got.message(r))
+    if encode is None:
+        wire.encode(x, got.message(r))
+    else:
+        encode(got.message(r))
     mine = buf[r * stride : (r + 1) * stride]
     peers = [(r + k) % p for k in range(1, p)]
     reqs = [t.irecv(buf[q * stride : (q + 1) * stride], q, tag=0) for q in peers]

@@ -155,6 +155,32 @@ def local_part(x: Any, lo: int, hi: int, acc_t: np.dtype) -> Any:
     return part if part.dtype == acc_t else part.astype(acc_t)
 
 
+class Own:
+    """This rank's values of the buffer as the reduce-scatters read them, by buffer range: today's
+    path reads them from ``x`` (1-D, any float dtype) in the accumulation dtype ``acc_t``; the
+    fused GIFT path (giftcomm.collectives.gift) computes its transformed values inside the codec
+    kernels instead (same methods). ``lo``/``hi``: element indices of the buffer; the
+    stochastic-rounding offset is ``lo``."""
+
+    __slots__ = ("x", "wire", "acc_t")
+
+    def __init__(self, x: Any, wire: Wire, acc_t: np.dtype) -> None:
+        self.x, self.wire, self.acc_t = x, wire, acc_t
+
+    def values(self, lo: int, hi: int) -> Any:
+        """The values ``[lo, hi)`` (a view when already in the accumulation dtype)."""
+        return local_part(self.x, lo, hi, self.acc_t)
+
+    def encode(self, lo: int, hi: int, out: Any) -> None:
+        """Encode the values ``[lo, hi)`` into the message ``out``."""
+        self.wire.encode(self.values(lo, hi), out, lo)
+
+    def hop(self, recv: Any, lo: int, hi: int, out: Any, sum_out: Any = None) -> None:
+        """One ring hop: ``out`` = encode(decode(recv) + the values ``[lo, hi)``); the sum into
+        ``sum_out`` when given."""
+        self.wire.hop(recv, self.values(lo, hi), out=out, sum_out=sum_out, offset=lo)
+
+
 def message_piece(buf: Any, sl: SlicedMessage, k: int) -> Any:
     """Slice ``k``'s wire message within the chunk message ``buf`` (a view)."""
     return buf[sl.bytes[k] : sl.bytes[k + 1]]
@@ -162,7 +188,7 @@ def message_piece(buf: Any, sl: SlicedMessage, k: int) -> Any:
 
 def reduce_scatter(
     t: Transport, x: Any, bounds: np.ndarray, wire: Wire, acc_t: np.dtype,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, keep_sum: bool = True, own_out: Any = None, own: Own | None = None,
 ) -> tuple[Any, Any]:
     """Pipelined ring reduce-scatter of the flat vector ``x`` (1-D, contiguous, any float dtype,
     ``wire.xp``'s backend).
@@ -170,20 +196,24 @@ def reduce_scatter(
     Returns (sum, message): this rank's chunk summed over all ranks in ``acc_t`` (a new array;
     None when ``keep_sum`` is False, which an allreduce uses to skip writing it), and that sum
     encoded once, slice by slice, into ``own_out`` (uint8, the message's size; by default a
-    workspace view, valid until the next call).
+    workspace view, valid until the next call). ``own``: where this rank's values come from
+    (:class:`Own`; default: ``x``).
     """
     p, r, xp = t.size, t.rank, wire.xp
+    own = Own(x, wire, acc_t) if own is None else own
     grouped = t.schedule == GROUPED
     counts = bounds[1:] - bounds[:-1]
     layout = layout_of(counts, wire.fmt, wire.block, slice_elems)
     slices, biggest = layout.slices, layout.biggest
     ws = workspace_of(t, xp)
     own_sl = slices[r]
-    own = owner_buffer(t, wire, own_sl.nbytes, own_out)
+    mine = owner_buffer(t, wire, own_sl.nbytes, own_out)
     lo_r = int(bounds[r])
     if p == 1:
-        part = x[lo_r : lo_r + int(counts[r])]
-        return (part.astype(acc_t) if keep_sum else None), encode_sliced(wire, part, own_sl, own, lo_r)
+        for k in range(own_sl.nslices):
+            own.encode(lo_r + own_sl.elems[k], lo_r + own_sl.elems[k + 1], message_piece(mine, own_sl, k))
+        hi_r = lo_r + int(counts[r])
+        return (own.values(lo_r, hi_r).copy() if keep_sum else None), mine
     total = xp.empty(int(counts[r]), acc_t) if keep_sum else None
     right, left = (r + 1) % p, (r - 1) % p
     send_bufs = [ws.get("send0", biggest), ws.get("send1", biggest)]
@@ -202,7 +232,7 @@ def reduce_scatter(
     for k in range(slices[c0].nslices):
         a, b = slices[c0].elems[k], slices[c0].elems[k + 1]
         piece = message_piece(send_bufs[0], slices[c0], k)
-        wire.encode(local_part(x, lo + a, lo + b, acc_t), piece, lo + a)
+        own.encode(lo + a, lo + b, piece)
         sends[0].append(t.isend(piece, right, tag=0))
     for step in range(p - 1):
         c = (r - step - 2) % p
@@ -217,39 +247,41 @@ def reduce_scatter(
         for k in range(sl.nslices):
             recvs[k].wait()
             a, b = sl.elems[k], sl.elems[k + 1]
-            local = local_part(x, lo + a, lo + b, acc_t)
             recv = message_piece(recv_bufs[step % 2], sl, k)
             if last:
-                wire.hop(recv, local, out=message_piece(own, sl, k), sum_out=None if total is None else total[a:b],
-                         offset=lo + a)
+                own.hop(recv, lo + a, lo + b, message_piece(mine, sl, k), None if total is None else total[a:b])
             else:
                 out = message_piece(send_bufs[(step + 1) % 2], sl, k)
-                wire.hop(recv, local, out=out, offset=lo + a)
+                own.hop(recv, lo + a, lo + b, out)
                 sends[(step + 1) % 2].append(t.isend(out, right, tag=step + 1))
         recvs = nxt
     wait_all(sends[0] + sends[1])
-    return total, own
+    return total, mine
 
 
 def allgather(
     t: Transport, own: Any, counts: np.ndarray, wire: Wire,
-    slice_elems: int = DEFAULT_SLICE_ELEMS, out: Any = None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS, out: Any = None, decode: bool = True,
 ) -> Any:
     """Pipelined ring allgather of one sliced chunk message per rank, decoded into float32.
 
     ``own``: this rank's chunk message, sliced as :func:`slice_chunk` of ``counts[rank]``.
     Each received slice is forwarded at once and decoded while the next ones travel (on a GROUPED
     transport the forwards of a hop are issued with the next hop's receives). Returns the float32
-    vector of all ``sum(counts)`` values in rank order (``out`` if given).
+    vector of all ``sum(counts)`` values in rank order (``out`` if given); ``decode=False``: the
+    gathered wire instead (every chunk's message in rank order, :func:`layout_of`'s ``msg_offs``;
+    a workspace view, valid until the next call), for a caller that decodes it itself.
     """
     p, r = t.size, t.rank
     layout = layout_of(counts, wire.fmt, wire.block, slice_elems)
     slices, offs, elem_offs = layout.slices, layout.msg_offs, layout.elem_offs
     buf = workspace_of(t, wire.xp).get("gather", int(offs[-1]))
     slots = [buf[offs[c] : offs[c + 1]] for c in range(p)]
-    values = wire.xp.empty(int(elem_offs[-1]), np.float32) if out is None else out
+    values = None if not decode else wire.xp.empty(int(elem_offs[-1]), np.float32) if out is None else out
 
     def decode_slice(c: int, k: int) -> None:
+        if values is None:
+            return
         sl, base = slices[c], int(elem_offs[c])
         a, b = base + sl.elems[k], base + sl.elems[k + 1]
         wire.decode(message_piece(slots[c], sl, k), int(b - a), out=values[a:b])
@@ -272,7 +304,7 @@ def allgather(
                 sends.append(t.isend(message_piece(slots[c], sl, k), right, tag=step + 1))
             decode_slice(c, k)
     wait_all(sends)
-    return values
+    return buf[: offs[-1]] if values is None else values
 
 
 def allreduce(

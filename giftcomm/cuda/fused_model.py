@@ -28,7 +28,8 @@ import numpy as np
 
 from ..geometry.sides import IdentitySide, LowRankSide
 
-__all__ = ["FusedLayout", "GroupLayout", "supports", "project", "small", "apply_model", "transform_model"]
+__all__ = ["FusedLayout", "GroupLayout", "ModelGeometry", "supports", "project", "small", "apply_model",
+           "transform_model"]
 
 f32 = np.float32
 RT = 8  # rank tile of the projection kernels (GC_FZ_RT)
@@ -257,3 +258,33 @@ def transform_model(geometry: Any, x: np.ndarray, inverse: bool = False) -> np.n
     pool = lay.pool.copy()
     project(lay, pool, x)
     return apply_model(lay, pool, x)
+
+
+class ModelGeometry:
+    """A geometry's face (size, is_identity, forward, inverse, fingerprint) with the fused
+    kernels' arithmetic on the host: ``simulate_gift_allreduce(inputs, ModelGeometry(geometry),
+    ...)`` is the host model of gift_allreduce's device path (giftcomm.collectives.gift), bit for
+    bit. Input of any float dtype is read as float32 (as the device path does)."""
+
+    is_identity = False
+
+    def __init__(self, geometry: Any) -> None:
+        self.geometry = geometry
+        self.size = int(geometry.size)
+        self._lay = {inv: FusedLayout.build(geometry, inv) for inv in (False, True)}
+
+    def fingerprint(self) -> int:
+        return int(self.geometry.fingerprint())
+
+    def _run(self, flat: Any, inverse: bool) -> np.ndarray:
+        lay = self._lay[inverse]
+        x = np.ascontiguousarray(np.asarray(flat).reshape(-1), f32)
+        pool = lay.pool.copy()
+        project(lay, pool, x)
+        return apply_model(lay, pool, x)
+
+    def forward(self, flat: Any) -> np.ndarray:
+        return self._run(flat, False)
+
+    def inverse(self, flat: Any) -> np.ndarray:
+        return self._run(flat, True)

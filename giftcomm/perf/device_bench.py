@@ -14,12 +14,19 @@ line rate.
    ``.to(torch.float8_e4m3fn)``; decode: multiply back) under ``torch.compile`` and eager, next
    to giftcomm's e4m3 block-256 encode and decode;
 4. the geometry transform: forward + inverse of one Llama-like layer (hidden 1024, MLP 2816:
-   q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank);
-5. gift_allreduce against the plain FP8 allreduce of the same buffer over
-   ``DeviceLoopbackGroup(1)`` (one GPU; wall time, synchronized), plus the codec compute of one
-   ring hop sequence (encode + decode_add_encode + decode of the whole buffer);
-6. the projected share of a communication step at 100/200/400 Gbit/s per GPU: FP8 ring wire
-   time (2x the message), the bf16 wire time it replaces, and the device compute on top.
+   q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank), the
+   unfused route (``Geometry.forward`` / ``inverse``: cuBLAS and CuPy elementwise);
+5. section ``gift``, the targets of the fused transform (giftcomm.cuda.fused; docs/gpu.md
+   "Fused transform") on that layer, e4m3 block 256, each with its verdict:
+   - device compute of one ring per rank (encode + decode_add_encode + decode of the buffer):
+     GIFT fused (pass A, fused encode, fused hop, inverse pass A from the wire, fused inverse
+     decode) against the plain FP8 codec (target <= 1.5x);
+   - forward + inverse alone (the fused kernels' transform of a float32 buffer, Y written)
+     against the HBM floor, one read + one write per direction (target >= 50%, <= ~0.1 ms);
+   - gift_allreduce against plain allreduce over ``DeviceLoopbackGroup(1)`` (wall time), and
+     the relative difference of its result from the unfused route's (a sanity check);
+6. the projected step at 100/200/400 Gbit/s per GPU, nothing overlapped: FP8 ring wire time
+   (2x the message) plus the compute, against bf16's wire time: GIFT's net saving.
 
 Timing: CUDA events, median of --reps after --warmup calls. Without a CUDA GPU the command exits
 with status 2 and says so. The formatting is plain functions of timing dicts (tested on CPU
@@ -158,26 +165,41 @@ def format_transform(fwd_ms: float, inv_ms: float, n: int, rank: int, copy_gbs: 
             f"roofline; target <= 2x, i.e. >= 50% of the roofline)")
 
 
-def format_gift(g: dict[str, float], n: int, links=LINK_GBITS) -> str:
-    """g: 'gift' and 'plain' (loopback P=1 wall ms), 'codec' (encode + dae + decode ms), 'transform' (ms)."""
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def format_gift(g: dict[str, float], n: int, copy_gbs: float, links=LINK_GBITS) -> str:
+    """The fused transform's targets. g (ms): 'plain_codec' and 'gift_codec' (one ring's device
+    compute per rank, without and with GIFT), 'forward' and 'inverse' (the fused transform
+    alone), 'gift' and 'plain' (gift_allreduce / allreduce wall time over one loopback rank);
+    optional 'diff' (relative difference of the fused result from the unfused route's)."""
     msg = message_nbytes(n, get_format("e4m3"), 256)
-    lines = [f"- gift_allreduce (DeviceLoopbackGroup(1)): {g['gift']:.3f} ms; plain FP8 allreduce: {g['plain']:.3f} ms; "
-             f"ratio **{g['gift'] / g['plain']:.2f}x** (target <= 1.5x)",
-             f"- ring codec compute per rank (encode + decode_add_encode + decode of the buffer): {g['codec']:.3f} ms; "
-             f"with the transform: {g['codec'] + g['transform']:.3f} ms "
-             f"({(g['codec'] + g['transform']) / g['codec']:.2f}x)",
-             "",
-             "| link Gbit/s | FP8 ring wire ms | bf16 ring wire ms | FP8 saves ms | plain FP8 compute / FP8 wire | "
-             "GIFT compute / FP8 wire | GIFT net saving vs bf16 ms (no overlap) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    ratio = g["gift_codec"] / g["plain_codec"]
+    tr = g["forward"] + g["inverse"]
+    floor_ms = 2 * 2 * 4 * n / (copy_gbs * 1e6)
+    lines = [f"- device compute of one ring per rank: GIFT fused {g['gift_codec']:.3f} ms, plain FP8 "
+             f"{g['plain_codec']:.3f} ms: **{ratio:.2f}x** (target <= 1.5x: {_verdict(ratio <= 1.5)})",
+             f"- forward + inverse alone (fused kernels): {g['forward']:.3f} + {g['inverse']:.3f} = **{tr:.3f} ms**, "
+             f"{_pct(floor_ms / tr)} of the HBM roofline ({floor_ms:.3f} ms: one read + one write per direction; "
+             f"target >= 50%: {_verdict(floor_ms / tr >= 0.5)})",
+             f"- gift_allreduce (DeviceLoopbackGroup(1), wall): {g['gift']:.3f} ms; plain FP8 allreduce: "
+             f"{g['plain']:.3f} ms ({g['gift'] / g['plain']:.2f}x)"]
+    if "diff" in g:
+        lines.append(f"- fused result vs the unfused route's: relative difference {g['diff']:.2e} "
+                     f"(both quantize to e4m3 once: of the order of the FP8 error or below)")
+    lines += ["",
+              "| link Gbit/s | FP8 ring wire ms | bf16 ring wire ms | plain FP8 step ms | GIFT step ms | "
+              "GIFT compute share of its step | GIFT step / bf16 | GIFT net saving vs bf16 ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for gb in links:
         fp8 = 2 * msg * 8 / (gb * 1e9) * 1e3
         bf = 2 * 2 * n * 8 / (gb * 1e9) * 1e3
-        gift_c = g["codec"] + g["transform"]
-        lines.append(f"| {gb} | {fp8:.3f} | {bf:.3f} | {bf - fp8:.3f} | {_pct(g['codec'] / fp8)} | "
-                     f"{_pct(gift_c / fp8)} | {bf - fp8 - gift_c:.3f} |")
-    lines.append("\nRing wire time: 2x the message per GPU (2(P-1)/P at large P). bf16 is the uncompressed "
-                 "alternative; the last column is what GIFT gains per layer if its compute does not overlap.")
+        step = fp8 + g["gift_codec"]
+        lines.append(f"| {gb} | {fp8:.3f} | {bf:.3f} | {fp8 + g['plain_codec']:.3f} | {step:.3f} | "
+                     f"{_pct(g['gift_codec'] / step)} | {step / bf:.2f} | {bf - step:.3f} |")
+    lines.append("\nRing wire time: 2x the message per GPU (2(P-1)/P at large P); nothing overlapped (a step is "
+                 "wire + compute); bf16 is the uncompressed alternative, its compute taken as zero.")
     return "\n".join(lines)
 
 
@@ -256,19 +278,23 @@ def measure_torch_peer(cp: Any, timed, n: int, compile_: bool) -> dict:
 
 
 def llama_layer_geometry(rank: int, seed: int = 0):
-    """A low-rank KFAC geometry of LLAMA_LAYER from random SPD factors (condition 1e3)."""
+    """A low-rank KFAC geometry of LLAMA_LAYER: each factor's spectrum geometric from 1 to 1e-3
+    (unit mean) with random orthonormal top-``rank`` eigenvectors (only those are needed, so no
+    d x d eigendecomposition: seconds on a CPU)."""
     from ..geometry import Geometry
+    from ..geometry.spectral import Spectrum
 
     rng = np.random.default_rng(seed)
-    cache: dict[int, np.ndarray] = {}
+    cache: dict[int, Spectrum] = {}
 
-    def spd(m: int) -> np.ndarray:
-        if m not in cache:
-            q, _ = np.linalg.qr(rng.standard_normal((m, m)))
-            cache[m] = (q * np.geomspace(1, 1e-3, m)) @ q.T
-        return cache[m]
+    def spectrum(d: int) -> Spectrum:
+        if d not in cache:
+            values = np.geomspace(1, 1e-3, d)
+            vectors, _ = np.linalg.qr(rng.standard_normal((d, min(rank, d))))
+            cache[d] = Spectrum(values / values.mean(), vectors, 1.0)
+        return cache[d]
 
-    factors = {name: (spd(s[1]), spd(s[0])) for name, s in LLAMA_LAYER}
+    factors = {name: (spectrum(s[1]), spectrum(s[0])) for name, s in LLAMA_LAYER}
     return Geometry.from_kfac(list(LLAMA_LAYER), factors, rank=rank)
 
 
@@ -278,28 +304,42 @@ def measure_transform(cp: Any, timed, geometry) -> dict:
     return {"forward": timed(lambda: geometry.forward(x)), "inverse": timed(lambda: geometry.inverse(y))}
 
 
-def measure_gift(cp: Any, timed, wall, geometry, transform_ms: float) -> dict:
+def measure_gift(cp: Any, timed, wall, geometry) -> dict:
+    """The fused transform's timings on ``geometry`` (format_gift's keys)."""
     import giftcomm
     from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
     from .. import codec as gc
+    from ..cuda.fused import FusedPlan
 
-    n = geometry.size
+    n, f = geometry.size, get_format("e4m3")
     x = cp.random.standard_normal(n, dtype=cp.float32)
-    grp = DeviceLoopbackGroup(1)
-    res = {"gift": wall(lambda: grp.run(lambda t: giftcomm.gift_allreduce(x, geometry, comm=t, fmt="e4m3", block=256))),
-           "plain": wall(lambda: grp.run(lambda t: giftcomm.allreduce(x, comm=t, fmt="e4m3", block=256)))}
+    fwd, inv = FusedPlan(geometry, cp), FusedPlan(geometry, cp, inverse=True)
     msg = gc.encode(x, "e4m3", 256)
     out = cp.empty_like(msg)
-    dec = cp.empty(n, cp.float32)
+    y, z = cp.empty(n, cp.float32), cp.empty(n, cp.float32)
 
-    def ring_codec():
+    def plain_codec():
         gc.encode(x, "e4m3", 256, out=out)
         gc.decode_add_encode(msg, x, "e4m3", 256, out=out)
-        gc.decode(msg, n, "e4m3", 256, out=dec)
+        gc.decode(out, n, "e4m3", 256, out=z)
 
-    res["codec"] = timed(ring_codec)
-    res["transform"] = transform_ms
+    def gift_codec():
+        fwd.project(x)
+        fwd.encode(x, 0, n, f, 256, out)
+        fwd.decode_add_encode(x, 0, n, msg, f, 256, out)
+        inv.project_wire(out, f, 256)
+        inv.decode(out, f, 256, z)
+
+    res = {"plain_codec": timed(plain_codec), "gift_codec": timed(gift_codec),
+           "forward": timed(lambda: fwd.apply(x, y)), "inverse": timed(lambda: inv.apply(y, z))}
+    grp = DeviceLoopbackGroup(1)
+    fused = grp.run(lambda t: giftcomm.gift_allreduce(x, geometry, comm=t, fmt="e4m3", block=256))[0]
+    unfused = geometry.inverse(grp.run(lambda t: giftcomm.allreduce(geometry.forward(x), comm=t, fmt="e4m3",
+                                                                    block=256))[0])
+    res["diff"] = float(cp.linalg.norm(fused - unfused) / cp.linalg.norm(unfused))
+    res["gift"] = wall(lambda: grp.run(lambda t: giftcomm.gift_allreduce(x, geometry, comm=t, fmt="e4m3", block=256)))
+    res["plain"] = wall(lambda: grp.run(lambda t: giftcomm.allreduce(x, comm=t, fmt="e4m3", block=256)))
     return res
 
 
@@ -350,19 +390,19 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - report and go on with the other sections
             failures += 1
             emit(f"torch peer failed: {type(e).__name__}: {e}\n")
-    tr = None
     if "transform" in args.sections or "gift" in args.sections:
         geometry = llama_layer_geometry(args.rank)
-        emit("## Geometry transform\n")
-        tr = measure_transform(cp, timed, geometry)
-        raw["transform"] = tr
-        emit(format_transform(tr["forward"], tr["inverse"], geometry.size, args.rank, copy_gbs) + "\n")
+        if "transform" in args.sections:
+            emit("## Geometry transform, unfused route (Geometry.forward / inverse)\n")
+            tr = measure_transform(cp, timed, geometry)
+            raw["transform"] = tr
+            emit(format_transform(tr["forward"], tr["inverse"], geometry.size, args.rank, copy_gbs) + "\n")
         if "gift" in args.sections:
-            emit("## gift_allreduce vs plain FP8 allreduce, and the projected step share\n")
+            emit(f"## GIFT fused into the codec: the targets (one layer, low-rank KFAC k={args.rank}, e4m3 block 256)\n")
             try:
-                g = measure_gift(cp, timed, wall, geometry, tr["forward"] + tr["inverse"])
+                g = measure_gift(cp, timed, wall, geometry)
                 raw["gift"] = g
-                emit(format_gift(g, geometry.size) + "\n")
+                emit(format_gift(g, geometry.size, copy_gbs) + "\n")
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 emit(f"gift_allreduce section failed: {type(e).__name__}: {e}\n")

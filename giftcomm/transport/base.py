@@ -69,6 +69,7 @@ class TransportState:
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
     plan_cache: the plain calls' cached plans by call signature, least recently used first
     (giftcomm.plan_cache).
+    fused: the fused GIFT transforms' device state per geometry (giftcomm.collectives.gift).
     pid: the process that created it. closed: None while alive; once :meth:`close` ran, why (what
     a stale user -- a plan holding this state -- raises as :class:`~giftcomm.errors.CommClosed`).
 
@@ -84,6 +85,7 @@ class TransportState:
     plans: int = 0
     channel: PlanChannel | None = None
     plan_cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
+    fused: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     pid: int = field(default_factory=os.getpid)
     closed: str | None = None
 
@@ -107,6 +109,7 @@ class TransportState:
         self.channel = self.window = None
         self.splits.clear()
         self.plan_cache.clear()
+        self.fused.clear()
         self.workspaces.clear()
         self.topology.clear()
         if channel is not None:

@@ -29,12 +29,26 @@ struct gc_fz_f32 {
     GC_DEV float at(long long e) const { return x[e]; }
 };
 
+// A wire: NM block-scaled messages back to back in `buf` (one message of all N values, or the
+// ring allgather's slices of every chunk), each covering a range of whole scale blocks of the
+// buffer. `mtab` (3 NM + 1 int64): the NM + 1 sorted element starts (mtab[NM] = N), then each
+// message's payload byte offset in `buf`, then its scales' byte offset (4-byte aligned).
 template <class F>
 struct gc_fz_wire {
-    const gc_u8* __restrict__ pay;
-    const float* __restrict__ sc;
+    const gc_u8* __restrict__ buf;
+    const long long* __restrict__ mtab;
+    int nm;
     int block;
-    GC_DEV float at(long long e) const { return gc_mul(F::to_f32(pay[e]), sc[e / block]); }
+    GC_DEV float at(long long e) const {
+        int lo = 0, hi = nm;  // message lo with mtab[lo] <= e < mtab[lo + 1] (binary search)
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (mtab[mid] <= e) lo = mid; else hi = mid;
+        }
+        const long long off = e - mtab[lo];
+        const float* sc = reinterpret_cast<const float*>(buf + mtab[2 * nm + 1 + lo]);
+        return gc_mul(F::to_f32(buf[mtab[nm + 1 + lo] + off]), sc[off / block]);
+    }
 };
 
 // ---------------------------------------------------------------- pass A: P = X U_R
@@ -107,13 +121,13 @@ extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_q_f32(const float* 
     gc_fz_proj_q(gc_fz_f32{x}, starts, u, out, B, m, n, k);
 }
 #define GC_FZ_WIRE_PROJ(F, NAME)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_p_##NAME(const gc_u8* __restrict__ pay,              \
-        const float* __restrict__ sc, int block, GC_FZ_PROJ_ARGS) {                                                    \
-        gc_fz_proj_p(gc_fz_wire<F>{pay, sc, block}, starts, u, out, B, m, n, k);                                        \
+    extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_p_##NAME(const gc_u8* __restrict__ buf,              \
+        const long long* __restrict__ mtab, int nm, int block, GC_FZ_PROJ_ARGS) {                                      \
+        gc_fz_proj_p(gc_fz_wire<F>{buf, mtab, nm, block}, starts, u, out, B, m, n, k);                                  \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_q_##NAME(const gc_u8* __restrict__ pay,              \
-        const float* __restrict__ sc, int block, GC_FZ_PROJ_ARGS) {                                                    \
-        gc_fz_proj_q(gc_fz_wire<F>{pay, sc, block}, starts, u, out, B, m, n, k);                                        \
+    extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_q_##NAME(const gc_u8* __restrict__ buf,              \
+        const long long* __restrict__ mtab, int nm, int block, GC_FZ_PROJ_ARGS) {                                      \
+        gc_fz_proj_q(gc_fz_wire<F>{buf, mtab, nm, block}, starts, u, out, B, m, n, k);                                  \
     }
 GC_FZ_WIRE_PROJ(gc_e4m3, e4m3)
 GC_FZ_WIRE_PROJ(gc_e5m2, e5m2)
@@ -239,21 +253,48 @@ GC_DEV void gc_fz_enc(const float* __restrict__ x, long long lo, const gc_u8* __
     }
 }
 
-// ---------------------------------------------------------------- fused inverse decode / apply
-// out[e] = cc z + update (z: the decoded wire value, or x[e]); avg (div != 0): then / div
-// (gc_div, the order of giftcomm's unfused path: inverse, then op="avg"). Elementwise.
-template <class SRC>
-GC_DEV void gc_fz_apply(SRC src, float* __restrict__ out, long long count, float div, int has_div, gc_fz_table tab) {
+// ---------------------------------------------------------------- fused fp32 pass-through
+// The node-local ring of the hierarchical algorithms: the message is the float32 values themselves.
+// MODE 0: out = Y[lo, lo + count); MODE 1 (a hop): out = in + Y, one float32 add (gc_pt_fp32's
+// decode-add-encode: fp32(decode + local)). y_out (may be NULL): the values written.
+template <int MODE>
+GC_DEV void gc_fz_pt(const float* __restrict__ x, long long lo, const float* __restrict__ in, float* __restrict__ out,
+                     float* __restrict__ y_out, long long count, gc_fz_table tab) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (long long)gridDim.x * blockDim.x) {
-        float y = tab.apply(e, src.at(e));
+        float y = tab.apply(lo + e, x[lo + e]);
+        if (MODE == 1) y = gc_add(in[e], y);
+        out[e] = y;
+        if (y_out) y_out[e] = y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gc_fz_enc_fp32(const float* __restrict__ x, long long lo,
+    float* __restrict__ out, float* __restrict__ y_out, long long count, GC_FZ_TABLE_ARGS) {
+    gc_fz_pt<0>(x, lo, 0, out, y_out, count, gc_fz_table{pstart, rec, pcc, pool, np});
+}
+extern "C" __global__ void __launch_bounds__(256) gc_fz_dae_fp32(const float* __restrict__ x, long long lo,
+    const float* __restrict__ in, float* __restrict__ out, float* __restrict__ y_out, long long count,
+    GC_FZ_TABLE_ARGS) {
+    gc_fz_pt<1>(x, lo, in, out, y_out, count, gc_fz_table{pstart, rec, pcc, pool, np});
+}
+
+// ---------------------------------------------------------------- fused inverse decode / apply
+// out[e] = cc z + update at buffer index lo + e (z: the decoded wire value, or x[lo + e]); avg
+// (has_div): then / div (gc_div, the order of giftcomm's unfused path: inverse, then op="avg").
+// Elementwise.
+template <class SRC>
+GC_DEV void gc_fz_apply(SRC src, float* __restrict__ out, long long lo, long long count, float div, int has_div,
+                        gc_fz_table tab) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (long long)gridDim.x * blockDim.x) {
+        float y = tab.apply(lo + e, src.at(lo + e));
         if (has_div) y = gc_div(y, div);
         out[e] = y;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256) gc_fz_apply_f32(const float* __restrict__ x, float* __restrict__ out,
-    long long count, float div, int has_div, GC_FZ_TABLE_ARGS) {
-    gc_fz_apply(gc_fz_f32{x}, out, count, div, has_div, gc_fz_table{pstart, rec, pcc, pool, np});
+    long long lo, long long count, float div, int has_div, GC_FZ_TABLE_ARGS) {
+    gc_fz_apply(gc_fz_f32{x}, out, lo, count, div, has_div, gc_fz_table{pstart, rec, pcc, pool, np});
 }
 
 #define GC_FZ_CODEC_ENTRIES(F, NAME)                                                                                   \
@@ -270,10 +311,11 @@ extern "C" __global__ void __launch_bounds__(256) gc_fz_apply_f32(const float* _
         gc_fz_enc<F, 1>(x, lo, pin, sin, pout, sout, y_out, count, block, nb, G, pad,                                 \
                         gc_fz_table{pstart, rec, pcc, pool, np});                                                      \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) gc_fz_dec_##NAME(const gc_u8* __restrict__ pay,                 \
-        const float* __restrict__ sc, int block, float* __restrict__ out, long long count, float div, int has_div,   \
-        GC_FZ_TABLE_ARGS) {                                                                                            \
-        gc_fz_apply(gc_fz_wire<F>{pay, sc, block}, out, count, div, has_div, gc_fz_table{pstart, rec, pcc, pool, np}); \
+    extern "C" __global__ void __launch_bounds__(256) gc_fz_dec_##NAME(const gc_u8* __restrict__ buf,                 \
+        const long long* __restrict__ mtab, int nm, int block, float* __restrict__ out, long long count, float div,   \
+        int has_div, GC_FZ_TABLE_ARGS) {                                                                               \
+        gc_fz_apply(gc_fz_wire<F>{buf, mtab, nm, block}, out, 0, count, div, has_div,                                 \
+                    gc_fz_table{pstart, rec, pcc, pool, np});                                                          \
     }
 GC_FZ_CODEC_ENTRIES(gc_e4m3, e4m3)
 GC_FZ_CODEC_ENTRIES(gc_e5m2, e5m2)
