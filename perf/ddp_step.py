@@ -7,8 +7,9 @@
 
 The model is perf/torch_bench.py's stack of ``--layers`` bias-free nn.Linear(width, width) (width
 2048 and 4 layers: 16.8M parameters, 64 MiB of float32 gradients), wrapped in
-DistributedDataParallel on CPU with gloo, ``bucket_cap_mb=--bucket-mb`` (default 25, DDP's own:
-buckets of 16, 32 and 16 MiB for that model; 64 makes one bucket). Three configurations train
+DistributedDataParallel on CPU with gloo, ``bucket_cap_mb=--bucket-mb`` (default: DDP's own, 25 MiB
+with a first bucket of 1 MiB: buckets of 16, 32 and 16 MiB for that model; an explicit cap drops
+the first-bucket rule, so 25 makes buckets of 32 and 32 MiB and 64 one bucket). Three configurations train
 the same model on the same data, interleaved round by round so that load drift hits all three
 alike:
 
@@ -99,7 +100,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--bucket-mb", type=float, default=25, help="DDP's bucket_cap_mb (its default: 25)")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="DDP's bucket_cap_mb (default: DDP's own, 25 MiB with a first bucket of 1 MiB)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration and round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rendezvous", default=None,
@@ -138,10 +140,12 @@ def main() -> None:
     buckets = len(built[NAMES[0]][2])
     gift_state, algorithms = built["giftcomm e4m3"][3], built["giftcomm e4m3"][4]
     stats = gift_state.stats()  # type: ignore[attr-defined]
+    agree_ranks = torch_bench.agreement_per_rank(phases)
     if rank == 0:
         params = sum(p.numel() for p in built[NAMES[0]][0].parameters())
+        cap = "DDP's default" if args.bucket_mb is None else f"{args.bucket_mb:g}"
         print(f"DDP step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients, "
-              f"{buckets} buckets, bucket_cap_mb {args.bucket_mb:g}), CPU/gloo; medians over {args.rounds} rounds of "
+              f"{buckets} buckets, bucket_cap_mb {cap}), CPU/gloo; medians over {args.rounds} rounds of "
               f"{args.steps} steps")
         med_comm = {k: statistics.median(comm_ms[k][1:]) for k in NAMES}  # [0]: the warm-up step
         print(f"{'config':<15} {'step ms':>9} {'comm ms/step':>13} {'comm share':>11} {'comm vs fp16':>13} "
@@ -156,7 +160,8 @@ def main() -> None:
         med = {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}
         print(f"giftcomm e4m3 per step (medians, rank 0): worker busy {med['worker']:.1f} ms, of which codec "
               f"{med['codec']:.1f}, waiting on gloo sends/receives {med['wait']:.1f}, posting them {med['post']:.1f}, "
-              f"agreement {med['agree']:.1f}, other {med['worker'] - med['codec'] - med['wait'] - med['post'] - med['agree']:.1f}")
+              f"agreement {med['agree']:.1f} (per rank {agree_ranks}), other "
+              f"{med['worker'] - med['codec'] - med['wait'] - med['post'] - med['agree']:.1f}")
     gift_state.shutdown()  # type: ignore[attr-defined]
     dist.destroy_process_group()
 

@@ -126,6 +126,7 @@ def main() -> None:
 
     seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
     step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
+    agree_ranks = torch_bench.agreement_per_rank(phases)
     if rank == 0:
         params = sum(p.numel() for p in built[names[0]][0].parameters())
         print(f"FSDP2 step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients), "
@@ -145,7 +146,7 @@ def main() -> None:
         r = base["giftcomm e4m3"]
         print(f"giftcomm e4m3 reduce-scatter per step (medians, rank 0): {r:.1f} ms, of which codec {med['codec']:.1f}, "
               f"waiting on gloo sends/receives {med['wait']:.1f}, posting them {med['post']:.1f}, agreement "
-              f"{med['agree']:.1f}, other {r - sum(med.values()):.1f}")
+              f"{med['agree']:.1f} (per rank {agree_ranks}), other {r - sum(med.values()):.1f}")
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import statistics
 import threading
 import time
 from typing import Any, Callable
@@ -108,3 +109,13 @@ def linear_stack(width: int, layers: int) -> torch.nn.Sequential:
 def ratio(a: float, b: float) -> str:
     """``a / b`` as "2.00x", or "-" when ``b`` is 0 (one rank: nothing was communicated)."""
     return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def agreement_per_rank(phases: list[dict[str, float]]) -> str:
+    """Every rank's median agreement milliseconds per step (``phases[1:]``: after the warm-up
+    step), as "r0 / r1 / ..." (collective over the default group). The agreement is where a call
+    waits for its peers to arrive, so a rank that arrives last shows little of it."""
+    mine = statistics.median(p["agree"] for p in phases[1:]) if len(phases) > 1 else 0.0
+    every: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return " / ".join(f"{ms:.1f}" for ms in every)
