@@ -3,10 +3,11 @@
     torchrun --nproc_per_node 4 perf/fsdp_step.py [--width 2048] [--layers 4] [--steps 10] [--rounds 3]
     # across hosts: torchrun --nnodes 4 --nproc_per_node 1 --rdzv_endpoint HOST:PORT perf/fsdp_step.py
     # under mpiexec (e.g. the netbed, docs/netbed.md): ranks from MPI, rendezvous through a shared file
-    perf/netbed run --hosts 4 --rate 1gbit -- python perf/fsdp_step.py --rendezvous /tmp/fsdp-step.rdzv
+    perf/netbed run --hosts 4 --rate 1gbit -- env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+        python perf/fsdp_step.py --rendezvous /tmp/fsdp-step.rdzv
 
-A stack of ``--layers`` bias-free nn.Linear(width, width) blocks (tanh between; width 2048 and 4
-layers: 16.8M parameters, 64 MiB of float32 gradients), each a ``fully_shard`` unit, on CPU with
+perf/torch_bench.py's stack of ``--layers`` bias-free nn.Linear(width, width) (width 2048 and 4
+layers: 16.8M parameters, 64 MiB of float32 gradients), each layer a ``fully_shard`` unit, on CPU with
 gloo (CUDA with NCCL when ``--cuda``). Three configurations train the same model on the same data,
 interleaved round by round so that load drift hits all three alike:
 
@@ -19,7 +20,9 @@ back-to-back steps a round after a barrier, one warm-up step each); every reduce
 timed too (wall clock around the comm, which FSDP2 calls synchronously on CPU; on CUDA the timer
 synchronises the stream first and after). Rank 0 prints, per configuration, the median over
 rounds of the step time and the median reduce-scatter time per step, the reduce-scatter's share
-of the step, and the ratios against FSDP's fp32 and bf16. Bytes per value on the wire: fp32 4,
+of the step, and the ratios against FSDP's fp32 and bf16; then giftcomm's algorithm per unit and
+where its reduce-scatter time went per step (perf/torch_bench.py: codec, waits on the gloo sends
+and receives, posting them, the agreement, the rest). Bytes per value on the wire: fp32 4,
 bf16 2, e4m3 1.0156 (docs/wire-format.md). Numbers from a loaded machine are not results: run
 it on a quiet one or the netbed (docs/netbed.md).
 """
@@ -31,6 +34,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+import torch_bench  # perf/torch_bench.py (this script's directory is on sys.path)
 
 from giftcomm.perf.timing import time_rounds, wall_clock
 
@@ -65,11 +69,7 @@ def _build(args, name: str, device: torch.device):
     from giftcomm.adapters.torch import register_reduce_scatter
     from giftcomm.adapters.torch.fsdp import fsdp_modules
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width, bias=False), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*layers).to(device)
+    model = torch_bench.linear_stack(args.width, args.layers).to(device)
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "fsdp bf16" else torch.float32)
     for layer in model[::2]:
         fully_shard(layer, mp_policy=mp)
@@ -95,17 +95,7 @@ def main() -> None:
                     help="under mpiexec: a file path every rank can see (rank and size from MPI)")
     args = ap.parse_args()
     cuda = args.cuda
-    if args.rendezvous:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        if comm.rank == 0 and os.path.exists(args.rendezvous):
-            os.remove(args.rendezvous)  # a stale store from an earlier run
-        comm.Barrier()
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{os.path.abspath(args.rendezvous)}",
-                                rank=comm.rank, world_size=comm.size)
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    torch_bench.init_process_group(args.rendezvous, "nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -114,6 +104,8 @@ def main() -> None:
     built = {n: _build(args, n, device) for n in names}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)).to(device)
     rs_ms: dict[str, list[float]] = {n: [] for n in names}
+    phases: list[dict[str, float]] = []  # giftcomm e4m3's steps: where its reduce-scatters' time went
+    torch_bench.install()
 
     def step_of(name: str):
         model, opt, timers = built[name]
@@ -121,16 +113,20 @@ def main() -> None:
         def step() -> None:
             for t in timers:
                 t.seconds = 0.0
+            torch_bench.reset()
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
             if cuda:
                 torch.cuda.synchronize()
             rs_ms[name].append(1e3 * sum(t.seconds for t in timers))
+            if name == "giftcomm e4m3":
+                phases.append(torch_bench.milliseconds())
         return step
 
     seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
     step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
+    agree_ranks = torch_bench.agreement_per_rank(phases)
     if rank == 0:
         params = sum(p.numel() for p in built[names[0]][0].parameters())
         print(f"FSDP2 step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients), "
@@ -141,8 +137,16 @@ def main() -> None:
         step_fp32 = step_ms["fsdp fp32"]
         for n in names:
             s, r = step_ms[n], base[n]
-            print(f"{n:<15} {s:>9.1f} {r:>11.1f} {r / s:>8.0%} {base['fsdp fp32'] / r:>10.2f}x "
-                  f"{base['fsdp bf16'] / r:>10.2f}x {step_fp32 / s:>12.2f}x")
+            print(f"{n:<15} {s:>9.1f} {r:>11.1f} {r / s:>8.0%} {torch_bench.ratio(base['fsdp fp32'], r):>11} "
+                  f"{torch_bench.ratio(base['fsdp bf16'], r):>11} {step_fp32 / s:>12.2f}x")
+        comms = [t.inner for t in built["giftcomm e4m3"][2]]
+        print("giftcomm e4m3 reduce-scatter algorithm per FSDP unit (last call): "
+              + ", ".join(str(c.algorithm_used) for c in comms))
+        med = {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}
+        r = base["giftcomm e4m3"]
+        print(f"giftcomm e4m3 reduce-scatter per step (medians, rank 0): {r:.1f} ms, of which codec {med['codec']:.1f}, "
+              f"waiting on gloo sends/receives {med['wait']:.1f}, posting them {med['post']:.1f}, agreement "
+              f"{med['agree']:.1f} (per rank {agree_ranks}), other {r - sum(med.values()):.1f}")
     dist.destroy_process_group()
 
 

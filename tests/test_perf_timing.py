@@ -130,3 +130,23 @@ def test_side_by_side_scripts_run_one_rank(script, args, pattern, tmp_path):
     assert res.returncode == 0, res.stderr
     lines = [ln for ln in res.stdout.splitlines() if not ln.startswith("#")]
     assert len(lines) == 1 and re.search(pattern, lines[0]), res.stdout
+
+
+@pytest.mark.parametrize("script, rows", [
+    ("perf/ddp_step.py", ("gloo fp32", "fp16 hook", "giftcomm e4m3")),
+    ("perf/fsdp_step.py", ("fsdp fp32", "fsdp bf16", "giftcomm e4m3")),
+])
+def test_torch_step_scripts_run_one_rank(script, rows, tmp_path):
+    """The FSDP2 and DDP side-by-side scripts (perf/torch_bench.py's launch through MPI and a file
+    rendezvous, as on the netbed) print one row per configuration and giftcomm's breakdown."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(ROOT / script), "--rendezvous", str(tmp_path / "rdzv"), "--width", "64",
+                          "--layers", "2", "--steps", "1", "--rounds", "2"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    number = r" +[0-9.]+"
+    for name in rows:
+        assert re.search(rf"^{name}{number}{number} +[0-9]+%( +([0-9.]+x|-)){{2}} +[0-9.]+x$", res.stdout, re.M), \
+            res.stdout
+    assert re.search(r"^giftcomm e4m3 .*per step \(medians, rank 0\).* codec [0-9.]+, waiting", res.stdout, re.M), \
+        res.stdout
