@@ -23,6 +23,11 @@ import pytest
 from giftcomm import costmodel
 from giftcomm.costmodel import Calibration, Topology, choose, load_calibration
 
+# Under pytest-xdist every test of this module runs on one worker: its jobs' cleanup removes the
+# MPICH segment files no live process maps, which must not race with another test of this module
+# that inspects the segments its own killed job left.
+pytestmark = pytest.mark.xdist_group("mpich_segment_files")
+
 MPIEXEC = shutil.which("mpiexec")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 

@@ -49,6 +49,7 @@ import numpy as np
 from .. import codec, config
 from ..collectives import algorithms
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
+from ..machine import BOUNDS
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
 
@@ -74,17 +75,19 @@ def fit_link(sizes, seconds, small_max: int = 1024, large_min: int = 256 * 1024)
     """alpha (s/message) and beta (s/byte) from one-way message times.
 
     sizes: message sizes in bytes; seconds: one-way time of one message of that size. beta is the
-    slope of the least-squares line through the points with ``size >= large_min`` (clamped at 0);
-    alpha is the median over the points with ``size <= small_max`` of ``t - beta * size``
-    (clamped at 0). Each group needs at least one point (the large group two distinct sizes)."""
+    slope of the least-squares line through the points with ``size >= large_min``; alpha is the
+    median over the points with ``size <= small_max`` of ``t - beta * size``. Both are clamped
+    from below at the smallest value a calibration file may hold (giftcomm.machine.BOUNDS): on a
+    noisy machine the slope through a few sizes can come out flat or negative. Each group needs at
+    least one point (the large group two distinct sizes)."""
     s = np.asarray(sizes, np.float64)
     t = np.asarray(seconds, np.float64)
     large, small = s >= large_min, s <= small_max
     if not small.any():
         raise ValueError(f"no message of at most {small_max} bytes to fit alpha")
     _, beta = fit_line(s[large], t[large])
-    beta = max(beta, 0.0)
-    alpha = max(float(np.median(t[small] - beta * s[small])), 0.0)
+    beta = max(beta, BOUNDS["beta"][0])
+    alpha = max(float(np.median(t[small] - beta * s[small])), BOUNDS["alpha"][0])
     return LinkCost(alpha=alpha, beta=beta)
 
 
