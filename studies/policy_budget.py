@@ -111,7 +111,43 @@ def measure(case, fmts, budgets=DEFAULT_BUDGETS, damping: float = DEFAULT_DAMPIN
                            "recovered": (euclid["whitened"] - r["whitened"]) / span if span > 0 else float("nan"),
                            "collective_ms": 1e3 * collective_seconds(n, case.ranks, 125e6, bytes_per_value(fmt, blk))})
     default = next(g for lab, (g, _p) in geos.items() if "(default)" in lab) if 0.1 in budgets else None
-    return {"geometries": rows, "errors": errors, "default": default.summary() if default is not None else ""}
+    return {"geometries": rows, "errors": errors, "default": default.summary() if default is not None else "",
+            "weights": per_weight(case, geos, fmts[0], metric_damping) if default is not None else []}
+
+
+def per_weight(case, geos: dict, fmt: str, metric_damping: float) -> list[dict]:
+    """Per Linear weight, for ``fmt``: the policy's predicted Euclidean whitened error per element
+    (``kappa``: anisotropy out x in of the geometry's factors at its damping, what the budget
+    ranks by, times the elements), the default budget's choice, the measured whitened ratio of
+    Euclidean and of the default, and the weight's share of the pooled Euclidean whitened
+    squared error (last captured step)."""
+    from studies.fidelity import Method, WhiteningMetric, _reduce_sim
+
+    step = case.grads[-1]
+    exact = np.mean([x.astype(np.float64) for x in step], axis=0)
+    metric = WhiteningMetric(case.layout, case.metric, metric_damping)
+    default = next(g for lab, (g, _p) in geos.items() if "(default)" in lab)
+    rule = geos["per-segment rule"][0]  # every eligible weight carries its anisotropy here
+    method = Method(fmt, fmt=fmt, block=resolve_block(fmt, None))
+    red = {lab: _reduce_sim(method, geo, step, case.layout, "ring", len(case.grads) - 1)
+           for lab, geo in (("euclid", None), ("default", default))}
+    out = []
+    for name in metric.sides:
+        seg = case.layout[name]
+        ex = exact[seg.offset:seg.stop]
+        err2 = {lab: float(np.linalg.norm(metric.whiten(name, r[seg.offset:seg.stop] - ex)) ** 2) for lab, r in red.items()}
+        sig = float(np.linalg.norm(metric.whiten(name, ex)))
+        t = default[name]
+        kap = rule[name].info.get("anisotropy")
+        out.append({"weight": name, "elements": seg.size, "kappa": float(kap[0] * kap[1]) if kap else float("nan"),
+                    "default": "identity" if t.is_identity else "/".join(
+                        "-" if x.is_identity else str(x.rank) for x in (t.left, t.right)),
+                    "euclid": np.sqrt(err2["euclid"]) / sig, "with_default": np.sqrt(err2["default"]) / sig,
+                    "euclid_err2": err2["euclid"]})
+    total = sum(r["euclid_err2"] for r in out)
+    for r in out:
+        r["share"] = r.pop("euclid_err2") / total if total > 0 else float("nan")
+    return out
 
 
 def tables(res: dict, fmts) -> str:
@@ -138,6 +174,16 @@ def tables(res: dict, fmts) -> str:
     coll = {e["fmt"]: e["collective_ms"] for e in res["errors"]}
     out += ["", "Each format's own ring collective (wire time, same link): "
             + ", ".join(f"{f} {coll[f]:.3g} ms" for f in fmts) + "."]
+    if res["weights"]:
+        out += ["", f"Per Linear weight ({fmts[0]}, last captured step): the policy's ranking weight per element "
+                "(anisotropy out x in at the geometry's damping), the default budget's choice (ranks out/in), the "
+                "measured whitened error of Euclidean and of the default, and the weight's share of the pooled "
+                "Euclidean whitened squared error:", "",
+                "| weight | elements | kappa out x in | default | euclid whitened | default whitened | share of pooled error |",
+                "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for r in sorted(res["weights"], key=lambda r: -r["share"]):
+            out.append(f"| {r['weight']} | {r['elements']} | {r['kappa']:.0f} | {r['default']} | {r['euclid']:.3g} | "
+                       f"{r['with_default']:.3g} | {100 * r['share']:.1f}% |")
     if res["default"]:
         out += ["", "The default budget's choice per segment:", "", "```", res["default"], "```"]
     return "\n".join(out)

@@ -387,4 +387,5 @@ def test_policy_budget_sweep_spans_identity_to_full_whitening(rng):
     assert err["full whitening"]["recovered"] == 1.0 and err["full whitening"]["recovered_pooled"] == 1.0
     assert err["budget 100"]["recovered"] > 0.9
     assert err["full whitening"]["whitened"] < err["euclid"]["whitened"] / 5
+    assert abs(sum(w["share"] for w in res["weights"]) - 1.0) < 1e-9 and len(res["weights"]) == 2
     assert "| budget 0.1 (default) |" in tables(res, ["nvfp4"])
