@@ -6,6 +6,7 @@ gradients     capture real gradients and KFAC factors for ``fidelity real`` (tor
 sharded-gift  what aligning GIFT with FSDP's dim-0 shards costs (P = 2, 4, 8)
 errors        allreduce error growth against P for every algorithm
 mx-scale      error and bias of the MX scale rules (ceil vs OCP floor)
+policy-budget the selective policy's time budget swept: whitened error recovered vs transform cost
 model         validate the cost model against measurements; project to cluster scale
 netbed        multi-host testbed: rate-shaped links in network namespaces (root)
 plot          busbw-vs-size plots from ``giftcomm.perf allreduce --json`` files
@@ -26,6 +27,7 @@ COMMANDS = {
     "sharded-gift": "studies.sharded_gift",
     "errors": "studies.errors",
     "mx-scale": "studies.mx_scale",
+    "policy-budget": "studies.policy_budget",
     "model": "studies.model",
     "netbed": "studies.netbed",
     "plot": "studies.plot",

@@ -235,3 +235,19 @@ def test_every_entry_point_refuses_feedback_with_a_pass_through_format():
             build()
     with pytest.raises(TypeError, match="error_feedback"):
         GradSync(_linear(), comm=t, fmt="nvfp4", error_feedback=1)
+
+
+def test_bad_feedback_combination_raises_the_same_error_on_every_rank():
+    """P = 2: feedback with a pass-through format is refused before any communication, with one
+    and the same message on both ranks (nothing rank-dependent in it), by every entry point."""
+    from conftest import assert_same_error, outcomes
+
+    from giftcomm.adapters.torch import GiftReduceScatter, GiftState, GradSync, ShardedGradSync
+
+    for owner, build in (("GradSync", lambda t: GradSync(_linear(t.rank), comm=t, fmt="fp16", error_feedback=True)),
+                         ("ShardedGradSync", lambda t: ShardedGradSync(_linear(t.rank), comm=t, fmt="bf16",
+                                                                       error_feedback=True)),
+                         ("GiftState", lambda t: GiftState(fmt="fp32", transport=t, error_feedback=True)),
+                         ("GiftReduceScatter", lambda t: GiftReduceScatter(fmt="bf16", error_feedback=True))):
+        assert_same_error(outcomes(2, build), ValueError, f"{owner}: error_feedback=True needs a block-scaled format",
+                          "pass-through")

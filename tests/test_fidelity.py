@@ -366,3 +366,26 @@ def test_segments_subset_keeps_the_matching_tensors_values_and_factors(tmp_path,
     assert {r["method"] for r in rows} == {"mxfp4 euclid", "mxfp4 gift full", "mxfp4 gift k=2", "mxfp4 gift policy"}
     with pytest.raises(ValueError, match="no segment"):
         fid.subset_case(case, "nothing")
+
+
+def test_policy_budget_sweep_spans_identity_to_full_whitening(rng):
+    """studies.policy_budget on a small synthetic case: a zero budget is the identity (nothing
+    recovered, no time), a huge one recovers nearly all of full whitening's reduction, every
+    budgeted geometry's predicted time stays within its budget, and full whitening is 100%."""
+    from studies.policy_budget import measure, tables
+
+    case = fid.synthetic_case([(64, 96), (96, 64)], cond=1e4, spectrum="power", ranks=2, steps=1, seed=_seed(rng))
+    res = measure(case, ["nvfp4"], budgets=(0.0, 0.1, 100.0), repeats=1)
+    geos = {r["geometry"]: r for r in res["geometries"]}
+    assert geos["budget 0"]["transformed"] == 0 and geos["budget 0"]["predicted_ms"] == 0.0
+    assert geos["budget 100"]["transformed"] == geos["full whitening"]["transformed"] == 2
+    for f in (0.0, 0.1, 100.0):
+        row = geos[f"budget {f:g}" + (" (default)" if f == 0.1 else "")]
+        assert row["predicted_ms"] <= f * row["fp8_ms"] * (1 + 1e-9)
+    err = {e["geometry"]: e for e in res["errors"]}
+    assert err["budget 0"]["recovered"] == 0.0 and err["budget 0"]["whitened"] == err["euclid"]["whitened"]
+    assert err["full whitening"]["recovered"] == 1.0 and err["full whitening"]["recovered_pooled"] == 1.0
+    assert err["budget 100"]["recovered"] > 0.9
+    assert err["full whitening"]["whitened"] < err["euclid"]["whitened"] / 5
+    assert abs(sum(w["share"] for w in res["weights"]) - 1.0) < 1e-9 and len(res["weights"]) == 2
+    assert "| budget 0.1 (default) |" in tables(res, ["nvfp4"])
