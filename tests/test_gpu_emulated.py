@@ -428,8 +428,9 @@ def _run_asan(mode: str) -> subprocess.CompletedProcess:
 
 
 def test_kernels_clean_under_address_sanitizer():
-    """Every kernel path (3-CTA grid) with the kernels built -fsanitize=address: no out-of-bounds
-    access; and a planted read past the end is reported (the sanitizer is really on)."""
+    """Every kernel path (3-CTA grid) with the kernels built -fsanitize=address,alignment: no
+    out-of-bounds access and no vector or word access at an address not aligned for it (a fault on
+    the GPU); and a planted read past the end is reported (the sanitizer is really on)."""
     r = _run_asan("suite")
     assert r.returncode == 0 and "AddressSanitizer" not in r.stderr, r.stderr[-3000:]
     assert "launches" in r.stdout
