@@ -86,7 +86,7 @@ else
 fi
 step "5 plans on device" 20 "$PY" -m studies.device.matrix --sections plans --out "$RES"
 step "6 JAX GPU arrays" 20 "$PY" -m studies.device.matrix --sections jax --out "$RES"
-step "7 codec benchmark 2^28" 75 "$PY" -m giftcomm.perf device --log2n 28 --reps 10 \
+step "7 codec benchmark 2^28" 90 "$PY" -m giftcomm.perf device --log2n 28 --reps 10 \
     --out "$RES/device-bench-$DAY.md" --json "$RES/device-bench-$DAY.json"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 { echo; echo "overall exit $status; total ${SECONDS} s"; } >> "$SUM"

@@ -598,6 +598,31 @@ def test_no_allocation_in_a_calls_steady_state(cp, rng, fmt, block, rounding):
     assert cp.runtime_state.allocations == before
 
 
+def test_device_benchmark_codec_section_runs_on_the_stand_in(monkeypatch, rng):
+    """``python -m giftcomm.perf device``'s codec section (perf/device_check.sh step 7) on the
+    stand-in, every case with a dummy timer: each (format, block, op) of the default tables is
+    called and reaches every decode-add-encode kernel path, nearest and stochastic, and the MX /
+    nvfp4 kernels, so the benchmark measures the kernels the tests above check."""
+    from types import SimpleNamespace
+
+    from giftcomm.perf import device_bench as db
+
+    cp = install(monkeypatch)
+    monkeypatch.setattr(cp, "random", SimpleNamespace(
+        standard_normal=lambda n, dtype: cp.asarray(rng.standard_normal(n).astype(dtype))), raising=False)
+    a = db.parse_args([])
+    cases = db.codec_cases(a.formats, a.blocks)
+    seen: list[int] = []
+    res = db.measure_codec(cp, lambda fn: (fn(), 1.0)[1], 600, cases, on_case=lambda r: seen.append(len(r)))
+    assert set(res) == {(f, b, op) for f, b in cases for op in db.OPS} and seen[-1] == len(res)
+    launched = set(cp.runtime_state.launches)
+    for f in ("e4m3", "e5m2"):
+        for kernel in ("team", "cta", "big"):
+            assert {f"gc_dae_{kernel}_{f}", f"gc_dae_{kernel}_sr_{f}"} <= launched
+        assert {f"gc_enc_big_sr_{f}", f"gc_enc_team_sr_vec_{f}", f"gc_acc_{f}"} <= launched
+    assert {f"gc_mx_{op}_{f}" for op in ("enc", "dec") for f in MX} <= launched
+
+
 def test_device_matrix_script_runs_on_the_stand_in(monkeypatch, rng):
     """studies/device/matrix.py (perf/device_check.sh's collectives and plans sections) on the
     stand-in with -ftz=true arithmetic: a small part of its matrix, so that the script is known to
