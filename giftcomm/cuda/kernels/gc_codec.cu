@@ -669,16 +669,16 @@ GC_DEV float gc_mx_in(const gc_mx_msg& m, long long i) {
 
 // MX encode / decode-add-encode (mxfp8, mxfp8_e5m2, mxfp4): two lanes per 32-value block, global
 // lane h holding values [16h, 16h + 16) in registers (block h/2); the block amax by one
-// __shfl_xor_sync with the partner lane; the even lane writes the scale byte. MODE 1 adds the
+// __shfl_xor_sync with the partner lane; the even lane writes the scale byte. mode 1 adds the
 // decoded input message: the lane's codes read as one 16-byte (8-bit codes) or 8-byte (4-bit) word,
 // its block scale once. When x, sum_out and both payloads are aligned for it (checked here: 16
 // bytes; 4-bit payloads 8), the lane's values move as float4s and its codes as one 16- / 8-byte
 // store; else one value at a time. Codes packed in words: 8-bit: value k in byte k%4 of c[k/4];
 // 4-bit: value k in nibble k%8 of c[k/8] (a little-endian 64-bit word = the payload's byte order:
 // value 2j in the low nibble of byte j); a nibble past count stays 0.
-template <int EK, int MODE>
+template <int EK>
 GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
-                             float* __restrict__ sum_out, long long count, long long nb, int sr, gc_u64 key,
+                             float* __restrict__ sum_out, int mode, long long count, long long nb, int sr, gc_u64 key,
                              gc_u64 offset, int rule) {
     const bool four = EK == GC_ELEM_E2M1;
     const int cb = four ? 4 : 8;  // bits per code
@@ -699,7 +699,7 @@ GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
 #pragma unroll
             for (int k = 0; k < 16; ++k) v[k] = k < m ? x[i0 + k] : 0.0f;
         }
-        if (MODE == 1) {
+        if (mode) {
             gc_u32 c[4] = {0u, 0u, 0u, 0u};
             if (full && four) {
                 const gc_u64 w = *reinterpret_cast<const gc_u64*>(in.pay + (i0 >> 1));
@@ -772,19 +772,18 @@ GC_DEV void gc_mx_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
 // coalesced (instruction j: lanes read values 32j..32j+31 of the group) into a per-warp shared tile
 // (rows padded to 33 floats: no bank conflicts either way), from which each lane takes its 32; the
 // sums (sum_out) go back through the tile and out coalesced the same way. Each lane's 16 payload
-// bytes come in (MODE 1) and go out as one 16-byte access when the group is full and the payload
+// bytes come in (mode 1) and go out as one 16-byte access when the group is full and the payload
 // 16-byte aligned.
 #define GC_NV_ROW 33
-// one tile for both instantiations below (a static __shared__ in the template would be two: 66 KiB)
+// the per-warp tiles (a function of its own: one static array for the module)
 GC_DEV float* gc_nv_tile() {
     __shared__ float tile[8 * 32 * GC_NV_ROW];  // blockDim.x <= 256: 8 warps, 33 KiB
     return tile;
 }
 
-template <int MODE>
 GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* __restrict__ pay, gc_u8* __restrict__ sc,
-                             float* __restrict__ gs, float* __restrict__ sum_out, long long count, long long ng, int sr,
-                             gc_u64 key, gc_u64 offset) {
+                             float* __restrict__ gs, float* __restrict__ sum_out, int mode, long long count, long long ng,
+                             int sr, gc_u64 key, gc_u64 offset) {
     const int lane = threadIdx.x & 31;
     float* tw = gc_nv_tile() + (threadIdx.x >> 5) * 32 * GC_NV_ROW;
     const bool pay16 = ((unsigned long long)pay & 15u) == 0;
@@ -798,12 +797,12 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             const long long i = g0 + 32 * j + lane;
             tw[j * GC_NV_ROW + lane] = i < count ? x[i] : 0.0f;
         }
-        // MODE 1: the lane's 32 input codes (value k in nibble k % 8 of ic[k / 8]: one 16-byte load
+        // mode 1: the lane's 32 input codes (value k in nibble k % 8 of ic[k / 8]: one 16-byte load
         // when the group is full and the input payload 16-byte aligned), its two block scales, the
         // group scale
         gc_u32 ic[4] = {0u, 0u, 0u, 0u}, ib[2] = {0u, 0u};
         float is2 = 0.0f;
-        if (MODE == 1 && base < count) {
+        if (mode && base < count) {
             if (ipay16 && base + 31 < count) {
                 const uint4 q = *reinterpret_cast<const uint4*>(in.pay + (base >> 1));
                 ic[0] = q.x; ic[1] = q.y; ic[2] = q.z; ic[3] = q.w;
@@ -826,7 +825,7 @@ GC_DEV void gc_nv_enc_kernel(const float* __restrict__ x, gc_mx_msg in, gc_u8* _
             float t = 0.0f;
             if (i < count) {
                 t = tw[lane * GC_NV_ROW + k];
-                if (MODE == 1) t = gc_add(gc_nv_value((ic[k >> 3] >> (4 * (k & 7))) & 0xFu, ib[k >> 4], is2), t);
+                if (mode) t = gc_add(gc_nv_value((ic[k >> 3] >> (4 * (k & 7))) & 0xFu, ib[k >> 4], is2), t);
                 if (sum_out) tw[lane * GC_NV_ROW + k] = t;  // this lane's own slot: read above, no barrier
             }
             v[k] = t;
@@ -919,13 +918,8 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
         gc_u8* __restrict__ pay, gc_u8* __restrict__ sc, float* __restrict__ gs, float* __restrict__ sum_out,        \
         int mode, GC_MX_ARGS_TAIL) {                                                                                  \
         const gc_mx_msg in{ipay, isc, igs};                                                                           \
-        if (NV) {                                                                                                     \
-            if (mode) gc_nv_enc_kernel<1>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                   \
-            else gc_nv_enc_kernel<0>(x, in, pay, sc, gs, sum_out, count, nb, sr, key, offset);                        \
-        } else {                                                                                                      \
-            if (mode) gc_mx_enc_kernel<EK, 1>(x, in, pay, sc, sum_out, count, nb, sr, key, offset, rule);             \
-            else gc_mx_enc_kernel<EK, 0>(x, in, pay, sc, sum_out, count, nb, sr, key, offset, rule);                  \
-        }                                                                                                             \
+        if (NV) gc_nv_enc_kernel(x, in, pay, sc, gs, sum_out, mode, count, nb, sr, key, offset);                     \
+        else gc_mx_enc_kernel<EK>(x, in, pay, sc, sum_out, mode, count, nb, sr, key, offset, rule);                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gc_mx_dec_##NAME(const gc_u8* __restrict__ ipay,              \
         const gc_u8* __restrict__ isc, const float* __restrict__ igs, float* __restrict__ out, long long count,      \
