@@ -118,6 +118,18 @@ def test_kernels_mx_formats_and_stochastic_rounding(cp, fmt, rounding, rng):
         _check_mx(cp, x, fmt, rounding, rng, f"{fmt} {rounding} n={n}")
 
 
+def test_kernels_decode_add_encode_and_mx_every_path_and_width(cp, rng):
+    """The emulated suite's layout tables on the device (tests/test_gpu_emulated.py): the ring hop's
+    e4m3/e5m2 kernels on every path (team, cta, two-pass) with 16-byte, 4-byte and single-value
+    accesses, nearest and stochastic; MX / nvfp4 encode and hop aligned and not. On a GPU a
+    misaligned vector access is a fault, so this is where the host's choice of width is proven."""
+    from tests import test_gpu_emulated as emu
+
+    emu._dae_cases(cp, rng, (1, 3, 8, 12, 16, 17, 100, 256, 512, 513, 1000, 8192, 8193, 12288, 65536))
+    emu._mx_cases(cp, rng, 3 * 1024 + 17)
+    emu._mx_cases(cp, rng, 100_003, layouts=emu.MX_LAYOUTS[:2])
+
+
 def test_kernels_reject_bad_arguments(cp):
     from giftcomm import codec as gc
 
@@ -193,13 +205,15 @@ def _nvrtc():
 def _kernel_names_used_by_codec() -> set[str]:
     names = set()
     for f in ("e4m3", "e5m2"):
-        for mode in ("enc", "dae"):
-            for path in ("team", "cta"):
-                for vec in ("_", "_vec_"):
-                    names.add(f"gc_{mode}_{path}{vec}{f}")
-            names |= {f"gc_{mode}_amax_{f}", f"gc_{mode}_big_{f}"}
-        names |= {f"gc_dec_{f}", f"gc_acc_{f}"}
-    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32", "gc_div_f32"}
+        for path in ("team", "cta"):
+            for variant in ("_", "_vec_", "_sr_", "_sr_vec_"):
+                names.add(f"gc_enc_{path}{variant}{f}")
+        for path in ("team", "cta", "big"):
+            names |= {f"gc_dae_{path}_{f}", f"gc_dae_{path}_sr_{f}"}
+        names |= {f"gc_enc_amax_{f}", f"gc_enc_big_{f}", f"gc_enc_big_sr_{f}", f"gc_dae_amax_{f}", f"gc_dec_{f}", f"gc_acc_{f}"}
+    for f in ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"):
+        names |= {f"gc_mx_enc_{f}", f"gc_mx_dec_{f}"}
+    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32", "gc_div_f32", "gc_cvt_f32_f64", "gc_cvt_f64_f32"}
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])

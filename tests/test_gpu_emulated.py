@@ -151,6 +151,108 @@ def test_decode_every_access_width(cp, rng):
                     assert floats_equal(cp.asnumpy(acc), acc0 + dec).all(), f"acc {fmt} block={block} msg+{moff} out+{ooff}"
 
 
+# decode-add-encode layouts: (message, out message, local, sum_out) offsets in bytes / bytes /
+# floats / floats (sum_out None: not asked). Messages start 4-byte aligned (their scales must).
+DAE_LAYOUTS = ((0, 0, 0, 0), (4, 0, 0, 0), (0, 8, 0, None), (0, 0, 1, 0), (0, 0, 0, 2))
+
+
+def _dae_cases(cp, rng, blocks: tuple[int, ...], layouts=DAE_LAYOUTS, values: int = 4) -> None:
+    """e4m3/e5m2 decode-add-encode, nearest and stochastic, at ``blocks`` (about ``values`` scale
+    blocks each, the last one partial) for every buffer layout: each access width of the kernels
+    (16-byte, 4-byte, single values) on every path (team, cta, two-pass); edge values (NaN, Inf,
+    subnormal-range sums, a zero block) in both operands; the bytes and sums vs the reference.
+    Block j > 0 has its amax at its last, first or a random value (j % 3), the partial block at
+    its last: a reduction that misses the last (or first) lane, warp or tile changes the scale."""
+    from giftcomm import codec as gc
+    from giftcomm.reference import codec as ref
+    from studies.device.edge_cases import floats_equal
+
+    for fmt in SCALED:
+        for block in blocks:
+            n = max(1, values * block - block // 3)
+            x = random_vector(rng, n, spread=25)
+            local = random_vector(rng, n, spread=25)
+            for j in range(1, -(-n // block)):
+                pos = min(j * block + (block - 1, 0, int(rng.integers(0, block)))[j % 3], n - 1)
+                x[pos] = np.float32(2.0**40) * np.sign(rng.standard_normal())
+            k = rng.integers(0, n, 4)
+            x[k[:2]], local[k[2:]] = [np.nan, np.inf], [-np.inf, np.float32(3e38)]
+            local[n // 2 : n // 2 + 40] *= np.float32(2.0**-126)  # subnormal-range sums
+            if n > block:
+                x[:block], local[:block] = 0.0, 0.0  # a zero block
+            want = ref.encode(x, fmt, block)
+            for rounding in ("nearest", "stochastic"):
+                kw = dict(rounding=rounding, key=0x0DDBA11CAFE, offset=(1 << 32) - 7) if rounding == "stochastic" else {}
+                with np.errstate(all="ignore"):
+                    total = ref.decode(want, n, fmt, block) + local
+                    ref_out = ref.decode_add_encode(want, local, fmt, block, **kw)
+                for moff, ooff, loff, soff in layouts:
+                    msg = cp.zeros(want.size + 16, cp.uint8)[moff : moff + want.size]
+                    msg[...] = cp.asarray(want)
+                    out = cp.full(want.size + 16, 0xEE, cp.uint8)[ooff : ooff + want.size]
+                    loc = cp.zeros(n + 4, cp.float32)[loff : loff + n]
+                    loc[...] = cp.asarray(local)
+                    s = None if soff is None else cp.full(n + 4, cp.nan, cp.float32)[soff : soff + n]
+                    gc.decode_add_encode(msg, loc, fmt, block, out=out, sum_out=s, **kw)
+                    label = f"{fmt} {rounding} block={block} n={n} layout={(moff, ooff, loff, soff)}"
+                    got = cp.asnumpy(out)
+                    bad = np.flatnonzero(got != ref_out)
+                    assert not bad.size, f"{label}: {bad.size} bytes differ, first {bad[:4]}"
+                    if s is not None:
+                        assert floats_equal(cp.asnumpy(s), total).all(), f"{label}: sum_out"
+
+
+def test_decode_add_encode_every_path_and_width(cp, rng):
+    """The ring hop's kernels (16 values per lane) at every block path -- team (1..512: widths 1..32,
+    blocks below, at and not multiples of 16), cta (513..8192), two passes (> 8192) -- each with
+    16-byte, 4-byte and single-value accesses, nearest and stochastic, with and without sum_out."""
+    _dae_cases(cp, rng, (1, 3, 8, 12, 16, 17, 100, 256, 512, 513, 1000, 8192))
+    _dae_cases(cp, rng, (8193, 12288), layouts=DAE_LAYOUTS[:4])
+
+
+MX_LAYOUTS = ((0, 0, 0, 0), (4, 8, 0, 0), (8, 4, 1, 0), (0, 0, 0, 3))
+
+
+def _mx_cases(cp, rng, n: int, layouts=MX_LAYOUTS) -> None:
+    """MX / nvfp4 encode and decode-add-encode of ``n`` values (nearest and stochastic), for each
+    (message, out message, x / local, sum_out) offset layout: the kernels' 16- / 8-byte accesses
+    where aligned and single values where not; NaN, Inf and subnormal-range sums included."""
+    from giftcomm import codec as gc
+    from giftcomm.reference import codec as ref
+    from studies.device.edge_cases import floats_equal
+
+    for fmt in MX:
+        x, local = random_vector(rng, n, spread=20), random_vector(rng, n, spread=20)
+        x[[7, n // 3]], local[[40, n // 2]] = np.nan, [np.inf, -np.inf]
+        local[n // 3 : n // 3 + 200] *= np.float32(2.0**-120)
+        for rounding in ("nearest", "stochastic"):
+            kw = dict(rounding=rounding, key=0xC0FFEE, offset=12345) if rounding == "stochastic" else {}
+            want = ref.encode(x, fmt, **kw)
+            with np.errstate(all="ignore"):
+                hop = ref.decode_add_encode(want, local, fmt, **kw)
+                total = ref.decode(want, n, fmt) + local
+            for moff, ooff, loff, soff in layouts:
+                xd = cp.zeros(n + 4, cp.float32)[loff : loff + n]
+                xd[...] = cp.asarray(x)
+                out = cp.full(want.size + 16, 0xEE, cp.uint8)[ooff : ooff + want.size]
+                gc.encode(xd, fmt, out=out, **kw)
+                label = f"{fmt} {rounding} n={n} layout={(moff, ooff, loff, soff)}"
+                assert np.array_equal(cp.asnumpy(out), want), f"{label}: encode"
+                msg = cp.zeros(want.size + 16, cp.uint8)[moff : moff + want.size]
+                msg[...] = cp.asarray(want)
+                xd[...] = cp.asarray(local)
+                s = cp.full(n + 4, cp.nan, cp.float32)[soff : soff + n]
+                gc.decode_add_encode(msg, xd, fmt, out=out, sum_out=s, **kw)
+                assert np.array_equal(cp.asnumpy(out), hop), f"{label}: decode_add_encode"
+                assert floats_equal(cp.asnumpy(s), total).all(), f"{label}: sum_out"
+
+
+def test_mx_encode_and_hop_every_access_width(cp, rng):
+    """MX / nvfp4 encode and decode-add-encode with x, local, sum_out and the messages aligned for
+    the 16- / 8-byte accesses and not (a partial last block and group): bytes and sums vs the reference."""
+    _mx_cases(cp, rng, 3 * 1024 + int(rng.integers(1, 40)))
+
+
 def test_mx_decode_aligned_and_not(cp, rng):
     """MX / nvfp4 decode and accumulate with float4 stores (out 16-byte aligned) and without."""
     from giftcomm import codec as gc
@@ -187,6 +289,12 @@ def _one_of_everything(cp, rng, n: int = 6001) -> None:
         for rounding in ("nearest", "stochastic"):
             tg._check_mx(cp, random_vector(rng, 3000, spread=10), fmt, rounding, rng, f"{fmt} {rounding}")
     _stochastic_blocks(cp, rng, n=3001, blocks=(7, 16, 301, 300, 5000))
+    # decode-add-encode on each path, enough scale blocks that a 3-CTA grid iterates (team path:
+    # 256 / G teams per CTA), 16-byte, 4-byte (no sum_out) and single-value accesses
+    for block, values in ((16, 800), (300, 30), (600, 5), (8200, 2)):
+        _dae_cases(cp, rng, (block,), layouts=((0, 0, 0, 0), (4, 0, 0, None), (0, 0, 1, 2)), values=values)
+    # MX / nvfp4 encode and hop: 128 MX blocks / 8 nvfp4 groups per CTA, so 25,000 values iterate a 3-CTA grid
+    _mx_cases(cp, rng, 25_000 + int(rng.integers(1, 40)), layouts=MX_LAYOUTS[::2])
     x = random_vector(rng, 1001, spread=10)
     x[:50] = np.float32(np.finfo(np.float32).tiny) * np.float32(0.75)  # subnormal inputs and quotients
     d = cp.asarray(x)
@@ -320,8 +428,9 @@ def _run_asan(mode: str) -> subprocess.CompletedProcess:
 
 
 def test_kernels_clean_under_address_sanitizer():
-    """Every kernel path (3-CTA grid) with the kernels built -fsanitize=address: no out-of-bounds
-    access; and a planted read past the end is reported (the sanitizer is really on)."""
+    """Every kernel path (3-CTA grid) with the kernels built -fsanitize=address,alignment: no
+    out-of-bounds access and no vector or word access at an address not aligned for it (a fault on
+    the GPU); and a planted read past the end is reported (the sanitizer is really on)."""
     r = _run_asan("suite")
     assert r.returncode == 0 and "AddressSanitizer" not in r.stderr, r.stderr[-3000:]
     assert "launches" in r.stdout
@@ -462,7 +571,7 @@ def test_misaligned_arguments_raise_value_error(cp):
     assert np.array_equal(cp.asnumpy(gc.decode(good, 8, "fp32")), np.arange(8, dtype=np.float32))
 
 
-@pytest.mark.parametrize("fmt,block,rounding", [("e4m3", 8192, "nearest"), ("e5m2", 5000, "nearest"),
+@pytest.mark.parametrize("fmt,block,rounding", [("e4m3", 16384, "nearest"), ("e5m2", 5000, "nearest"),
                                                 ("e4m3", 64, "stochastic"), ("e5m2", 9000, "stochastic"),
                                                 ("nvfp4", None, "stochastic"), ("fp32", None, "nearest")])
 def test_no_allocation_in_a_calls_steady_state(cp, rng, fmt, block, rounding):
@@ -487,6 +596,31 @@ def test_no_allocation_in_a_calls_steady_state(cp, rng, fmt, block, rounding):
     for _ in range(3):
         calls()
     assert cp.runtime_state.allocations == before
+
+
+def test_device_benchmark_codec_section_runs_on_the_stand_in(monkeypatch, rng):
+    """``python -m giftcomm.perf device``'s codec section (perf/device_check.sh step 7) on the
+    stand-in, every case with a dummy timer: each (format, block, op) of the default tables is
+    called and reaches every decode-add-encode kernel path, nearest and stochastic, and the MX /
+    nvfp4 kernels, so the benchmark measures the kernels the tests above check."""
+    from types import SimpleNamespace
+
+    from giftcomm.perf import device_bench as db
+
+    cp = install(monkeypatch)
+    monkeypatch.setattr(cp, "random", SimpleNamespace(
+        standard_normal=lambda n, dtype: cp.asarray(rng.standard_normal(n).astype(dtype))), raising=False)
+    a = db.parse_args([])
+    cases = db.codec_cases(a.formats, a.blocks)
+    seen: list[int] = []
+    res = db.measure_codec(cp, lambda fn: (fn(), 1.0)[1], 600, cases, on_case=lambda r: seen.append(len(r)))
+    assert set(res) == {(f, b, op) for f, b in cases for op in db.OPS} and seen[-1] == len(res)
+    launched = set(cp.runtime_state.launches)
+    for f in ("e4m3", "e5m2"):
+        for kernel in ("team", "cta", "big"):
+            assert {f"gc_dae_{kernel}_{f}", f"gc_dae_{kernel}_sr_{f}"} <= launched
+        assert {f"gc_enc_big_sr_{f}", f"gc_enc_team_sr_vec_{f}", f"gc_acc_{f}"} <= launched
+    assert {f"gc_mx_{op}_{f}" for op in ("enc", "dec") for f in MX} <= launched
 
 
 def test_device_matrix_script_runs_on_the_stand_in(monkeypatch, rng):

@@ -528,11 +528,17 @@ def test_device_bench_arguments_and_tables():
     enc = next(r for r in rows if r.startswith("| e4m3 | 256 | encode"))
     gbs = (4 + w) * n / 0.01 / 1e6
     assert f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |" in enc
-    assert any("8192 (big path)" in r for r in rows) and any(r.startswith("| nvfp4 | 16 |") for r in rows)
+    # the two-pass kernels: encode above block 4096, decode_add_encode above 8192 (stochastic alike)
+    assert "| e4m3 | 8192 (two-pass) | encode |" in table and "| e4m3 | 8192 (two-pass) | encode_sr |" in table
+    assert "| e4m3 | 8192 | decode_add_encode |" in table and "| e4m3 | 8192 | decode_add_encode_sr |" in table
+    assert db.two_pass("decode_add_encode_sr", "e5m2", 16384) and not db.two_pass("decode", "e4m3", 16384)
+    assert db.bytes_per_value("decode_add_encode_sr", "e4m3", 256, n) == db.bytes_per_value("decode_add_encode", "e4m3", 256, n)
+    assert any(r.startswith("| nvfp4 | 16 |") for r in rows)
     peer = {"giftcomm encode": 0.4, "torch.compile encode": 0.3, "eager encode": 2.0, "giftcomm decode": 0.5,
-            "eager decode": 1.5}
+            "eager decode": 1.5, "giftcomm decode_add_encode": 0.6, "torch.compile decode_add_encode": 0.9}
     pt = db.format_peer_table(peer, n, copy_gbs)
-    assert "| torch.compile | encode | 0.300 |" in pt and "0.75x" in pt and "torch.compile | decode" not in pt
+    assert "| torch.compile | encode | 0.300 |" in pt and "0.75x" in pt and "torch.compile | decode |" not in pt
+    assert "| torch.compile | decode_add_encode | 0.900 |" in pt and "1.50x" in pt
     assert db.layer_values() == 4 * 1024 * 1024 + 3 * 2816 * 1024
     tr = db.format_transform(0.9, 0.8, db.layer_values(), 32, 4000.0)
     assert "1.700 ms" in tr and "k=32" in tr

@@ -9,19 +9,24 @@ Arrays: ``x``, ``local``, ``acc``, ``sum_out``: contiguous 1-D float32 CuPy arra
 ``message``/``out``: contiguous 1-D uint8 CuPy arrays of ``giftcomm.message_nbytes(count, fmt,
 block)`` bytes (docs/wire-format.md).
 
-Kernel choice (all give the same bytes): block <= 256: a team of 1..32 lanes of one warp per
-scale block, values in registers (x read once: 5 bytes of traffic per value for e4m3/e5m2);
-256 < block <= 4096: one CTA per scale block, values in registers; block > 4096: two passes
-(amax with atomics, then quantize: x read twice). 16-byte vector loads when block % 4 == 0 and
-the pointers are aligned.
+Kernel choice (all give the same bytes): encode, block <= 256: a team of 1..32 lanes of one warp
+per scale block, 8 values per lane in registers (x read once: 5 bytes of traffic per value for
+e4m3/e5m2); 256 < block <= 4096: one CTA per scale block, values in registers; block > 4096: two
+passes (amax with atomics, then quantize: x read twice). 16-byte vector loads of x when block % 4
+== 0 and the pointers are aligned. Stochastic rounding (``key`` not None): the same kernels'
+``_sr`` variants, one pass up to block 4096.
 
-Stochastic rounding of e4m3/e5m2 (``key`` not None): the same team / cta kernels, one pass
-(gc_{enc,dae}_{team,cta}_sr[_vec]_F), for block <= 4096; the two-pass path (amax, then
-gc_{enc,dae}_big_sr_F) for larger blocks. e4m3/e5m2 decode and decode-accumulate: 16 values per
-thread (16- or 4-byte payload loads, float4 stores). MX formats: one warp per 32-value block
-(gc_mx_enc_F); nvfp4: one warp per 1024-value group (gc_mx_enc_nvfp4); their decode and
-decode-accumulate: 8 values per thread, one scale read, 4-byte payload loads and float4 stores
-where aligned (gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
+Decode-add-encode (one ring hop), e4m3/e5m2: 16 consecutive values per lane (message and local
+read once); block <= 512 a team of lanes per scale block, <= 8192 one CTA per block, above two
+passes over 4096-value tiles; access width from block and pointers (16-byte payload and float4
+accesses, 4-byte payload words and float4s, or single values), nearest or stochastic (gc_dae_*
+and gc_dae_*_sr_*). e4m3/e5m2 decode and decode-accumulate: 16 values per thread (16- or 4-byte
+payload loads, float4 stores). MX formats (mxfp8, mxfp8_e5m2, mxfp4) encode and decode-add-encode:
+two lanes of 16 values per 32-value block, float4 loads and one 16- / 8-byte code store per lane
+where aligned (gc_mx_enc_F); nvfp4: one warp per 1024-value group, x and the sums through a shared
+tile, 16-byte payload loads and stores (gc_mx_enc_nvfp4); their decode and decode-accumulate: 8
+values per thread, one scale read, 4-byte payload loads and float4 stores where aligned
+(gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
 decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
@@ -53,9 +58,12 @@ def supports(f: Format) -> bool:
 _THREADS = 256
 _MAX_GRID = 1 << 20
 _NULL = np.uint64(0)
-TEAM_MAX_BLOCK = 256
-CTA_MAX_BLOCK = 4096
-BIG_TILE = 4096
+TEAM_MAX_BLOCK = 256  # encode: team path up to here (8 values per lane) ...
+CTA_MAX_BLOCK = 4096  # ... one CTA per scale block up to here, two passes above
+DAE_VPT = 16  # decode-add-encode: values per lane
+DAE_TEAM_MAX_BLOCK = 512  # decode-add-encode: team path up to here ...
+DAE_CTA_MAX_BLOCK = 8192  # ... one CTA (<= 512 threads) per scale block up to here, two passes above
+BIG_TILE = 4096  # values per work item of the two-pass path (256 threads; 16 per thread for decode-add-encode)
 
 
 def _cp():
@@ -119,76 +127,79 @@ def _grid(items: int, per_cta: int = 1) -> int:
     return max(1, min(-(-items // per_cta), _MAX_GRID))
 
 
-def _team_width(block: int) -> int:
+def _team_width(block: int, per_lane: int = 8) -> int:
+    """The smallest power of two g with g * per_lane >= block (lanes of a team / threads of a CTA)."""
     g = 1
-    while g * 8 < block:
+    while g * per_lane < block:
         g *= 2
     return g
 
 
-def _scaled_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any,
-                   x: Any, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0,
+def _encode_launch(f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any, pad: int,
                    key: int | None = None, offset: int = 0) -> None:
-    """Launch the encode ('enc') or decode-add-encode ('dae') kernels for a block-scaled format;
-    ``key`` given: stochastic rounding (block <= CTA_MAX_BLOCK: the one-pass ``_sr`` kernels)."""
+    """Launch the e4m3/e5m2 encode kernels; ``key`` given: stochastic rounding (block <=
+    CTA_MAX_BLOCK: the one-pass ``_sr`` team / cta kernels; above: amax pass, then gc_enc_big_sr)."""
     nb = num_blocks(count, block)
     n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
-    s_out = _NULL if sum_out is None else sum_out
-    head = (x, payload_out, scales_out) if mode == "enc" else (pin, sin, x, payload_out, scales_out, s_out)
+    head = (x, payload_out, scales_out)
+    tail = () if key is None else (np.uint64(key), np.uint64(offset))
     if block <= CTA_MAX_BLOCK:
         vec = block % 4 == 0 and _ptr(x) % 16 == 0 and _ptr(payload_out) % 4 == 0
-        if mode == "dae":
-            vec = vec and _ptr(pin) % 4 == 0 and (sum_out is None or _ptr(sum_out) % 16 == 0)
         suffix = ("_sr" if key is not None else "") + ("_vec_" if vec else "_") + f.name
-        tail = () if key is None else (np.uint64(key), np.uint64(offset))
         if block <= TEAM_MAX_BLOCK:
             g = _team_width(block)
-            fn = _loader.get_function(f"gc_{mode}_team{suffix}")
+            fn = _loader.get_function(f"gc_enc_team{suffix}")
             fn((_grid(nb, _THREADS // g),), (_THREADS,), head + (n64, b32, nb64, np.int32(g), pad32) + tail)
         else:
             threads = max(32, min(512, _team_width(block)))
-            fn = _loader.get_function(f"gc_{mode}_cta{suffix}")
+            fn = _loader.get_function(f"gc_enc_cta{suffix}")
             fn((_grid(nb),), (threads,), head + (n64, b32, nb64, pad32) + tail)
         return
-    splits = -(-block // BIG_TILE)
+    splits = np.int32(-(-block // BIG_TILE))
     amax = _amax_scratch(nb)
-    grid = (_grid(nb * splits),)
-    if mode == "enc":
-        _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
-        _loader.get_function(f"gc_enc_big_{f.name}")(
-            grid, (_THREADS,), (x, amax, payload_out, scales_out, n64, b32, nb64, np.int32(splits), pad32))
-    else:
-        _loader.get_function(f"gc_dae_amax_{f.name}")(
-            grid, (_THREADS,), (pin, sin, x, amax, n64, b32, nb64, np.int32(splits)))
-        _loader.get_function(f"gc_dae_big_{f.name}")(
-            grid, (_THREADS,), (pin, sin, x, amax, payload_out, scales_out, s_out, n64, b32, nb64, np.int32(splits), pad32))
+    grid = (_grid(nb * int(splits)),)
+    _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, splits))
+    store = "gc_enc_big_" + ("sr_" if key is not None else "") + f.name
+    _loader.get_function(store)(grid, (_THREADS,), (x, amax, payload_out, scales_out, n64, b32, nb64, splits, pad32) + tail)
 
 
-def _sr8_launch(mode: str, f: Format, block: int, count: int, payload_out: Any, scales_out: Any, x: Any,
-                key: int, offset: int, pin: Any = None, sin: Any = None, sum_out: Any = None, pad: int = 0) -> None:
-    """Stochastic e4m3/e5m2: block <= CTA_MAX_BLOCK the one-pass team / cta kernels, larger blocks
-    the big path's amax pass, then the stochastic store pass."""
-    if block <= CTA_MAX_BLOCK:
-        _scaled_launch(mode, f, block, count, payload_out, scales_out, x, pin=pin, sin=sin, sum_out=sum_out, pad=pad,
-                       key=key, offset=offset)
-        return
+def _dae_vec(block: int, pays: tuple[Any, ...], floats: tuple[Any, ...]) -> np.int32:
+    """The decode-add-encode kernels' access width: 2 (16-byte payload and float4 accesses: block %
+    16 == 0, every pointer 16-byte aligned), 1 (4-byte payload words and float4s: block % 4 == 0,
+    payloads 4-byte and floats 16-byte aligned), 0 (one value at a time)."""
+    if all(_ptr(a) % 16 == 0 for a in floats):
+        if block % 16 == 0 and all(_ptr(a) % 16 == 0 for a in pays):
+            return np.int32(2)
+        if block % 4 == 0 and all(_ptr(a) % 4 == 0 for a in pays):
+            return np.int32(1)
+    return np.int32(0)
+
+
+def _dae_launch(f: Format, block: int, count: int, pin: Any, sin: Any, local: Any, payload_out: Any, scales_out: Any,
+                sum_out: Any, pad: int, key: int | None, offset: int) -> None:
+    """Launch the e4m3/e5m2 decode-add-encode kernels (16 values per lane): block <=
+    DAE_TEAM_MAX_BLOCK a team of lanes per scale block, <= DAE_CTA_MAX_BLOCK one CTA per block,
+    above the two passes over 4096-value tiles; ``key`` given: the ``_sr_`` (stochastic) kernels."""
     nb = num_blocks(count, block)
-    n64, b32, nb64, pad32 = np.int64(count), np.int32(block), np.int64(nb), np.int32(pad)
-    splits = -(-block // BIG_TILE)
-    amax = _amax_scratch(nb)
-    grid = (_grid(nb * splits),)
-    k64, o64 = np.uint64(key), np.uint64(offset)
-    if mode == "enc":
-        _loader.get_function(f"gc_enc_amax_{f.name}")(grid, (_THREADS,), (x, amax, n64, b32, nb64, np.int32(splits)))
-        _loader.get_function(f"gc_enc_big_sr_{f.name}")(
-            grid, (_THREADS,), (x, amax, payload_out, scales_out, n64, b32, nb64, np.int32(splits), pad32, k64, o64))
+    floats = (local,) if sum_out is None else (local, sum_out)
+    vec = _dae_vec(block, (pin, payload_out), floats)
+    n64, b32, nb64 = np.int64(count), np.int32(block), np.int64(nb)
+    head = (pin, sin, local, payload_out, scales_out, _NULL if sum_out is None else sum_out, n64, b32, nb64)
+    tail = (np.int32(pad), vec, np.uint64(0 if key is None else key), np.uint64(offset))
+    rounding = "_" if key is None else "_sr_"
+    if block <= DAE_TEAM_MAX_BLOCK:
+        g = _team_width(block, DAE_VPT)
+        _loader.get_function(f"gc_dae_team{rounding}{f.name}")(
+            (_grid(nb, _THREADS // g),), (_THREADS,), head + (np.int32(g),) + tail)
+    elif block <= DAE_CTA_MAX_BLOCK:
+        _loader.get_function(f"gc_dae_cta{rounding}{f.name}")((_grid(nb),), (_team_width(block, DAE_VPT),), head + tail)
     else:
-        s_out = _NULL if sum_out is None else sum_out
-        _loader.get_function(f"gc_dae_amax_{f.name}")(
-            grid, (_THREADS,), (pin, sin, x, amax, n64, b32, nb64, np.int32(splits)))
-        _loader.get_function(f"gc_dae_big_sr_{f.name}")(
-            grid, (_THREADS,), (pin, sin, x, amax, payload_out, scales_out, s_out, n64, b32, nb64, np.int32(splits),
-                                pad32, k64, o64))
+        splits = np.int32(-(-block // BIG_TILE))
+        amax = _amax_scratch(nb)
+        grid = (_grid(nb * int(splits)),)
+        _loader.get_function(f"gc_dae_amax_{f.name}")(grid, (_THREADS,), (pin, sin, local, amax, n64, b32, nb64, splits, vec))
+        _loader.get_function(f"gc_dae_big{rounding}{f.name}")(
+            grid, (_THREADS,), (pin, sin, local, amax, payload_out, scales_out) + head[5:] + (splits,) + tail)
 
 
 def _mx_parts(msg: Any, count: int, f: Format, zero_pad: bool = False) -> tuple[Any, Any, Any]:
@@ -333,10 +344,7 @@ class CudaKernels:
                 _pt_launch(f, 0, n, x=x, wout=out)
             return out
         payload, scales = _parts(out, n, f, block)
-        if key is not None:
-            _sr8_launch("enc", f, block, n, payload, scales, x, key, offset, pad=scales_offset(n, f) - n)
-            return out
-        _scaled_launch("enc", f, block, n, payload, scales, x, pad=scales_offset(n, f) - n)
+        _encode_launch(f, block, n, payload, scales, x, scales_offset(n, f) - n, key, offset)
         return out
 
     @staticmethod
@@ -380,12 +388,7 @@ class CudaKernels:
             return out
         pin, sin = _parts(message, n, f, block)
         payload, scales = _parts(out, n, f, block)
-        if key is not None:
-            _sr8_launch("dae", f, block, n, payload, scales, local, key, offset, pin=pin, sin=sin, sum_out=sum_out,
-                        pad=scales_offset(n, f) - n)
-            return out
-        _scaled_launch("dae", f, block, n, payload, scales, local, pin=pin, sin=sin, sum_out=sum_out,
-                       pad=scales_offset(n, f) - n)
+        _dae_launch(f, block, n, pin, sin, local, payload, scales, sum_out, scales_offset(n, f) - n, key, offset)
         return out
 
     @staticmethod

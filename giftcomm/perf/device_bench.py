@@ -5,14 +5,17 @@ line rate.
 
 1. the device-to-device copy roofline (``cupy.copyto``, read + write bytes / time);
 2. codec GB/s and % of that roofline for every scaled format (e4m3 and e5m2 at blocks
-   16..1024 and the big-block path, block 8192; the MX formats and nvfp4 at their own block),
-   for encode, decode, decode_add_encode (no sum_out) and decode_accumulate. The bytes counted
+   16..1024, 8192 and 16384: every kernel path, the two-pass one of encode above 4096 and of
+   decode_add_encode above 8192; the MX formats and nvfp4 at their own block), for encode,
+   decode, decode_add_encode (no sum_out), decode_accumulate, and encode / decode_add_encode
+   with stochastic rounding (ops ``encode_sr``, ``decode_add_encode_sr``). The bytes counted
    are the bytes each op must move (float32 in/out, the wire message in/out): encode 4 +
    w, decode w + 4, decode_add_encode w + 4 + w, decode_accumulate w + 4 + 4 per value, where
-   w = message_nbytes / count. The big path reads x twice; it is still counted once;
+   w = message_nbytes / count. The two-pass path reads its input twice; it is still counted once;
 3. the per-256-block E4M3 cast a PyTorch user would write (amax per block, divide,
-   ``.to(torch.float8_e4m3fn)``; decode: multiply back) under ``torch.compile`` and eager, next
-   to giftcomm's e4m3 block-256 encode and decode;
+   ``.to(torch.float8_e4m3fn)``; decode: multiply back; the ring hop: decode, add, encode)
+   under ``torch.compile`` and eager, next to giftcomm's e4m3 block-256 encode, decode and
+   decode_add_encode;
 4. the geometry transform: forward + inverse of one Llama-like layer (hidden 1024, MLP 2816:
    q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank), the
    unfused route (``Geometry.forward`` / ``inverse``: cuBLAS and CuPy elementwise);
@@ -28,8 +31,9 @@ line rate.
 6. the projected step at 100/200/400 Gbit/s per GPU, nothing overlapped: FP8 ring wire time
    (2x the message) plus the compute, against bf16's wire time: GIFT's net saving.
 
-Timing: CUDA events, median of --reps after --warmup calls. Without a CUDA GPU the command exits
-with status 2 and says so. The formatting is plain functions of timing dicts (tested on CPU
+Timing: CUDA events, median of --reps after --warmup calls. The Markdown and JSON files are
+rewritten after every section, so a run cut short keeps what it measured. Without a CUDA GPU the
+command exits with status 2 and says so. The formatting is plain functions of timing dicts (tested on CPU
 with fake timings: tests/test_gpu_plumbing.py).
 """
 from __future__ import annotations
@@ -47,10 +51,13 @@ import numpy as np
 from ..formats import get_format, message_nbytes, resolve_block
 from .timing import time_calls
 
-SCALED_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 8192)
+SCALED_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 8192, 16384)
 FP8_FORMATS = ("e4m3", "e5m2")
 MX_FORMATS = ("mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4")
-OPS = ("encode", "decode", "decode_add_encode", "decode_accumulate")
+OPS = ("encode", "decode", "decode_add_encode", "decode_accumulate", "encode_sr", "decode_add_encode_sr")
+#: largest e4m3/e5m2 block of the one-pass kernels per op (giftcomm.cuda.codec CTA_MAX_BLOCK,
+#: DAE_CTA_MAX_BLOCK); above it the two-pass path
+ONE_PASS_MAX_BLOCK = {"encode": 4096, "decode_add_encode": 8192}
 LINK_GBITS = (100, 200, 400)
 #: one Llama-like layer: (name, (rows, cols)) of its weight matrices (hidden 1024, MLP 2816)
 LLAMA_LAYER = tuple((n, s) for n, s in (("q", (1024, 1024)), ("k", (1024, 1024)), ("v", (1024, 1024)),
@@ -97,9 +104,17 @@ def wire_bytes_per_value(fmt: str, block: int | None, n: int) -> float:
 
 
 def bytes_per_value(op: str, fmt: str, block: int | None, n: int) -> float:
-    """Bytes an op must move per value: float32 reads/writes plus wire message reads/writes."""
+    """Bytes an op must move per value: float32 reads/writes plus wire message reads/writes
+    (the stochastic ops ``*_sr`` move what their nearest twins move)."""
     w = wire_bytes_per_value(fmt, block, n)
-    return {"encode": 4 + w, "decode": w + 4, "decode_add_encode": w + 4 + w, "decode_accumulate": w + 8}[op]
+    return {"encode": 4 + w, "decode": w + 4, "decode_add_encode": w + 4 + w,
+            "decode_accumulate": w + 8}[op.removesuffix("_sr")]
+
+
+def two_pass(op: str, fmt: str, block: int) -> bool:
+    """Whether the e4m3/e5m2 ``op`` at ``block`` runs the two-pass kernels (its input read twice)."""
+    limit = ONE_PASS_MAX_BLOCK.get(op.removesuffix("_sr"))
+    return get_format(fmt).scale_kind == "f32" and limit is not None and block > limit
 
 
 def codec_cases(formats: list[str], blocks: list[int]) -> list[tuple[str, int | None]]:
@@ -131,16 +146,17 @@ def format_codec_table(times: dict[tuple[str, int | None, str], float], n: int, 
         bpv = bytes_per_value(op, fmt, block, n)
         gbs = bpv * n / ms / 1e6
         shown = block if block is not None else resolve_block(get_format(fmt), None)
-        lines.append(f"| {fmt} | {shown}{' (big path)' if shown > 4096 else ''} | {op} | {ms:.3f} | "
+        lines.append(f"| {fmt} | {shown}{' (two-pass)' if two_pass(op, fmt, shown) else ''} | {op} | {ms:.3f} | "
                      f"{n / ms / 1e6:.1f} | {bpv:.3f} | {gbs:.0f} | {_pct(gbs / copy_gbs)} |")
     return "\n".join(lines)
 
 
 def format_peer_table(peer: dict[str, float], n: int, copy_gbs: float) -> str:
-    """peer: 'giftcomm encode', 'torch.compile encode', 'eager encode', same for decode -> ms."""
+    """peer: 'giftcomm encode', 'torch.compile encode', 'eager encode', same for decode and
+    decode_add_encode -> ms."""
     lines = ["| implementation | op | ms | GB/s | % of copy roofline | giftcomm speed relative to it |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for op in ("encode", "decode"):
+    for op in ("encode", "decode", "decode_add_encode"):
         g = peer.get(f"giftcomm {op}")
         for impl in ("giftcomm", "torch.compile", "eager"):
             ms = peer.get(f"{impl} {op}")
@@ -224,7 +240,8 @@ def event_timer(cp: Any, warmup: int, reps: int, wall: bool = False, calls: int 
     return lambda fn: 1e3 * time_calls(fn, reps, warmup=warmup, calls=calls, clock=clock)[0]
 
 
-def measure_codec(cp: Any, timed, n: int, cases) -> dict:
+def measure_codec(cp: Any, timed, n: int, cases, on_case: Callable[[dict], None] | None = None) -> dict:
+    """(fmt, block, op) -> ms for n values; ``on_case(results so far)`` after each (fmt, block)."""
     from .. import codec as gc
 
     x = cp.random.standard_normal(n, dtype=cp.float32)
@@ -235,12 +252,17 @@ def measure_codec(cp: Any, timed, n: int, cases) -> dict:
         kw = {} if block is None else {"block": block}
         msg = gc.encode(x, fmt, **kw)
         out = cp.empty_like(msg)
+        sr = {"rounding": "stochastic", "key": 0x5EED, **kw}
         fns = {"encode": lambda: gc.encode(x, fmt, out=out, **kw),
                "decode": lambda: gc.decode(msg, n, fmt, out=dec, **kw),
                "decode_add_encode": lambda: gc.decode_add_encode(msg, local, fmt, out=out, **kw),
-               "decode_accumulate": lambda: gc.decode_accumulate(msg, dec, fmt, **kw)}
+               "decode_accumulate": lambda: gc.decode_accumulate(msg, dec, fmt, **kw),
+               "encode_sr": lambda: gc.encode(x, fmt, out=out, **sr),
+               "decode_add_encode_sr": lambda: gc.decode_add_encode(msg, local, fmt, out=out, **sr)}
         for op in OPS:
             res[(fmt, block, op)] = timed(fns[op])
+        if on_case is not None:
+            on_case(res)
     return res
 
 
@@ -267,13 +289,22 @@ def measure_torch_peer(cp: Any, timed, n: int, compile_: bool) -> dict:
     dout = cp.empty(n, cp.float32)
     res["giftcomm encode"] = timed(lambda: gc.encode(xc, "e4m3", 256, out=out))
     res["giftcomm decode"] = timed(lambda: gc.decode(msg, n, "e4m3", 256, out=dout))
+    local = torch.randn(n, device="cuda", dtype=torch.float32)
+    lc = cp.from_dlpack(local)
+    res["giftcomm decode_add_encode"] = timed(lambda: gc.decode_add_encode(msg, lc, "e4m3", 256, out=out))
+
+    def hop(q, scale, v):
+        return enc(dec(q, scale) + v)
+
     q, s = enc(x)
     res["eager encode"] = timed(lambda: enc(x))
     res["eager decode"] = timed(lambda: dec(q, s))
+    res["eager decode_add_encode"] = timed(lambda: hop(q, s, local))
     if compile_:
-        cenc, cdec = torch.compile(enc), torch.compile(dec)
+        cenc, cdec, chop = torch.compile(enc), torch.compile(dec), torch.compile(hop)
         res["torch.compile encode"] = timed(lambda: cenc(x))
         res["torch.compile decode"] = timed(lambda: cdec(q, s))
+        res["torch.compile decode_add_encode"] = timed(lambda: chop(q, s, local))
     return res
 
 
@@ -364,9 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     out: list[str] = [f"# giftcomm device benchmark: {name}, {n:,} values per codec call\n"]
     raw: dict[str, Any] = {"device": name, "n": n}
 
+    def save(partial: str = "") -> None:
+        """Rewrite the output files with everything so far (a run cut short by perf/device_check.sh's
+        time limit keeps what it measured); ``partial``: a section's table so far."""
+        if args.out:
+            Path(args.out).write_text("\n".join(out + ([partial] if partial else [])) + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps(raw, indent=1))
+
     def emit(text: str = "") -> None:
         out.append(text)
         print(text, flush=True)
+        save()
 
     emit(out.pop())
     src = cp.random.standard_normal(n, dtype=cp.float32)
@@ -378,8 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     if "codec" in args.sections:
         emit("## Codec kernels vs the copy roofline\n")
-        ct = measure_codec(cp, timed, n, codec_cases(args.formats, args.blocks))
-        raw["codec"] = {f"{f}/{b}/{o}": ms for (f, b, o), ms in ct.items()}
+
+        def codec_so_far(ct: dict) -> None:
+            raw["codec"] = {f"{f}/{b}/{o}": ms for (f, b, o), ms in ct.items()}
+            save(format_codec_table(ct, n, copy_gbs) + "\n\n(cut short: the cases measured so far)")
+
+        ct = measure_codec(cp, timed, n, codec_cases(args.formats, args.blocks), codec_so_far)
         emit(format_codec_table(ct, n, copy_gbs) + "\n")
     if "torch" in args.sections:
         emit("## Per-256-block E4M3 cast in PyTorch, side by side\n")
@@ -406,10 +450,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 emit(f"gift_allreduce section failed: {type(e).__name__}: {e}\n")
-    if args.out:
-        Path(args.out).write_text("\n".join(out) + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1))
     return 1 if failures else 0
 
 

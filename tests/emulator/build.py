@@ -27,7 +27,9 @@ SHIM = HERE / "simt.h"
 CXX = os.environ.get("CXX", "g++")
 # -ffp-contract=off: no FMA contraction (NVRTC gets --fmad=false); no -ffast-math anywhere
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-w")
-ASAN_FLAGS = ("-g", "-fsanitize=address", "-fno-omit-frame-pointer")
+# AddressSanitizer, plus UBSan's alignment check: a float4 / uint4 / 8- or 4-byte word accessed at an
+# address not aligned for it is a fault on the GPU (misaligned address), so it must fail here too
+ASAN_FLAGS = ("-g", "-fsanitize=address,alignment", "-fno-sanitize-recover=alignment", "-fno-omit-frame-pointer")
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(\s*(\d+)[^)]*\)\s*)?(\w+)\s*\(')
 _lock = threading.Lock()
 _loaded: dict[str, "Built"] = {}
