@@ -4,7 +4,8 @@ over gloo at P = 2 and 3, on a model whose widths are multiples of neither P nor
 Every case trains the same model on the same seed and data twice, with FSDP2's own
 reduce-scatter and with :func:`register_reduce_scatter`, and compares the sharded gradients;
 the comm's own inputs and outputs are recorded so the parent can check every shard against the
-reference simulation of ``reduce_scatter(layout="equal")`` bit for bit.
+reference simulation of ``reduce_scatter(layout="equal")`` bit for bit. On a CUDA machine one more
+test runs FSDP2 at world size 1 over NCCL and giftcomm's CUDA route (perf/device_check.sh step 4).
 """
 from __future__ import annotations
 
@@ -282,3 +283,101 @@ def test_hsdp_two_dimensional_mesh(tmp_path):
         for name, p in r["own"].items():
             assert _rel(r["fp32"][name], p) < 1e-6, name
             assert 0 < _rel(r["e4m3"][name], p) < 0.08, name
+
+
+# ------------------------------------------------------------------------ CUDA, world size 1
+def _dtoh_copies(events) -> list[str]:
+    """Names of the device-to-host copies among profiler events: Kineto's GPU memcpy activities
+    ("Memcpy DtoH (Device -> Pageable)" / "(Device -> Pinned)") and the ops that read a device
+    scalar back (``aten::item`` / ``aten::_local_scalar_dense``)."""
+    return [e.name for e in events
+            if "dtoh" in e.name.lower() or e.name in ("aten::item", "aten::_local_scalar_dense")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_fsdp2_on_cuda_at_world_size_1_device_route_without_host_copy(rng, tmp_path):
+    """FSDP2 at world size 1 on CUDA (NCCL, in process, FileStore), giftcomm's comms installed.
+
+    At world size 1 FSDP2 never calls the reduce-scatter comm (``foreach_reduce`` copies its input
+    to its output; the comm only allocates), so training checks only that installing giftcomm
+    changes nothing: no comm call, two steps' gradients and parameters equal FSDP2's own to
+    float32 rounding. giftcomm's device route is then exercised by calling a registered comm
+    directly, as FSDP2 does at P >= 2 (on a side stream like its reduce-scatter stream, op AVG,
+    the FSDP group):
+    the CUDA transport is used, the shard equals the equal-layout simulation bit for bit (at P = 1
+    that is the input itself: the owner's own values are summed unquantized, only encoded for the
+    wire), the input is untouched, and under torch.profiler (CUDA activity) the call makes no
+    device-to-host copy (a ``.cpu()`` in the same filter is seen: the filter works).
+    Not covered here: P >= 2 over NCCL, bf16/fp16 reduce dtypes on the device route, GIFT on CUDA.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from giftcomm.adapters.torch import register_reduce_scatter
+    from giftcomm.transport.torch_dist import TorchDistDeviceTransport
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=dev)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        runs = {}
+        for case in ("own", "gift"):
+            model = _model().to(dev)
+            for layer in (model[0], model[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            comms = register_reduce_scatter(model, fmt="e4m3") if case == "gift" else []
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            grads = []
+            for step in range(2):
+                x, y = (t.to(dev) for t in _batch(0, step))
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append({n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+            params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+            runs[case] = (grads, params, comms)
+        (own_grads, own_params, _), (grads, params, comms) = runs["own"], runs["gift"]
+        assert comms and [c.calls for c in comms] == [0] * len(comms)  # FSDP2 skips the comm at P = 1
+        for step in range(2):
+            for name, g in own_grads[step].items():
+                assert grads[step][name].device == dev
+                assert _rel(grads[step][name].cpu().numpy(), g.cpu().numpy()) < 1e-6, (step, name)
+        for name, p in own_params.items():
+            assert _rel(params[name].cpu().numpy(), p.cpu().numpy()) < 1e-6, name
+
+        # the device route, called as FSDP2 calls it at P >= 2
+        comm, group = comms[0], mesh.get_group()
+        n = WIDTHS[1] * WIDTHS[0] + WIDTHS[1]  # model[0]'s weight and bias: no whole number of blocks
+        host = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+        x = torch.from_numpy(host).to(dev)
+        before = x.clone()
+        side = torch.cuda.Stream(dev)
+
+        def reduce_scatter():
+            out = comm.allocate((n,), dtype=torch.float32, device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                comm(out, x, group, dist.ReduceOp.AVG)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return out
+
+        reduce_scatter()  # the first call builds the transports and loads the kernels
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = reduce_scatter()
+            torch.cuda.synchronize(dev)
+        copies = _dtoh_copies(prof.events())
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as control:
+            x.cpu()
+            torch.cuda.synchronize(dev)
+        assert _dtoh_copies(control.events()), "the profiler filter saw no copy in x.cpu()"
+        assert copies == [], copies
+        assert isinstance(comm._device.get(group), TorchDistDeviceTransport)  # the CUDA route ran
+        assert out.device == dev and torch.equal(x, before)
+        want = simulate_reduce_scatter([host], "e4m3", None, "avg", comm.algorithm_used or "ring", layout="equal")
+        assert out.cpu().numpy().tobytes() == want[0].tobytes() == host.tobytes()
+    finally:
+        dist.destroy_process_group()
