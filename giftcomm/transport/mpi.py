@@ -111,6 +111,27 @@ _BARRIER_TAG = 30001  # + round
 _DIRECT_CONTROL_MAX = 16  # up to this many ranks the agreement gather is point-to-point
 
 
+_HALF_SUMS: dict[str, MPI.Op] = {}
+
+
+def _half_sum(kind: str) -> MPI.Op:
+    """The MPI operation that sums 16-bit floats of ``kind`` ("bfloat16", "float16") carried as
+    MPI_UINT16_T: each pair added in float32 and rounded to the kind (nearest even)."""
+    op = _HALF_SUMS.get(kind)
+    if op is None:
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(np.float16)
+
+        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            a, b = np.frombuffer(inbuf, dt), np.frombuffer(inoutbuf, dt)
+            with np.errstate(over="ignore", invalid="ignore"):
+                b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(dt)
+
+        op = _HALF_SUMS[kind] = MPI.Op.Create(add, commute=True)
+    return op
+
+
 def _crowded(nodes: np.ndarray, rank: int) -> bool:
     """Whether this node runs more of the ranks than it has cores (then a waiting rank yields its
     core while it spins, as MPICH's heavy-yield waits do)."""
@@ -458,6 +479,24 @@ class MpiTransport(Transport):
     def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
         self._check()
         self.wait_for(self.comm.Ibcast(buf, root=root), "float64 broadcast", (root,))
+
+    def native_sum(self, buf: np.ndarray, kind: str) -> np.ndarray:
+        """MPI_Allreduce (nonblocking, under the deadline); the 16-bit kinds through a
+        commutative user-defined MPI operation that adds in float32 and rounds to the kind
+        (MPICH has no 16-bit float sum)."""
+        self._check()
+        total = np.empty_like(buf)
+        if kind in ("float32", "float64"):
+            req = self.comm.Iallreduce(buf, total, op=MPI.SUM)
+        else:
+            req = self.comm.Iallreduce([buf.view(np.uint16), MPI.UINT16_T], [total.view(np.uint16), MPI.UINT16_T],
+                                       op=_half_sum(kind))
+        self.wait_for(req, f"native allreduce ({kind})")
+        return total
+
+    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
+        self._check()
+        self.wait_for(self.comm.Ibcast([buf.view(np.uint8), MPI.BYTE], root=root), "native broadcast", (root,))
 
     # --- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:
