@@ -142,8 +142,8 @@ def reduce_scatter(
 
     layout "blocks" (default): the shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P,
     block)`` of the flattened buffer: whole blocks, dealt out evenly; then
-    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
-    float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
+    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm, one of giftcomm's
+    own rows) bit for bit for float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
     be a multiple of P (ValueError on every rank otherwise) and the shard is elements
     ``[rank*n/P, (rank+1)*n/P)``; each shard's scale blocks count from the shard's start
     (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not

@@ -236,11 +236,11 @@ class Transport(ABC):
         is not promised (giftcomm.collectives.native checks it). This default, for transports
         without an allreduce of their own (the loopback, sub-transports), gathers the arrays
         and adds them in MPICH's recursive-doubling order (:func:`tree_sum`)."""
-        return tree_sum(self.allgather_object(buf), kind)
+        return tree_sum(self.allgather_object(buf.copy()), kind)  # a copy: in-process peers read it later
 
     def native_broadcast(self, buf: Any, root: int) -> None:
         """Overwrite ``buf`` (a :meth:`native_sum` result) with ``root``'s, in place."""
-        got = self.broadcast_object(buf if self.rank == root else None, root)
+        got = self.broadcast_object(buf.copy() if self.rank == root else None, root)
         if self.rank != root:
             buf[...] = got
 
