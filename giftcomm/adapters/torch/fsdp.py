@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.sharded import ShardedGeometry
-from ...collectives.algorithms import SCATTER_CHOICES
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport import Transport
 from ..calls import log_path
