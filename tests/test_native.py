@@ -204,3 +204,47 @@ def test_native_over_mpi_equals_its_definition():
         assert same(got, simulate_allreduce(xs, fmt=fmt, algorithm="native")[comm.rank]), (n, fmt)
         assert len(set(comm.allgather(got.tobytes()))) == 1
     assert all(t.state.native.values())
+
+
+def test_adapters_log_their_path_once_per_bucket_size(rng, caplog, tmp_path, monkeypatch):
+    """GradSync (auto per bucket) logs at INFO, once per bucket size and rank, the path each size
+    took and why; a calibration where native wins makes the buckets take it and the log say so."""
+    torch = pytest.importorskip("torch")
+    from giftcomm.adapters.torch import GradSync
+
+    path = tmp_path / "cal.json"
+    path.write_text(_cal(1e-7, 0.0).to_json())
+    monkeypatch.setenv("GIFTCOMM_CALIBRATION", str(path))
+    forget_calibration()
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 16))
+
+    models = [model(), model()]
+    x = [torch.randn(4, 24, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def body(t):
+        torch.set_num_threads(1)
+        algos = []
+        for allow in (True, False):
+            sync = GradSync(models[t.rank], comm=t, bucket_mb=0.002, allow_native=allow)
+            for _ in range(2):
+                sync.zero_grad()
+                models[t.rank](x[t.rank]).pow(2).mean().backward()
+                sync.sync()
+            algos.append((list(sync.algorithms), sorted({b.tensor.numel() for b in sync.buckets})))
+        return algos
+
+    try:
+        with caplog.at_level(logging.INFO, logger="giftcomm.adapters"):
+            res = gc.LoopbackGroup(2).run(body)
+    finally:
+        monkeypatch.delenv("GIFTCOMM_CALIBRATION")
+        forget_calibration()
+    (native_algos, sizes), (own_algos, _) = res[0]
+    assert set(native_algos) == {"native"} and "native" not in own_algos and len(sizes) > 1
+    told = [r.message for r in caplog.records if "GradSync" in r.message]
+    assert len(told) == 2 * 2 * len(sizes)  # 2 ranks x 2 GradSyncs x each size once (not once per call)
+    assert sum("take native" in m and "predicted: native" in m for m in told) == 2 * len(sizes)
+    assert sum("allow_native=False" in m for m in told) == 2 * len(sizes)
