@@ -70,7 +70,9 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
         except KeyError:
             pass
         try:
-            return plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
+            result = plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
+            engine.record_last(t, plan.algorithm)  # what engine.last_algorithm reports (error feedback, adapters)
+            return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
     with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel

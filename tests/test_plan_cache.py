@@ -54,6 +54,7 @@ def _alternate(comm, t, rank: int, size: int, seed: int, steps: int) -> list[str
         if with_out:
             assert got is out
         algorithm = next(reversed(t.state.plan_cache.values())).algorithm  # the plan this call ran or made
+        assert gc.api.last_algorithm(comm)[0] == algorithm  # cached calls report what they ran too
         want = simulate_allreduce(xs, fmt, None, "sum", algorithm)[rank]
         assert same(got.reshape(-1), want), (step, every, algorithm)
         done.append("ok")
