@@ -79,6 +79,7 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
         best = min(own, key=lambda a: own[a])
         native = (f"native {times['native'] * 1e3:.3g} ms" if "native" in times
                   else "native not considered (allow_native=False)")
-        why = (f"predicted: {native}, fastest compressed {best} {own[best] * 1e3:.3g} ms "
+        ran = f"{took} {times[took] * 1e3:.3g} ms, " if took in times and took != "native" else ""
+        why = (f"predicted: {ran}{native}, fastest compressed {best} {own[best] * 1e3:.3g} ms "
                f"(calibration: {cal.source})")
     logger.info("giftcomm %s: buffers of %d values take %s (%s); %s", owner, n, took, what, why)
