@@ -43,7 +43,8 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "record_last", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
+__all__ = ["GeometryLike", "held", "last_algorithm", "record_last", "call_options", "Job", "Kind", "ALLREDUCE",
+           "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
 

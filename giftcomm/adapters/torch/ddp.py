@@ -190,8 +190,9 @@ class GiftState:
     """Settings of the giftcomm DDP hook (plus, apart, its internal runtime).
 
     process_group: the DDP process group (None: the default group, looked up at the first bucket).
-    fmt, block, rounding, seed, algorithm, slice_elems, timeout: the call options of
-    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
+    fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call options of
+    ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO on "giftcomm.adapters" once
+    per bucket size; :class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
     own: 16 for nvfp4, 32 for the MX formats, 256 otherwise), used for every bucket; the hook
     always averages (op "avg"). With ``rounding="stochastic"`` bucket ``i`` of iteration ``it``
     is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every

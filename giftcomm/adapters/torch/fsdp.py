@@ -112,9 +112,10 @@ def _on_current_stream(t: torch.Tensor) -> Iterator[None]:
 class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]
     """FSDP2's ``ReduceScatter`` comm through giftcomm (module doc).
 
-    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout as
-    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct" or "auto"; with
-    ``rounding="stochastic"`` call c of this comm uses seed ``(seed + c) * 2**16 + index``).
+    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native as
+    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct", "native" or "auto": auto per
+    call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
+    uses seed ``(seed + c) * 2**16 + index``).
     warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "kfac" (KFAC factors
     from ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls from the
     factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
@@ -395,7 +396,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
     that module's parameters) and return them in ``model.modules()`` order.
 
     options: those of GiftReduceScatter (fmt, block, rounding, seed, algorithm, slice_elems,
-    timeout, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
+    timeout, allow_native, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
     ``capture=model`` makes one KfacCapture shared by all comms, stepped by a forward pre-hook
     on ``model`` (capture every ``capture_every`` forwards, ``capture_tokens`` rows per layer).
     Call on every rank, after ``fully_shard``. Raises on every rank alike, before any data

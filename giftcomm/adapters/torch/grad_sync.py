@@ -89,8 +89,9 @@ class GradSync:
 
     model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm:
     mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block (None: the
-    format's own), op, rounding, seed, algorithm, slice_elems, timeout: the call options of
-    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`, validated here: a bad one
+    format's own), op, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call
+    options of ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO once per bucket
+    size; :class:`~giftcomm.options.CallOptions`, validated here: a bad one
     raises ValueError/TypeError naming GradSync; op="avg" averages like DDP); ``sync.options`` is
     the record. bucket_mb: bucket size in MiB. With ``rounding="stochastic"``, ``sync(step)``
     rounds bucket i with the seed ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step
