@@ -76,7 +76,7 @@ def _widened(total: Any, kind: str, acc_t: Any) -> Any:
 def _digest(total: Any) -> int:
     host = total.get() if hasattr(total, "get") and not isinstance(total, np.ndarray) else total
     data = np.ascontiguousarray(host).view(np.uint8)
-    return int.from_bytes(hashlib.blake2b(data.tobytes(), digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(data.data, digest_size=8).digest(), "little", signed=True)
 
 
 def _same_everywhere(t: Transport, total: Any, kind: str) -> Any:
