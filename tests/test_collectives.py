@@ -176,9 +176,7 @@ def test_allgather_unequal_shards_matches_simulation(rng, path, fmt, p):
         assert all(same(path.back(g), w) for g, w in zip(got, want)), (block, dtype, rounding)
 
 
-# giftcomm's own rows: the native one's allgather would quantize the uncompressed shards
-@pytest.mark.parametrize("algorithm, p, fmt", covering([a for a in SCATTER_ALGORITHMS if a != "native"],
-                                                       PS, FORMAT_NAMES))
+@pytest.mark.parametrize("algorithm, p, fmt", covering(SCATTER_ALGORITHMS, PS, FORMAT_NAMES))
 def test_allgather_of_reduce_scatter_is_allreduce(rng, path, algorithm, p, fmt):
     block = block_for(fmt, 64)
     for dtype in (np.float32, np.float64):
