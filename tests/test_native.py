@@ -102,7 +102,7 @@ def test_ranks_get_identical_bytes_even_when_the_transport_does_not(rng, caplog)
 def _cal(native_alpha: float, native_beta: float) -> Calibration:
     return Calibration(shm=LinkCost(2e-6, 1 / 10e9), net=LinkCost(1e-5, 1 / 1.25e8), encode_rate=2e9, decode_rate=3e9,
                        fused_rate=1.5e9, accumulate_rate=3e9, overlap=0.0, native_alpha=native_alpha,
-                       native_beta=native_beta)
+                       native_beta=native_beta, native_half_beta=2 * native_beta)
 
 
 def test_auto_takes_native_exactly_where_predicted_faster():
@@ -125,7 +125,7 @@ def test_auto_takes_native_exactly_where_predicted_faster():
 def test_native_prediction_is_the_documented_formula():
     cal = _cal(5e-6, 0.3e-9)
     n, p = 1 << 20, 4
-    want = cal.call_overhead + 5e-6 + (p - 1) / p * n * 2 * (2 * cal.shm.beta + 0.3e-9)  # bf16: 2 bytes a value
+    want = cal.call_overhead + 5e-6 + (p - 1) / p * n * 2 * (2 * cal.shm.beta + 0.6e-9)  # bf16: 2 bytes, half_beta
     from giftcomm.costmodel import predict
 
     assert predict("native", n, Topology(p, 1, p), "bf16", 256, cal) == pytest.approx(want)
@@ -136,7 +136,9 @@ def test_native_prediction_is_the_documented_formula():
 def test_calibration_files_without_the_native_fields_keep_the_defaults():
     doc = {"shm": {"alpha": 1e-6, "beta": 1e-10}, "net": {"alpha": 1e-5, "beta": 1e-9}}
     cal = Calibration.from_dict(doc)
-    assert (cal.native_alpha, cal.native_beta) == (Calibration().native_alpha, Calibration().native_beta)
+    default = Calibration()
+    assert (cal.native_alpha, cal.native_beta, cal.native_half_beta) == (default.native_alpha, default.native_beta,
+                                                                         default.native_half_beta)
     assert Calibration.from_dict({**doc, "native_alpha": 7e-6}).native_alpha == 7e-6
     with pytest.raises(ValueError, match="native_beta"):
         Calibration.from_dict({**doc, "native_beta": -1.0})

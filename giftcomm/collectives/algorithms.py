@@ -149,9 +149,10 @@ def native_bytes(fmt: str) -> int:
 def _native_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
     """The transport's own allreduce: ``native_alpha`` per call, and for the (P-1)/P share of
     the bytes each rank reduces, twice the link's time (its reduce-scatter and allgather halves)
-    plus ``native_beta`` (its reduction and copies)."""
+    plus ``native_beta`` (its reduction and copies; ``native_half_beta`` for 16-bit values)."""
     p, (link, _) = topo.ranks, _links(topo, cal)
-    return cal.native_alpha + (p - 1) / p * n * native_bytes(fmt) * (2 * link.beta + cal.native_beta)
+    b = native_bytes(fmt)
+    return cal.native_alpha + (p - 1) / p * n * b * (2 * link.beta + (cal.native_beta if b == 4 else cal.native_half_beta))
 
 
 def _hierarchical_time(inner: str) -> Time:
