@@ -141,13 +141,14 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
                         slice_elems: int | None = None, transport: Any = None,
-                        baselines: tuple[str, ...] = ("mpi",)) -> list[Row]:
+                        baselines: tuple[str, ...] = ("mpi",), allow_native: bool = True) -> list[Row]:
     """Time and check allreduce for every size and format, plus the ``baselines`` (of
     :data:`BASELINES`); every row's ``xbest`` is the fastest baseline's time over its own.
 
     ``comm``: the mpi4py communicator (barriers, the baselines, the checks); ``transport``: what
     giftcomm's calls get as ``comm=`` (default ``comm`` itself), e.g. an MpiTransport with the
-    shared window switched off. Rows are handed to ``on_row`` once a size is done (the ratio
+    shared window switched off. ``allow_native``: the calls' option (False: ``auto`` stays
+    compressed). Rows are handed to ``on_row`` once a size is done (the ratio
     needs its baselines). Collective: every rank gets the same rows."""
     from mpi4py import MPI
 
@@ -191,7 +192,8 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
 
         def ours(fmt: str, algo: str = algorithm) -> Callable[[], np.ndarray]:
             return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=resolve_block(fmt, block),
-                                              algorithm=algo, slice_elems=slice_elems, out=result_buf)
+                                              algorithm=algo, slice_elems=slice_elems, out=result_buf,
+                                              allow_native=allow_native)
 
         cases = [(fmt, ours(fmt)) for fmt in fmts]
         cases += [{"mpi": ("mpi", mpi_baseline), "mpibf": ("mpibf", mpi_bf16_baseline),
@@ -353,6 +355,9 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     ap.add_argument("--algorithm", default="auto", choices=ALGORITHMS, help="allreduce algorithm (default auto)")
     ap.add_argument("--slice-elems", type=int, default=None,
                     help="pipelining slice in values (default: automatic; changes speed, never results)")
+    ap.add_argument("--allow-native", type=int, default=1, choices=[0, 1],
+                    help="1 (default): auto may take the transport's own allreduce where predicted faster; "
+                         "0: keep every giftcomm row compressed (allow_native=False)")
     ap.add_argument("--baselines", default=",".join(BASELINES),
                     help="baseline rows, comma-separated, of: mpi (MPI_Allreduce float32), mpibf "
                          "(MPI_Allreduce bfloat16), ring-bf16 (giftcomm's bf16 ring); '' for none")
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
                                bool(args.check), args.seed, not args.no_progress, on_row, args.algorithm,
-                               args.slice_elems, transport, baselines)
+                               args.slice_elems, transport, baselines, bool(args.allow_native))
     transport.free()
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
