@@ -26,7 +26,7 @@ import giftcomm
 from giftcomm.api import last_algorithm
 from giftcomm.perf.sizes import parse_size
 from giftcomm.perf.timing import time_rounds
-from giftcomm.transport.mpi import _half_sum
+from giftcomm.transport.mpi import half_sum
 
 
 def _loadavg() -> str:
@@ -57,7 +57,7 @@ def main() -> None:
         out, y = np.empty_like(x), np.empty_like(x)
         xb = x.astype(ml_dtypes.bfloat16).view(np.uint16)
         yb = np.empty_like(xb)
-        op = _half_sum("bfloat16")
+        op = half_sum("bfloat16")
         fns = [lambda: giftcomm.allreduce(x, fmt=args.fmt, out=out),
                lambda: comm.Allreduce(x, y, op=MPI.SUM),
                lambda: comm.Allreduce([xb, MPI.UINT16_T], [yb, MPI.UINT16_T], op=op),

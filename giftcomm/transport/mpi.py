@@ -42,7 +42,7 @@ from ..errors import CommAborted, CommClosed, CommTimeout
 from .base import LIVE_TRANSPORTS, Request, Transport
 from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, populate, shm_room, window_footprint
 
-__all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
+__all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "half_sum", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
 
 log = logging.getLogger("giftcomm")
 
@@ -111,14 +111,14 @@ _BARRIER_TAG = 30001  # + round
 _DIRECT_CONTROL_MAX = 16  # up to this many ranks the agreement gather is point-to-point
 
 
-_HALF_SUMS: dict[str, MPI.Op] = {}
+_HALF_SUM_OPS: dict[str, MPI.Op] = {}
 
 
-def _half_sum(kind: str) -> MPI.Op:
+def half_sum(kind: str) -> MPI.Op:
     """The MPI operation that sums 16-bit floats of ``kind`` ("bfloat16", "float16") carried as
     MPI_UINT16_T: each pair added in float32 and rounded to the kind (nearest even), with the
     codec's pass-through kernels (giftcomm.codec: native when built; equal to ml_dtypes' casts)."""
-    op = _HALF_SUMS.get(kind)
+    op = _HALF_SUM_OPS.get(kind)
     if op is None:
         from .. import codec
 
@@ -130,7 +130,7 @@ def _half_sum(kind: str) -> MPI.Op:
             codec.decode_accumulate(a, acc, fmt, None)
             codec.encode(acc, fmt, out=b)
 
-        op = _HALF_SUMS[kind] = MPI.Op.Create(add, commute=True)
+        op = _HALF_SUM_OPS[kind] = MPI.Op.Create(add, commute=True)
     return op
 
 
@@ -492,7 +492,7 @@ class MpiTransport(Transport):
             req = self.comm.Iallreduce(buf, total, op=MPI.SUM)
         else:
             req = self.comm.Iallreduce([buf.view(np.uint16), MPI.UINT16_T], [total.view(np.uint16), MPI.UINT16_T],
-                                       op=_half_sum(kind))
+                                       op=half_sum(kind))
         self.wait_for(req, f"native allreduce ({kind})")
         return total
 
