@@ -55,6 +55,7 @@ def gift_allreduce(
     seed: int | None = None,
     timeout: float | None = None,
     mx_scale: str = "ceil",
+    allow_native: bool = True,
 ) -> Any:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -69,7 +70,7 @@ def gift_allreduce(
     kernels (giftcomm.collectives.gift; docs/gpu.md "Fused transform").
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
 
 
@@ -88,6 +89,7 @@ def allreduce(
     seed: int | None = None,
     timeout: float | None = None,
     mx_scale: str = "ceil",
+    allow_native: bool = True,
 ) -> Any:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
@@ -100,8 +102,12 @@ def allreduce(
     training step: the same seed gives the same bytes on every run and rank). comm:
     mpi4py communicator (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm
     Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct",
-    "oneshot" (small messages: one exchange, each contribution quantized once) or "auto" (the
-    cost model's choice among the rows of giftcomm.collectives.algorithms it may take);
+    "oneshot" (small messages: one exchange, each contribution quantized once), "native" (the
+    transport's own allreduce, uncompressed: float32 values for a block-scaled format, a
+    pass-through format's values otherwise; docs/api.md, Native path) or "auto" (the cost
+    model's choice among the rows of giftcomm.collectives.algorithms it may take; it takes
+    "native" only where that is predicted faster than every compressed algorithm, and never
+    with ``allow_native=False``);
     local_size: ranks per node for the hierarchical algorithms (default: from the transport).
     timeout: seconds each wait of this call may wait for its peers (default: the transport's,
     $GIFTCOMM_TIMEOUT; docs/robustness.md). mx_scale: the MX formats' shared-exponent rule,
@@ -114,7 +120,7 @@ def allreduce(
     :func:`giftcomm.plan_allreduce` does.
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     return plan_cache.allreduce(t, x, out, opts, local_size)
 
 def reduce_scatter(
@@ -132,21 +138,23 @@ def reduce_scatter(
     timeout: float | None = None,
     layout: str = "blocks",
     mx_scale: str = "ceil",
+    allow_native: bool = True,
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
     layout "blocks" (default): the shard is chunk ``rank`` of ``giftcomm.chunk_bounds(x.size, P,
     block)`` of the flattened buffer: whole blocks, dealt out evenly; then
-    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm) bit for bit for
-    float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
+    ``allgather(reduce_scatter(x))`` equals ``allreduce(x)`` (same algorithm, one of giftcomm's
+    own rows) bit for bit for float32/float64 input and ``op="sum"``. layout "equal" (FSDP2, ZeRO, Megatron): x.size must
     be a multiple of P (ValueError on every rank otherwise) and the shard is elements
     ``[rank*n/P, (rank+1)*n/P)``; each shard's scale blocks count from the shard's start
     (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not
     re-quantized, bit-identical to ``giftcomm.reference.simulate_reduce_scatter`` with the same
-    layout. algorithm: "ring", "direct" or "auto".
+    layout. algorithm: "ring", "direct", "native" (the transport's own allreduce, this rank's
+    shard of it) or "auto"; allow_native as for :func:`allreduce`.
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale)
+    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     kind, opts = engine.scatter_kind(layout, opts)
     return engine.execute(t, kind, x, out, opts)
 

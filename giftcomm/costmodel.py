@@ -33,7 +33,7 @@ from .collectives import algorithms
 from .machine import BOUNDS, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",
-           "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose",
+           "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose", "candidate_times",
            "FIDELITY_SLACK"]
 
 MAX_FILE_BYTES = 1 << 20
@@ -209,25 +209,39 @@ FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantiza
 
 
 def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None,
-           channel: bool = False) -> str:
+           channel: bool = False, native: bool = True) -> str:
     """The ``auto`` algorithm: among the table's rows that ``auto`` may choose and that can run on
     ``topo`` (the hierarchical ones need at least 2 nodes of at least 2 ranks), those predicted
     within FIDELITY_SLACK of the fastest; of those, the one with the smallest predicted error
     (:func:`error_growth`; ties: the faster, then a one-exchange row -- on one rank every
     algorithm is the same local encode and decode, and one exchange has no steps at all -- then
-    table order). ``channel``: for a persistent plan whose calls go through the node-shared
-    channel (:func:`predict`)."""
+    table order). The transport's own allreduce (the ``native`` row) replaces that choice only
+    where it is predicted strictly faster than every other candidate, and only with ``native``
+    (the call's ``allow_native``). ``channel``: for a persistent plan whose calls go through the
+    node-shared channel (:func:`predict`)."""
     if cal is None:  # the calibration in force: remember the answers it gave
         cal = _in_force()
-        key = (n, topo, fmt, block, id(cal), channel)
+        key = (n, topo, fmt, block, id(cal), channel, native)
         if key not in _choices:
             if len(_choices) > 4096:
                 _choices.clear()
-            _choices[key] = choose(n, topo, fmt, block, cal, channel)
+            _choices[key] = choose(n, topo, fmt, block, cal, channel, native)
         return _choices[key]
+    times = candidate_times(n, topo, fmt, block, cal, channel, native)
+    own = {a: t for a, t in times.items() if not algorithms.BY_NAME[a].native}
+    best = min(own.values())
+    near = [a for a in own if own[a] <= best * FIDELITY_SLACK]
+    pick = min(near, key=lambda a: (round(error_growth(a, topo), 9), own[a], not algorithms.BY_NAME[a].one_exchange))
+    native_t = times.get(algorithms.NATIVE)
+    return algorithms.NATIVE if native_t is not None and native_t < best else pick
+
+
+def candidate_times(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None,
+                    channel: bool = False, native: bool = True) -> dict[str, float]:
+    """Predicted seconds (:func:`predict`) of every row ``auto`` considers for this call, in table
+    order (``native``: with the transport's own allreduce): what :func:`choose` compares, and what
+    the adapters log when they say which path a bucket took."""
+    cal = cal or load_calibration()
     multi_node = topo.nodes > 1 and topo.local_size > 1
-    candidates = [a.name for a in algorithms.TABLE if a.auto and (multi_node or not a.needs_nodes)]
-    times = {a: predict(a, n, topo, fmt, block, cal, channel) for a in candidates}
-    best = min(times.values())
-    near = [a for a in candidates if times[a] <= best * FIDELITY_SLACK]
-    return min(near, key=lambda a: (round(error_growth(a, topo), 9), times[a], not algorithms.BY_NAME[a].one_exchange))
+    return {a.name: predict(a.name, n, topo, fmt, block, cal, channel) for a in algorithms.TABLE
+            if a.auto and (multi_node or not a.needs_nodes) and (native or not a.native)}

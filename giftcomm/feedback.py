@@ -109,10 +109,13 @@ def own_pieces(algorithm: str, n: int, p: int, rank: int, block: int,
     ring: chunk ``rank - 1`` (hop 0; later hops carry partial sums). doubling: everything when
     P is a power of two (round 0, stage 1) or the rank folds in (stage 0); nothing for a rank
     that first adds a folded rank's values. hierarchical, hierarchical_direct: nothing (the node
-    sums in fp32 before anything is encoded)."""
+    sums in fp32 before anything is encoded). native: nothing (the transport's own allreduce
+    encodes nothing; with a 16-bit pass-through format its rounding is not compensated)."""
     if bounds is None:
         bounds = shared_chunk_bounds(n, p, block)
     chunk = lambda c: (int(bounds[c]), int(bounds[c + 1]))  # noqa: E731
+    if algorithm == "native":
+        return [], 0
     if algorithm == "oneshot" or p == 1:
         return [(0, n)], (1 if algorithm == "doubling" else 0)
     if algorithm == "direct":

@@ -46,6 +46,16 @@ class Calibration:
     #: NICs than ranks, the phases in which every rank of a node sends across the network at
     #: once (direct's all-to-all, doubling, the hierarchical cross-node phase) share them.
     nics_per_node: int = 0
+    #: seconds per call of the transport's own allreduce (``algorithm="native"``) besides its
+    #: bytes: its latency and its software (MPI_Allreduce or torch's all_reduce of a few values)
+    native_alpha: float = 40e-6
+    #: seconds per byte that the transport's own allreduce spends besides moving its bytes over
+    #: the link (its reduction and copies), per byte of the (P-1)/P share a rank reduces
+    native_beta: float = 0.25e-9
+    #: ``native_beta`` for the 16-bit kinds (bf16, fp16): MPICH has no 16-bit sum, so over MPI
+    #: giftcomm's operation adds them in Python (the default: this machine's MPICH, measured);
+    #: NCCL's and gloo's own bf16 sums are calibrated lower
+    native_half_beta: float = 8e-9
     source: str = "built-in defaults"
 
     def to_json(self) -> str:
@@ -53,7 +63,9 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
-        """From a parsed calibration file; keys that are not fields (e.g. "measured") are ignored.
+        """From a parsed calibration file; keys that are not fields (e.g. "measured") are ignored,
+        and optional fields a file lacks (those of :data:`BOUNDS` but the links', e.g. the
+        native path's, which older files do not have) keep their defaults.
         ValueError naming the first bad entry when a field is missing, not a finite number or
         outside :data:`BOUNDS`."""
         if not isinstance(d, dict):
@@ -80,6 +92,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "call_overhead": (0.0, 1.0), "step_overhead": (0.0, 1.0),  # seconds
     "overlap": (0.0, 1.0),
     "nics_per_node": (0, 4096),
+    "native_alpha": (0.0, 1.0),  # seconds per call
+    "native_beta": (0.0, 1e-3), "native_half_beta": (0.0, 1e-3),  # seconds per byte
 }
 """The accepted range of every calibration value (inclusive); a file outside them is not used."""
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .collectives.algorithms import CHOICES as ALGORITHM_CHOICES
+from .collectives.algorithms import NATIVE
 from .formats import SCALE_RULES, Format, check_key, check_rounding, get_format, resolve_block
 
 __all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES"]
@@ -55,6 +56,10 @@ class CallOptions:
     is a ValueError (they have no such rule); "ceil" is accepted everywhere and changes nothing
     for them. :attr:`format` carries the rule (Format.scale_rule), and ranks whose rules differ
     fail the cross-rank check.
+    allow_native: whether ``algorithm="auto"`` may take the transport's own allreduce (the
+    ``native`` row: uncompressed, chosen only where predicted faster than every compressed
+    algorithm); False keeps every call on giftcomm's wire format. ``algorithm="native"`` with
+    ``allow_native=False`` is a ValueError. Ranks must agree on it.
     """
 
     fmt: str = "e4m3"
@@ -66,6 +71,7 @@ class CallOptions:
     timeout: float | None = None
     op: str = "sum"
     mx_scale: str = SCALE_RULES[0]
+    allow_native: bool = True
 
     @classmethod
     def of(cls, owner: str = "", **kwargs: Any) -> CallOptions:
@@ -97,6 +103,10 @@ class CallOptions:
             raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
         if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHM_CHOICES:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {self.algorithm!r}")
+        if not isinstance(self.allow_native, (bool, np.bool_)):
+            raise ValueError(f"allow_native must be True or False, got {self.allow_native!r}")
+        if self.algorithm == NATIVE and not self.allow_native:
+            raise ValueError("algorithm='native' contradicts allow_native=False")
         slice_elems = _positive_int_or_none(self.slice_elems, "slice_elems")
         timeout = self.timeout
         if timeout is not None:
@@ -106,7 +116,8 @@ class CallOptions:
             if not (timeout >= 0 and np.isfinite(timeout)):
                 raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
         return replace(self, fmt=f.name, block=None if self.block is None else int(self.block), seed=seed,
-                       slice_elems=slice_elems, timeout=timeout, mx_scale=mx_scale)
+                       slice_elems=slice_elems, timeout=timeout, mx_scale=mx_scale,
+                       allow_native=bool(self.allow_native))
 
     @property
     def format(self) -> Format:

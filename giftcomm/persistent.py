@@ -242,6 +242,7 @@ def plan_allreduce(
     rounding: str = "nearest",
     timeout: float | None = None,
     mx_scale: str = "ceil",
+    allow_native: bool = True,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
@@ -252,7 +253,7 @@ def plan_allreduce(
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
-                               timeout, op, mx_scale)
+                               timeout, op, mx_scale, allow_native)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
                                 channel=able(t, _xp.is_device_array(x)))

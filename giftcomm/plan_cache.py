@@ -70,12 +70,17 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
         except KeyError:
             pass
         try:
-            return plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
+            result = plan(x, out=out, seed=opts.seed, timeout=opts.timeout)
+            engine.record_last(t, plan.algorithm)  # what engine.last_algorithm reports (error feedback, adapters)
+            return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
     with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
+        # auto predicts the channel only for calls whose plan is cached (run through it): a larger
+        # plain call runs the agreed algorithm over messages or the shared window
+        cacheable = getattr(x, "nbytes", CACHED_MAX_BYTES + 1) <= CACHED_MAX_BYTES
         job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size,
-                                channel=persistent.able(t, _xp.is_device_array(x)))
+                                channel=cacheable and persistent.able(t, _xp.is_device_array(x)))
         if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
             plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
             if key is not None and plan.through_channel:

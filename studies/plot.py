@@ -15,6 +15,14 @@ def load_rows(path: str) -> tuple[str, dict]:
     return data.get("label") or Path(path).stem, data
 
 
+def _series(row: dict) -> str:
+    """The line a sweep row belongs to: a baseline (MPI_Allreduce fp32 or bf16, giftcomm's bf16
+    ring baseline) or a giftcomm format."""
+    if row["fmt"] in ("mpi", "mpibf"):
+        return "MPI_Allreduce " + ("fp32" if row["fmt"] == "mpi" else "bf16")
+    return f"giftcomm {row['fmt']}" + (" ring (baseline)" if str(row["algorithm"]).endswith("(baseline)") else "")
+
+
 def plot(files: list[str], out: str) -> None:
     from studies.plotting import pyplot, save
 
@@ -23,12 +31,11 @@ def plot(files: list[str], out: str) -> None:
     fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
     for ax, path in zip(axes[0], files):
         label, data = load_rows(path)
-        fmts = sorted({r["fmt"] for r in data["rows"]}, key=lambda f: (f == "mpi", f))
-        for fmt in fmts:
-            rows = sorted((r for r in data["rows"] if r["fmt"] == fmt), key=lambda r: r["size"])
-            name = "MPI_Allreduce fp32" if fmt == "mpi" else f"giftcomm {fmt}"
+        names = sorted({_series(r) for r in data["rows"]}, key=lambda n: (n.startswith(("MPI", "giftcomm bf16 ring (")), n))
+        for name in names:
+            rows = sorted((r for r in data["rows"] if _series(r) == name), key=lambda r: r["size"])
             ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o",
-                    linestyle="--" if fmt == "mpi" else "-", label=name)
+                    linestyle="--" if name.startswith("MPI") or "baseline" in name else "-", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes of float32 input)")
         ax.set_ylabel("busbw (GB/s of float32 input)")

@@ -38,8 +38,9 @@ SCALED_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.scaled]
 #: every allreduce algorithm of the table, and the ``algorithm=`` choices ("auto" first)
 ALGORITHM_NAMES: list[str] = list(NAMES)
 ALGORITHM_CHOICES: list[str] = list(CHOICES)
-#: the algorithms reduce_scatter runs (and the shared-window path takes), without "auto"
-SCATTER_ALGORITHMS: list[str] = [a for a in SCATTER_CHOICES if a in BY_NAME]
+#: giftcomm's own reduce-scatter algorithms (the first half of their allreduce; the shared-window
+#: path takes them), without "auto"; the transport's own ("native") is tested in test_native.py
+SCATTER_ALGORITHMS: list[str] = [a for a in SCATTER_CHOICES if a in BY_NAME and not BY_NAME[a].native]
 
 
 def covering(first: list, second: list, *rotating: list) -> list[tuple]:

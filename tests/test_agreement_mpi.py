@@ -121,6 +121,8 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
         kw["algorithm"] = others[0] if odd else algorithm
     elif field == "local_size":
         kw["local_size"] = 1 if odd else None
+    elif field == "allow_native":  # (algorithm="native" with allow_native=False is a local error: auto)
+        kw.update(allow_native=not odd, algorithm="auto" if algorithm == "native" else algorithm)
     elif field == "shared_memory":
         pass  # the transport differs (see the test)
     elif field == "caller":
@@ -131,7 +133,7 @@ def _allreduce_case(field: str, odd: bool, algorithm: str, t, x):
 
 
 ALLREDUCE_CASES = {"count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size",
-                   "shared_memory", "caller", "rounding", "seed"}
+                   "shared_memory", "caller", "rounding", "seed", "allow_native"}
 GATHER_CASES = {"dtype", "fmt", "block", "slice", "caller", "rounding", "seed"}
 
 

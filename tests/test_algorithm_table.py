@@ -27,7 +27,7 @@ def test_runners_scatters_and_simulations_name_the_table():
 
 def test_codes_are_fixed_distinct_and_cover_every_choice():
     assert CODES == {"auto": 0, "ring": 1, "direct": 2, "doubling": 3, "hierarchical": 4, "hierarchical_direct": 5,
-                     "oneshot": 6}  # they travel in the agreed signature: never renumber
+                     "oneshot": 6, "native": 7}  # they travel in the agreed signature: never renumber
     assert set(CODES) == set(CHOICES) and len(set(CODES.values())) == len(CODES)
     assert all(algorithms.BY_CODE[a.code] is a for a in TABLE)
 

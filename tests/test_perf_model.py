@@ -214,8 +214,9 @@ def test_auto_prefers_the_more_faithful_algorithm_among_near_ties():
     for p in (3, 4, 8, 16):
         topo = Topology(p, 1, p)
         for n in (1 << 10, 1 << 16, 1 << 22):
-            pick = choose(n, topo, "e4m3", cal=cal)
-            times = {a.name: predict(a.name, n, topo, "e4m3", cal=cal) for a in TABLE if a.auto and not a.needs_nodes}
+            pick = choose(n, topo, "e4m3", cal=cal, native=False)  # giftcomm's own rows (test_native: the native one)
+            times = {a.name: predict(a.name, n, topo, "e4m3", cal=cal) for a in TABLE
+                     if a.auto and not a.needs_nodes and not a.native}
             near = [a for a, t in times.items() if t <= 1.10 * min(times.values())]
             assert pick in near
             assert error_growth(pick, topo) == min(error_growth(a, topo) for a in near)

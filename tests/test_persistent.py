@@ -145,7 +145,7 @@ def test_channel_plans_equal_the_simulation_on_every_call(rng, fmt, op):
     r = comm.rank
     for n in (1, 255, 4096):
         xs = _shared_inputs(comm, rng, n)
-        plan = gc.plan_allreduce(xs[r], comm=comm, op=op, fmt=fmt)
+        plan = gc.plan_allreduce(xs[r], comm=comm, op=op, fmt=fmt, allow_native=False)  # auto among giftcomm's rows
         assert plan.algorithm == "oneshot" and _channel_of(comm) is not None
         want = simulate_allreduce(xs, fmt, None, op, "oneshot")[r]
         for _ in range(3):  # both slots, and a slot reused
@@ -168,14 +168,14 @@ def test_channel_slow_paths_equal_the_simulation(rng):
     comm = MPI.COMM_WORLD
     r = comm.rank
     xs = _shared_inputs(comm, rng, 1000)
-    sr = gc.plan_allreduce(xs[r], comm=comm, fmt="nvfp4", rounding="stochastic")
+    sr = gc.plan_allreduce(xs[r], comm=comm, fmt="nvfp4", rounding="stochastic", allow_native=False)
     for seed in (3, 2**63 + 5):
         assert same(sr(xs[r], seed=seed), simulate_allreduce(xs, "nvfp4", None, "sum", "oneshot",
                                                              rounding="stochastic", seed=seed)[r])
     halves = [x.astype(ml_dtypes.bfloat16) for x in xs]
-    bf = gc.plan_allreduce(halves[r], comm=comm, op="avg")
+    bf = gc.plan_allreduce(halves[r], comm=comm, op="avg", allow_native=False)
     assert same(bf(halves[r]), simulate_allreduce(halves, "e4m3", None, "avg", "oneshot")[r])
-    small = gc.plan_allreduce(xs[r], comm=comm)
+    small = gc.plan_allreduce(xs[r], comm=comm, allow_native=False)  # (auto among giftcomm's rows: oneshot)
     big_in = _shared_inputs(comm, rng, 32768, np.float16)  # 64 KiB in, 128 KiB of fp32 on the wire
     big = gc.plan_allreduce(big_in[r], comm=comm, fmt="fp32", algorithm="oneshot")  # a larger payload
     assert same(big(big_in[r]), simulate_allreduce(big_in, "fp32", None, "sum", "oneshot")[r])

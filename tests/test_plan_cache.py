@@ -13,9 +13,12 @@ import giftcomm as gc
 from giftcomm import plan_cache
 from giftcomm.reference import simulate_allreduce
 
-# (shape, dtype, fmt, out=): A and B agree (count, dtype, fmt) while their shapes and out= differ
-VARIANTS = [((64,), np.float32, "e4m3", False), ((8, 8), np.float32, "e4m3", True),
-            ((64,), np.float64, "e4m3", False), ((96,), np.float32, "e4m3", True), ((64,), np.float32, "bf16", False)]
+# (shape, dtype, fmt, out=, algorithm): A and B agree (count, dtype, fmt, algorithm) while their shapes and
+# out= differ; the last two run the transport's own allreduce (algorithm="native") under the same signature
+VARIANTS = [((64,), np.float32, "e4m3", False, "auto"), ((8, 8), np.float32, "e4m3", True, "auto"),
+            ((64,), np.float64, "e4m3", False, "auto"), ((96,), np.float32, "e4m3", True, "auto"),
+            ((64,), np.float32, "bf16", False, "auto"), ((64,), np.float32, "e4m3", False, "native"),
+            ((8, 8), np.float32, "bf16", True, "native")]
 
 
 def _inputs(step: int, size: int, n: int, dtype) -> list[np.ndarray]:
@@ -32,16 +35,16 @@ def _alternate(comm, t, rank: int, size: int, seed: int, steps: int) -> list[str
     done = []
     for step in range(steps):
         mine = VARIANTS[picks[rank][step]]
-        shape, dtype, fmt, with_out = mine
+        shape, dtype, fmt, with_out, algorithm = mine
         every = [VARIANTS[picks[q][step]] for q in range(size)]
-        agree = len({(int(np.prod(v[0])), v[1], v[2]) for v in every}) == 1
+        agree = len({(int(np.prod(v[0])), v[1], v[2], v[4]) for v in every}) == 1
         n = int(np.prod(shape))
         xs = _inputs(step, size, n, dtype)
         x = xs[rank].reshape(shape)
         kept = x.copy()
         out = np.full(shape, np.nan, dtype) if with_out else None
         try:
-            got = gc.allreduce(x, comm=comm, fmt=fmt, out=out)
+            got = gc.allreduce(x, comm=comm, fmt=fmt, out=out, algorithm=algorithm)
         except ValueError as exc:
             assert not agree and "ranks disagree" in str(exc), (step, every, exc)
             done.append("disagree")
@@ -51,6 +54,7 @@ def _alternate(comm, t, rank: int, size: int, seed: int, steps: int) -> list[str
         if with_out:
             assert got is out
         algorithm = next(reversed(t.state.plan_cache.values())).algorithm  # the plan this call ran or made
+        assert gc.api.last_algorithm(comm)[0] == algorithm  # cached calls report what they ran too
         want = simulate_allreduce(xs, fmt, None, "sum", algorithm)[rank]
         assert same(got.reshape(-1), want), (step, every, algorithm)
         done.append("ok")

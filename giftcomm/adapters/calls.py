@@ -18,12 +18,15 @@ step (DDP's bucket index, GradSync's bucket index, 0 for a pytree)::
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..options import CallOptions
 from ..reference.rounding import mix64
 
-__all__ = ["call_kwargs", "step_seed"]
+__all__ = ["call_kwargs", "step_seed", "log_path"]
+
+logger = logging.getLogger("giftcomm.adapters")
 
 _MASK = (1 << 64) - 1
 
@@ -44,3 +47,39 @@ def call_kwargs(opts: CallOptions, step: int, index: int = 0) -> dict[str, Any]:
     kw = opts.as_kwargs()
     kw["seed"] = step_seed(opts.seed, step, index) if opts.rounding == "stochastic" else None
     return kw
+
+
+def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, device: bool = False) -> None:
+    """Say at INFO on the "giftcomm.adapters" logger, once per buffer size (``n`` values; ``seen``
+    holds the sizes already told), which path the last call over ``comm`` took -- the transport's
+    own allreduce (``native``) or one of giftcomm's compressed algorithms -- and why: the option
+    that forced it, or the cost model's predictions (giftcomm.costmodel.candidate_times) and the
+    calibration they come from. Local: no communication."""
+    if n in seen or not logger.isEnabledFor(logging.INFO):
+        return
+    from ..collectives import engine
+    from ..collectives import plan as planning
+    from ..costmodel import candidate_times, load_calibration
+    from ..transport import resolve
+
+    t = resolve(comm, device=device)
+    last = engine.last_algorithm(t)
+    if last is None:
+        return
+    seen.add(n)
+    took = last[0]
+    what = "the transport's own allreduce, uncompressed" if took == "native" else f"giftcomm's {opts.fmt} wire"
+    if opts.algorithm != "auto":
+        why = f"algorithm={opts.algorithm!r} asks for it"
+    else:
+        cal = load_calibration()
+        times = candidate_times(n, planning.topology(t, None)[1], opts.fmt, opts.resolved_block, cal,
+                                native=opts.allow_native)
+        own = {a: s for a, s in times.items() if a != "native"}
+        best = min(own, key=lambda a: own[a])
+        native = (f"native {times['native'] * 1e3:.3g} ms" if "native" in times
+                  else "native not considered (allow_native=False)")
+        ran = f"{took} {times[took] * 1e3:.3g} ms, " if took in times and took != "native" else ""
+        why = (f"predicted: {ran}{native}, fastest compressed {best} {own[best] * 1e3:.3g} ms "
+               f"(calibration: {cal.source})")
+    logger.info("giftcomm %s: buffers of %d values take %s (%s); %s", owner, n, took, what, why)

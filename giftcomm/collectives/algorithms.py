@@ -13,6 +13,11 @@ that the three name the same set.
 
 Adding an algorithm: its module under giftcomm/collectives/, a row here, its runner in
 engine.RUNNERS, its simulation in reference/simulate.SIMULATIONS (and docs/scaling.md).
+
+One row is not giftcomm's own: ``native`` runs the transport's allreduce (MPI_Allreduce,
+torch.distributed's all_reduce, ncclAllReduce) uncompressed (giftcomm.collectives.native).
+``auto`` takes it only where it is predicted faster than every other row it may choose, and
+never when the call says ``allow_native=False``.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from ..formats import bytes_per_value, get_format
 from ..machine import Calibration, LinkCost, Topology, nic_share, overlapped
 
 __all__ = ["Algorithm", "TABLE", "NAMES", "CHOICES", "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE",
-           "CODES", "row"]
+           "CODES", "NATIVE", "row", "native_bytes"]
 
 AUTO = "auto"
 """The ``algorithm=`` value that lets the cost model choose (giftcomm.costmodel.choose)."""
@@ -38,8 +43,9 @@ class Algorithm:
     """One allreduce algorithm.
 
     name, code: how callers and the agreed signature name it (codes are fixed, never reused).
-    auto: ``algorithm="auto"`` may choose it. scatter: a reduce-scatter then the ring allgather,
-    so ``reduce_scatter(algorithm=name)`` runs its first half. needs_nodes: runs on nodes of
+    auto: ``algorithm="auto"`` may choose it. scatter: it has a reduce-scatter that
+    ``reduce_scatter(algorithm=name)`` runs (giftcomm's rows: a reduce-scatter then the ring
+    allgather, and reduce_scatter runs the first half). needs_nodes: runs on nodes of
     equal size (``local_size`` or the transport's node layout). one_exchange: every rank's whole
     encoded vector travels in one exchange. time(n, topo, fmt, block, cal): predicted seconds of
     messages and codec for ``n`` float32 values (without the per-call overhead; ``inf`` where it
@@ -50,7 +56,8 @@ class Algorithm:
     messages at once; perf calibrate fits the per-step overheads on the other rows).
     channel_time: the prediction when a persistent plan's calls go through the node-shared
     channel (giftcomm.transport.channel), for rows whose data then moves differently (None: as
-    ``time``).
+    ``time``). native: the transport's own collective, not giftcomm's wire (``auto`` takes it
+    only where predicted faster than every other row, and only when the call allows it).
     """
 
     name: str
@@ -64,6 +71,7 @@ class Algorithm:
     quantizations: Callable[[Topology], int]
     steps: Callable[[int], int] | None
     channel_time: Time | None = None
+    native: bool = False
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
@@ -131,6 +139,22 @@ def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Cal
     return cal.shm.alpha + wire + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
 
 
+def native_bytes(fmt: str) -> int:
+    """Bytes per value that ``algorithm="native"`` sums: a pass-through format's (bf16, fp16:
+    2; fp32: 4), else 4 (the float32 values uncompressed; giftcomm.collectives.native)."""
+    f = get_format(fmt)
+    return 4 if f.scaled else f.itemsize
+
+
+def _native_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    """The transport's own allreduce: ``native_alpha`` per call, and for the (P-1)/P share of
+    the bytes each rank reduces, twice the link's time (its reduce-scatter and allgather halves)
+    plus ``native_beta`` (its reduction and copies; ``native_half_beta`` for 16-bit values)."""
+    p, (link, _) = topo.ranks, _links(topo, cal)
+    b = native_bytes(fmt)
+    return cal.native_alpha + (p - 1) / p * n * b * (2 * link.beta + (cal.native_beta if b == 4 else cal.native_half_beta))
+
+
 def _hierarchical_time(inner: str) -> Time:
     def time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
         """fp32 ring reduce-scatter and allgather inside each node of L ranks; the ``inner``
@@ -180,6 +204,11 @@ TABLE: tuple[Algorithm, ...] = (
     Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
               channel_time=_oneshot_channel_time),
+    # the transport's own allreduce: nothing quantized (a scaled format sums float32 values); a
+    # pass-through format rounds each rank's values once, and the transport rounds its partial
+    # sums to that format (docs/scaling.md), counted as one quantization
+    Algorithm("native", 7, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_native_time,
+              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, native=True),
 )
 
 NAMES: tuple[str, ...] = tuple(a.name for a in TABLE)
@@ -192,6 +221,10 @@ BY_NAME: dict[str, Algorithm] = {a.name: a for a in TABLE}
 BY_CODE: dict[int, Algorithm] = {a.code: a for a in TABLE}
 assert len(BY_NAME) == len(BY_CODE) == len(TABLE) and AUTO_CODE not in BY_CODE and AUTO not in BY_NAME
 
+
+NATIVE = "native"
+"""The row that runs the transport's own allreduce."""
+assert BY_NAME[NATIVE].native and sum(a.native for a in TABLE) == 1
 
 CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}}
 """The signature code of every ``algorithm=`` value."""

@@ -34,7 +34,7 @@ from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
 from ..transport.channel import PLAIN_WORD
-from . import direct, doubling, gift, hierarchical, oneshot, ring, shared
+from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm, meet_plans
@@ -43,7 +43,8 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "call_options", "Job", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
+__all__ = ["GeometryLike", "held", "last_algorithm", "record_last", "call_options", "Job", "Kind", "ALLREDUCE",
+           "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
 
@@ -115,18 +116,24 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     return _LAST.get(t)
 
 
+def record_last(t: Transport, name: str, bounds: np.ndarray | None = None) -> None:
+    """Record what :func:`last_algorithm` reports for ``t`` (a call that ran without an agreement:
+    a cached plan's, giftcomm.plan_cache)."""
+    _LAST[t] = (name, bounds)
+
+
 _OPTIONS: dict[tuple, CallOptions] = {}
 _OPTIONS_MAX = 256
 
 
 def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
-                 op: Any, mx_scale: Any = "ceil") -> CallOptions | Exception:
+                 op: Any, mx_scale: Any = "ceil", allow_native: Any = True) -> CallOptions | Exception:
     """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
     # the numbers' types too: block=True or 1.0 must not find block=1's record
-    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, type(block),
-                         type(seed), type(slice_elems), type(timeout))
+    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native,
+                         type(block), type(seed), type(slice_elems), type(timeout), type(allow_native))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering
@@ -135,7 +142,8 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
         return opts
     try:
         opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
-                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale)
+                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale,
+                              allow_native=allow_native)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
     if key is not None:
@@ -232,9 +240,10 @@ Runner = Callable[[Transport, Any, Wire, Any, Any, int, Any], Any]
 ranks (float32, or float64 for float64 input; ``out``, a float32 (n,) array, when it could decode
 into it)."""
 
-SCATTERS: dict[str, Callable[..., tuple[Any, Any]]] = {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter}
+SCATTERS: dict[str, Callable[..., tuple[Any, Any]]] = {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter,
+                                                       "native": native.reduce_scatter}
 """The reduce-scatter of every row with ``scatter`` (reduce_scatter runs it; so does the
-allreduce of that name, before the ring allgather)."""
+allreduce of that name, before the ring allgather, for giftcomm's own rows)."""
 
 
 def _scatter_gather(name: str) -> Runner:
@@ -262,6 +271,10 @@ def _oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_
     return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
 
 
+def _native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    return native.allreduce(t, flat, wire, acc_t)
+
+
 def _hierarchical(cross: str) -> Runner:
     """fp32 inside nodes, reduce-scatter ``cross`` (and the ring allgather) across them."""
     scatter = SCATTERS[cross]
@@ -279,6 +292,7 @@ RUNNERS: dict[str, Runner] = {
     "hierarchical": _hierarchical("ring"),
     "hierarchical_direct": _hierarchical("direct"),
     "oneshot": _oneshot,
+    "native": _native,
 }
 """The allreduce runner of every row of the algorithm table (giftcomm.collectives.algorithms)."""
 
@@ -329,7 +343,8 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
         # and one with a device array (the fused kernels) would round differently
         call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel)
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel,
+                                        native=job.opts.allow_native)
     call.sig["shared_memory"] = int(t.shared_memory)
     return call.sig
 
@@ -404,7 +419,8 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
     call = job.call
     job.bounds = bounds = scatter_layout.plan_layout(call, t.size, layout)
     planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, SCATTER_CHOICES)
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, SCATTER_CHOICES,
+                                        native=job.opts.allow_native)
     return call.sig
 
 

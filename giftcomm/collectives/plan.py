@@ -36,7 +36,7 @@ __all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate
 _SCATTER_DEFAULT = next(a.name for a in TABLE if a.scatter)
 """What ``auto`` runs for reduce_scatter when the cost model's choice has no reduce-scatter half."""
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
-          "caller", "rounding", "seed", "chosen")
+          "caller", "rounding", "seed", "allow_native", "chosen")
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
 MATCH = FIELDS[:-1]
 """Fields every rank must have alike ("chosen" may differ: auto on different calibrations; rank 0's wins)."""
@@ -107,7 +107,8 @@ def validate(x: Any, name: str, opts: CallOptions, reduces: bool = True) -> Call
     sig = dict.fromkeys(FIELDS, 0)
     sig.update(count=int(imp.array.size), dtype=DTYPE_CODES[imp.logical], fmt=f.variant_code, block=opts.resolved_block,
                op=OP_CODES[opts.op] if reduces else 0, slice=opts.slice_elems or 0,
-               rounding=int(seed is not None), seed=0 if seed is None else seed - (1 << 64) * (seed >= 1 << 63))
+               rounding=int(seed is not None), seed=0 if seed is None else seed - (1 << 64) * (seed >= 1 << 63),
+               allow_native=int(opts.allow_native))
     return Call(imp, f, sig["block"], opts.op, sig, seed=seed)
 
 
@@ -162,17 +163,17 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 
 
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
-                   allowed: tuple[str, ...] = CHOICES, channel: bool = False) -> np.ndarray:
+                   allowed: tuple[str, ...] = CHOICES, channel: bool = False, native: bool = True) -> np.ndarray:
     """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's, or for
     a restricted ``allowed`` set the first reduce-scatter row when the choice is not in it;
-    ``channel``: for a plan whose calls would go through the node-shared channel) in the
-    signature; returns the node layout."""
+    ``channel``: for a plan whose calls would go through the node-shared channel; ``native``:
+    the call's allow_native) in the signature; returns the node layout."""
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
-        chosen = choose(call.arr.size, topo, call.fmt.name, call.block, channel=channel)
+        chosen = choose(call.arr.size, topo, call.fmt.name, call.block, channel=channel, native=native)
         chosen = chosen if chosen in allowed else _SCATTER_DEFAULT
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes

@@ -22,6 +22,11 @@ What is measured (all by ping-pong between two ranks; the other ranks wait witho
 - **overlap** (0..1): how far wire and codec time hide each other in a pipelined phase, fitted
   to one ring e4m3 allreduce of ``--overlap-bytes`` (16 MiB) timed with all the constants above
   known: 1 means ``max(wire, codec)``, 0 means ``wire + codec`` (one CPU core does both).
+- **native path** (``native_alpha``, ``native_beta``): giftcomm's ``algorithm="native"`` (the
+  transport's own allreduce, fp32) timed on 256 values (alpha: that time less ``call_overhead``)
+  and on ``--overlap-bytes`` of float32 (beta: what that time leaves per reduced byte,
+  ``(P-1)/P * 4n``, beyond twice the link's beta), and the same input summed as bf16 for
+  ``native_half_beta``; older files without them get the defaults.
 - **nics_per_node** is not measured: ``--nics-per-node N`` sets it (0: one NIC per rank).
 - **codec rates** (float32 values per second, one core, on rank 0, e4m3, block 256): encode,
   decode, fused decode_add_encode, decode_accumulate, via ``giftcomm.codec`` (native kernels
@@ -53,7 +58,7 @@ from ..machine import BOUNDS
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
 
-__all__ = ["fit_line", "fit_link", "measure_codec_rates", "build_calibration", "calibration_json",
+__all__ = ["fit_line", "fit_link", "measure_codec_rates", "measure_native", "build_calibration", "calibration_json",
            "fit_overheads", "fit_overlap", "steps_of", "main"]
 
 
@@ -233,6 +238,28 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
                 "predicted_no_overlap_s": t_none, "overlap": ov}
 
 
+def measure_native(comm, cal: Calibration, topo, nbytes: int, reps: int = 50) -> tuple[float, float, float, dict]:
+    """Collective: time giftcomm's native path on 256 float32 values, and on ``nbytes`` of float32
+    input summed as fp32 and as bf16 (statistic over calls of the slowest rank); returns
+    (native_alpha, native_beta, native_half_beta, raw data), each clamped at 0 (docs/scaling.md:
+    t = native_alpha + (P-1)/P * b n * (2 beta + native_beta), b = 4; native_half_beta: b = 2)."""
+    import giftcomm
+
+    link = cal.net if topo.nodes > 1 else cal.shm
+    big = max(nbytes // 4, 256)
+    times = []
+    for n, fmt in ((256, "fp32"), (big, "fp32"), (big, "bf16")):
+        x = np.random.default_rng(comm.rank).standard_normal(n, dtype=np.float32)
+        times.append(time_calls(lambda: giftcomm.allreduce(x, comm=comm, fmt=fmt, algorithm="native"),
+                                reps if n == 256 else 5, warmup=2, comm=comm, stat=STAT_NAME[0])[0])
+    alpha = max(times[0] - cal.call_overhead, 0.0)
+    share = (comm.size - 1) / comm.size * big
+    beta = max((times[1] - cal.call_overhead - alpha) / (4 * share) - 2 * link.beta, 0.0)
+    half = max((times[2] - cal.call_overhead - alpha) / (2 * share) - 2 * link.beta, 0.0)
+    return alpha, beta, half, {"values": [256, big, big], "formats": ["fp32", "fp32", "bf16"], "seconds": times,
+                               "native_alpha": alpha, "native_beta": beta, "native_half_beta": half}
+
+
 def _rate(fn, n: int, budget_s: float) -> float:
     """Values per second of ``fn`` (which processes n values): the statistic of 5 to 200 calls,
     as many as take about ``budget_s`` seconds."""
@@ -378,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         cal.nics_per_node = args.nics_per_node
     if args.overlap_bytes and parse_size(args.overlap_bytes) > 0:
         cal.overlap, raw["overlap"] = measure_overlap(comm, cal, topo, parse_size(args.overlap_bytes))
+        cal.native_alpha, cal.native_beta, cal.native_half_beta, raw["native_path"] = measure_native(
+            comm, cal, topo, parse_size(args.overlap_bytes))
     if comm.rank == 0:
         raw.update(stat=args.stat, P=world.size, nodes=nodes.tolist(), layout=layout, host=platform.node(),
                    cpus=os.cpu_count(), loadavg_before=load_before, loadavg_after=_loadavg(),
@@ -402,6 +431,8 @@ def _summary(cal: Calibration, notes: list[str], path: Path | None) -> str:
                      f"beta = {link.beta * 1e9:.4f} ns/byte ({1 / link.beta / 1e9 if link.beta else float('inf'):.2f} GB/s)")
     lines.append(f"#  software: {cal.call_overhead * 1e6:.1f} us per call, {cal.step_overhead * 1e6:.1f} us per step; "
                  f"overlap of wire and codec {cal.overlap:.2f}")
+    lines.append(f"#  native path: {cal.native_alpha * 1e6:.1f} us per call, {cal.native_beta * 1e9:.4f} ns per reduced "
+                 f"byte beyond the link ({cal.native_half_beta * 1e9:.4f} for 16-bit values)")
     lines.append(f"#  codec (Mvalues/s): encode {cal.encode_rate / 1e6:.0f}, decode {cal.decode_rate / 1e6:.0f}, "
                  f"fused {cal.fused_rate / 1e6:.0f}, accumulate {cal.accumulate_rate / 1e6:.0f}")
     lines += [f"#  note: {n}" for n in notes]

@@ -3,7 +3,12 @@ fidelity columns.
 
 Run under mpiexec, e.g. ``mpiexec -n 4 python -m giftcomm.perf allreduce -b 1K -e 64M -f 4
 --fmt e4m3,bf16,fp32``. For every size, every format runs through one shared timing-and-checking
-loop, then the MPI library's own MPI_Allreduce on float32 runs as the baseline row (fmt ``mpi``).
+loop (repeated identical calls, as nccl-tests times them: plain calls reuse a cached plan where
+the ranks share a node), then the baselines, in the same run (``--baselines``): the MPI library's
+own MPI_Allreduce on float32 (fmt ``mpi``) and on bfloat16 (fmt ``mpibf``: the values rounded to
+bf16, summed by MPI_Allreduce with giftcomm's bf16 MPI operation, as ``algorithm="native",
+fmt="bf16"`` does) and giftcomm's own bf16 ring (fmt ``bf16``, algo ``ring (baseline)``: bf16 on
+the wire, fp32 accumulation). Every row's ``xbest`` is the fastest baseline's time over its time.
 
 The output follows nccl-tests so that the tools which read all_reduce_perf logs read it too:
 a ``#`` header with one placement line per rank, then the columns of all_reduce_perf's
@@ -25,13 +30,17 @@ busbw      GB/s = algbw * 2(P-1)/P, as nccl-tests defines it for allreduce: in b
 #wrong     elements of rank 0's result that differ, bit for bit, from the single-process
            reference simulation of the same algorithm, plus ranks whose result is not identical
            to rank 0's (``-c 0``: N/A). MPI row: elements farther from the float64 sum than fp32
-           rounding allows (P * 2^-23 * sum |x_i|), plus ranks that disagree
-fmt        the wire format (mpi: MPI_Allreduce on float32)
+           rounding allows (P * 2^-23 * sum |x_i|), plus ranks that disagree; mpibf row: elements
+           that differ from the native path's definition (simulate_allreduce(fmt="bf16",
+           algorithm="native"), MPICH's order), plus ranks that disagree
+fmt        the wire format (mpi: MPI_Allreduce on float32; mpibf: MPI_Allreduce on bfloat16)
 algo       the algorithm the call used (``auto``: the cost model's choice, the one the API makes)
 wirebw     GB/s = busbw * wire bytes per value / input bytes per value: the bus bandwidth in bytes
            actually sent (FP8 payload plus scales), comparable with the link's rate
 relerr     ||y - s||_2 / ||s||_2 against the float64 sum s (worst rank)
 maxabs     max |y - s| (worst rank)
+xbest      the fastest baseline row's time at this size over this row's time: above 1 is faster
+           than every baseline (the baselines printed in this run, ``--baselines``)
 =========  ===================================================================================
 """
 from __future__ import annotations
@@ -53,6 +62,7 @@ import numpy as np
 import giftcomm
 from giftcomm import codec, config
 from giftcomm.api import ALGORITHMS
+from giftcomm.collectives.algorithms import native_bytes
 from giftcomm.costmodel import choose
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce
@@ -83,6 +93,7 @@ class Row:
     wirebw: float
     relerr: float
     maxabs: float
+    xbest: float = float("nan")
 
 
 def _rank_input(seed: int, rank: int, count: int, dtype: Any) -> np.ndarray:
@@ -107,6 +118,12 @@ def _disagreeing_ranks(comm: Any, y: np.ndarray) -> int:
     return sum(d != digests[0] for d in digests)
 
 
+def _half_sum(kind: str) -> Any:
+    from giftcomm.transport.mpi import half_sum  # lazily: mpi4py, as everywhere in the perf tools
+
+    return half_sum(kind)
+
+
 def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
     """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
     (giftcomm.costmodel.choose on the transport's node layout, as the API asks it)."""
@@ -115,23 +132,31 @@ def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block
     return choose(count, topology(transport)[1], fmt, block)
 
 
+BASELINES = ("mpi", "mpibf", "ring-bf16")
+"""The baseline rows ``--baselines`` may ask for: MPI_Allreduce on float32 and on bfloat16, and
+giftcomm's own bf16 ring."""
+
+
 def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
-                        slice_elems: int | None = None, transport: Any = None) -> list[Row]:
-    """Time and check allreduce for every size and format, plus the MPI fp32 baseline.
+                        slice_elems: int | None = None, transport: Any = None,
+                        baselines: tuple[str, ...] = ("mpi",), allow_native: bool = True) -> list[Row]:
+    """Time and check allreduce for every size and format, plus the ``baselines`` (of
+    :data:`BASELINES`); every row's ``xbest`` is the fastest baseline's time over its own.
 
-    ``comm``: the mpi4py communicator (barriers, the baseline, the checks); ``transport``: what
+    ``comm``: the mpi4py communicator (barriers, the baselines, the checks); ``transport``: what
     giftcomm's calls get as ``comm=`` (default ``comm`` itself), e.g. an MpiTransport with the
-    shared window switched off. Collective: every rank gets the same rows."""
+    shared window switched off. ``allow_native``: the calls' option (False: ``auto`` stays
+    compressed). Rows are handed to ``on_row`` once a size is done (the ratio
+    needs its baselines). Collective: every rank gets the same rows."""
     from mpi4py import MPI
 
     transport = comm if transport is None else transport
-    t = giftcomm.transport.resolve(transport)
     dtype = DTYPES[dtype_name]
     p = comm.size
     rows: list[Row] = []
-    bar = Progress(len(sizes) * (len(fmts) + 1), enabled=progress and comm.rank == 0)
+    bar = Progress(len(sizes) * (len(fmts) + len(baselines)), enabled=progress and comm.rank == 0)
     for size in sizes:
         count = max(size // np.dtype(dtype).itemsize, 0)
         x = _rank_input(seed, comm.rank, count, dtype)
@@ -157,14 +182,25 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                 np.divide(y32, np.float32(p), out=y32)
             return y32
 
-        def ours(fmt: str) -> Callable[[], np.ndarray]:
+        xbf = x32.astype(ml_dtypes.bfloat16).view(np.uint16) if "mpibf" in baselines else None
+        ybf = np.empty_like(xbf) if xbf is not None else None
+
+        def mpi_bf16_baseline() -> np.ndarray:
+            comm.Allreduce([xbf, MPI.UINT16_T], [ybf, MPI.UINT16_T], op=_half_sum("bfloat16"))
+            y = ybf.view(ml_dtypes.bfloat16)  # type: ignore[union-attr]
+            return (y.astype(np.float32) / np.float32(p)) if op == "avg" else y
+
+        def ours(fmt: str, algo: str = algorithm) -> Callable[[], np.ndarray]:
             return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=resolve_block(fmt, block),
-                                              algorithm=algorithm,
-                                              slice_elems=slice_elems, out=result_buf)
+                                              algorithm=algo, slice_elems=slice_elems, out=result_buf,
+                                              allow_native=allow_native)
 
         cases = [(fmt, ours(fmt)) for fmt in fmts]
-        cases.append(("mpi", mpi_baseline))
-        for name, fn in cases:
+        cases += [{"mpi": ("mpi", mpi_baseline), "mpibf": ("mpibf", mpi_bf16_baseline),
+                   "ring-bf16": ("bf16", ours("bf16", "ring"))}[b] for b in baselines]
+        first = len(rows)
+        for i, (name, fn) in enumerate(cases):
+            baseline = i >= len(fmts)
             bar.update(f"{format_size(size)} {name}")
             seconds, y = time_calls(fn, iters, warmup=warmup, comm=comm)
             y = y.reshape(-1)
@@ -177,10 +213,19 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                     tol = p * 2.0 ** -23 * abs_sum
                     mine = int(np.count_nonzero(~(np.abs(y.astype(np.float64) - exact) <= tol))) if comm.rank == 0 else 0
                     wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
+            elif name == "mpibf":
+                algo, wire = "mpi", 2.0
+                if check:
+                    mine = 0
+                    if comm.rank == 0:
+                        inputs = [_rank_input(seed, r, count, dtype).astype(np.float32) for r in range(p)]
+                        want = simulate_allreduce(inputs, fmt="bf16", op=op, algorithm="native")[0]
+                        mine = int(np.count_nonzero(_differs(y.astype(np.float32), want)))
+                    wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
             else:
                 fblock = resolve_block(name, block)
-                algo = chosen_algorithm(t, algorithm, count, name, fblock)
-                wire = bytes_per_value(name, fblock)
+                algo = giftcomm.api.last_algorithm(transport)[0]  # type: ignore[index]  # what the call ran
+                wire = float(native_bytes(name)) if algo == "native" else bytes_per_value(name, fblock)
                 if check:
                     # Every rank's result must equal rank 0's (checked by digest), so only rank 0
                     # runs the single-process simulation: P times less work on a shared machine.
@@ -193,12 +238,16 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                     wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
             algbw = size / seconds / 1e9 if seconds > 0 else 0.0
             busbw = algbw * 2 * (p - 1) / p
-            in_bytes = np.dtype(np.float32 if name == "mpi" else dtype).itemsize
-            row = Row(size, count, NCCL_TYPE["float32" if name == "mpi" else dtype_name], op, -1, seconds * 1e6,
-                      algbw, busbw, wrong, name, algo, busbw * wire / in_bytes, relerr, maxabs)
-            rows.append(row)
+            mpi = name in ("mpi", "mpibf")
+            in_bytes = np.dtype(np.float32 if mpi else dtype).itemsize
+            label = f"{algo} (baseline)" if baseline and not mpi else algo
+            rows.append(Row(size, count, NCCL_TYPE["float32" if mpi else dtype_name], op, -1, seconds * 1e6,
+                            algbw, busbw, wrong, name, label, busbw * wire / in_bytes, relerr, maxabs))
+        best = min((r.time_us for r in rows[first + len(fmts):]), default=float("nan"))
+        for r in rows[first:]:
+            r.xbest = best / r.time_us if r.time_us > 0 else float("nan")
             bar.clear()
-            on_row(row)
+            on_row(r)
     bar.close()
     return rows
 
@@ -215,6 +264,7 @@ COLUMNS = [  # (header, unit, width)
     ("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6), ("root", "", 6),
     ("time", "(us)", 10), ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("#wrong", "", 7),
     ("fmt", "", 6), ("algo", "", 19), ("wirebw", "(GB/s)", 8), ("relerr", "", 9), ("maxabs", "", 9),
+    ("xbest", "", 6),
 ]
 HEADER = ("#" + " ".join(f"{h:>{w}}" for h, _, w in COLUMNS)[1:] + "\n"
           + "#" + " ".join(f"{u:>{w}}" for _, u, w in COLUMNS)[1:])
@@ -224,7 +274,8 @@ def format_row(r: Row) -> str:
     wrong = "N/A" if r.wrong is None else str(r.wrong)
     cells = [f"{r.size:>12}", f"{r.count:>12}", f"{r.type:>8}", f"{r.redop:>6}", f"{r.root:>6}",
              f"{r.time_us:>10.2f}", f"{r.algbw:>8.3f}", f"{r.busbw:>8.3f}", f"{wrong:>7}",
-             f"{r.fmt:>6}", f"{r.algorithm:>19}", f"{r.wirebw:>8.3f}", f"{r.relerr:>9.2e}", f"{r.maxabs:>9.2e}"]
+             f"{r.fmt:>6}", f"{r.algorithm.replace(' ', '_'):>19}", f"{r.wirebw:>8.3f}", f"{r.relerr:>9.2e}",
+             f"{r.maxabs:>9.2e}", f"{r.xbest:>6.2f}"]
     return " ".join(cells)
 
 
@@ -232,14 +283,24 @@ def footer(rows: list[Row], checked: bool) -> list[str]:
     """nccl-tests' footer: out-of-bounds count and the average busbw (over the giftcomm rows; the
     MPI baseline's and each format's own average follow as comments)."""
     bad = sum(r.wrong or 0 for r in rows)
-    ours = [r.busbw for r in rows if r.fmt != "mpi"]
+    ours = [r.busbw for r in rows if not is_baseline(r)]
     lines = [f"# Out of bounds values : {bad if checked else 'N/A'} {'OK' if bad == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {float(np.mean(ours)) if ours else 0.0:.6g} ",
              "#"]
-    fmts = list(dict.fromkeys(r.fmt for r in rows))
+    key = lambda r: r.fmt + (" ring (baseline)" if r.algorithm.endswith("(baseline)") else "")  # noqa: E731
+    fmts = list(dict.fromkeys(key(r) for r in rows))
     lines.append("# Avg bus bandwidth (GB/s) per fmt: "
-                 + ", ".join(f"{f} {float(np.mean([r.busbw for r in rows if r.fmt == f])):.6g}" for f in fmts))
+                 + ", ".join(f"{f} {float(np.mean([r.busbw for r in rows if key(r) == f])):.6g}" for f in fmts))
+    ratios = [r.xbest for r in rows if not is_baseline(r) and np.isfinite(r.xbest)]
+    if ratios:
+        lines.append(f"# xbest (fastest baseline's time / giftcomm row's): min {min(ratios):.3g}, "
+                     f"median {float(np.median(ratios)):.3g}")
     return lines
+
+
+def is_baseline(r: Row) -> bool:
+    """A baseline row (MPI_Allreduce float32 or bfloat16, giftcomm's bf16 ring baseline)."""
+    return r.fmt in ("mpi", "mpibf") or r.algorithm.endswith("(baseline)")
 
 
 def mpi_library_version() -> str:
@@ -294,6 +355,12 @@ def build_parser(prog: str = "giftcomm.perf allreduce") -> argparse.ArgumentPars
     ap.add_argument("--algorithm", default="auto", choices=ALGORITHMS, help="allreduce algorithm (default auto)")
     ap.add_argument("--slice-elems", type=int, default=None,
                     help="pipelining slice in values (default: automatic; changes speed, never results)")
+    ap.add_argument("--allow-native", type=int, default=1, choices=[0, 1],
+                    help="1 (default): auto may take the transport's own allreduce where predicted faster; "
+                         "0: keep every giftcomm row compressed (allow_native=False)")
+    ap.add_argument("--baselines", default=",".join(BASELINES),
+                    help="baseline rows, comma-separated, of: mpi (MPI_Allreduce float32), mpibf "
+                         "(MPI_Allreduce bfloat16), ring-bf16 (giftcomm's bf16 ring); '' for none")
     ap.add_argument("--shared-memory", default="auto", choices=list(SHARED_MEMORY),
                     help="zero-copy shared window when every rank is on one node (auto: yes unless "
                          "$GIFTCOMM_SHARED_MEMORY=0); changes speed, never results")
@@ -308,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown format(s) {unknown}; known: {list(FORMATS)}", file=sys.stderr)
         return 2
     sizes = size_range(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    baselines = tuple(split_list(args.baselines)) if args.baselines else ()
+    if set(baselines) - set(BASELINES):
+        print(f"unknown baseline(s) {sorted(set(baselines) - set(BASELINES))}; known: {list(BASELINES)}",
+              file=sys.stderr)
+        return 2
     from mpi4py import MPI
 
     from giftcomm.transport.mpi import MpiTransport
@@ -330,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         if tuning:
             print("# MPI settings from the environment (every row alike): " + " ".join(tuning))
         print("# wire bytes/value: " + ", ".join(f"{f}={bytes_per_value(f, resolve_block(f, args.block)):.4f}" for f in fmts)
-              + "; mpi = MPI_Allreduce on float32 input (baseline)")
+              + "; baselines (same run): mpi = MPI_Allreduce on float32, mpibf = MPI_Allreduce on bfloat16 "
+              "(giftcomm's bf16 MPI op), bf16 ring = giftcomm's own; xbest = fastest baseline's time / this row's")
         print("# algbw = size/time, busbw = algbw*2(P-1)/P (nccl-tests), both GB/s (1e9 B/s) of input "
               "bytes; wirebw = busbw in bytes sent")
         print("#")
@@ -347,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_allreduce_sweep(comm, sizes, fmts, args.dtype, args.op, args.block, args.iters, args.warmup,
                                bool(args.check), args.seed, not args.no_progress, on_row, args.algorithm,
-                               args.slice_elems, transport)
+                               args.slice_elems, transport, baselines, bool(args.allow_native))
     transport.free()
     bad = sum(r.wrong or 0 for r in rows)
     if comm.rank == 0:
@@ -360,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                    "link": (config.raw("GIFTCOMM_NETBED_RATE") or "host"), "args": vars(args),
                    "units": {"size": "B", "time_us": "us", "algbw": "GB/s", "busbw": "GB/s", "wirebw": "GB/s"},
                    "out_of_bounds": bad if args.check else None,
-                   "avg_busbw": float(np.mean([r.busbw for r in rows if r.fmt != "mpi"] or [0.0])),
+                   "avg_busbw": float(np.mean([r.busbw for r in rows if not is_baseline(r)] or [0.0])),
                    "rows": [asdict(r) for r in rows]}
             with open(args.json, "w") as fh:
                 json.dump(doc, fh, indent=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
@@ -188,6 +189,35 @@ def _oneshot_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
     return total
 
 
+_NATIVE_KINDS = {"fp32": np.float32, "fp16": np.float16}
+
+
+def _native_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
+    """The transport's own allreduce as giftcomm defines it (giftcomm.collectives.native): each
+    rank's values in the native type (a pass-through format's, rounded to nearest even; else the
+    accumulation dtype), added in MPICH's recursive-doubling order -- ranks 2i and 2i+1 first
+    for i < P - P2 (P2: the largest power of two <= P), then the P2 partial sums in adjacent
+    pairs, level by level -- a 16-bit partial sum computed in float32 and rounded to its type."""
+    acc_t = accumulation_dtype(flat[0].dtype)
+    if w.fmt.scaled:
+        kind: np.dtype = np.dtype(acc_t)
+    else:
+        kind = np.dtype(ml_dtypes.bfloat16) if w.fmt.name == "bf16" else np.dtype(_NATIVE_KINDS[w.fmt.name])
+    with np.errstate(invalid="ignore", over="ignore"):
+        parts = [x.astype(np.float32).astype(kind) if kind.itemsize == 2 else x.astype(kind) for x in flat]
+        wide = kind.itemsize == 2
+
+        def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return (a.astype(np.float32) + b.astype(np.float32)).astype(kind) if wide else a + b
+
+        p = len(parts)
+        p2 = 1 << (p.bit_length() - 1)
+        level = [add(parts[2 * i], parts[2 * i + 1]) for i in range(p - p2)] + parts[2 * (p - p2):]
+        while len(level) > 1:
+            level = [add(level[2 * j], level[2 * j + 1]) for j in range(len(level) // 2)]
+        return level[0].astype(acc_t)
+
+
 def simulate_reduce_scatter(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum", algorithm: str = "ring",
     *, rounding: str = "nearest", seed: int | None = None, layout: str = "blocks",
@@ -207,21 +237,22 @@ def simulate_reduce_scatter(
 
 
 def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
-                      block: int | None = None) -> str:
+                      block: int | None = None, allow_native: bool = True) -> str:
     """The algorithm "auto" stands for: the cost model's choice for n values on p ranks, in
-    nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does."""
+    nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does
+    (``allow_native``: as its option)."""
     if algorithm not in CHOICES:
         raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(CHOICES)}")
     if algorithm != AUTO:
         return algorithm
     k = local_size or p
-    return choose(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block))
+    return choose(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block), native=allow_native)
 
 
 def simulate_allreduce(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum",
     algorithm: str = "auto", local_size: int | None = None, local_fmt: str = "fp32", *,
-    rounding: str = "nearest", seed: int | None = None,
+    rounding: str = "nearest", seed: int | None = None, allow_native: bool = True,
 ) -> list[np.ndarray]:
     """Every rank's allreduce output (input shape and dtype), from every rank's input.
 
@@ -233,6 +264,8 @@ def simulate_allreduce(
     - "doubling": recursive doubling (small messages);
     - "oneshot": every rank's vector quantized once, sent to every rank, summed by each in rank
       order (small messages);
+    - "native": the transport's own allreduce, uncompressed (a pass-through format's values, else
+      the accumulation dtype), added in MPICH's recursive-doubling order (:func:`_native_sum`);
     - "hierarchical" / "hierarchical_direct": nodes of ``local_size`` consecutive ranks;
       pass-through (``local_fmt``) ring reduce-scatter inside each node, ring / direct FP8
       allreduce of each node chunk across nodes, exact fp32 allgather inside each node;
@@ -245,7 +278,7 @@ def simulate_allreduce(
     get_format(local_fmt)
     flat, dtype, shape = _flat_inputs(inputs)
     p = len(flat)
-    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, w.fmt.name, w.block)
+    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, w.fmt.name, w.block, allow_native)
     acc_t = accumulation_dtype(dtype)
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
@@ -276,8 +309,16 @@ Simulation = Callable[[list[np.ndarray], _Wire, int, str], np.ndarray]
 SCATTER_SIMULATIONS: dict[str, Callable[..., tuple[list[np.ndarray], np.ndarray]]] = {
     "ring": lambda flat, w, layout="blocks": _chunk_sums(flat, w, layout=layout),
     "direct": lambda flat, w, layout="blocks": _chunk_sums(flat, w, direct=True, layout=layout),
+    "native": lambda flat, w, layout="blocks": _native_chunks(flat, w, layout),
 }
 """The reduce-scatter (each owner's chunk sums, and the chunk bounds) of every row with ``scatter``."""
+
+
+def _native_chunks(flat: list[np.ndarray], w: _Wire, layout: str) -> tuple[list[np.ndarray], np.ndarray]:
+    """Every rank's shard of the native allreduce (its reduce-scatter is the whole allreduce)."""
+    total = _native_sum(flat, w)
+    bounds = shard_bounds(flat[0].size, len(flat), w.block, layout)
+    return [total[bounds[c] : bounds[c + 1]] for c in range(len(flat))], bounds
 
 
 def _scatter_gather(name: str) -> Simulation:
@@ -295,6 +336,7 @@ SIMULATIONS: dict[str, Simulation] = {
     "hierarchical_direct": lambda flat, w, local_size, local_fmt: _hierarchical_sum(flat, w, local_size, local_fmt,
                                                                                     True),
     "oneshot": lambda flat, w, local_size, local_fmt: _oneshot_sum(flat, w),
+    "native": lambda flat, w, local_size, local_fmt: _native_sum(flat, w),
 }
 """The reference simulation of every row of the algorithm table (giftcomm.collectives.algorithms)."""
 assert set(SIMULATIONS) == set(BY_NAME) and set(SCATTER_SIMULATIONS) == set(SCATTER_CHOICES[1:])

@@ -34,7 +34,7 @@ PIPELINED, GROUPED = "pipelined", "grouped"
 _STATE_LOCK = threading.Lock()
 HOST, DEVICE, ANY = "host", "device", "any"
 
-__all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all",
+__all__ = ["Request", "Transport", "TransportState", "SubTransport", "GroupedTransport", "QueuedOp", "wait_all", "tree_sum",
            "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 
@@ -70,6 +70,8 @@ class TransportState:
     plan_cache: the plain calls' cached plans by call signature, least recently used first
     (giftcomm.plan_cache).
     fused: the fused GIFT transforms' device state per geometry (giftcomm.collectives.gift).
+    native: per (count, kind) the native path has run, whether this transport's own allreduce
+    gave every rank the same bytes when first checked (giftcomm.collectives.native).
     pid: the process that created it. closed: None while alive; once :meth:`close` ran, why (what
     a stale user -- a plan holding this state -- raises as :class:`~giftcomm.errors.CommClosed`).
 
@@ -86,6 +88,7 @@ class TransportState:
     channel: PlanChannel | None = None
     plan_cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     fused: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
+    native: dict[tuple[int, str], bool] = field(default_factory=dict)
     pid: int = field(default_factory=os.getpid)
     closed: str | None = None
 
@@ -110,6 +113,7 @@ class TransportState:
         self.splits.clear()
         self.plan_cache.clear()
         self.fused.clear()
+        self.native.clear()
         self.workspaces.clear()
         self.topology.clear()
         if channel is not None:
@@ -222,6 +226,24 @@ class Transport(ABC):
     def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
         """Overwrite ``buf`` (float64, same shape everywhere) with ``root``'s, in place."""
         got = self.broadcast_object(np.ascontiguousarray(buf) if self.rank == root else None, root)
+        if self.rank != root:
+            buf[...] = got
+
+    # --- the transport's own reduction (algorithm="native": giftcomm.collectives.native) ------
+    def native_sum(self, buf: Any, kind: str) -> Any:
+        """The elementwise sum over ranks of ``buf`` (contiguous, 1-D, the same length on every
+        rank) by this transport's own allreduce: a new array like ``buf``. kind: "float32",
+        "float64", "float16" or "bfloat16" (host: ``ml_dtypes.bfloat16``; device: uint16 bits);
+        a 16-bit kind adds in float32 and rounds every partial sum to the kind (nearest even).
+        The order of the additions is the transport's, and that every rank gets the same bytes
+        is not promised (giftcomm.collectives.native checks it). This default, for transports
+        without an allreduce of their own (the loopback, sub-transports), gathers the arrays
+        and adds them in MPICH's recursive-doubling order (:func:`tree_sum`)."""
+        return tree_sum(self.allgather_object(buf.copy()), kind)  # a copy: in-process peers read it later
+
+    def native_broadcast(self, buf: Any, root: int) -> None:
+        """Overwrite ``buf`` (a :meth:`native_sum` result) with ``root``'s, in place."""
+        got = self.broadcast_object(buf.copy() if self.rank == root else None, root)
         if self.rank != root:
             buf[...] = got
 
@@ -433,6 +455,29 @@ class SubTransport(Transport):
 
     def allgather_object(self, obj: Any) -> list[Any]:
         raise NotImplementedError("subgroup transports carry data only; errors are agreed on the parent")
+
+
+def tree_sum(rows: Sequence[Any], kind: str) -> Any:
+    """The sum of ``rows`` (one array per rank, of ``kind`` as for :meth:`Transport.native_sum`)
+    in the order of MPICH's recursive-doubling allreduce: with P2 the largest power of two <= P
+    and R = P - P2, rows 2i and 2i+1 (i < R) are added first; then the P2 partial sums, in rank
+    order, are added in adjacent pairs, level by level, until one is left. A new array."""
+    if kind in ("float32", "float64"):
+        add: Callable[[Any, Any], Any] = lambda a, b: a + b  # noqa: E731
+    else:
+        def add(a: Any, b: Any) -> Any:
+            if kind == "bfloat16" and a.dtype == np.uint16:  # device bits
+                from .._xp import from_float32, to_float32
+
+                return from_float32(to_float32(a, kind) + to_float32(b, kind), kind)
+            return (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)
+    p = len(rows)
+    p2 = 1 << (p.bit_length() - 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        parts = [add(rows[2 * i], rows[2 * i + 1]) for i in range(p - p2)] + list(rows[2 * (p - p2):])
+        while len(parts) > 1:
+            parts = [add(parts[2 * j], parts[2 * j + 1]) for j in range(len(parts) // 2)]
+    return parts[0].copy() if p == 1 else parts[0]
 
 
 def wait_all(requests: Sequence[Request]) -> None:

@@ -42,7 +42,7 @@ from ..errors import CommAborted, CommClosed, CommTimeout
 from .base import LIVE_TRANSPORTS, Request, Transport
 from .shared_window import SHM_DIR, SharedWindow, enabled_by_env, populate, shm_room, window_footprint
 
-__all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
+__all__ = ["MpiTransport", "MpiRequest", "transport_for", "release", "half_sum", "TIMEOUT_EXIT_CODE", "INTERRUPT_EXIT_CODE"]
 
 log = logging.getLogger("giftcomm")
 
@@ -109,6 +109,29 @@ class MpiRequest(Request):
 _ALLGATHER_TAG = 30000
 _BARRIER_TAG = 30001  # + round
 _DIRECT_CONTROL_MAX = 16  # up to this many ranks the agreement gather is point-to-point
+
+
+_HALF_SUM_OPS: dict[str, MPI.Op] = {}
+
+
+def half_sum(kind: str) -> MPI.Op:
+    """The MPI operation that sums 16-bit floats of ``kind`` ("bfloat16", "float16") carried as
+    MPI_UINT16_T: each pair added in float32 and rounded to the kind (nearest even), with the
+    codec's pass-through kernels (giftcomm.codec: native when built; equal to ml_dtypes' casts)."""
+    op = _HALF_SUM_OPS.get(kind)
+    if op is None:
+        from .. import codec
+
+        fmt = "bf16" if kind == "bfloat16" else "fp16"
+
+        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            a, b = np.frombuffer(inbuf, np.uint8), np.frombuffer(inoutbuf, np.uint8)
+            acc = codec.decode(b, b.size // 2, fmt)
+            codec.decode_accumulate(a, acc, fmt, None)
+            codec.encode(acc, fmt, out=b)
+
+        op = _HALF_SUM_OPS[kind] = MPI.Op.Create(add, commute=True)
+    return op
 
 
 def _crowded(nodes: np.ndarray, rank: int) -> bool:
@@ -458,6 +481,24 @@ class MpiTransport(Transport):
     def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
         self._check()
         self.wait_for(self.comm.Ibcast(buf, root=root), "float64 broadcast", (root,))
+
+    def native_sum(self, buf: np.ndarray, kind: str) -> np.ndarray:
+        """MPI_Allreduce (nonblocking, under the deadline); the 16-bit kinds through a
+        commutative user-defined MPI operation that adds in float32 and rounds to the kind
+        (MPICH has no 16-bit float sum)."""
+        self._check()
+        total = np.empty_like(buf)
+        if kind in ("float32", "float64"):
+            req = self.comm.Iallreduce(buf, total, op=MPI.SUM)
+        else:
+            req = self.comm.Iallreduce([buf.view(np.uint16), MPI.UINT16_T], [total.view(np.uint16), MPI.UINT16_T],
+                                       op=half_sum(kind))
+        self.wait_for(req, f"native allreduce ({kind})")
+        return total
+
+    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
+        self._check()
+        self.wait_for(self.comm.Ibcast([buf.view(np.uint8), MPI.BYTE], root=root), "native broadcast", (root,))
 
     # --- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:

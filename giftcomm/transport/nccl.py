@@ -137,6 +137,28 @@ class NcclTransport(GroupedTransport):
         else:
             self.control.broadcast_float64(buf, root)
 
+    def native_sum(self, buf: Any, kind: str) -> Any:
+        """``ncclAllReduce`` (sum, in the kind's arithmetic) of ``buf`` into a new array, on CuPy's
+        current stream (bfloat16: uint16 bits as ncclBfloat16)."""
+        nccl = _nccl()
+        self.flush()
+        types = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "float16": "NCCL_FLOAT16",
+                 "bfloat16": "NCCL_BFLOAT16"}
+        dtype = getattr(nccl, types[kind], None)
+        if dtype is None:
+            raise TypeError(f"this CuPy's NCCL binding has no {types[kind]}")
+        total = buf.copy()
+        self.comm.allReduce(_xp.device_pointer(buf), _xp.device_pointer(total), int(buf.size), dtype, nccl.NCCL_SUM,
+                            _current_stream_ptr())
+        return total
+
+    def native_broadcast(self, buf: Any, root: int) -> None:
+        """``ncclBroadcast`` of ``root``'s bytes into ``buf`` (in place), on CuPy's current stream."""
+        nccl = _nccl()
+        self.flush()
+        ptr = _xp.device_pointer(buf)
+        self.comm.broadcast(ptr, ptr, int(buf.nbytes), nccl.NCCL_UINT8, root, _current_stream_ptr())
+
     def free(self) -> None:
         """Destroy the NCCL communicator (after its work is done) and the control transport."""
         self.close("giftcomm: this transport was freed (its plans and state with it); make a new one")

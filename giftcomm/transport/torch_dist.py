@@ -146,10 +146,31 @@ class TorchDistTransport(Transport):
         if not inplace:
             buf[...] = tmp
 
+    def native_sum(self, buf: np.ndarray, kind: str) -> np.ndarray:
+        """``dist.all_reduce`` (SUM) of a copy of ``buf`` (gloo: its ring, in the kind's arithmetic)."""
+        total = np.array(buf, copy=True, order="C")
+        if self.size > 1:
+            dist.all_reduce(_kind_tensor(total, kind), op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.size > 1:
+            dist.broadcast(_as_tensor(buf.view(np.uint8)), self._global[root], group=self.group)
+
     def free(self) -> None:
         """Destroy the private group (optional; torch frees it at destroy_process_group)."""
         self.close("giftcomm: this transport was freed (its plans and state with it); make a new one")
         dist.destroy_process_group(self.group)
+
+
+_TORCH_KINDS = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
+
+
+def _kind_tensor(buf: Any, kind: str) -> torch.Tensor:
+    """A flat torch tensor of ``kind`` over ``buf``'s memory (NumPy, torch or a DLPack producer;
+    bfloat16 as ml_dtypes.bfloat16 or uint16 bits), no copy."""
+    return _torch_view(buf).view(_TORCH_KINDS[kind])
 
 
 # ---------------------------------------------------------------------------- device (grouped)
@@ -239,6 +260,20 @@ class TorchDistDeviceTransport(GroupedTransport):
 
     def broadcast_float64(self, buf: np.ndarray, root: int) -> None:
         self.control.broadcast_float64(buf, root)
+
+    def native_sum(self, buf: Any, kind: str) -> Any:
+        """``dist.all_reduce`` (SUM) of a copy of ``buf`` on the group (NCCL: after the current
+        stream's work, and the current stream waits for it)."""
+        self.flush()
+        total = buf.copy()
+        if self.size > 1:
+            dist.all_reduce(_kind_tensor(total, kind), op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def native_broadcast(self, buf: Any, root: int) -> None:
+        self.flush()
+        if self.size > 1:
+            dist.broadcast(_torch_view(buf), self._global[root], group=self.group)
 
 
 def _is_device(buf: Any) -> bool:

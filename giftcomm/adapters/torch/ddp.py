@@ -58,7 +58,7 @@ from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
-from ..calls import call_kwargs
+from ..calls import call_kwargs, log_path
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
 
@@ -190,8 +190,9 @@ class GiftState:
     """Settings of the giftcomm DDP hook (plus, apart, its internal runtime).
 
     process_group: the DDP process group (None: the default group, looked up at the first bucket).
-    fmt, block, rounding, seed, algorithm, slice_elems, timeout: the call options of
-    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
+    fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call options of
+    ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO on "giftcomm.adapters" once
+    per bucket size; :class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
     own: 16 for nvfp4, 32 for the MX formats, 256 otherwise), used for every bucket; the hook
     always averages (op "avg"). With ``rounding="stochastic"`` bucket ``i`` of iteration ``it``
     is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
@@ -236,10 +237,11 @@ class GiftState:
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, allow_native: bool = True) -> None:
         self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
                                                     algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
-                                                    op="avg")
+                                                    op="avg", allow_native=allow_native)
+        self._paths_told: set = set()  # bucket sizes whose path was logged (calls.log_path)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GiftState: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -363,6 +365,7 @@ class GiftState:
         self.process_group = None
         self.param_names = {}
         self.capture = None
+        self._paths_told = set()
         self._stats = d.get("stats") or GiftStats()
         self._sync_transport = None
         self.runtime = _Runtime(None, None)
@@ -587,9 +590,10 @@ def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
 
     if state.feedback is None:
         reduce()
-        return
-    state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"], geo,
-                          signature=signature)
+    else:
+        state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"],
+                              geo, signature=signature)
+    log_path(state._paths_told, "DDP hook", transport, buf.numel(), state.options)
 
 
 def _bucket_signature(state: GiftState, bucket: dist.GradBucket) -> tuple:

@@ -44,10 +44,12 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport import Transport
+from ..calls import log_path
 from .kfac import KfacCapture
 
 try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
@@ -110,9 +112,10 @@ def _on_current_stream(t: torch.Tensor) -> Iterator[None]:
 class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]
     """FSDP2's ``ReduceScatter`` comm through giftcomm (module doc).
 
-    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout as
-    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct" or "auto"; with
-    ``rounding="stochastic"`` call c of this comm uses seed ``(seed + c) * 2**16 + index``).
+    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native as
+    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct", "native" or "auto": auto per
+    call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
+    uses seed ``(seed + c) * 2**16 + index``).
     warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "kfac" (KFAC factors
     from ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls from the
     factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
@@ -130,10 +133,12 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                  seed: int | None = None, algorithm: str = "auto", slice_elems: int | None = None,
                  timeout: float | None = None, warmup: int = 0, geometry: Any = None, capture: Any = None,
                  refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, allow_native: bool = True) -> None:
         self.options = CallOptions.of("GiftReduceScatter", fmt=fmt, block=block, rounding=rounding,
                                       seed=0 if rounding == "stochastic" and seed is None else seed,
-                                      algorithm=algorithm, slice_elems=slice_elems, timeout=timeout)
+                                      algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
+                                      allow_native=allow_native)
+        self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GiftReduceScatter: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -142,9 +147,9 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         self.algorithm_used: str | None = None
         self._geo_seen: Any = None  # the geometry the residual's coordinates belong to
         self._geo_generation = 0
-        if self.options.algorithm not in ("auto", "ring", "direct"):
-            raise ValueError(f"GiftReduceScatter: algorithm must be 'auto', 'ring' or 'direct' (reduce-scatter "
-                             f"algorithms), got {algorithm!r}")
+        if self.options.algorithm not in SCATTER_CHOICES:
+            raise ValueError(f"GiftReduceScatter: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
+                             f"(reduce-scatter algorithms), got {algorithm!r}")
         for name, value, least in (("warmup", warmup, 0), ("refresh_every", refresh_every, 1), ("index", index, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"GiftReduceScatter: {name} must be an int >= {least}, got {value!r}")
@@ -213,7 +218,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
         kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
                                   slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
-                                  timeout=opts.timeout, layout="equal")
+                                  timeout=opts.timeout, layout="equal", allow_native=opts.allow_native)
         with _on_current_stream(input_tensor):
             if geo is None:
                 self._plain(input_tensor, output_tensor, transport, how, kw)
@@ -221,6 +226,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                 self.gift_calls += 1
                 shard = self._gift(geo, input_tensor, size, transport, how, kw)
                 output_tensor.copy_(shard)
+        log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:
             output_tensor.mul_(factor)
         if async_op:
@@ -390,7 +396,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
     that module's parameters) and return them in ``model.modules()`` order.
 
     options: those of GiftReduceScatter (fmt, block, rounding, seed, algorithm, slice_elems,
-    timeout, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
+    timeout, allow_native, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
     ``capture=model`` makes one KfacCapture shared by all comms, stepped by a forward pre-hook
     on ``model`` (capture every ``capture_every`` forwards, ``capture_tokens`` rows per layer).
     Call on every rank, after ``fully_shard``. Raises on every rank alike, before any data

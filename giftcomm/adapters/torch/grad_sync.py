@@ -29,7 +29,7 @@ from ... import api
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...options import CallOptions
 from ...transport import resolve
-from ..calls import call_kwargs
+from ..calls import call_kwargs, log_path
 from .buckets import GradBucket, make_buckets
 
 __all__ = ["GradSync", "SyncTimes"]
@@ -89,8 +89,9 @@ class GradSync:
 
     model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm:
     mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block (None: the
-    format's own), op, rounding, seed, algorithm, slice_elems, timeout: the call options of
-    ``giftcomm.allreduce`` (:class:`~giftcomm.options.CallOptions`, validated here: a bad one
+    format's own), op, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call
+    options of ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO once per bucket
+    size; :class:`~giftcomm.options.CallOptions`, validated here: a bad one
     raises ValueError/TypeError naming GradSync; op="avg" averages like DDP); ``sync.options`` is
     the record. bucket_mb: bucket size in MiB. With ``rounding="stochastic"``, ``sync(step)``
     rounds bucket i with the seed ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step
@@ -106,10 +107,11 @@ class GradSync:
     def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
                  slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
-                 timeout: float | None = None, error_feedback: bool = False) -> None:
+                 timeout: float | None = None, error_feedback: bool = False, allow_native: bool = True) -> None:
         self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
-                                                    timeout=timeout)
+                                                    timeout=timeout, allow_native=allow_native)
+        self._paths_told: set[int] = set()  # bucket sizes whose path was logged (calls.log_path)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -172,6 +174,8 @@ class GradSync:
                     reduce()
                     last = api.last_algorithm(self.comm, device=b.tensor.device.type == "cuda")
                     self.algorithms[b.index] = None if last is None else last[0]
+                log_path(self._paths_told, "GradSync", self.comm, b.tensor.numel(), self.options,
+                         device=b.tensor.device.type == "cuda")
             if tg is not None:
                 times.transform += tg.seconds
         times.total = time.perf_counter() - t0

@@ -102,6 +102,7 @@ class ShardedGradSync:
             x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
             api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
                                algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
+                               allow_native=o.allow_native,
                                seed=call_seed, timeout=o.timeout, layout="equal")
 
         if self.feedback is not None:
