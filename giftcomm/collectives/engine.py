@@ -399,7 +399,7 @@ def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
     if not gift.has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
         # a failure on some ranks (the plans' upload: device memory) is raised on every rank
         confirm(t, "giftcomm.gift_allreduce: fused transform", lambda: gift.state_of(t, job.geometry, call.xp))
-    total = gift.allreduce(t, job.geometry, name, RUNNERS[name], flat, call.wire(t.rank), job.nodes, job.slice_n,
+    total = gift.allreduce(t, job.geometry, name, RUNNERS[name], SCATTERS, flat, call.wire(t.rank), job.nodes, job.slice_n,
                            call.op, into)
     if into is not None and total is into:
         return out

@@ -186,12 +186,13 @@ def _float32(t: Transport, flat: Any, xp: Any) -> Any:
     return buf
 
 
-def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, flat: Any, wire: Wire, nodes: Any,
-              slice_n: int, op: str, into: Any) -> Any:
+def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatters: Any, flat: Any, wire: Wire,
+              nodes: Any, slice_n: int, op: str, into: Any) -> Any:
     """The whole device gift_allreduce of the flat vector ``flat`` (n > 0): the float32 result,
     inverse-transformed and (op="avg") divided by P, in ``into`` (a float32 (n,) view of the
     caller's ``out``) when given, else a new array. ``runner``: the algorithm's engine runner
-    (the unfused route's data movement)."""
+    (the unfused route's data movement); ``scatters``: the engine's reduce-scatters by row name
+    (giftcomm.collectives.engine.SCATTERS)."""
     xp, n = wire.xp, flat.size
     st = state_of(t, geometry, xp)
     ws = workspace_of(t, xp)
@@ -205,12 +206,10 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, flat: An
         return st.inv.apply(_xp.astype(total, f32, copy=False), dest, divisor)
     st.fwd.project(x)  # pass A and S: the projections every fused encode reads
     if algorithm in NODE_FUSED_ROWS:
-        from .engine import SCATTERS
-
         local_n = int(np.diff(shared_chunk_bounds(n, check_uniform(nodes), wire.block)).max())
         scratch = ws.get("gift_own", 4 * local_n).view(np.float32)
         total = hierarchical.allreduce(t, x, nodes, wire, f32, slice_n,
-                                       scatter=SCATTERS["ring" if algorithm == "hierarchical" else "direct"],
+                                       scatter=scatters["ring" if algorithm == "hierarchical" else "direct"],
                                        local_own=lambda local_wire: FusedOwn(st.fwd, x, local_wire, scratch))
         return st.inv.apply(total, dest, divisor)
     if algorithm == "doubling":
@@ -223,15 +222,13 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, flat: An
         total = oneshot.reduce([got.message(q) for q in range(t.size)], n, wire, f32,
                                out=ws.get("gift_sum", 4 * n).view(np.float32))
         return st.inv.apply(total, dest, divisor)
-    from .engine import SCATTERS
-
     bounds = shared_chunk_bounds(n, t.size, wire.block)
     counts = np.diff(bounds)
     lay = ring.layout_of(counts, wire.fmt, wire.block, slice_n)
     scratch = ws.get("gift_own", 4 * max(max(s.elems[k + 1] - s.elems[k] for k in range(s.nslices))
                                          for s in lay.slices)).view(np.float32)
     own = FusedOwn(st.fwd, x, wire, scratch)
-    _, mine = SCATTERS[algorithm](t, x, bounds, wire, f32, slice_n, keep_sum=False,
+    _, mine = scatters[algorithm](t, x, bounds, wire, f32, slice_n, keep_sum=False,
                                   own_out=ring.gather_slot(t, wire, lay), own=own)
     gathered = ring.allgather(t, mine, counts, wire, slice_n, decode=False)
     table = st.gathered_table(bounds, wire.fmt, wire.block, slice_n)
