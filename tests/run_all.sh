@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 # The serial tests on every core (pytest-xdist; GIFTCOMM_TEST_WORKERS overrides, 0 = in this process):
 # most of them run in-process on one core, and the ones that launch jobs wait on them.
 workers="${GIFTCOMM_TEST_WORKERS:-$(nproc)}"
-timeout 1200 python -m pytest -m "not mpi" -q -n "$workers" --dist loadgroup "$@"
+timeout 1200 python -m pytest -m "not mpi" -q -n "$workers" --dist loadgroup --durations=20 "$@"
 # Only the modules that hold MPI tests are collected under mpiexec (each rank collects them).
 mpi_modules=$(grep -l 'mark\.mpi' tests/test_*.py)
 for p in 1 2 3 4 5; do
