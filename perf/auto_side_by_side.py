@@ -25,16 +25,8 @@ from mpi4py import MPI
 import giftcomm
 from giftcomm.api import last_algorithm
 from giftcomm.perf.sizes import parse_size
-from giftcomm.perf.timing import time_rounds
+from giftcomm.perf.timing import load_average, time_rounds
 from giftcomm.transport.mpi import half_sum
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as fh:
-            return " ".join(fh.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def main() -> None:
@@ -44,7 +36,7 @@ def main() -> None:
     ap.add_argument("--fmt", default="e4m3")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
-    load = _loadavg()
+    load = load_average()
     if comm.rank == 0:
         print(f"# auto vs the best native path: P={comm.size}, fmt {args.fmt}, {args.rounds} interleaved rounds; "
               f"calibration {os.environ.get('GIFTCOMM_CALIBRATION', '(default path or built-in)')}", flush=True)
@@ -71,7 +63,7 @@ def main() -> None:
             print(f"  {name:>6} {us[0]:10.1f} {us[1]:10.1f} {us[2]:10.1f} {us[3]:10.1f}  "
                   f"{ran[0] if ran else '?':>8}  {min(us[1:]) / us[0]:8.2f}x", flush=True)
     if comm.rank == 0:
-        print(f"# loadavg {load} -> {_loadavg()}")
+        print(f"# loadavg {load} -> {load_average()}")
 
 
 if __name__ == "__main__":

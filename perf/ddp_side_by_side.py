@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from giftcomm.adapters.torch import GiftState, gift_hook
+from giftcomm.perf.timing import load_average
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
@@ -63,12 +64,6 @@ class Config:
         return float(mine)
 
 
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as fh:
-            return " ".join(fh.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def main() -> None:
@@ -90,7 +85,7 @@ def main() -> None:
     configs = [Config("DDP default (gloo allreduce)", args, None),
                Config(f"giftcomm auto ({args.fmt}, native allowed)", args, GiftState(fmt=args.fmt)),
                Config(f"giftcomm {args.fmt} (allow_native=False)", args, GiftState(fmt=args.fmt, allow_native=False))]
-    load = _loadavg()
+    load = load_average()
     for c in configs:
         c.steps(args.warmup)
     for r in range(args.rounds):
@@ -100,7 +95,7 @@ def main() -> None:
         params = sum(p.numel() for p in configs[0].ddp.parameters())
         print(f"# DDP side by side: P={dist.get_world_size()} gloo, MLP width {args.width} depth {args.depth} "
               f"({params / 1e6:.2f} M parameters, {params * 4 / 2**20:.1f} MiB of float32 gradients), batch "
-              f"{args.batch}; {args.rounds} interleaved rounds of {args.steps} steps; loadavg {load} -> {_loadavg()}; "
+              f"{args.batch}; {args.rounds} interleaved rounds of {args.steps} steps; loadavg {load} -> {load_average()}; "
               f"calibration {os.environ.get('GIFTCOMM_CALIBRATION', '(default path or built-in)')}")
         base = statistics.median(configs[0].times)
         for c in configs:

@@ -50,7 +50,7 @@ import giftcomm
 from giftcomm.formats import bytes_per_value, check_block, message_nbytes, resolve_block
 from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
 from giftcomm.perf.common import add_json, add_out, parent_parser
-from giftcomm.perf.timing import time_calls
+from giftcomm.perf.timing import load_average, time_calls
 from giftcomm.reference import simulate_allreduce, simulate_gift_allreduce
 
 __all__ = [
@@ -678,12 +678,6 @@ def plot_rows(rows: Sequence[dict], title: str, path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- CLI
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def _commit() -> str:
@@ -797,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
               f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; P = {ranks}; "
               f"{'MPI (checked against the simulator)' if comm is not None else 'reference simulator'}; "
               f"algorithm{'s' if len(algorithms) > 1 else ''} {', '.join(algorithms)}; damping {a.damping:g}; "
-              f"metric damping {a.metric_damping:g}; seed {a.seed}; loadavg at start {_load()}",
+              f"metric damping {a.metric_damping:g}; seed {a.seed}; loadavg at start {load_average()}",
               f"commit: {_commit()}"]
     t_start = time.perf_counter()
     results, md = [], list(header)
@@ -858,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "euclid whitened / the smallest GIFT whitened)", "",
                                        format_errors(summary)]
     md.append("")
-    md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {_load()}")
+    md.append(f"wall {time.perf_counter() - t_start:.0f} s; loadavg at end {load_average()}")
     _emit("\n".join(md), a.out, a.json, {"header": header, "results": results})
     if a.png:
         if a.what == "synthetic":
@@ -1008,7 +1002,7 @@ def cost_main(a) -> int:
              f"python -m studies fidelity {' '.join(getattr(a, 'argv', ['cost']))}",
              f"machine: {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}, BLAS threads "
              f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}; times: min of {a.repeats} after a warm-up; "
-             f"loadavg at start {_load()}",
+             f"loadavg at start {load_average()}",
              f"collective: FP8 E4M3 ring allreduce, block 256 ({bytes_per_value('e4m3', 256):.4f} B/value), "
              f"P = 4, {a.bandwidth * 8 / 1e9:g} Gbit/s links: costmodel.predict (alpha 60 us, codec rates of the "
              f"built-in calibration) and wire only 2(P-1)/P n B / bw", ""]
@@ -1071,7 +1065,7 @@ def cost_main(a) -> int:
                       f"flops_per_second {1 / coef[2] if coef[2] > 0 else float('inf'):.3g}, seconds_per_segment "
                       f"{coef[3]:.3g} (in force: {tm.seconds_per_pass:.3g}, {tm.seconds_per_pass_large:.3g}, "
                       f"{tm.flops_per_second:.3g}, {tm.seconds_per_segment:.3g})"]
-    lines.append(f"loadavg at end {_load()}")
+    lines.append(f"loadavg at end {load_average()}")
     _emit("\n".join(lines), a.out, a.json, summary)
     return 0
 

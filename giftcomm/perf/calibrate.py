@@ -57,6 +57,7 @@ from ..costmodel import Calibration, LinkCost, calibration_path, load_calibratio
 from ..machine import BOUNDS
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
+from .timing import load_average
 
 __all__ = ["fit_line", "fit_link", "measure_codec_rates", "measure_native", "build_calibration", "calibration_json",
            "fit_overheads", "fit_overlap", "steps_of", "main"]
@@ -312,11 +313,6 @@ def calibration_json(cal: Calibration, measured: dict | None = None) -> str:
     return json.dumps(doc, indent=1)
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             previous = Calibration.from_dict(json.loads(out_path.read_text()))
         except (ValueError, KeyError, TypeError):
             pass
-    load_before = _loadavg()
+    load_before = load_average()
     links: dict[str, LinkCost] = {}
     raw: dict[str, Any] = {}
     notes = []
@@ -409,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             comm, cal, topo, parse_size(args.overlap_bytes))
     if comm.rank == 0:
         raw.update(stat=args.stat, P=world.size, nodes=nodes.tolist(), layout=layout, host=platform.node(),
-                   cpus=os.cpu_count(), loadavg_before=load_before, loadavg_after=_loadavg(),
+                   cpus=os.cpu_count(), loadavg_before=load_before, loadavg_after=load_average(),
                    date=time.strftime("%Y-%m-%d %H:%M:%S"), notes=notes,
                    netbed_rate=config.raw("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)

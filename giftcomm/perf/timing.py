@@ -19,13 +19,14 @@ side (perf/side_by_side.py) can load it from their own checkout by path.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["STATS", "Clock", "wall_clock", "time_calls", "time_rounds"]
+__all__ = ["STATS", "Clock", "wall_clock", "time_calls", "time_rounds", "load_average"]
 
 T = TypeVar("T")
 
@@ -142,3 +143,12 @@ def time_rounds(fns: Sequence[Callable[[], object]], rounds: int, *, calls: int 
                 barrier()
             got.append(clock(run)[0] / calls)
     return [reduce(_slowest(comm, t) if comm is not None else np.asarray(t)) for t in times]
+
+
+def load_average() -> str:
+    """The machine's 1-, 5- and 15-minute load averages as text ("2.01 1.53 0.98"), which every
+    benchmark prints beside its figures; "unknown" where the OS keeps none."""
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
