@@ -71,6 +71,8 @@ def gift_allreduce(
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
+    if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
+        return plan_cache.allreduce(t, x, out, opts, local_size)
     return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
 
 

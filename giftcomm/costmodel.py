@@ -3,9 +3,9 @@
 Constants (seconds per message, seconds per byte per link class, codec values per second) come
 from a small JSON file written by ``python -m giftcomm.perf calibrate``: the file named by the
 environment variable GIFTCOMM_CALIBRATION, else $XDG_CACHE_HOME/giftcomm/calibration.json
-(~/.cache/giftcomm/calibration.json when XDG_CACHE_HOME is unset), else the defaults below
-(measured on a 2-core development VM over MPICH shared memory; a 10 Gbit/s network link for
-"net"). A file that cannot be used -- unreadable, not a regular file, too large, not JSON, missing
+(~/.cache/giftcomm/calibration.json when XDG_CACHE_HOME is unset), else the built-in calibration
+(giftcomm.machine.BUILT_IN: measured on a 2-core development VM over MPICH shared memory; a
+10 Gbit/s network link for "net"). A file that cannot be used -- unreadable, not a regular file, too large, not JSON, missing
 fields, values that are not finite numbers within :data:`BOUNDS` -- gives one warning naming the
 file and the reason, and the built-in defaults are used (never an exception: the file is read
 while planning every ``algorithm="auto"`` call, on every rank).
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import config
 from .collectives import algorithms
-from .machine import BOUNDS, Calibration, LinkCost, Topology
+from .machine import BOUNDS, BUILT_IN, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",
            "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose", "candidate_times",
@@ -62,7 +62,7 @@ def _default_calibration_file(xdg_cache: str, home: str | None) -> str:
 
 
 _cached: tuple[str, tuple, Calibration] | None = None
-_BUILT_IN = Calibration()  # returned while no file exists; shared, so never modify what you get
+_BUILT_IN = BUILT_IN  # returned while no file exists; shared, so never modify what you get
 log = logging.getLogger("giftcomm")
 
 
@@ -177,7 +177,10 @@ def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
     ``call_overhead`` plus the algorithm's formula (:attr:`Algorithm.time`, or with ``channel``
     -- a persistent plan's calls through the node-shared channel -- :attr:`Algorithm.channel_time`
     where the row has one; docs/scaling.md); ``inf`` for a hierarchical algorithm on a topology
-    without at least 2 nodes of at least 2 ranks. ValueError for a name not in the table."""
+    without at least 2 nodes of at least 2 ranks. ValueError for a name not in the table. With
+    ``channel``, the rows whose cached calls skip the engine -- the one-shot row (its channel
+    formula: the call in C) and the native row (``native_alpha`` is then that whole call's fixed
+    cost, as calibrate measures it) -- pay no ``call_overhead``."""
     row = algorithms.row(algorithm)
     cal = cal or load_calibration()
     if topo.ranks == 1:
@@ -185,7 +188,8 @@ def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
     else:
         formula = row.channel_time if channel and row.channel_time is not None else row.time
         t = formula(n, topo, fmt, block, cal)
-    return t if math.isinf(t) else cal.call_overhead + t
+    lean = channel and (row.channel_time is not None or row.native)
+    return t if math.isinf(t) or lean else cal.call_overhead + t
 
 
 def quantizations(algorithm: str, topo: Topology) -> int:

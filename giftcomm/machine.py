@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["LinkCost", "Calibration", "BOUNDS", "Topology", "overlapped", "nic_share"]
+__all__ = ["LinkCost", "Calibration", "BUILT_IN", "BOUNDS", "Topology", "overlapped", "nic_share"]
 
 
 @dataclass
@@ -83,6 +83,18 @@ class Calibration:
             values["nics_per_node"] = int(values["nics_per_node"])  # type: ignore[call-overload]
         return cls(**values)  # type: ignore[arg-type]
 
+
+BUILT_IN = Calibration(
+    shm=LinkCost(alpha=1.1e-6, beta=1 / 14.3e9),
+    encode_rate=4.2e9, decode_rate=5.0e9, fused_rate=2.9e9, accumulate_rate=5.85e9,
+    call_overhead=14.5e-6, step_overhead=15.5e-6, overlap=0.0,
+    native_alpha=8.2e-6, native_beta=0.38e-9, native_half_beta=3.7e-9,
+    source="built-in defaults",
+)
+"""The calibration used when there is no calibration file: ``python -m giftcomm.perf calibrate
+--stat min`` at P = 2 on the 2-core development VM (MPICH 5 over shared memory, AVX-512 codec),
+rounded (perf/results/calibration-shm-p2-builtin.json); ``net`` keeps the field default (a
+10 Gbit/s link). The field defaults of :class:`Calibration` are what a file lacking a field gets."""
 
 BOUNDS: dict[str, tuple[float, float]] = {
     "alpha": (1e-9, 1.0),  # seconds per message

@@ -73,6 +73,17 @@ class CallOptions:
     mx_scale: str = SCALE_RULES[0]
     allow_native: bool = True
 
+    def __hash__(self) -> int:
+        # remembered: the plain calls' plan cache hashes the options on every call (giftcomm.plan_cache)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickle carries no hash (str hashes differ per process)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @classmethod
     def of(cls, owner: str = "", **kwargs: Any) -> CallOptions:
         """Build and validate; ``owner`` (e.g. "GiftState") prefixes error messages. Unknown

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _xp
 from .codec import native_available, native_supports
-from .collectives import engine, oneshot
+from .collectives import engine, native, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, meet_plans, raise_failures
 from .collectives.algorithms import Algorithm
@@ -75,7 +75,14 @@ class AllreducePlan:
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
                       and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
-        self._fmt_code, self._avg = self._wire.fmt.variant_code, call.op == "avg"
+        self._fmt_code, self._block, self._avg = self._wire.fmt.variant_code, self._wire.block, call.op == "avg"
+        self.last_run = (algorithm.name, None)  # what engine.last_algorithm reports after a call
+        self.used = 0  # a cached plan's last use (giftcomm.plan_cache's eviction order)
+        # the native row's fast path: NumPy arrays of the dtype the transport sums (float32 for a
+        # block-scaled format or fp32, float64 input for a block-scaled format), no seed
+        kind = native.kind_of(self._wire.fmt, self._acc) if algorithm.native else ""
+        self._native_dtype = (np.dtype(kind) if channel and not self._stochastic and call.imp.source == "numpy"
+                              and kind in ("float32", "float64") and call.arr.dtype == np.dtype(kind) else None)
 
     def __repr__(self) -> str:
         return (f"<AllreducePlan {self.shape} {self.dtype} {self._wire.fmt.name}/{self._wire.block} "
@@ -101,27 +108,59 @@ class AllreducePlan:
         arguments: an array of x's shape and dtype in x's framework (``out`` if given); ``seed``
         (stochastic plans: this call's) and ``timeout`` as for :func:`giftcomm.allreduce`."""
         state = self._state
-        channel = None if state is None else state.channel
-        if (state is not None and channel is not None and self._fast and seed is None and timeout is None and type(x) is np.ndarray
+        dt = self._native_dtype
+        if (dt is not None and seed is None and timeout is None and state is not None and type(x) is np.ndarray
+                and x.shape == self.shape and x.dtype == dt and x.flags.c_contiguous
+                and (out is None or (type(out) is np.ndarray and out.shape == self.shape and out.dtype == dt
+                                     and out.flags.c_contiguous and out.flags.writeable))):
+            channel = state.channel
+            if channel is not None:
+                return self._native_call(state, channel, x, out)
+        if (self._fast and seed is None and timeout is None and state is not None and type(x) is np.ndarray
                 and x.shape == self.shape and (out is None or (type(out) is np.ndarray and out.shape == self.shape))):
-            # every check of the slow path, in C or above: dtype, contiguity, writability, shape
-            res = np.empty(self.shape, np.float32) if out is None else out
-            t = self.transport
-            with state.lock:
-                try:
-                    status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
-                                                 self._wire.block, None, self._avg, t.timeout)
-                except BaseException:  # Ctrl-C while waiting: the channel closed itself
-                    t.interrupted("giftcomm plan (shared-memory channel)")
-                    raise
-                if status == 0:
-                    return res
-                if status != 3:  # 3: not for the fast path; nothing was posted
-                    self._failed(channel, status, None)
+            channel = state.channel
+            if channel is not None:
+                # every check of the slow path, in C or above: dtype, contiguity, writability, shape
+                res = np.empty(self.shape, np.float32) if out is None else out
+                with state.lock:
+                    try:
+                        status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
+                                                     self._block, None, self._avg, self.transport.timeout)
+                    except BaseException:  # Ctrl-C while waiting: the channel closed itself
+                        self.transport.interrupted("giftcomm plan (shared-memory channel)")
+                        raise
+                    if status == 0:
+                        return res
+                    if status != 3:  # 3: not for the fast path; nothing was posted
+                        self._failed(channel, status, None)
+        channel = None if state is None else state.channel
         if self._owner.closed is not None:
             self._stale()
         with engine.held(self.transport, timeout, plain=False):
             return self._call(x, out, seed, channel)
+
+    def _native_call(self, state: Any, channel: PlanChannel, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The native row's call on checked NumPy arrays: the check words through the channel
+        (one handshake), then the transport's own allreduce straight into ``out``."""
+        t = self.transport
+        with state.lock:
+            try:
+                status = channel.native.call(0, self._word, planning.caller(), 0, None, None, self._fmt_code,
+                                             self._block, None, False, t.timeout)
+            except BaseException:  # Ctrl-C while waiting: the channel closed itself
+                t.interrupted("giftcomm plan (shared-memory channel)")
+                raise
+            if status != 0:
+                self._failed(channel, status, None)
+            into = None if out is None else out.reshape(-1)
+            total = native.allreduce(t, x.reshape(-1), self._wire, self._acc, into)
+            if self._avg:
+                total = planning.divide(total, t.size)  # ``out`` or the transport's new array
+            if out is None:
+                return total.reshape(self.shape)
+            if total is not into:
+                out[...] = total.reshape(self.shape)
+            return out
 
     def _stale(self) -> None:
         """Raise CommClosed: the transport's state this plan belongs to was closed (its

@@ -25,8 +25,9 @@
  *   encode(x) (key: None or the Philox key of stochastic rounding, counter offset 0) as the
  *   payload; waits for every peer and copies the P headers into table. When out (writable
  *   float32[n]) is given, every rank's code is 0 and all headers are equal, out receives the sum
- *   of the P messages decoded in rank order (divided by P with avg) and the status is 0.
- *   Status 1: headers differ or carry an error, or out is None (read table; nothing decoded).
+ *   of the P messages decoded in rank order (divided by P with avg). Status 0: every rank's code
+ *   is 0 and all headers are equal (and out, when given, holds the sum).
+ *   Status 1: headers differ or carry an error (read table; nothing decoded).
  *   Status 2: the deadline (timeout seconds; 0: none) passed; table rows of the ranks that had not
  *   arrived have -1 in column 0; the channel is closed. Status 3: x or out is not acceptable
  *   (dtype, contiguity, size, writability) and nothing was done: the caller checks them itself.
@@ -266,7 +267,7 @@ static PyObject *Channel_call(Channel *c, PyObject *const *args, Py_ssize_t narg
             if (avg)
                 for (size_t i = 0; i < n; i++)
                     acc[i] = acc[i] / (float)p;
-        } else {
+        } else if (!same) {
             status = 1;
         }
     } else if (w == 2) {

@@ -181,13 +181,14 @@ def test_adapters_take_every_call_option(rng):
     trees = [_tree(rng) for _ in range(P)]
 
     def fn(t):
-        sync = TreeSync(comm=t, fmt="nvfp4", rounding="stochastic", seed=seed, refresh_every=1000)
+        sync = TreeSync(comm=t, fmt="nvfp4", rounding="stochastic", seed=seed, refresh_every=1000, allow_native=False)
         return [flatten_tree(sync(trees[t.rank]))[0] for _ in range(2)]
 
     outs = giftcomm.LoopbackGroup(P).run(fn)
     flats = [flatten_tree(tr)[0] for tr in trees]
     for k in range(2):
-        ref = simulate_allreduce(flats, "nvfp4", None, "avg", rounding="stochastic", seed=step_seed(seed, k, 0))[0]
+        ref = simulate_allreduce(flats, "nvfp4", None, "avg", rounding="stochastic", seed=step_seed(seed, k, 0),
+                                 allow_native=False)[0]
         ref = flatten_tree(unflatten_tree(ref, tree_spec(trees[0])))[0]  # leaves back in their own dtypes
         np.testing.assert_array_equal(outs[0][k], ref)
         np.testing.assert_array_equal(outs[1][k], ref)

@@ -22,6 +22,7 @@ import pytest
 
 from giftcomm import costmodel
 from giftcomm.costmodel import Calibration, Topology, choose, load_calibration
+from giftcomm.machine import BUILT_IN
 
 # Under pytest-xdist every test of this module runs on one worker: its jobs' cleanup removes the
 # MPICH segment files no live process maps, which must not race with another test of this module
@@ -556,7 +557,7 @@ def test_a_bad_calibration_file_warns_once_and_uses_the_built_in_constants(tmp_p
     path = tmp_path / "calibration.json"
     _write(path, _bad_files()[case])
     monkeypatch.setenv("GIFTCOMM_CALIBRATION", str(path))
-    built_in = Calibration()
+    built_in = BUILT_IN
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):  # planned calls: read once, warned once

@@ -67,7 +67,7 @@ def _train(rank, world, steps, gift=None, reduce_dtype=None, factor=None, record
             m.set_gradient_divide_factor(factor)
     comms, recorders = [], []
     if gift is not None:
-        opts = dict(gift)
+        opts = {"allow_native": False, **gift}  # giftcomm's own wire (auto takes gloo's allreduce for these sizes)
         if opts.get("capture") == "model":
             opts["capture"] = model
         comms = register_reduce_scatter(model, **opts)
@@ -271,7 +271,7 @@ def _hsdp_worker(rank, world):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if case != "own":
-            register_reduce_scatter(model, fmt=case)
+            register_reduce_scatter(model, fmt=case, allow_native=False)
         x, y = _batch(rank, 0)
         torch.nn.functional.mse_loss(model(x), y).backward()
         out[case] = {n: p.grad.to_local().detach().numpy().copy() for n, p in model.named_parameters()}

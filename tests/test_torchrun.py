@@ -152,7 +152,8 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     model = _mlp(seed, dtype)
     ddp = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)
     pol = SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9)
-    kwargs: dict = dict(fmt="e4m3", start_gift_iter=1, policy=pol, refresh_every=2, rebuild_lag=0)
+    # giftcomm's own wire (auto would take gloo's allreduce for these tiny buckets)
+    kwargs: dict = dict(fmt="e4m3", start_gift_iter=1, policy=pol, refresh_every=2, rebuild_lag=0, allow_native=False)
     if geometry == "kfac":
         kwargs.update(geometry="kfac", capture=model, capture_every=1)
     elif geometry == "reduced":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -104,22 +103,19 @@ class held:
         self._lock.release()
 
 
-_LAST: "weakref.WeakKeyDictionary[Transport, tuple[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
-
-
 def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     """(algorithm name, chunk bounds) of the last allreduce, gift_allreduce or reduce_scatter
     agreed on ``t`` (the same on every rank), or None before the first: what the call really
     ran, ``auto`` resolved. bounds: a reduce-scatter's agreed chunk bounds (P + 1 ints), None
     for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
     it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
-    return _LAST.get(t)
+    return t.last_run
 
 
 def record_last(t: Transport, name: str, bounds: np.ndarray | None = None) -> None:
     """Record what :func:`last_algorithm` reports for ``t`` (a call that ran without an agreement:
     a cached plan's, giftcomm.plan_cache)."""
-    _LAST[t] = (name, bounds)
+    t.last_run = (name, bounds)
 
 
 _OPTIONS: dict[tuple, CallOptions] = {}
@@ -272,7 +268,7 @@ def _oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_
 
 
 def _native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
-    return native.allreduce(t, flat, wire, acc_t)
+    return native.allreduce(t, flat, wire, acc_t, out)
 
 
 def _hierarchical(cross: str) -> Runner:
@@ -352,7 +348,7 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
 def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     call = job.call
     job.algorithm = planning.chosen_algorithm(table)
-    _LAST[t] = (job.algorithm.name, None)
+    t.last_run = (job.algorithm.name, None)
     job.slice_n = job.opts.slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("allreduce rank %d/%d: %d %s values, fmt %s block %d, algorithm %s (asked %s), slice %s, "
@@ -426,7 +422,7 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
 
 def _scatter_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     job.algorithm = scatter_layout.chosen_algorithm(table)
-    _LAST[t] = (job.algorithm.name, job.bounds)
+    t.last_run = (job.algorithm.name, job.bounds)
     job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.call.arr.size)
 
 

@@ -53,14 +53,20 @@ def kind_of(fmt: Format, acc_t: Any) -> str:
     return "float64" if np.dtype(acc_t) == np.float64 else "float32"
 
 
+_WIDE = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+
+
 def _as_kind(flat: Any, kind: str) -> Any:
     """``flat`` (float32 or float64; host bfloat16 or float16 as they are) as a contiguous array of
     ``kind`` (device bfloat16: uint16 bits), rounded to nearest even (to a 16-bit kind through
     float32, as the reference does); ``flat`` itself when it already is one (the transports only
     read it)."""
+    wide = _WIDE.get(kind)
+    if wide is not None and flat.dtype == wide:  # the common case, cheaply (dtype.name costs ~1 us)
+        return flat
     if flat.dtype.name == ("bfloat16" if kind == "bfloat16" else np.dtype(kind).name):
         return flat
-    if kind in ("float32", "float64"):
+    if wide is not None:
         return _xp.astype(flat, np.dtype(kind))
     wide = _xp.astype(flat, np.float32, copy=False)
     return _xp.from_float32(wide, "bfloat16") if kind == "bfloat16" else _xp.astype(wide, np.float16)
@@ -68,6 +74,8 @@ def _as_kind(flat: Any, kind: str) -> Any:
 
 def _widened(total: Any, kind: str, acc_t: Any) -> Any:
     """The native sum as the accumulation dtype (bfloat16 bits widened exactly)."""
+    if total.dtype == acc_t:
+        return total
     if kind == "bfloat16" and total.dtype == np.uint16:
         total = _xp.to_float32(total, "bfloat16")
     return _xp.astype(total, acc_t, copy=False)
@@ -96,11 +104,17 @@ def _same_everywhere(t: Transport, total: Any, kind: str) -> Any:
     return total
 
 
-def allreduce(t: Transport, flat: Any, wire: Wire, acc_t: Any) -> Any:
+def allreduce(t: Transport, flat: Any, wire: Wire, acc_t: Any, into: Any = None) -> Any:
     """The native sum over all ranks of ``flat`` (this rank's (n,) values, not modified), as
-    ``acc_t`` (float32 or float64): the same bytes on every rank."""
+    ``acc_t`` (float32 or float64): the same bytes on every rank. ``into``: a float32 (n,) array
+    (the caller's ``out``) the transport sums into when the kind is float32 (no copy), else
+    unused; the result is then ``into`` itself."""
     kind = kind_of(wire.fmt, acc_t)
-    total = _same_everywhere(t, t.native_sum(_as_kind(flat, kind), kind), kind)
+    values = _as_kind(flat, kind)
+    target = into if into is not None and kind == "float32" and into.dtype == np.float32 else None
+    if target is not None and _xp.array_module(target).may_share_memory(target, values):  # out=x: no aliasing
+        target = None
+    total = _same_everywhere(t, t.native_sum(values, kind, target), kind)
     return _widened(total, kind, acc_t)
 
 

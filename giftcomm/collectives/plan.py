@@ -117,7 +117,16 @@ def caller() -> int:
     across ranks by that name (the API holds the transport's lock for the whole call, so calls
     from several threads of one process run one at a time), so calls from differently named
     threads that pair up across ranks raise on every rank instead of mixing their data."""
-    return zlib.crc32(threading.current_thread().name.encode())
+    name = threading.current_thread().name
+    word = _CALLERS.get(name)
+    if word is None:
+        if len(_CALLERS) > 1024:  # threads named per task: keep the memo small
+            _CALLERS.clear()
+        word = _CALLERS[name] = zlib.crc32(name.encode())
+    return word
+
+
+_CALLERS: dict[str, int] = {}  # caller()'s memo by thread name
 
 
 def check_out(call: Call, out: Any, shape: tuple[int, ...] | None) -> None:

@@ -14,6 +14,7 @@ __all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup"
            "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
 _device_cache: dict[int, Transport] = {}
+_world: tuple[Any, int] | None = None  # (mpi.cached_transport, COMM_WORLD's key) once made
 _CREATE = threading.Lock()  # two threads making the first call on one communicator create it once
 
 
@@ -24,12 +25,17 @@ def resolve(comm: Any, device: bool = False) -> Transport:
     MPI.COMM_WORLD) gives its cached MPI transport for host arrays and, for device arrays
     (``device``), an NCCL transport over the same ranks, created once per communicator
     (collectively: the NCCL unique id is broadcast over it)."""
+    global _world
     if isinstance(comm, Transport):
         return comm
     if comm is None and "torch.distributed" in sys.modules:  # torchrun: torch's world, not MPI's singleton
         from .torch_dist import default_transport
 
         t = default_transport(device=device)
+        if t is not None:
+            return t
+    if comm is None and not device and _world is not None:  # the common case, without imports (~0.1 us)
+        t = _world[0](_world[1])
         if t is not None:
             return t
     from mpi4py import MPI  # imported lazily: the loopback path needs no MPI
@@ -39,6 +45,10 @@ def resolve(comm: Any, device: bool = False) -> Transport:
     if comm is None:
         comm = MPI.COMM_WORLD
         _check_launcher_world(comm)
+        if not device:
+            t = mpi.transport_for(comm)
+            _world = (mpi.cached_transport, MPI.Comm.py2f(comm))
+            return t
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, a giftcomm Transport or None, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:

@@ -67,8 +67,8 @@ class TransportState:
     lock: held by a collective for its whole duration (calls from several threads run one at a
     time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
-    plan_cache: the plain calls' cached plans by call signature, least recently used first
-    (giftcomm.plan_cache).
+    plan_cache: the plain calls' cached plans by call signature (giftcomm.plan_cache; each plan's
+    ``used`` stamp orders them for eviction).
     fused: the fused GIFT transforms' device state per geometry (giftcomm.collectives.gift).
     native: per (count, kind) the native path has run, whether this transport's own allreduce
     gave every rank the same bytes when first checked (giftcomm.collectives.native).
@@ -143,6 +143,9 @@ class Transport(ABC):
     _state: TransportState | None = None
     _timeout: float | None = None
     _closed: str | None = None
+    last_run: "tuple[str, Any] | None" = None
+    """(algorithm, chunk bounds or None) of the last allreduce / reduce-scatter agreed or run
+    here (giftcomm.collectives.engine.last_algorithm)."""
     """Why this transport is gone for good (its communicator freed, a forked child), or None."""
 
     @property
@@ -230,16 +233,21 @@ class Transport(ABC):
             buf[...] = got
 
     # --- the transport's own reduction (algorithm="native": giftcomm.collectives.native) ------
-    def native_sum(self, buf: Any, kind: str) -> Any:
+    def native_sum(self, buf: Any, kind: str, into: Any = None) -> Any:
         """The elementwise sum over ranks of ``buf`` (contiguous, 1-D, the same length on every
-        rank) by this transport's own allreduce: a new array like ``buf``. kind: "float32",
+        rank) by this transport's own allreduce: a new array like ``buf``, or ``into`` (an array
+        like ``buf``, not sharing its memory) filled with it. kind: "float32",
         "float64", "float16" or "bfloat16" (host: ``ml_dtypes.bfloat16``; device: uint16 bits);
         a 16-bit kind adds in float32 and rounds every partial sum to the kind (nearest even).
         The order of the additions is the transport's, and that every rank gets the same bytes
         is not promised (giftcomm.collectives.native checks it). This default, for transports
         without an allreduce of their own (the loopback, sub-transports), gathers the arrays
         and adds them in MPICH's recursive-doubling order (:func:`tree_sum`)."""
-        return tree_sum(self.allgather_object(buf.copy()), kind)  # a copy: in-process peers read it later
+        total = tree_sum(self.allgather_object(buf.copy()), kind)  # a copy: in-process peers read it later
+        if into is None:
+            return total
+        into[...] = total
+        return into
 
     def native_broadcast(self, buf: Any, root: int) -> None:
         """Overwrite ``buf`` (a :meth:`native_sum` result) with ``root``'s, in place."""

@@ -50,6 +50,7 @@ TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 INTERRUPT_EXIT_CODE = 130  # as a shell reports SIGINT
 _SPIN_S = 2e-3  # poll without sleeping this long first: the waits of a healthy collective keep their latency
 _YIELD_AFTER_S = 5e-5  # a peer later than this is likely waiting for a core (other jobs): spin yielding it
+_TESTS_PER_CHECK = 16  # MPI tests between two looks at the clock (and yields): each look costs progress
 _MAX_SLEEP_S = 2e-4  # the longest sleep between two polls: a late peer is noticed within ~0.3 ms
 _ALL = None  # "peers": every other rank (a collective)
 
@@ -221,9 +222,10 @@ class MpiTransport(Transport):
         limit = self.timeout
         start = time.monotonic()
         try:
-            while True:  # spin: short waits keep their latency
-                if test():
-                    return
+            while True:  # spin: short waits keep their latency (MPI progresses only inside Test)
+                for _ in range(_TESTS_PER_CHECK):
+                    if test():
+                        return
                 spun = time.monotonic() - start
                 if spun > _SPIN_S:
                     break
@@ -482,12 +484,12 @@ class MpiTransport(Transport):
         self._check()
         self.wait_for(self.comm.Ibcast(buf, root=root), "float64 broadcast", (root,))
 
-    def native_sum(self, buf: np.ndarray, kind: str) -> np.ndarray:
+    def native_sum(self, buf: np.ndarray, kind: str, into: np.ndarray | None = None) -> np.ndarray:
         """MPI_Allreduce (nonblocking, under the deadline); the 16-bit kinds through a
         commutative user-defined MPI operation that adds in float32 and rounds to the kind
         (MPICH has no 16-bit float sum)."""
         self._check()
-        total = np.empty_like(buf)
+        total = np.empty_like(buf) if into is None else into
         if kind in ("float32", "float64"):
             req = self.comm.Iallreduce(buf, total, op=MPI.SUM)
         else:
@@ -574,6 +576,12 @@ def _attr_key() -> int:
 
 def _predefined(comm: MPI.Comm) -> bool:
     return comm == MPI.COMM_WORLD or comm == MPI.COMM_SELF
+
+
+def cached_transport(key: int) -> MpiTransport | None:
+    """The live cached transport of the communicator whose Fortran handle is ``key``
+    (``MPI.Comm.py2f``), or None: the lookup behind ``comm=None`` once COMM_WORLD's is made."""
+    return _cache.get(key)
 
 
 def transport_for(comm: MPI.Comm | None) -> MpiTransport:

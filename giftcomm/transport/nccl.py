@@ -137,9 +137,9 @@ class NcclTransport(GroupedTransport):
         else:
             self.control.broadcast_float64(buf, root)
 
-    def native_sum(self, buf: Any, kind: str) -> Any:
-        """``ncclAllReduce`` (sum, in the kind's arithmetic) of ``buf`` into a new array, on CuPy's
-        current stream (bfloat16: uint16 bits as ncclBfloat16)."""
+    def native_sum(self, buf: Any, kind: str, into: Any = None) -> Any:
+        """``ncclAllReduce`` (sum, in the kind's arithmetic) of ``buf`` into a new array (or
+        ``into``), on CuPy's current stream (bfloat16: uint16 bits as ncclBfloat16)."""
         nccl = _nccl()
         self.flush()
         types = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "float16": "NCCL_FLOAT16",
@@ -147,7 +147,7 @@ class NcclTransport(GroupedTransport):
         dtype = getattr(nccl, types[kind], None)
         if dtype is None:
             raise TypeError(f"this CuPy's NCCL binding has no {types[kind]}")
-        total = buf.copy()
+        total = buf.copy() if into is None else into
         self.comm.allReduce(_xp.device_pointer(buf), _xp.device_pointer(total), int(buf.size), dtype, nccl.NCCL_SUM,
                             _current_stream_ptr())
         return total
