@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import plan_cache
 from ._xp import is_device_array
 from .collectives import engine
@@ -121,7 +123,7 @@ def allreduce(
     (docs/api.md, Plan cache); ``auto`` there predicts the plans' channel, as
     :func:`giftcomm.plan_allreduce` does.
     """
-    t = resolve(comm, device=is_device_array(x))
+    t = resolve(comm, device=type(x) is not np.ndarray and is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     return plan_cache.allreduce(t, x, out, opts, local_size)
 

@@ -122,12 +122,14 @@ class AllreducePlan:
             if channel is not None:
                 # every check of the slow path, in C or above: dtype, contiguity, writability, shape
                 res = np.empty(self.shape, np.float32) if out is None else out
+                t = self.transport
+                limit = t._timeout if t._timeout is not None else t.timeout  # (the property reads the default once)
                 with state.lock:
                     try:
                         status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
-                                                     self._block, None, self._avg, self.transport.timeout)
+                                                     self._block, None, self._avg, limit)
                     except BaseException:  # Ctrl-C while waiting: the channel closed itself
-                        self.transport.interrupted("giftcomm plan (shared-memory channel)")
+                        t.interrupted("giftcomm plan (shared-memory channel)")
                         raise
                     if status == 0:
                         return res

@@ -128,8 +128,11 @@ def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any,
     raises it on every rank). Remembered per distinct keyword values and types (a training loop
     repeats the same ones), so a repeated call validates nothing twice."""
     # the numbers' types too: block=True or 1.0 must not find block=1's record
-    key: tuple | None = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native,
-                         type(block), type(seed), type(slice_elems), type(timeout), type(allow_native))
+    if block is None and seed is None and slice_elems is None and timeout is None and allow_native is True:
+        key: tuple | None = (fmt, rounding, algorithm, op, mx_scale)  # the usual call, a shorter key (~0.1 us)
+    else:
+        key = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native,
+               type(block), type(seed), type(slice_elems), type(timeout), type(allow_native))
     try:
         opts = _OPTIONS.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable value: validate (and fail) without remembering

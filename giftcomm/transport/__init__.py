@@ -26,18 +26,19 @@ def resolve(comm: Any, device: bool = False) -> Transport:
     (``device``), an NCCL transport over the same ranks, created once per communicator
     (collectively: the NCCL unique id is broadcast over it)."""
     global _world
-    if isinstance(comm, Transport):
-        return comm
-    if comm is None and "torch.distributed" in sys.modules:  # torchrun: torch's world, not MPI's singleton
-        from .torch_dist import default_transport
+    if comm is None:
+        if "torch.distributed" in sys.modules:  # torchrun: torch's world, not MPI's singleton
+            from .torch_dist import default_transport
 
-        t = default_transport(device=device)
-        if t is not None:
-            return t
-    if comm is None and not device and _world is not None:  # the common case, without imports (~0.1 us)
-        t = _world[0](_world[1])
-        if t is not None:
-            return t
+            t = default_transport(device=device)
+            if t is not None:
+                return t
+        if not device and _world is not None:  # the common case, without imports (~0.1 us)
+            t = _world[0](_world[1])
+            if t is not None:
+                return t
+    elif isinstance(comm, Transport):
+        return comm
     from mpi4py import MPI  # imported lazily: the loopback path needs no MPI
 
     from . import mpi
