@@ -46,6 +46,11 @@ class Calibration:
     #: NICs than ranks, the phases in which every rank of a node sends across the network at
     #: once (direct's all-to-all, doubling, the hierarchical cross-node phase) share them.
     nics_per_node: int = 0
+    #: the share of a network link's bandwidth an all-to-all phase gets (direct's reduce-scatter,
+    #: oneshot's exchange across nodes: every rank sends to and receives from P-1 peers at once),
+    #: against one stream per link (the ring); 1 = the same. Not measured by calibrate (kept from
+    #: the calibration in force); not applied on one node
+    alltoall_efficiency: float = 1.0
     #: seconds per call of the transport's own allreduce (``algorithm="native"``) besides its
     #: bytes: its latency and its software (MPI_Allreduce or torch's all_reduce of a few values)
     native_alpha: float = 40e-6
@@ -88,13 +93,15 @@ BUILT_IN = Calibration(
     shm=LinkCost(alpha=1.1e-6, beta=1 / 14.3e9),
     encode_rate=4.2e9, decode_rate=5.0e9, fused_rate=2.9e9, accumulate_rate=5.85e9,
     call_overhead=14.5e-6, step_overhead=15.5e-6, overlap=0.0,
-    native_alpha=8.2e-6, native_beta=0.38e-9, native_half_beta=3.7e-9,
+    native_alpha=8.2e-6, native_beta=0.38e-9, native_half_beta=3.7e-9, alltoall_efficiency=0.75,
     source="built-in defaults",
 )
 """The calibration used when there is no calibration file: ``python -m giftcomm.perf calibrate
 --stat min`` at P = 2 on the 2-core development VM (MPICH 5 over shared memory, AVX-512 codec),
 rounded (perf/results/calibration-shm-p2-builtin.json); ``net`` keeps the field default (a
-10 Gbit/s link). The field defaults of :class:`Calibration` are what a file lacking a field gets."""
+10 Gbit/s link); ``alltoall_efficiency`` 0.75: on the 1 Gbit/s netbed at P = 4 the direct
+algorithm's wire rate was 0.86x the ring's (perf/results/netbed-allreduce-1gbit-p4.txt), which
+this value gives. The field defaults of :class:`Calibration` are what a file lacking a field gets."""
 
 BOUNDS: dict[str, tuple[float, float]] = {
     "alpha": (1e-9, 1.0),  # seconds per message
@@ -104,6 +111,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "call_overhead": (0.0, 1.0), "step_overhead": (0.0, 1.0),  # seconds
     "overlap": (0.0, 1.0),
     "nics_per_node": (0, 4096),
+    "alltoall_efficiency": (0.01, 1.0),
     "native_alpha": (0.0, 1.0),  # seconds per call
     "native_beta": (0.0, 1e-3), "native_half_beta": (0.0, 1e-3),  # seconds per byte
 }

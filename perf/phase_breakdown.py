@@ -6,8 +6,8 @@ Usage: mpiexec -n P python perf/phase_breakdown.py [--count N] [--iters K] [--fm
 Wraps the codec kernels the collectives call (giftcomm.codec's native and reference kernel
 tables: encode, decode, decode_add_encode, decode_accumulate), the MPI transport's request waits,
 isend/irecv and agreement allgather, and the shared window's fence with timers, then times K calls of
-``giftcomm.gift_allreduce(x, None, out=out)`` (the agreed, uncached path of a plain call; each
-after a barrier) on N float32 values. Prints, per rank,
+the engine's plain allreduce (``giftcomm.collectives.engine.execute``: the agreed path of a
+plain call, never the plan cache; each after a barrier) on N float32 values. Prints, per rank,
 the mean microseconds per call in each part; "other" is the rest (Python, slicing, the result).
 A diagnostic, not a benchmark: the timers add about a microsecond per wrapped call.
 """
@@ -21,8 +21,8 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-import giftcomm
 from giftcomm import codec
+from giftcomm.collectives import engine
 from giftcomm.perf.timing import time_calls
 from giftcomm.transport import mpi as mpi_transport
 from giftcomm.transport.shared_window import SharedWindow
@@ -65,11 +65,12 @@ def main() -> None:
     comm = mpi_transport.MpiTransport(MPI.COMM_WORLD, shared_memory=None if args.shared_memory == "auto" else False)
     x = np.random.default_rng(comm.rank).standard_normal(args.count).astype(np.float32)
     out = np.empty_like(x)
+    opts = engine.call_options(args.fmt, None, "nearest", None, "auto", None, None, "sum")
+    call = lambda: engine.execute(comm, engine.ALLREDUCE, x, out, opts)  # noqa: E731 - the plain call, never cached
     for _ in range(5):
-        giftcomm.gift_allreduce(x, None, comm=comm, out=out, fmt=args.fmt)
+        call()
     _spent.clear()
-    mean, _ = time_calls(lambda: giftcomm.gift_allreduce(x, None, comm=comm, out=out, fmt=args.fmt), args.iters, warmup=0,
-                         barrier=comm.comm.Barrier, stat="mean")
+    mean, _ = time_calls(call, args.iters, warmup=0, barrier=comm.comm.Barrier, stat="mean")
     rows = comm.comm.gather((mean * args.iters, dict(_spent)))
     if comm.rank == 0:
         print(f"# P={comm.size} count={args.count} fmt={args.fmt} iters={args.iters} shared window: "

@@ -80,6 +80,13 @@ def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
     return link, LinkCost(link.alpha, link.beta * nic_share(cal, topo))
 
 
+def _alltoall(topo: Topology, cal: Calibration) -> LinkCost:
+    """The link of an all-to-all phase (every rank sends to P-1 peers at once): NICs shared, and
+    across nodes only ``alltoall_efficiency`` of the link's bandwidth."""
+    link, shared = _links(topo, cal)
+    return shared if topo.nodes == 1 else LinkCost(shared.alpha, shared.beta / cal.alltoall_efficiency)
+
+
 def _fused_rate(fmt: str, cal: Calibration) -> float:
     """decode_add_encode values per second (raw formats: a plain add, ~4x faster)."""
     return cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
@@ -98,7 +105,7 @@ def _ring_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -
 
 def _direct_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
     """All-to-all reduce-scatter (NICs shared), then the ring allgather (one stream per node)."""
-    p, (link, shared) = topo.ranks, _links(topo, cal)
+    p, (link, _), shared = topo.ranks, _links(topo, cal), _alltoall(topo, cal)
     wire = (p - 1) / p * n * bytes_per_value(fmt, block) * (shared.beta + link.beta)
     codec = n / cal.encode_rate + (p - 1) / p * n / cal.accumulate_rate + n / cal.decode_rate
     return _ring_steps(p) * (link.alpha + cal.step_overhead) + overlapped(cal, wire, codec)
@@ -125,7 +132,7 @@ def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration
     one latency (alpha) and P-1 messages' software cost (step_overhead each); every rank sends
     at once (NICs shared); encode once, decode one message and accumulate P-1; not pipelined
     (wire + codec)."""
-    p, (link, shared) = topo.ranks, _links(topo, cal)
+    p, (link, _), shared = topo.ranks, _links(topo, cal), _alltoall(topo, cal)
     wire = (p - 1) * n * bytes_per_value(fmt, block) * shared.beta
     codec = n / cal.encode_rate + n / cal.decode_rate + (p - 1) * n / cal.accumulate_rate
     return link.alpha + (p - 1) * cal.step_overhead + wire + codec
