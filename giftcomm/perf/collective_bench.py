@@ -137,7 +137,7 @@ BASELINES = ("mpi", "mpibf", "ring-bf16")
 giftcomm's own bf16 ring."""
 
 
-def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int,
+def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int | None,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
                         slice_elems: int | None = None, transport: Any = None,
@@ -191,7 +191,7 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
             return (y.astype(np.float32) / np.float32(p)) if op == "avg" else y
 
         def ours(fmt: str, algo: str = algorithm) -> Callable[[], np.ndarray]:
-            return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=resolve_block(fmt, block),
+            return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=block,
                                               algorithm=algo, slice_elems=slice_elems, out=result_buf,
                                               allow_native=allow_native)
 

@@ -221,9 +221,10 @@ class MpiTransport(Transport):
         test: Callable[[], bool] = (lambda: MPI.Request.Testall(req)) if isinstance(req, list) else req.Test
         limit = self.timeout
         start = time.monotonic()
+        tests = 1 if self.crowded else _TESTS_PER_CHECK  # more ranks than cores: yield after every test
         try:
             while True:  # spin: short waits keep their latency (MPI progresses only inside Test)
-                for _ in range(_TESTS_PER_CHECK):
+                for _ in range(tests):
                     if test():
                         return
                 spun = time.monotonic() - start
