@@ -6,6 +6,8 @@ tests/test_algorithm_table.py.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,38 @@ def test_ring_layout_is_cached_and_agrees_with_slice_chunk(counts):
     sizes = [ring.slice_chunk(n, f, 256, 256).nbytes for n in counts]
     assert list(np.diff(layout.msg_offs)) == sizes and list(np.diff(layout.elem_offs)) == counts
     assert not layout.msg_offs.flags.writeable and not layout.elem_offs.flags.writeable
+
+
+def test_an_alltoall_across_nodes_gets_its_share_of_the_link():
+    """alltoall_efficiency slows direct's all-to-all (and oneshot's exchange) across nodes only:
+    on one node, and for the ring, nothing changes; below 1 the ring takes large buffers across
+    nodes that direct took at 1."""
+    from dataclasses import replace
+
+    base = Calibration(net=LinkCost(10e-6, 1 / 0.12e9), overlap=0.0)
+    lossy = replace(base, alltoall_efficiency=0.75)
+    nodes, one = Topology(4, 4, 1), Topology(4, 1, 4)
+    n = 1 << 24
+    for algo in ("direct", "oneshot"):
+        assert predict(algo, n, nodes, "e4m3", cal=lossy) > predict(algo, n, nodes, "e4m3", cal=base)
+        assert predict(algo, n, one, "e4m3", cal=lossy) == predict(algo, n, one, "e4m3", cal=base)
+    assert predict("ring", n, nodes, "e4m3", cal=lossy) == predict("ring", n, nodes, "e4m3", cal=base)
+    assert choose(n, nodes, "e4m3", 256, base) == "direct" and choose(n, nodes, "e4m3", 256, lossy) == "ring"
+    with pytest.raises(ValueError, match="alltoall_efficiency"):
+        Calibration.from_dict({**json.loads(base.to_json()), "alltoall_efficiency": 0.0})
+
+
+def test_over_the_channel_the_oneshot_and_native_rows_pay_no_call_overhead():
+    """A cached call of the one-shot or native row skips the engine: predict(channel=True) leaves
+    call_overhead out for them and keeps it for the rows that still run the engine's steps."""
+    from dataclasses import replace
+
+    cal = Calibration(call_overhead=0.0)
+    heavy = replace(cal, call_overhead=1e-3)
+    topo, n = Topology(2, 1, 2), 256
+    for algo in ("oneshot", "native"):
+        assert predict(algo, n, topo, "e4m3", cal=heavy, channel=True) == predict(algo, n, topo, "e4m3", cal=cal,
+                                                                                  channel=True)
+        assert predict(algo, n, topo, "e4m3", cal=heavy) == pytest.approx(predict(algo, n, topo, "e4m3", cal=cal) + 1e-3)
+    assert predict("ring", n, topo, "e4m3", cal=heavy, channel=True) == pytest.approx(
+        predict("ring", n, topo, "e4m3", cal=cal, channel=True) + 1e-3)

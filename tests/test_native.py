@@ -202,8 +202,11 @@ def test_native_over_mpi_equals_its_definition():
     for n, fmt, dtype in ((7, "fp32", np.float32), (70_000, "e4m3", np.float32), (70_000, "bf16", np.float32),
                           (3_001, "fp16", np.float64)):
         xs = _wide(rng, comm.size, n, dtype)
-        got = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt, algorithm="native")
-        assert same(got, simulate_allreduce(xs, fmt=fmt, algorithm="native")[comm.rank]), (n, fmt)
+        want = simulate_allreduce(xs, fmt=fmt, algorithm="native")[comm.rank]
+        out = np.full_like(xs[comm.rank], np.nan)
+        for _ in range(3):  # repeated: a cached plan's call (one node: one handshake, then MPI into out)
+            got = gc.allreduce(xs[comm.rank], comm=comm, fmt=fmt, algorithm="native", out=out)
+            assert got is out and same(got, want), (n, fmt)
         assert len(set(comm.allgather(got.tobytes()))) == 1
     assert all(t.state.native.values())
 
@@ -250,3 +253,45 @@ def test_adapters_log_their_path_once_per_bucket_size(rng, caplog, tmp_path, mon
     assert len(told) == 2 * 2 * len(sizes)  # 2 ranks x 2 GradSyncs x each size once (not once per call)
     assert sum("take native" in m and "predicted: native" in m for m in told) == 2 * len(sizes)
     assert sum("allow_native=False" in m for m in told) == 2 * len(sizes)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_repeated_native_calls_run_the_cached_plan_into_out(rng, p, inplace):
+    """On one node a repeated native call runs its cached plan (one handshake in the channel, then
+    the transport's sum straight into ``out``): the definition's bytes, every rank alike, ``out``
+    returned (also when it is the input itself), and a mismatched call still agrees afresh."""
+    xs = [_wide(rng, p, 700, np.float32) for _ in range(3)]
+
+    def body(t):
+        got = []
+        for k in range(3):
+            x = xs[k][t.rank].copy()
+            out = x if inplace else np.full_like(x, np.nan)
+            for op in ("sum", "avg"):
+                y = gc.allreduce(xs[k][t.rank].copy() if op == "avg" else x, comm=t, algorithm="native", op=op,
+                                 out=None if op == "avg" else out)
+                got.append((y is out, y.copy(), op))
+        return got, len(t.state.plan_cache)
+
+    res = gc.LoopbackGroup(p, shared_memory=True).run(body)
+    for k in range(3):
+        want = {op: simulate_allreduce(xs[k], op=op, algorithm="native")[0] for op in ("sum", "avg")}
+        for r in range(p):
+            is_out, y, op = res[r][0][2 * k]
+            assert is_out and same(y, want["sum"]), (r, k)
+            _, y, op = res[r][0][2 * k + 1]
+            assert same(y, want["avg"]), (r, k)
+    assert all(r[1] == 2 for r in res)  # one plan per signature (out given / not), reused
+
+
+def test_a_native_cached_call_meeting_another_signature_raises_on_every_rank(rng):
+    xs = _wide(rng, 2, 64, np.float32)
+
+    def body(t):
+        gc.allreduce(xs[t.rank], comm=t, algorithm="native")  # cached everywhere
+        n = 64 if t.rank == 0 else 32
+        return gc.allreduce(xs[t.rank][:n], comm=t, algorithm="native")
+
+    errors = outcomes(2, body, group=lambda p: gc.LoopbackGroup(p, shared_memory=True))
+    assert all(type(e) is ValueError and "disagree" in str(e) for e in errors), errors

@@ -154,3 +154,34 @@ def test_alternating_signatures_over_mpi():
     seed = comm.bcast(int(np.random.default_rng().integers(2**31)), root=0)
     done = _alternate(comm, resolve(comm), comm.rank, comm.size, seed, steps=24)
     assert comm.allgather(done) == [done] * comm.size and "ok" in done
+
+
+def test_gift_allreduce_without_geometry_is_the_cached_allreduce(rng):
+    """gift_allreduce(x, None) is allreduce: the same cached plan (so the same auto choice) and
+    the same bytes."""
+    xs = [rng.standard_normal(500).astype(np.float32) for _ in range(2)]
+
+    def body(t):
+        a = gc.gift_allreduce(xs[t.rank], None, comm=t)
+        b = gc.allreduce(xs[t.rank], comm=t)
+        return a, b, len(t.state.plan_cache), gc.api.last_algorithm(t)[0]
+
+    res = gc.LoopbackGroup(2, shared_memory=True).run(body)
+    want = simulate_allreduce(xs, "e4m3", None, "sum", res[0][3])
+    assert all(r[2] == 1 and same(r[0], want[0]) and same(r[1], want[0]) for r in res)
+
+
+def test_call_options_keep_their_hash_out_of_pickles():
+    """CallOptions remembers its hash (the cache hashes it on every call); a pickle carries none,
+    since string hashes differ between processes."""
+    import pickle
+
+    from giftcomm.options import CallOptions
+
+    o = CallOptions.of(fmt="nvfp4", rounding="stochastic", seed=3)
+    h = hash(o)
+    assert "_hash" in o.__dict__
+    back = pickle.loads(pickle.dumps(o))
+    assert "_hash" not in back.__dict__
+    assert back == o and hash(back) == h
+    assert o.replace(seed=4) != o and {o: 1}.get(o.replace(seed=3)) == 1
