@@ -34,11 +34,12 @@ import numpy as np
 from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, load_calibration, predict
 from giftcomm.perf.common import time_calls, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
+from giftcomm.plan_cache import CACHED_MAX_BYTES
 
 __all__ = ["ValidationRow", "validate_rows", "project_rows", "ProjectionRow", "gpu_calibration",
            "model_params", "gift_transform_seconds", "GPU_ASSUMPTIONS", "main"]
 
-ALL_ALGOS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct")
+ALL_ALGOS = ("ring", "direct", "doubling", "hierarchical", "hierarchical_direct", "oneshot", "native")
 
 
 # =============================================================================== validate
@@ -74,20 +75,29 @@ def _time_call(comm, fn, iters: int, warmup: int, budget_s: float, stat: str = "
 
 def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], local_size: int | None,
                   cal: Calibration, iters: int, warmup: int, budget_s: float, on_row=None,
-                  stat: str = "median") -> tuple[list[ValidationRow], Topology]:
-    """Collective over the mpi4py ``comm``: time and predict every (size, format, algorithm)."""
+                  stat: str = "median") -> tuple[list[ValidationRow], Topology, dict[int, dict[str, float]]]:
+    """Collective over the mpi4py ``comm``: time and predict every (size, format, algorithm); and
+    per size the native baselines' seconds (giftcomm.perf.collective_bench.baseline_calls: MPI fp32,
+    MPI bf16, giftcomm's bf16 ring), timed the same way."""
     import giftcomm
+    from giftcomm import persistent
+    from giftcomm.perf.collective_bench import BASELINES, baseline_calls
     from giftcomm.transport import resolve
 
     t = resolve(comm)
     _, topo = topology(t, local_size)
     rows = []
+    baselines: dict[int, dict[str, float]] = {}
+    able = persistent.able(t, False)
     for size in sizes:
         n = size // 4
         x = np.random.default_rng([7, comm.rank, n]).standard_normal(n, dtype=np.float32)
+        calls = baseline_calls(comm, x, BASELINES)
+        baselines[size] = {name: _time_call(comm, fn, iters, warmup, budget_s, stat) for name, fn in calls.items()}
         for fmt in fmts:
             for algo in algos:
-                pred = predict(algo, n, topo, fmt, 256, cal)
+                # repeated small calls run their cached plan through the node-shared channel
+                pred = predict(algo, n, topo, fmt, 256, cal, channel=able and size <= CACHED_MAX_BYTES)
                 if not math.isfinite(pred):
                     continue
                 fn = lambda: giftcomm.allreduce(x, comm=comm, fmt=fmt, algorithm=algo, local_size=local_size)
@@ -96,11 +106,15 @@ def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], loc
                 rows.append(row)
                 if on_row:
                     on_row(row)
-    return rows, topo
+    return rows, topo, baselines
 
 
-def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration) -> str:
-    """Markdown: every row, then median |error| per algorithm and format, then auto vs fastest."""
+def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration,
+                     baselines: dict[int, dict[str, float]] | None = None, channel: bool = False) -> str:
+    """Markdown: every row, then median |error| per algorithm and format, then auto vs fastest
+    and, with ``baselines`` (validate_rows'), against the fastest native baseline. ``channel``:
+    the calls up to CACHED_MAX_BYTES ran cached plans through the node-shared channel (auto's
+    choice is then the channel's)."""
     out = ["| algorithm | fmt | size | predicted ms | measured ms | error |",
            "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -120,18 +134,31 @@ def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration
         f"{np.median([abs(r.error) for r in rows if r.fmt == f]) * 100:.0f}%" for f in fmts)
         + f" | **{np.median(allerr) * 100:.0f}%** |")
     out += ["", "Median |error| per algorithm and format (above). `auto` (costmodel.choose) against the "
-            "measured fastest algorithm (below): ratio = measured time of auto's pick / measured fastest.", "",
-            "| fmt | size | auto picks | measured fastest | ratio |", "| --- | ---: | --- | --- | ---: |"]
+            "measured fastest algorithm (below): ratio = measured time of auto's pick / measured fastest; "
+            "xbest = the fastest native baseline's time (MPI_Allreduce fp32, MPI_Allreduce bf16, giftcomm's bf16 "
+            "ring, timed in the same run) / auto's pick's.", "",
+            "| fmt | size | auto picks | measured fastest | ratio | fastest baseline | xbest |",
+            "| --- | ---: | --- | --- | ---: | --- | ---: |"]
     for f in fmts:
         for size in sorted({r.nbytes for r in rows}):
             sel = {r.algorithm: r for r in rows if r.fmt == f and r.nbytes == size}
             if not sel:
                 continue
-            pick = choose(size // 4, topo, f, 256, cal)
+            pick = choose(size // 4, topo, f, 256, cal, channel=channel and size <= CACHED_MAX_BYTES)
             best = min(sel.values(), key=lambda r: r.measured_s)
             ratio = sel[pick].measured_s / best.measured_s if pick in sel else float("nan")
-            out.append(f"| {f} | {format_size(size)} | {pick} | {best.algorithm} | {ratio:.2f} |")
+            base = (baselines or {}).get(size)
+            if base:
+                name, secs = min(base.items(), key=lambda kv: kv[1])
+                xbest = secs / sel[pick].measured_s if pick in sel else float("nan")
+                tail = f"{_BASELINE_NAMES.get(name, name)} {secs * 1e3:.3f} ms | {xbest:.2f} |"
+            else:
+                tail = "- | - |"
+            out.append(f"| {f} | {format_size(size)} | {pick} | {best.algorithm} | {ratio:.2f} | {tail}")
     return "\n".join(out)
+
+
+_BASELINE_NAMES = {"mpi": "MPI fp32", "mpibf": "MPI bf16", "ring-bf16": "bf16 ring"}
 
 
 def _fmt_order(f: str) -> int:
@@ -167,8 +194,8 @@ def cmd_validate(args) -> int:
             print(f"{r.algorithm:>20} {r.fmt:>5} {format_size(r.nbytes):>5} pred {r.predicted_s * 1e3:9.3f} ms "
                   f"meas {r.measured_s * 1e3:9.3f} ms  err {r.error * 100:+5.0f}%", flush=True)
 
-    rows, topo = validate_rows(comm, sizes, fmts, algos, args.local_size, cal, args.iters, args.warmup,
-                               args.budget, on_row, args.stat)
+    rows, topo, baselines = validate_rows(comm, sizes, fmts, algos, args.local_size, cal, args.iters, args.warmup,
+                                          args.budget, on_row, args.stat)
     if comm.rank == 0:
         head = (f"P = {comm.size}, topology {topo}, link: {os.environ.get('GIFTCOMM_NETBED_RATE', 'host (shared memory)')}, "
                 f"calibration: {cal.source} (shm alpha {cal.shm.alpha * 1e6:.1f} us, {1 / cal.shm.beta / 1e9:.2f} GB/s; "
@@ -177,7 +204,10 @@ def cmd_validate(args) -> int:
                 f"acc {cal.accumulate_rate / 1e6:.0f}; call {cal.call_overhead * 1e6:.0f} us, step "
                 f"{cal.step_overhead * 1e6:.0f} us); statistic: {args.stat} over calls; load average before {load0}, after {_loadavg()}; "
                 f"{time.time() - t0:.0f} s")
-        table = validation_table(rows, topo, cal)
+        from giftcomm import persistent
+        from giftcomm.transport import resolve
+
+        table = validation_table(rows, topo, cal, baselines, channel=persistent.able(resolve(comm), False))
         print(head)
         print(table)
         if args.out:

@@ -247,3 +247,21 @@ def test_phase_breakdown_script_accounts_for_every_part_of_a_call():
     # the timers really sit on the calls the collective makes (one encode and one decode per call at P = 1)
     for key in ("agreement", "encode", "decode"):
         assert 0 < parts.get(key, 0) < parts["total"], line
+
+
+def test_model_validate_prints_the_native_baselines_beside_auto(tmp_path):
+    """`studies model validate` at P = 2 times MPI_Allreduce fp32 and bf16 and giftcomm's bf16 ring
+    in the same run and prints, per size, auto's pick against the fastest of them (xbest)."""
+    out = tmp_path / "validate.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "studies", "model", "validate", "-b", "1K", "-e", "16K",
+           "-f", "16", "--fmt", "e4m3", "--algos", "oneshot,ring,native", "--budget", "0.02", "--out", str(out)]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| e4m3 | 1") and ln.count("|") == 8]
+    assert len(rows) == 2, out.read_text()
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert cells[2] in ("oneshot", "ring", "native")  # auto's pick was timed
+        assert cells[5].split(" ms")[0].rsplit(" ", 1)[0] in ("MPI fp32", "MPI bf16", "bf16 ring")
+        assert float(cells[6]) > 0

@@ -137,6 +137,47 @@ BASELINES = ("mpi", "mpibf", "ring-bf16")
 giftcomm's own bf16 ring."""
 
 
+def baseline_calls(comm: Any, x: np.ndarray, baselines: tuple[str, ...] = BASELINES, op: str = "sum",
+                   transport: Any = None, slice_elems: int | None = None) -> dict[str, Callable[[], np.ndarray]]:
+    """The native baselines of :data:`BASELINES` for this rank's values ``x`` (any float dtype,
+    summed as float32), each a call without arguments (collective) returning the result in a
+    buffer allocated here once: ``mpi`` MPI_Allreduce on float32, ``mpibf`` MPI_Allreduce on
+    bfloat16 (giftcomm's bf16 MPI operation; bfloat16 values, or float32 after ``op="avg"``'s
+    division) and ``ring-bf16`` giftcomm's own bf16 ring (``x``'s dtype). ``comm``: the mpi4py
+    communicator; ``transport``: what giftcomm's ring gets as ``comm=`` (default ``comm``)."""
+    from mpi4py import MPI
+
+    transport = comm if transport is None else transport
+    p = comm.size
+    x32 = x.astype(np.float32)
+    calls: dict[str, Callable[[], np.ndarray]] = {}
+    if "mpi" in baselines:
+        y32 = np.empty_like(x32)
+
+        def mpi_fp32() -> np.ndarray:
+            comm.Allreduce(x32, y32, op=MPI.SUM)
+            if op == "avg":
+                np.divide(y32, np.float32(p), out=y32)
+            return y32
+
+        calls["mpi"] = mpi_fp32
+    if "mpibf" in baselines:
+        xbf = x32.astype(ml_dtypes.bfloat16).view(np.uint16)
+        ybf = np.empty_like(xbf)
+
+        def mpi_bf16() -> np.ndarray:
+            comm.Allreduce([xbf, MPI.UINT16_T], [ybf, MPI.UINT16_T], op=_half_sum("bfloat16"))
+            y = ybf.view(ml_dtypes.bfloat16)
+            return (y.astype(np.float32) / np.float32(p)) if op == "avg" else y
+
+        calls["mpibf"] = mpi_bf16
+    if "ring-bf16" in baselines:
+        ring_out = np.empty_like(x)
+        calls["ring-bf16"] = lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt="bf16", algorithm="ring",
+                                                        slice_elems=slice_elems, out=ring_out)
+    return calls
+
+
 def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name: str, op: str, block: int | None,
                         iters: int, warmup: int, check: bool, seed: int, progress: bool,
                         on_row: Callable[[Row], None], algorithm: str = "auto",
@@ -173,22 +214,6 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
         # (nccl-tests does the same): a fresh 64 MiB array per call costs more in page faults
         # than the decode itself.
         result_buf = np.empty_like(x)
-        x32 = x.astype(np.float32)
-        y32 = np.empty_like(x32)
-
-        def mpi_baseline() -> np.ndarray:
-            comm.Allreduce(x32, y32, op=MPI.SUM)
-            if op == "avg":
-                np.divide(y32, np.float32(p), out=y32)
-            return y32
-
-        xbf = x32.astype(ml_dtypes.bfloat16).view(np.uint16) if "mpibf" in baselines else None
-        ybf = np.empty_like(xbf) if xbf is not None else None
-
-        def mpi_bf16_baseline() -> np.ndarray:
-            comm.Allreduce([xbf, MPI.UINT16_T], [ybf, MPI.UINT16_T], op=_half_sum("bfloat16"))
-            y = ybf.view(ml_dtypes.bfloat16)  # type: ignore[union-attr]
-            return (y.astype(np.float32) / np.float32(p)) if op == "avg" else y
 
         def ours(fmt: str, algo: str = algorithm) -> Callable[[], np.ndarray]:
             return lambda: giftcomm.allreduce(x, comm=transport, op=op, fmt=fmt, block=block,
@@ -196,8 +221,8 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                                               allow_native=allow_native)
 
         cases = [(fmt, ours(fmt)) for fmt in fmts]
-        cases += [{"mpi": ("mpi", mpi_baseline), "mpibf": ("mpibf", mpi_bf16_baseline),
-                   "ring-bf16": ("bf16", ours("bf16", "ring"))}[b] for b in baselines]
+        calls = baseline_calls(comm, x, baselines, op=op, transport=transport, slice_elems=slice_elems)
+        cases += [("bf16" if b == "ring-bf16" else b, calls[b]) for b in baselines]
         first = len(rows)
         for i, (name, fn) in enumerate(cases):
             baseline = i >= len(fmts)
