@@ -160,7 +160,7 @@ def reduce_scatter(
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     kind, opts = engine.scatter_kind(layout, opts)
-    return engine.execute(t, kind, x, out, opts)
+    return plan_cache.collective(t, kind, x, out, opts)
 
 
 def allgather(
@@ -184,4 +184,4 @@ def allgather(
     """
     t = resolve(comm, device=is_device_array(shard))
     opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum", mx_scale)
-    return engine.execute(t, engine.ALLGATHER, shard, out, opts)
+    return plan_cache.collective(t, engine.ALLGATHER, shard, out, opts)

@@ -40,7 +40,7 @@ from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
 
-__all__ = ["AllreducePlan", "plan_allreduce", "plan_of", "Missed"]
+__all__ = ["AllreducePlan", "JobPlan", "plan_allreduce", "plan_of", "job_plan_of", "Missed"]
 
 
 class Missed(Exception):
@@ -48,7 +48,67 @@ class Missed(Exception):
     ranks: every rank falls back to the agreement of a plain call."""
 
 
-class AllreducePlan:
+class _ChannelCalls:
+    """What the calls through the node-shared plan channel share: after the handshake, the check
+    of every rank's words, and the error every rank then raises alike. A subclass sets
+    ``transport``, ``_owner`` (the transport's state it belongs to), ``_what`` (its name in
+    errors) and ``_cached`` (a plain call's cached plan: a peer's plain call makes every rank
+    agree afresh, :class:`Missed`)."""
+
+    transport: Transport
+    _owner: Any
+    _what: str
+    _cached: bool
+
+    def _stale(self) -> None:
+        """Raise CommClosed: the transport's state this plan belongs to was closed (its
+        communicator freed or released, or this is a forked child). After giftcomm.release the
+        communicator lives on: when its new transport has a plan channel, this call first meets
+        the peers' next call there, so a new plan (or plain call) on another rank raises "ranks
+        disagree" at once instead of waiting for this rank until the deadline."""
+        succ = self.transport.successor()
+        st = None if succ is None else succ._state
+        if succ is not None and st is not None and st.channel is not None:
+            try:
+                with engine.held(succ, None, plain=False):
+                    if st.channel is not None:
+                        meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
+            except CommError:
+                raise
+            except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
+                pass
+        raise CommClosed(f"giftcomm plan: {self._owner.closed}")
+
+    def _failed(self, channel: PlanChannel, status: int, error: Exception | None) -> None:
+        """Raise what a channel call's status says (on every rank alike): the deadline passed
+        (2), the channel is closed after an earlier failure (4), or some rank failed or ran
+        another plan (1, read from the headers)."""
+        if status == 4 and self._owner.closed is not None:
+            self._stale()
+        if status == 4:
+            raise CommAborted("giftcomm plan: the shared-memory channel is unusable after an earlier timeout or "
+                              "interrupt (or its transport's state was released); make a new communicator and plan")
+        if status == 2:
+            late = tuple(int(q) for q in np.flatnonzero(channel.table[:, 0] == -1))
+            self.transport.expired("giftcomm plan (shared-memory channel)", late, self.transport.timeout)
+        self._check(channel.table, error)
+
+    def _check(self, table: np.ndarray, error: Exception | None) -> None:
+        """Raise on every rank when any rank failed locally or ran another plan / thread; a
+        cached plan raises :class:`Missed` when a peer is about to agree on a plain call (every
+        rank then agrees)."""
+        if table[:, 0].any():
+            raise_failures(self.transport, self._what, table, error)
+        if (table[1:] != table[0]).any():  # one test; name the column only then
+            if self._cached and (plain_words(table[:, 1]) == PLAIN_WORD).all() and (table[:, 2] == table[0, 2]).all():
+                raise Missed  # plain calls elsewhere, or cached plans made apart: every rank agrees afresh
+            for col, what in ((1, "plan"), (2, "caller"), (3, "seed")):
+                if (table[:, col] != table[0, col]).any():
+                    raise ValueError(f"{self._what}: ranks disagree on {what} (ranks called different plans, "
+                                     f"from differently named threads, or with different seeds)")
+
+
+class AllreducePlan(_ChannelCalls):
     """A planned allreduce over one transport; call it with arrays shaped like the template.
 
     Attributes: ``algorithm`` (what every call runs), ``shape``, ``dtype`` (the template's
@@ -164,25 +224,6 @@ class AllreducePlan:
                 out[...] = total.reshape(self.shape)
             return out
 
-    def _stale(self) -> None:
-        """Raise CommClosed: the transport's state this plan belongs to was closed (its
-        communicator freed or released, or this is a forked child). After giftcomm.release the
-        communicator lives on: when its new transport has a plan channel, this call first meets
-        the peers' next call there, so a new plan (or plain call) on another rank raises "ranks
-        disagree" at once instead of waiting for this rank until the deadline."""
-        succ = self.transport.successor()
-        st = None if succ is None else succ._state
-        if succ is not None and st is not None and st.channel is not None:
-            try:
-                with engine.held(succ, None, plain=False):
-                    if st.channel is not None:
-                        meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
-            except CommError:
-                raise
-            except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
-                pass
-        raise CommClosed(f"giftcomm plan: {self._owner.closed}")
-
     def _call(self, x: Any, out: Any, seed: int | None, channel: PlanChannel | None) -> Any:
         t = self.transport
         if self._owner.closed is not None:  # closed while this call waited for the lock
@@ -241,33 +282,61 @@ class AllreducePlan:
         total = oneshot.reduce(messages, self._zeros.size, wire, self._acc, into)
         return engine.finish(t, call, total, into, out, self.shape)
 
-    def _failed(self, channel: PlanChannel, status: int, error: Exception | None) -> None:
-        """Raise what a channel call's status says (on every rank alike): the deadline passed
-        (2), the channel is closed after an earlier failure (4), or some rank failed or ran
-        another plan (1, read from the headers)."""
-        if status == 4 and self._owner.closed is not None:
-            self._stale()
-        if status == 4:
-            raise CommAborted("giftcomm plan: the shared-memory channel is unusable after an earlier timeout or "
-                              "interrupt (or its transport's state was released); make a new communicator and plan")
-        if status == 2:
-            late = tuple(int(q) for q in np.flatnonzero(channel.table[:, 0] == -1))
-            self.transport.expired("giftcomm plan (shared-memory channel)", late, self.transport.timeout)
-        self._check(channel.table, error)
+class JobPlan(_ChannelCalls):
+    """A plain reduce-scatter's or allgather's agreed job, kept for repeated calls with its
+    signature (giftcomm.plan_cache). Each call checks its array locally (the collective's own
+    checks, without the agreement), posts four check words in the plans' channel (one handshake,
+    as a plan's call does, flagged as cached: a plain call, or a call of another signature, on any
+    rank makes every rank agree afresh) and runs the agreed algorithm, layout and slicing on it."""
 
-    def _check(self, table: np.ndarray, error: Exception | None) -> None:
-        """Raise on every rank when any rank failed locally or ran another plan / thread; a
-        cached plan raises :class:`Missed` when a peer is about to agree on a plain call (every
-        rank then agrees)."""
-        if table[:, 0].any():
-            raise_failures(self.transport, self._what, table, error)
-        if (table[1:] != table[0]).any():  # one test; name the column only then
-            if self._cached and (plain_words(table[:, 1]) == PLAIN_WORD).all() and (table[:, 2] == table[0, 2]).all():
-                raise Missed  # plain calls elsewhere, or cached plans made apart: every rank agrees afresh
-            for col, what in ((1, "plan"), (2, "caller"), (3, "seed")):
-                if (table[:, col] != table[0, col]).any():
-                    raise ValueError(f"{self._what}: ranks disagree on {what} (ranks called different plans, "
-                                     f"from differently named threads, or with different seeds)")
+    def __init__(self, t: Transport, kind: engine.Kind, job: engine.Job, word: int) -> None:
+        self.transport, self._kind, self._job, self._word = t, kind, job, word
+        self._owner, self._what, self._cached = t.state, f"{kind.what} (cached plan)", True
+        self.last_run = None if job.algorithm is None else (job.algorithm.name, job.bounds)
+        self.used = 0  # its last use (giftcomm.plan_cache's eviction order)
+
+    def __call__(self, x: Any, out: Any, opts: Any) -> Any:
+        """The collective of ``x`` with the cached options ``opts`` (collective)."""
+        t, kind, agreed = self.transport, self._kind, self._job
+        if self._owner.closed is not None:
+            self._stale()
+        with engine.held(t, opts.timeout, plain=False):
+            channel = self._owner.channel
+            if self._owner.closed is not None or channel is None:
+                self._stale()
+            assert channel is not None
+            job, error = None, None
+            try:
+                call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
+                planning.check_transport(t, call)
+                job = engine.Job(call, opts)
+                kind.prepare(t, job, out, None, None)  # this rank's checks (out, the layout), nothing agreed
+            except Exception as exc:  # joins the check below: every rank raises it
+                error = exc
+            try:
+                status = channel.native.call(0 if error is None else error_code(error), self._word, planning.caller(),
+                                             0, None, None, 0, 1, None, False, t.timeout)
+            except BaseException:  # Ctrl-C while waiting: the channel closed itself
+                t.interrupted(f"{self._what} (shared-memory channel)")
+                raise
+            self._failed(channel, status, error)
+            assert job is not None
+            job.algorithm, job.nodes, job.slice_n = agreed.algorithm, agreed.nodes, agreed.slice_n
+            job.bounds, job.counts, job.total = agreed.bounds, agreed.counts, agreed.total
+            return kind.run(t, job, out)
+
+
+def job_plan_of(t: Transport, kind: engine.Kind, job: engine.Job) -> JobPlan | None:
+    """A :class:`JobPlan` of an agreed reduce-scatter or allgather ``job`` (collective: every rank
+    after the same agreement), or None where some rank cannot run calls through the channel."""
+    if not t.allgather_int64(np.array([int(able(t, job.call.imp.device))], np.int64))[:, 0].all():
+        return None
+    if t.plan_channel(0) is None:
+        return None
+    t.state.plans += 1  # as plan_of: every rank counts alike
+    sig = job.call.sig
+    word = zlib.crc32(np.array([sig.get(k, 0) for k in kind.match] + [t.state.plans], np.int64).tobytes())
+    return JobPlan(t, kind, job, word | CACHED)
 
 
 def plan_allreduce(

@@ -1,4 +1,5 @@
-"""The plain calls' plan cache: repeated identical allreduces run as fast as persistent plans.
+"""The plain calls' plan cache: repeated identical allreduces run as fast as persistent plans;
+repeated reduce-scatters and allgathers skip their agreement (:func:`collective`).
 
 A plain :func:`giftcomm.allreduce` whose signature this transport has seen before runs the
 persistent plan (giftcomm.persistent) made the first time, instead of validating, agreeing and
@@ -92,6 +93,39 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
             if key is not None and plan.through_channel:
                 _keep(cache, key, plan)
         return engine.ALLREDUCE.run(t, job, out)
+
+
+def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions | Exception) -> Any:
+    """:func:`giftcomm.reduce_scatter` (``kind``: its layout's) or :func:`giftcomm.allgather` of
+    ``x`` over ``t`` through the cache (collective): a repeated call with one signature runs the
+    job agreed the first time (a :class:`~giftcomm.persistent.JobPlan`: its check words through
+    the plans' channel instead of the agreement; the data moves as the agreed algorithm moves it).
+    Stochastic rounding's calls (a seed per call) agree every time."""
+    if isinstance(opts, Exception) or opts.seed is not None:
+        return engine.execute(t, kind, x, out, opts)
+    sig = signature(x, out, opts, None)
+    key = None if sig is None else (id(kind), sig)
+    cache = t.state.plan_cache
+    plan = None if key is None else cache.get(key)
+    missed = False
+    if plan is not None:
+        plan.used = next(_CLOCK)
+        try:
+            result = plan(x, out, opts)
+            if plan.last_run is not None:
+                t.last_run = plan.last_run
+            return result
+        except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
+            missed = True
+    with engine.held(t, opts.timeout, plain=not missed):
+        job = engine.agree_call(t, kind, x, out, opts)
+        # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
+        nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
+        if t.shared_memory and t.memory == HOST and nbytes <= CACHED_MAX_BYTES:
+            made = persistent.job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
+            if key is not None and made is not None:
+                _keep(cache, key, made)
+        return kind.run(t, job, out)
 
 
 def _keep(cache: Any, key: Any, plan: Any) -> None:

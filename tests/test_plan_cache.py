@@ -185,3 +185,76 @@ def test_call_options_keep_their_hash_out_of_pickles():
     assert "_hash" not in back.__dict__
     assert back == o and hash(back) == h
     assert o.replace(seed=4) != o and {o: 1}.get(o.replace(seed=3)) == 1
+
+
+# (count, dtype, fmt, out=, layout): reduce_scatter signatures; the first two agree (count, dtype, fmt, layout)
+# while out= differs
+SCATTER_VARIANTS = [(96, np.float32, "e4m3", False, "equal"), (96, np.float32, "e4m3", True, "equal"),
+                    (96, np.float32, "e4m3", False, "blocks"), (96, np.float64, "e4m3", False, "equal"),
+                    (128, np.float32, "nvfp4", True, "equal"), (96, np.float32, "bf16", False, "equal")]
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_repeated_reduce_scatters_and_allgathers_reuse_the_agreed_job_and_never_mix(p):
+    """Each rank draws its reduce_scatter signature at random per step (every third step alike),
+    then allgathers its shard: equal signatures run (the cached job from the second time on) and
+    equal the simulation bit for bit; differing ones raise "ranks disagree" on every rank, whether
+    the ranks hit or miss the cache; afterwards the cache holds the agreed jobs."""
+    from giftcomm.reference import simulate_reduce_scatter
+
+    steps = 24
+    picks = [np.random.default_rng([p, q]).integers(len(SCATTER_VARIANTS), size=steps) for q in range(p)]
+    for q in range(1, p):
+        picks[q][::3] = picks[0][::3]
+
+    def body(t):
+        done = []
+        for step in range(steps):
+            n, dtype, fmt, with_out, layout = SCATTER_VARIANTS[picks[t.rank][step]]
+            every = [SCATTER_VARIANTS[picks[q][step]] for q in range(p)]
+            agree = len({(v[0], v[1], v[2], v[4]) for v in every}) == 1
+            xs = _inputs(step, p, n * p, dtype)
+            blocks = gc.chunk_bounds(n * p, p, gc.formats.resolve_block(fmt, None))
+            shard_n = n if layout == "equal" else int(blocks[t.rank + 1] - blocks[t.rank])
+            out = np.full(shard_n, np.nan, dtype) if with_out else None
+            try:
+                shard = gc.reduce_scatter(xs[t.rank], comm=t, fmt=fmt, out=out, layout=layout)
+            except ValueError as exc:
+                assert not agree and "disagree" in str(exc), (step, exc)
+                done.append("disagree")
+                continue
+            assert agree, step
+            ran = gc.api.last_algorithm(t)[0]
+            want = simulate_reduce_scatter(xs, fmt, None, "sum", ran, layout=layout)
+            assert same(shard, want[t.rank]) and (out is None or shard is out), (step, ran)
+            full = gc.allgather(shard, comm=t, fmt="fp32")  # every rank's shard, each through float32
+            assert same(full, np.concatenate(want).astype(np.float32).astype(dtype)), step
+            done.append("ok")
+        return done, len(t.state.plan_cache)
+
+    res = gc.LoopbackGroup(p, shared_memory=True).run(body)
+    assert all(r[0] == res[0][0] for r in res) and {"ok", "disagree"} <= set(res[0][0])
+    assert all(r[1] > 0 for r in res)
+
+
+def test_bad_input_in_a_cached_reduce_scatter_raises_on_every_rank_and_the_cache_stays_usable(rng):
+    xs = [rng.standard_normal(64).astype(np.float32) for _ in range(2)]
+
+    def body(t):
+        for _ in range(2):
+            gc.reduce_scatter(xs[t.rank], comm=t, layout="equal")  # cached from the second call
+        bad = np.full(31, np.nan, np.float32) if t.rank == 1 else None  # out of the wrong length on rank 1
+        try:
+            gc.reduce_scatter(xs[t.rank], comm=t, layout="equal", out=bad)
+            err = None
+        except ValueError as exc:
+            err = str(exc)
+        again = gc.reduce_scatter(xs[t.rank], comm=t, layout="equal")
+        return err, again, gc.api.last_algorithm(t)[0]
+
+    from giftcomm.reference import simulate_reduce_scatter
+
+    res = gc.LoopbackGroup(2, shared_memory=True).run(body)
+    assert res[0][0] is not None and res[0][0] == res[1][0] and "rank(s) 1" in res[0][0], res
+    want = simulate_reduce_scatter(xs, "e4m3", None, "sum", res[0][2], layout="equal")
+    assert all(same(r[1], want[q]) for q, r in enumerate(res))
