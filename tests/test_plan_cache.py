@@ -194,47 +194,64 @@ SCATTER_VARIANTS = [(96, np.float32, "e4m3", False, "equal"), (96, np.float32, "
                     (128, np.float32, "nvfp4", True, "equal"), (96, np.float32, "bf16", False, "equal")]
 
 
-@pytest.mark.parametrize("p", [2, 3])
-def test_repeated_reduce_scatters_and_allgathers_reuse_the_agreed_job_and_never_mix(p):
-    """Each rank draws its reduce_scatter signature at random per step (every third step alike),
-    then allgathers its shard: equal signatures run (the cached job from the second time on) and
-    equal the simulation bit for bit; differing ones raise "ranks disagree" on every rank, whether
-    the ranks hit or miss the cache; afterwards the cache holds the agreed jobs."""
+def _alternate_scatters(t, rank: int, size: int, seed: int, steps: int) -> list[str]:
+    """``steps`` reduce_scatters, each rank drawing its signature at random (every third step
+    alike), each then allgathered; checks every outcome against the simulation and returns what
+    each step did ("ok" / "disagree")."""
     from giftcomm.reference import simulate_reduce_scatter
 
-    steps = 24
-    picks = [np.random.default_rng([p, q]).integers(len(SCATTER_VARIANTS), size=steps) for q in range(p)]
-    for q in range(1, p):
+    picks = [np.random.default_rng([seed, q]).integers(len(SCATTER_VARIANTS), size=steps) for q in range(size)]
+    for q in range(1, size):
         picks[q][::3] = picks[0][::3]
+    done = []
+    for step in range(steps):
+        n, dtype, fmt, with_out, layout = SCATTER_VARIANTS[picks[rank][step]]
+        every = [SCATTER_VARIANTS[picks[q][step]] for q in range(size)]
+        agree = len({(v[0], v[1], v[2], v[4]) for v in every}) == 1
+        xs = _inputs(step, size, n * size, dtype)
+        blocks = gc.chunk_bounds(n * size, size, gc.formats.resolve_block(fmt, None))
+        shard_n = n if layout == "equal" else int(blocks[rank + 1] - blocks[rank])
+        out = np.full(shard_n, np.nan, dtype) if with_out else None
+        try:
+            shard = gc.reduce_scatter(xs[rank], comm=t, fmt=fmt, out=out, layout=layout)
+        except ValueError as exc:
+            assert not agree and "disagree" in str(exc), (step, exc)
+            done.append("disagree")
+            continue
+        assert agree, step
+        ran = gc.api.last_algorithm(t)[0]
+        want = simulate_reduce_scatter(xs, fmt, None, "sum", ran, layout=layout)
+        assert same(shard, want[rank]) and (out is None or shard is out), (step, ran)
+        full = gc.allgather(shard, comm=t, fmt="fp32")  # every rank's shard, each through float32
+        assert same(full, np.concatenate(want).astype(np.float32).astype(dtype)), step
+        done.append("ok")
+    return done
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_repeated_reduce_scatters_and_allgathers_reuse_the_agreed_job_and_never_mix(p):
+    """Equal signatures run (the cached job from the second time on) and equal the simulation bit
+    for bit; differing ones raise "ranks disagree" on every rank, whether the ranks hit or miss
+    the cache; afterwards the cache holds the agreed jobs."""
 
     def body(t):
-        done = []
-        for step in range(steps):
-            n, dtype, fmt, with_out, layout = SCATTER_VARIANTS[picks[t.rank][step]]
-            every = [SCATTER_VARIANTS[picks[q][step]] for q in range(p)]
-            agree = len({(v[0], v[1], v[2], v[4]) for v in every}) == 1
-            xs = _inputs(step, p, n * p, dtype)
-            blocks = gc.chunk_bounds(n * p, p, gc.formats.resolve_block(fmt, None))
-            shard_n = n if layout == "equal" else int(blocks[t.rank + 1] - blocks[t.rank])
-            out = np.full(shard_n, np.nan, dtype) if with_out else None
-            try:
-                shard = gc.reduce_scatter(xs[t.rank], comm=t, fmt=fmt, out=out, layout=layout)
-            except ValueError as exc:
-                assert not agree and "disagree" in str(exc), (step, exc)
-                done.append("disagree")
-                continue
-            assert agree, step
-            ran = gc.api.last_algorithm(t)[0]
-            want = simulate_reduce_scatter(xs, fmt, None, "sum", ran, layout=layout)
-            assert same(shard, want[t.rank]) and (out is None or shard is out), (step, ran)
-            full = gc.allgather(shard, comm=t, fmt="fp32")  # every rank's shard, each through float32
-            assert same(full, np.concatenate(want).astype(np.float32).astype(dtype)), step
-            done.append("ok")
-        return done, len(t.state.plan_cache)
+        return _alternate_scatters(t, t.rank, p, seed=p, steps=24), len(t.state.plan_cache)
 
     res = gc.LoopbackGroup(p, shared_memory=True).run(body)
     assert all(r[0] == res[0][0] for r in res) and {"ok", "disagree"} <= set(res[0][0])
     assert all(r[1] > 0 for r in res)
+
+
+@pytest.mark.mpi
+def test_alternating_reduce_scatter_signatures_over_mpi():
+    from mpi4py import MPI
+
+    from giftcomm.transport import resolve
+
+    comm = MPI.COMM_WORLD
+    seed = comm.bcast(int(np.random.default_rng().integers(2**31)), root=0)
+    done = _alternate_scatters(resolve(comm), comm.rank, comm.size, seed, steps=24)
+    assert comm.allgather(done) == [done] * comm.size and "ok" in done
 
 
 def test_bad_input_in_a_cached_reduce_scatter_raises_on_every_rank_and_the_cache_stays_usable(rng):
