@@ -517,6 +517,7 @@ def test_two_threads_on_one_communicator_never_mix_data(rng):
     and the caller's thread name is agreed on: a call paired with another thread's call on a peer
     raises on both ranks; every call that returns has the right data."""
     import threading
+    import time
 
     p, rounds = 2, 12
     data = {name: inputs(rng, p, 3000, np.float32) for name in ("A", "B")}
@@ -526,7 +527,11 @@ def test_two_threads_on_one_communicator_never_mix_data(rng):
     def rank_body(t):
         def worker(name):
             got = results.setdefault((t.rank, name), [])
+            # a random pause before each call: the two threads' order on a rank is then random,
+            # not an alternation that could pair the ranks' threads wrongly in every round
+            jitter = np.random.default_rng([t.rank, ord(name)])
             for _ in range(rounds):
+                time.sleep(jitter.uniform(0, 2e-3))
                 try:
                     got.append(gc.allreduce(data[name][t.rank], comm=t, algorithm="ring"))
                 except ValueError as exc:

@@ -23,6 +23,10 @@ from studies.netbed import Netbed, NetbedError, parse_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# one xdist worker runs this module (tests/run_all.sh: --dist loadgroup): its beds and the probe
+# namespace below are machine-wide, so two workers' fixtures would collide ("File exists")
+pytestmark = pytest.mark.xdist_group("netbed")
+
 N_FLOATS = 1 << 20  # 4 MiB of fp32 per rank
 
 JOB = textwrap.dedent(f"""
@@ -52,11 +56,11 @@ def _requirements():
     """Fail (not skip) with a clear message if this machine cannot create a bed."""
     try:
         Netbed.check_requirements()
-        probe = subprocess.run(["ip", "netns", "add", "gcnb-0n0-probe"], capture_output=True,
-                               text=True)
+        name = f"gcnb-{os.getpid()}n0-probe"  # this process's: never another run's
+        probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
         if probe.returncode != 0:
             raise NetbedError(f"`ip netns add` failed: {probe.stderr.strip()}")
-        subprocess.run(["ip", "netns", "del", "gcnb-0n0-probe"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
     except NetbedError as e:
         pytest.fail(f"netbed cannot run here: {e}. These tests need root, iproute2 and "
                     "network-namespace support (run CI as root / privileged container).",
