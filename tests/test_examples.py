@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,17 @@ def _run(cmd: list[str], timeout: float = 120, cwd: Path = ROOT) -> str:
     """The command's stdout; it must exit 0 within ``timeout`` seconds and warn nothing of giftcomm's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own session: on a timeout the launcher's workers are killed with it, not left behind
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
+            raise AssertionError(f"{' '.join(cmd)} did not end within {timeout} s (its process group was killed):\n"
+                                 f"{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "giftcomm GiftState:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout
