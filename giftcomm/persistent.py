@@ -59,6 +59,7 @@ class _ChannelCalls:
     _owner: Any
     _what: str
     _cached: bool
+    _word: int
 
     def _stale(self) -> None:
         """Raise CommClosed: the transport's state this plan belongs to was closed (its
@@ -78,6 +79,20 @@ class _ChannelCalls:
             except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
                 pass
         raise CommClosed(f"giftcomm plan: {self._owner.closed}")
+
+    def _post(self, channel: PlanChannel, code: int = 0, seed: int = 0, x: Any = None, out: Any = None,
+              fmt_code: int = 0, block: int = 1, avg: bool = False) -> int:
+        """One call of the channel (its C ``call``, module docstring of giftcomm.transport.channel):
+        this rank's words [error code, plan word, caller, seed] and, on the one-shot fast path,
+        ``x`` and ``out``; the status. An interrupt while waiting closes the channel: the transport
+        learns it and the exception propagates."""
+        t = self.transport
+        try:
+            return channel.native.call(code, self._word, planning.caller(), seed, x, out, fmt_code, block, None, avg,
+                                       t.timeout)
+        except BaseException:
+            t.interrupted("giftcomm plan (shared-memory channel)")
+            raise
 
     def _failed(self, channel: PlanChannel, status: int, error: Exception | None) -> None:
         """Raise what a channel call's status says (on every rank alike): the deadline passed
@@ -182,15 +197,9 @@ class AllreducePlan(_ChannelCalls):
             if channel is not None:
                 # every check of the slow path, in C or above: dtype, contiguity, writability, shape
                 res = np.empty(self.shape, np.float32) if out is None else out
-                t = self.transport
-                limit = t._timeout if t._timeout is not None else t.timeout  # (the property reads the default once)
                 with state.lock:
-                    try:
-                        status = channel.native.call(0, self._word, planning.caller(), 0, x, res, self._fmt_code,
-                                                     self._block, None, self._avg, limit)
-                    except BaseException:  # Ctrl-C while waiting: the channel closed itself
-                        t.interrupted("giftcomm plan (shared-memory channel)")
-                        raise
+                    status = self._post(channel, x=x, out=res, fmt_code=self._fmt_code, block=self._block,
+                                        avg=self._avg)
                     if status == 0:
                         return res
                     if status != 3:  # 3: not for the fast path; nothing was posted
@@ -206,12 +215,7 @@ class AllreducePlan(_ChannelCalls):
         (one handshake), then the transport's own allreduce straight into ``out``."""
         t = self.transport
         with state.lock:
-            try:
-                status = channel.native.call(0, self._word, planning.caller(), 0, None, None, self._fmt_code,
-                                             self._block, None, False, t.timeout)
-            except BaseException:  # Ctrl-C while waiting: the channel closed itself
-                t.interrupted("giftcomm plan (shared-memory channel)")
-                raise
+            status = self._post(channel, fmt_code=self._fmt_code, block=self._block)
             if status != 0:
                 self._failed(channel, status, None)
             into = None if out is None else out.reshape(-1)
@@ -263,12 +267,7 @@ class AllreducePlan(_ChannelCalls):
                 wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
             except Exception as exc:
                 error, head[0] = exc, error_code(exc)
-        try:
-            status = channel.native.call(int(head[0]), int(head[1]), int(head[2]), int(head[3]), None, None,
-                                         self._fmt_code, wire.block, None, False, t.timeout)
-        except BaseException:
-            t.interrupted("giftcomm plan (shared-memory channel)")
-            raise
+        status = self._post(channel, int(head[0]), int(head[3]), fmt_code=self._fmt_code, block=wire.block)
         self._failed(channel, status, error)
         assert call is not None
         if not self._row.one_exchange:
@@ -313,12 +312,7 @@ class JobPlan(_ChannelCalls):
                 kind.prepare(t, job, out, None, None)  # this rank's checks (out, the layout), nothing agreed
             except Exception as exc:  # joins the check below: every rank raises it
                 error = exc
-            try:
-                status = channel.native.call(0 if error is None else error_code(error), self._word, planning.caller(),
-                                             0, None, None, 0, 1, None, False, t.timeout)
-            except BaseException:  # Ctrl-C while waiting: the channel closed itself
-                t.interrupted(f"{self._what} (shared-memory channel)")
-                raise
+            status = self._post(channel, 0 if error is None else error_code(error))
             self._failed(channel, status, error)
             assert job is not None
             job.algorithm, job.nodes, job.slice_n = agreed.algorithm, agreed.nodes, agreed.slice_n

@@ -42,7 +42,7 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "record_last", "call_options", "Job", "Kind", "ALLREDUCE",
+__all__ = ["GeometryLike", "held", "last_algorithm", "call_options", "Job", "Kind", "ALLREDUCE",
            "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
@@ -110,12 +110,6 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
     it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
     return t.last_run
-
-
-def record_last(t: Transport, name: str, bounds: np.ndarray | None = None) -> None:
-    """Record what :func:`last_algorithm` reports for ``t`` (a call that ran without an agreement:
-    a cached plan's, giftcomm.plan_cache)."""
-    t.last_run = (name, bounds)
 
 
 _OPTIONS: dict[tuple, CallOptions] = {}

@@ -143,10 +143,10 @@ class Transport(ABC):
     _state: TransportState | None = None
     _timeout: float | None = None
     _closed: str | None = None
+    """Why this transport is gone for good (its communicator freed, a forked child), or None."""
     last_run: "tuple[str, Any] | None" = None
     """(algorithm, chunk bounds or None) of the last allreduce / reduce-scatter agreed or run
     here (giftcomm.collectives.engine.last_algorithm)."""
-    """Why this transport is gone for good (its communicator freed, a forked child), or None."""
 
     @property
     def timeout(self) -> float:
