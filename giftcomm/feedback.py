@@ -39,7 +39,8 @@ from .collectives.wire import Wire
 from .formats import Format, get_format
 from .partition import shared_chunk_bounds
 
-__all__ = ["ErrorFeedback", "TransformedFeedback", "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
+__all__ = ["ErrorFeedback", "TransformedFeedback",
+           "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
 
 
 def feedback_view(buffer: Any) -> Any:
