@@ -375,3 +375,19 @@ class TransformedFeedback:
         self.residuals.clear()
         self.geometries.clear()
         self.signatures.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals (host float32, in their geometries' coordinates), the geometries
+        they are in, and the layout signatures (a per-rank checkpoint)."""
+        res = {k: np.array(v.get() if hasattr(v, "get") else v, dtype=np.float32, copy=True)
+               for k, v in self.residuals.items()}
+        return {"residuals": res, "geometries": dict(self.geometries), "signatures": dict(self.signatures),
+                "reexpress": self.reexpress, "euclidean": self.euclidean}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.residuals = {k: np.array(v, dtype=np.float32, copy=True) for k, v in state["residuals"].items()}
+        self.geometries = dict(state.get("geometries") or {})
+        self.signatures = dict(state.get("signatures") or {})
+        self.reexpress = bool(state.get("reexpress", self.reexpress))
+        self.euclidean = bool(state.get("euclidean", self.euclidean))

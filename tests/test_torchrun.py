@@ -158,6 +158,10 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
         kwargs.update(geometry="kfac", capture=model, capture_every=1)
     elif geometry == "reduced":
         kwargs.update(geometry="reduced", estimate_every=1, param_names=model)
+    elif geometry == "paper":  # the GIFT paper's preset, its error feedback in transformed coordinates
+        kwargs.update(geometry="paper", capture=model, capture_every=1, paper={"refresh_every": 2, "rank": 4},
+                      error_feedback=True)
+        del kwargs["policy"]
     if grouped:
         kwargs["transport"] = TorchDistDeviceTransport(memory="any")
     state = GiftState(**kwargs)
@@ -207,6 +211,7 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     ("bfloat16", "kfac", False),     # bf16 model, KFAC from the hook, host route over gloo
     ("float16", "reduced", True),    # fp16, reduced-gradient GIFT, the grouped (device) route over gloo
     ("float32", "none", False),
+    ("float32", "paper", False),     # the paper's preset (one word), transformed error feedback
 ])
 def test_ddp_dtypes_bucket_views_geometry_checkpoint(tmp_path, rng, dtype, geometry, grouped):
     world, seed = 2, int(rng.integers(2**20))

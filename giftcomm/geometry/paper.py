@@ -49,6 +49,7 @@ from .transform import SegmentTransform, identity_transform
 
 __all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_input_factor", "input_side",
            "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
+           "refresh_geometries",
            "SaturationProfile", "saturation_fraction", "select_saturated"]
 
 PRESETS = ("paper",)
@@ -349,29 +350,41 @@ def refresh_geometry(comm: Any, layout, factors: Mapping[str, Any], step: int,
     failure on any rank (e.g. a factor not positive definite after damping) raises ValueError on
     every rank with that rank's message, and differing fingerprints take rank 0's geometry (as
     ``Geometry.agree``)."""
+    return refresh_geometries(comm, {0: layout}, factors, step, options, **overrides)[0]
+
+
+def refresh_geometries(comm: Any, layouts: Mapping[Any, Any], factors: Mapping[str, Any], step: int,
+                       options: PaperOptions | None = None, **overrides: Any) -> dict[Any, Geometry]:
+    """:func:`refresh_geometry` for several layouts at once (e.g. one per gradient bucket): one
+    average of every factor, then key -> :func:`paper_geometry` of that layout (with the factors
+    of its segments), agreed in one allgather. Same order of keys expected on every rank."""
     from .sync import as_transport
 
+    o = PaperOptions.of(options, **overrides)
     avg = average_input_factors(comm, factors, step)
     t = as_transport(comm)
-    geo: Geometry | None = None
+    alone = t is None or t.size == 1
+    geos: dict[Any, Geometry] = {}
     err = None
     try:
-        geo = paper_geometry(layout, avg, options, **overrides)
+        for key, lay in layouts.items():
+            lay = as_layout(lay)
+            geos[key] = paper_geometry(lay, {n: a for n, a in avg.items() if n in lay}, o)
     except (ValueError, TypeError) as exc:
-        if t is None or t.size == 1:
+        if alone:
             raise
         err = f"{type(exc).__name__}: {exc}"
-    if t is None or t.size == 1:
-        assert geo is not None
-        return geo
-    got = t.allgather_object((err, None if geo is None else geo.fingerprint()))
+    if alone:
+        return geos
+    assert t is not None
+    mine = None if err is not None else [geos[k].fingerprint() for k in layouts]
+    got = t.allgather_object((err, mine))
     bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
     if bad:
         raise ValueError("paper preset: the factor refresh failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
-    assert geo is not None
     if any(fp != got[0][1] for _, fp in got):
-        geo = t.broadcast_object(geo if t.rank == 0 else None, root=0)
-    return geo
+        geos = t.broadcast_object(geos if t.rank == 0 else None, root=0)
+    return geos
 
 
 # ------------------------------------------------------------------------------ selection

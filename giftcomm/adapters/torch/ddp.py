@@ -53,9 +53,10 @@ import torch
 import torch.distributed as dist
 
 from ... import api
-from ...feedback import ErrorFeedback, check_feedback_format
+from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...formats import message_nbytes
-from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
+from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
+from ...geometry.paper import refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from ..calls import call_kwargs, log_path
@@ -66,7 +67,8 @@ __all__ = ["GiftState", "GiftStats", "gift_hook", "logger"]
 
 logger = logging.getLogger("giftcomm.adapters")
 
-_GEOMETRIES = ("none", "reduced", "kfac")
+_GEOMETRIES = ("none", "reduced", "kfac", "paper")
+_CAPTURED = ("kfac", "paper")  # the geometries built from factors captured from the model
 
 
 @dataclass
@@ -134,7 +136,7 @@ class _Runtime:
             from ...transport.torch_dist import TorchDistTransport
 
             self.host = TorchDistTransport(state.process_group)
-        if state.geometry == "kfac" and self.sync_transport is None:
+        if state.geometry in _CAPTURED and self.sync_transport is None:
             if self.given is None:
                 from ...transport.torch_dist import TorchDistTransport
 
@@ -200,7 +202,14 @@ class GiftState:
     start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
     geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
     estimated from the reduced gradients: no communication) or "kfac" (GIFT with KFAC factors
-    captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``).
+    captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``)
+    or "paper" (the GIFT paper's method, giftcomm.geometry.paper: input side only, Cholesky factor
+    of the low-rank + residual-diagonal approximation of the captured input covariance A averaged
+    over the group; needs ``capture``; its settings are ``paper``, a PaperOptions or a dict of its
+    fields: rank, damping (absolute), decay (the capture's EMA), refresh_every (replaces this
+    state's refresh_every), factor, names (the segments to transform, e.g. from a
+    SaturationProfile), reexpress (error feedback); with ``error_feedback=True`` the residuals
+    are kept in the transformed coordinates, giftcomm.feedback.TransformedFeedback).
     capture: for "kfac", the model (a KfacCapture is made: every ``capture_every`` iterations,
     ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its ``step``.
     estimate_every ("reduced"): iterations between estimator updates (10: sparse by default).
@@ -237,7 +246,7 @@ class GiftState:
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
-                 error_feedback: bool = False, allow_native: bool = True) -> None:
+                 error_feedback: bool = False, allow_native: bool = True, paper: Any = None) -> None:
         self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
                                                     algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
                                                     op="avg", allow_native=allow_native)
@@ -246,9 +255,17 @@ class GiftState:
             raise TypeError(f"GiftState: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
             check_feedback_format(self.options.format, "GiftState")
-        self.feedback: Optional[ErrorFeedback] = ErrorFeedback() if error_feedback else None
         if geometry not in _GEOMETRIES:
             raise ValueError(f"GiftState: geometry must be one of {_GEOMETRIES}, got {geometry!r}")
+        if paper is not None and geometry != "paper":
+            raise ValueError(f'GiftState: paper= goes with geometry="paper" only (geometry is {geometry!r})')
+        self.paper: Optional[PaperOptions] = None
+        if geometry == "paper":
+            self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
+            refresh_every = self.paper.refresh_every
+        self.feedback: Any = None
+        if error_feedback:
+            self.feedback = TransformedFeedback(reexpress=self.paper.reexpress) if self.paper else ErrorFeedback()
         self.geometry = geometry
         self.start_gift_iter = _int_at_least(start_gift_iter, "start_gift_iter", 0)
         self.estimate_every = _int_at_least(estimate_every, "estimate_every", 1)
@@ -268,17 +285,18 @@ class GiftState:
             raise TypeError(f"GiftState: transport must be a giftcomm Transport, got {type(transport).__name__}")
         if sync_transport is not None and not isinstance(sync_transport, Transport):
             raise TypeError(f"GiftState: sync_transport must be a giftcomm Transport, got {type(sync_transport).__name__}")
-        if geometry == "kfac":
+        if geometry in _CAPTURED:
             if capture is None:
-                raise ValueError('GiftState: geometry="kfac" needs capture= (the model, or a KfacCapture)')
+                raise ValueError(f'GiftState: geometry="{geometry}" needs capture= (the model, or a KfacCapture)')
             if isinstance(capture, torch.nn.Module):
                 if param_names is None:
                     param_names = capture
-                capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens)
+                capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens,
+                                      **({"decay": self.paper.decay} if self.paper else {}))
             elif not isinstance(capture, KfacCapture):
                 raise TypeError(f"GiftState: capture must be an nn.Module or a KfacCapture, got {type(capture).__name__}")
         elif capture is not None:
-            raise ValueError(f'GiftState: capture= is used with geometry="kfac" only (geometry is {geometry!r})')
+            raise ValueError(f'GiftState: capture= is used with geometry="kfac" or "paper" only (geometry is {geometry!r})')
         self.process_group = process_group
         self.param_names = _names_from(param_names)
         self.capture: Optional[KfacCapture] = capture
@@ -318,7 +336,7 @@ class GiftState:
 
     # --- checkpoints -----------------------------------------------------------------------
     _PICKLED = ("options", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
-                "blas_threads", "policy", "damping", "iter")
+                "blas_threads", "policy", "damping", "iter", "paper")
 
     def __getstate__(self) -> dict:
         """The user's settings, the iteration count, the statistics and the reduced-gradient
@@ -361,7 +379,7 @@ class GiftState:
         if "options" not in d:  # a state pickled before the call options were one record
             d = dict(d, options=CallOptions.of("GiftState", fmt=d["fmt"], block=d["block"], op="avg"))
         for k in self._PICKLED:
-            setattr(self, k, d[k])
+            setattr(self, k, d.get(k))  # "paper": None in states pickled before it existed
         self.process_group = None
         self.param_names = {}
         self.capture = None
@@ -379,14 +397,16 @@ class GiftState:
         self.runtime.adopted_iter = self.iter - 1
         self.feedback = None
         if d.get("feedback") is not None:
-            self.feedback = ErrorFeedback()
+            self.feedback = TransformedFeedback() if self.paper is not None else ErrorFeedback()
             self.feedback.load_state_dict(d["feedback"])
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
         """After loading a checkpoint: name segments from ``model`` and, for geometry "kfac",
         attach a capture (``capture`` or one made from the model with ``capture_args``)."""
         self.param_names = _names_from(model)
-        if self.geometry == "kfac":
+        if self.geometry in _CAPTURED:
+            if capture is None and self.paper is not None:
+                capture_args.setdefault("decay", self.paper.decay)
             self.capture = capture if capture is not None else KfacCapture(model, **capture_args)
             self.capture.step(self.iter)
         return self
@@ -455,7 +475,7 @@ class GiftState:
         """After the last bucket of iteration ``it``: KFAC snapshot/sync, capture step, iter += 1."""
         if it + 1 == self.start_gift_iter:
             logger.info("giftcomm: warm-up ends after iteration %d; %s from iteration %d", it, self.fmt, it + 1)
-        if self.geometry == "kfac" and self.capture is not None and (it + 1) % self.refresh_every == 0 \
+        if self.geometry in _CAPTURED and self.capture is not None and (it + 1) % self.refresh_every == 0 \
                 and self.runtime.sync_transport is not None:
             self._submit_kfac(it)
         self.iter = it + 1
@@ -485,8 +505,13 @@ class GiftState:
         """Geometry thread: sync the factor snapshot over the group, one geometry per bucket."""
         t0 = time.perf_counter()
         with blas_limit(self.blas_threads):
-            geos = geometries_from_factors(self.runtime.sync_transport, model_layout, segments, snapshot, counts,
-                                           layouts, self.policy, self.damping)
+            if self.paper is not None:  # input side only: A averaged over the group, every rank's map agreed
+                built = refresh_geometries(self.runtime.sync_transport, layouts,
+                                           {n: a for n, (a, _) in snapshot.items()}, it, self.paper)
+                geos = {k: (layouts[k], g) for k, g in built.items()}
+            else:
+                geos = geometries_from_factors(self.runtime.sync_transport, model_layout, segments, snapshot, counts,
+                                               layouts, self.policy, self.damping)
         dt = time.perf_counter() - t0
         with self.runtime.lock:
             self._stats.rebuilds += 1
