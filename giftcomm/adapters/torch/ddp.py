@@ -292,7 +292,7 @@ class GiftState:
                 if param_names is None:
                     param_names = capture
                 capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens,
-                                      **({"decay": self.paper.decay} if self.paper else {}))
+                                      decay=self.paper.decay if self.paper else 0.95)
             elif not isinstance(capture, KfacCapture):
                 raise TypeError(f"GiftState: capture must be an nn.Module or a KfacCapture, got {type(capture).__name__}")
         elif capture is not None:
