@@ -40,7 +40,7 @@ def _host(x: Any) -> np.ndarray:
 
 
 def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *, comm: Any = None, op: str = "sum",
-                       geometry: Any = None, out: Any = None) -> np.ndarray:
+                       geometry: Any = None, out: Any = None, own_error: bool = False) -> Any:
     """Allreduce ``x`` (NumPy array or CPU torch tensor, float32/64/16; read only) with a baseline
     wire; returns a NumPy array of x's shape and dtype (``out``, a NumPy array or CPU tensor of
     x's shape, is filled instead and returned as a NumPy view).
@@ -50,7 +50,9 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     by ``geometry.inverse`` (the paper's GIFT on this wire). Collective; ranks must agree on the
     wire, element count, dtype, op and geometry fingerprint, else ValueError on every rank (also
     for non-finite input on any rank). The ``-local`` wires leave the ranks with different results
-    by design (the artifact's defect)."""
+    by design (the artifact's defect). own_error: return ``(result, e)`` instead, ``e`` the float32
+    (n,) error of this rank's own encoding in the geometry's coordinates, ``y - float32(q) s`` (what
+    error feedback keeps: giftcomm.feedback.TransformedFeedback.record_error)."""
     from .transport import resolve
 
     w = baseline_wire(wire)
@@ -76,6 +78,7 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     scale = amax if w.local_scale else max(a for _, _, a in rows)
     scale = scale if scale > 0 else 1.0
     buf = fp8_codes(flat / np.float32(scale), w.fmt)
+    err = flat - buf.astype(np.float32) * np.float32(scale) if own_error else None
     n = flat.size
     if p > 1:
         bounds = ring_bounds(n, p)
@@ -99,10 +102,10 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     if op == "avg":
         y = y / np.float32(p)
     result = y.astype(src.dtype).reshape(src.shape)
-    if out is None:
-        return result
-    dst = _host(out)
-    if dst.shape != src.shape:
-        raise ValueError(f"out must have x's shape {src.shape}, got {dst.shape}")
-    dst[...] = result
-    return dst
+    if out is not None:
+        dst = _host(out)
+        if dst.shape != src.shape:
+            raise ValueError(f"out must have x's shape {src.shape}, got {dst.shape}")
+        dst[...] = result
+        result = dst
+    return (result, err) if own_error else result

@@ -341,13 +341,19 @@ class TransformedFeedback:
         xp = array_module(sent)
         flat = xp.ascontiguousarray(sent.reshape(-1), dtype=np.float32)
         y = self._map(geometry, flat, inverse=False)
-        err = own_quantization_error(y, fmt, block, seed, rank, pieces, stage)
-        err[~xp.isfinite(err)] = 0
+        self.record_error(key, own_quantization_error(y, fmt, block, seed, rank, pieces, stage), geometry, signature)
+
+    def record_error(self, key: Hashable, err: Any, geometry: Any = None, signature: Any = None) -> None:
+        """Keep ``err`` (1-D float32, already in ``geometry``'s coordinates: e.g. the own-encoding
+        error a baseline wire returns) as the key's residual."""
+        xp = array_module(err)
+        e = xp.array(err, dtype=np.float32, copy=True).reshape(-1)
+        e[~xp.isfinite(e)] = 0
         if not self.euclidean and geometry is not None:
             for t in geometry.transforms:
                 if t.is_identity:
-                    err[t.segment.offset : t.segment.stop] = 0
-        self.residuals[key], self.geometries[key], self.signatures[key] = err, geometry, signature
+                    e[t.segment.offset : t.segment.stop] = 0
+        self.residuals[key], self.geometries[key], self.signatures[key] = e, geometry, signature
 
     def around(self, key: Hashable, buffer: Any, reduce: Any, transport: Any, fmt: Format, block: int,
                seed: int | None, geometry: Any = None, signature: Any = None, in_place: bool = True) -> str:

@@ -356,3 +356,44 @@ def test_baseline_bad_input_everywhere():
         baseline_allreduce(np.ones(3), "e5m2/tensor")
     with pytest.raises(ValueError, match="baseline wire"):
         simulate_allreduce([np.ones(3)], "e5m2/tensor-nccl", algorithm="direct")
+
+
+# ---------------------------------------------------------------- GradSync: baseline wire, paper EF
+def test_gradsync_baseline_wire_and_paper_geometry():
+    """GradSync over a baseline wire equals baseline_allreduce of the same buckets; with the paper's
+    geometry and transformed feedback it keeps a residual in the geometry's coordinates."""
+    import torch
+
+    from giftcomm.adapters.torch import GradSync
+    from giftcomm.adapters.torch.kfac import model_layout
+
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**31))
+
+    def body(t):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        sync = GradSync(model, comm=t, op="avg", baseline="e5m2/tensor-nccl", error_feedback=True, feedback="transformed")
+        lay = sync.layouts[0]
+        a_in = {n: covariance(np.random.default_rng(seed), lay[n].matrix_shape[1]) for n in ("0.weight", "2.weight")}
+        geo = Geometry.preset("paper", lay, a_in)
+        sync.set_geometries([geo])
+        sync.zero_grad()
+        x = torch.from_numpy(np.random.default_rng([seed, t.rank]).standard_normal((5, 16)).astype(np.float32))
+        model(x).pow(2).mean().backward()
+        local = sync.flat_grads()[0].copy()
+        sync.sync(0)
+        want = baseline_allreduce(local, "e5m2/tensor-nccl", comm=t, op="avg", geometry=geo)
+        return sync.flat_grads()[0].copy(), want, sync.feedback.residuals[0], model_layout(model) == lay
+
+    out = LoopbackGroup(2).run(body)
+    for got, want, res, same_layout in out:
+        assert same_layout
+        np.testing.assert_array_equal(got, want)
+        assert np.any(res != 0)
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    with pytest.raises(ValueError, match="transformed"):
+        GradSync(torch.nn.Linear(3, 3), comm=LoopbackGroup(1).transports[0], baseline="e5m2/tensor-nccl",
+                 error_feedback=True)
+    with pytest.raises(ValueError, match="unknown baseline wire"):
+        GradSync(torch.nn.Linear(3, 3), comm=LoopbackGroup(1).transports[0], baseline="e5m2")

@@ -26,13 +26,15 @@ from typing import Any
 import numpy as np
 
 from ... import api
-from ...feedback import ErrorFeedback, check_feedback_format
+from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...options import CallOptions
 from ...transport import resolve
 from ..calls import call_kwargs, log_path
 from .buckets import GradBucket, make_buckets
 
 __all__ = ["GradSync", "SyncTimes"]
+
+_FEEDBACK = ("ordinary", "transformed", "transformed-kept")
 
 
 @dataclass
@@ -102,12 +104,23 @@ class GradSync:
     block-scaled fmt only, else ValueError here). The residuals are this rank's own:
     :meth:`state_dict` holds them for a per-rank checkpoint. ``sync.algorithms``: the algorithm
     each bucket's last call really ran (``auto`` resolved).
+
+    feedback: where the residuals live with ``error_feedback=True``: "ordinary" (gradient
+    coordinates, :class:`~giftcomm.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
+    coordinates, re-expressed when the geometry changes: the paper's method with the re-expression,
+    :class:`~giftcomm.feedback.TransformedFeedback`) or "transformed-kept" (not re-expressed: the
+    paper's artifact). baseline: None, or a baseline wire (giftcomm.baselines.BASELINE_WIRES, e.g.
+    "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8 ring sum) that every bucket then goes
+    through instead of giftcomm's collective (host buckets only; reference speed; fmt, block and
+    the other call options are not used; op is); with error_feedback it needs a "transformed"
+    feedback (the residual is the wire's own-encoding error with its per-tensor scale).
     """
 
     def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
                  slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
-                 timeout: float | None = None, error_feedback: bool = False, allow_native: bool = True) -> None:
+                 timeout: float | None = None, error_feedback: bool = False, allow_native: bool = True,
+                 feedback: str = "ordinary", baseline: str | None = None) -> None:
         self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
                                                     timeout=timeout, allow_native=allow_native)
@@ -116,7 +129,23 @@ class GradSync:
             raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
             check_feedback_format(self.options.format, "GradSync")
-        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        if feedback not in _FEEDBACK:
+            raise ValueError(f"GradSync: feedback must be one of {_FEEDBACK}, got {feedback!r}")
+        self.baseline = None
+        if baseline is not None:
+            from ...baselines import baseline_wire
+
+            try:
+                self.baseline = baseline_wire(baseline).name
+            except ValueError as exc:
+                raise ValueError(f"GradSync: {exc}") from None
+            if error_feedback and feedback == "ordinary":
+                raise ValueError('GradSync: error feedback on a baseline wire needs feedback="transformed" or '
+                                 '"transformed-kept"')
+        self.feedback: Any = None
+        if error_feedback:
+            self.feedback = ErrorFeedback() if feedback == "ordinary" else TransformedFeedback(
+                reexpress=feedback == "transformed")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"GradSync: bucket_mb must be a number > 0, got {bucket_mb!r}")
         self.comm = comm
@@ -159,6 +188,11 @@ class GradSync:
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
             kw = call_kwargs(self.options, step, b.index)
+            if self.baseline is not None:
+                self.algorithms[b.index] = self._baseline(b, g, tg)
+                if tg is not None:
+                    times.transform += tg.seconds
+                continue
             with _torch_stream(b.tensor):
                 def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
                     api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
@@ -181,6 +215,20 @@ class GradSync:
         times.total = time.perf_counter() - t0
         times.comm = times.total - times.transform
         return times
+
+    def _baseline(self, b: GradBucket, g: Any, tg: Any) -> str:
+        """One bucket through the baseline wire (host), with the transformed-coordinate feedback."""
+        from ...baselines import baseline_allreduce
+
+        values = b.buffer
+        if self.feedback is not None:
+            self.feedback.compensate(b.index, values, g)
+        assert self.baseline is not None
+        _, err = baseline_allreduce(values, self.baseline, comm=self.comm, op=self.options.op, geometry=tg,
+                                    out=values, own_error=True)
+        if self.feedback is not None:
+            self.feedback.record_error(b.index, err, g)
+        return str(self.baseline)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (host float32, by bucket index; empty without
