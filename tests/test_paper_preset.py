@@ -397,3 +397,23 @@ def test_gradsync_baseline_wire_and_paper_geometry():
                  error_feedback=True)
     with pytest.raises(ValueError, match="unknown baseline wire"):
         GradSync(torch.nn.Linear(3, 3), comm=LoopbackGroup(1).transports[0], baseline="e5m2")
+
+
+def test_one_word_in_the_ddp_state_and_lightning_callback():
+    import torch
+
+    from giftcomm.adapters.lightning import GiftCommCallback
+    from giftcomm.adapters.torch import GiftState
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    st = GiftState(geometry="paper", capture=model, paper={"rank": 4, "refresh_every": 7}, error_feedback=True)
+    assert st.paper == PaperOptions(rank=4, refresh_every=7) and st.refresh_every == 7
+    assert isinstance(st.feedback, TransformedFeedback) and st.capture.estimator.decay == 0.95
+    st.capture.remove()
+    cb = GiftCommCallback(geometry="paper", capture=model)
+    assert cb.state.paper == PaperOptions()
+    cb.state.capture.remove()
+    with pytest.raises(ValueError, match="paper"):
+        GiftState(geometry="kfac", capture=model, paper={"rank": 4})
+    with pytest.raises(TypeError, match="unknown option"):
+        GiftState(geometry="paper", capture=model, paper={"rnk": 4})

@@ -45,7 +45,8 @@ class GiftCommCallback(Callback):
     keywords of ``GiftState(...)`` (fmt, block, rounding, seed, algorithm, slice_elems, timeout,
     start_gift_iter, geometry, ...: validated here, when the callback is built); or neither: the
     state given to ``DDPStrategy(ddp_comm_state=...)``, else ``GiftState()`` (e4m3). For
-    ``geometry="kfac"`` pass ``capture=`` the LightningModule. ``callback.state`` is the state in use
+    ``geometry="kfac"`` or ``geometry="paper"`` (the GIFT paper's preset, settings in ``paper=``)
+    pass ``capture=`` the LightningModule. ``callback.state`` is the state in use
     (its ``stats()`` after training). With one process (no DDP wrapper, world size 1) nothing is
     registered. Raises TypeError when several processes train without a DDP strategy, and
     RuntimeError when the DDP model already has another communication hook.
