@@ -117,6 +117,9 @@ def _worker(rank, world):
     res["gift"] = _train(rank, world, 3, gift=dict(fmt="e4m3", geometry="kfac", capture="model", capture_every=1),
                          grads_at=2, record=True)
     res["own3"] = _train(rank, world, 3, grads_at=2)
+    # the GIFT paper's preset in one word: input side only, Cholesky factor, A averaged over the group
+    res["paper"] = _train(rank, world, 3, gift=dict(fmt="e4m3", geometry="paper", capture="model", capture_every=1,
+                                                    paper={"rank": 4}), grads_at=2)
     res["errors"] = _bad_inputs(rank, world)
     return res
 
@@ -217,6 +220,22 @@ def test_gift_kfac_geometry_trains_close_to_fsdp2_own(fsdp_results):
             assert abs(a - b) < 0.05 * abs(b)
         for name, p in r["own3"]["grads"].items():
             assert _rel(r["gift"]["grads"][name], p) < 0.2, name
+
+
+def test_paper_geometry_in_one_word_trains_close_to_fsdp2_own(fsdp_results):
+    for r in fsdp_results:
+        assert sum(r["paper"]["gift_calls"]) > 0
+        kinds = {t.right.kind for g in r["paper"]["geometries"] if g is not None
+                 for t in g.full().transforms if not t.is_identity}
+        assert kinds == {"cholesky"}
+        assert all(g is None or t.left.is_identity for g in r["paper"]["geometries"] if g is not None
+                   for t in g.full().transforms)
+        for a, b in zip(r["paper"]["losses"], r["own3"]["losses"]):
+            assert abs(a - b) < 0.05 * abs(b)
+        for name, p in r["own3"]["grads"].items():
+            assert _rel(r["paper"]["grads"][name], p) < 0.2, name
+    fps = {tuple(None if g is None else g.fingerprint() for g in r["paper"]["geometries"]) for r in fsdp_results}
+    assert len(fps) == 1  # every rank the same map
 
 
 def test_gift_shards_are_the_inverse_of_the_reduced_forward_rows(fsdp_results):

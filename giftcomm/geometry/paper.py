@@ -49,7 +49,7 @@ from .transform import SegmentTransform, identity_transform
 
 __all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_input_factor", "input_side",
            "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
-           "refresh_geometries",
+           "refresh_geometries", "refresh_sharded",
            "SaturationProfile", "saturation_fraction", "select_saturated"]
 
 PRESETS = ("paper",)
@@ -385,6 +385,33 @@ def refresh_geometries(comm: Any, layouts: Mapping[Any, Any], factors: Mapping[s
     if any(fp != got[0][1] for _, fp in got):
         geos = t.broadcast_object(geos if t.rank == 0 else None, root=0)
     return geos
+
+
+def refresh_sharded(comm: Any, layout, factors: Mapping[str, Any], shards: int, step: int,
+                    options: PaperOptions | None = None, **overrides: Any):
+    """:func:`refresh_geometry` for a dim-0 sharded buffer (FSDP2): the average of the ranks' A,
+    then :func:`paper_sharded`; errors and fingerprints agreed in one allgather (ValueError on
+    every rank if the build fails on any)."""
+    from .sync import as_transport
+
+    avg = average_input_factors(comm, factors, step)
+    t = as_transport(comm)
+    geo, err = None, None
+    try:
+        geo = paper_sharded(layout, avg, shards, options, **overrides)
+    except (ValueError, TypeError) as exc:
+        if t is None or t.size == 1:
+            raise
+        err = f"{type(exc).__name__}: {exc}"
+    if t is None or t.size == 1:
+        return geo
+    got = t.allgather_object((err, None if geo is None else geo.fingerprint()))
+    bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
+    if bad:
+        raise ValueError("paper preset: the factor refresh failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    if any(fp != got[0][1] for _, fp in got):
+        geo = t.broadcast_object(geo if t.rank == 0 else None, root=0)
+    return geo
 
 
 # ------------------------------------------------------------------------------ selection

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ... import api
 from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
+from ...geometry.paper import PaperOptions
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport import Transport
@@ -59,7 +60,7 @@ except ImportError:  # older torch: duck-typed; register_reduce_scatter says wha
 
 __all__ = ["GiftReduceScatter", "register_reduce_scatter", "fsdp_modules"]
 
-_GEOMETRIES = (None, "kfac")
+_GEOMETRIES = (None, "kfac", "paper")
 _SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed + c) * 2**16 + i
 
 
@@ -116,7 +117,10 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct", "native" or "auto": auto per
     call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
     uses seed ``(seed + c) * 2**16 + index``).
-    warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "kfac" (KFAC factors
+    warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "paper" (the GIFT
+    paper's preset, giftcomm.geometry.paper, from the captured input covariances averaged over the
+    group; settings ``paper``: a PaperOptions or a dict of its fields, its refresh_every replacing
+    this one's), "kfac" (KFAC factors
     from ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls from the
     factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
     parameters. damping: the geometry's. Built by :func:`register_reduce_scatter`, which binds
@@ -133,7 +137,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                  seed: int | None = None, algorithm: str = "auto", slice_elems: int | None = None,
                  timeout: float | None = None, warmup: int = 0, geometry: Any = None, capture: Any = None,
                  refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
-                 error_feedback: bool = False, allow_native: bool = True) -> None:
+                 error_feedback: bool = False, allow_native: bool = True, paper: Any = None) -> None:
         self.options = CallOptions.of("GiftReduceScatter", fmt=fmt, block=block, rounding=rounding,
                                       seed=0 if rounding == "stochastic" and seed is None else seed,
                                       algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
@@ -154,12 +158,19 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"GiftReduceScatter: {name} must be an int >= {least}, got {value!r}")
         if not (isinstance(geometry, ShardedGeometry) or geometry in _GEOMETRIES):
-            raise ValueError(f"GiftReduceScatter: geometry must be None, 'kfac' or a ShardedGeometry, got {geometry!r}")
-        if geometry == "kfac":
+            raise ValueError(f"GiftReduceScatter: geometry must be None, 'kfac', 'paper' or a ShardedGeometry, "
+                             f"got {geometry!r}")
+        if geometry in ("kfac", "paper"):
             if not isinstance(capture, (torch.nn.Module, KfacCapture)):
-                raise ValueError('GiftReduceScatter: geometry="kfac" needs capture= (the model or a KfacCapture)')
+                raise ValueError(f'GiftReduceScatter: geometry="{geometry}" needs capture= (the model or a KfacCapture)')
         elif capture is not None:
-            raise ValueError('GiftReduceScatter: capture= goes with geometry="kfac" only')
+            raise ValueError('GiftReduceScatter: capture= goes with geometry="kfac" or "paper" only')
+        if paper is not None and geometry != "paper":
+            raise ValueError('GiftReduceScatter: paper= goes with geometry="paper" only')
+        self.paper: PaperOptions | None = None
+        if geometry == "paper":
+            self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
+            refresh_every = self.paper.refresh_every
         if not (isinstance(damping, (int, float)) and np.isfinite(damping) and damping >= 0):
             raise ValueError(f"GiftReduceScatter: damping must be a finite number >= 0, got {damping!r}")
         self.warmup, self.refresh_every, self.index, self.damping = warmup, refresh_every, index, float(damping)
@@ -319,8 +330,9 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         if self.geometry_mode is None:
             return None
-        if self.geometry_mode == "kfac" and (call - self.warmup) % self.refresh_every == 0:
-            self.geometry = self._build_kfac(group, size)  # on the same calls of every rank: collective
+        if self.geometry_mode in ("kfac", "paper") and (call - self.warmup) % self.refresh_every == 0:
+            # on the same calls of every rank: collective
+            self.geometry = self._build_paper(group, size, call) if self.paper else self._build_kfac(group, size)
         geo = self.geometry
         if geo is None:
             return None
@@ -332,6 +344,19 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                               "those calls run without the geometry", RuntimeWarning, stacklevel=3)
             return None
         return geo
+
+    def _build_paper(self, group: dist.ProcessGroup, size: int, call: int) -> ShardedGeometry | None:
+        """Collective over ``group``: the paper's preset (giftcomm.geometry.paper) from the captured
+        input covariances of this module's 2-D Linear weights, averaged over the group; every rank
+        must have fed them (RuntimeError on every rank otherwise)."""
+        from ...geometry.paper import refresh_sharded
+
+        cap = self.capture
+        assert isinstance(cap, KfacCapture) and self.paper is not None
+        layout = list(zip(self.names, self.shapes))
+        factors = {n: a for n, (a, _) in cap.estimator.factors().items()
+                   if n in self.names and len(dict(layout)[n]) == 2}
+        return refresh_sharded(self._host[group], layout, factors, size, call, self.paper)
 
     def _build_kfac(self, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         """Collective over ``group``: average the captured factors of this module's Linear weights
@@ -410,8 +435,11 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
     capture_every = options.pop("capture_every", 10)
     capture_tokens = options.pop("capture_tokens", 256)
     capture = options.get("capture")
-    if options.get("geometry") == "kfac" and isinstance(capture, torch.nn.Module):
-        capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens)
+    if options.get("geometry") in ("kfac", "paper") and isinstance(capture, torch.nn.Module):
+        paper = options.get("paper")
+        decay = (paper.decay if isinstance(paper, PaperOptions) else (paper or {}).get("decay", 0.95)) \
+            if options.get("geometry") == "paper" else 0.95
+        capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens, decay=decay)
         steps = [0]
 
         def step_capture(module: torch.nn.Module, args: Any) -> None:
