@@ -9,6 +9,7 @@ from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
 from .partition import chunk_bounds
 from .persistent import AllreducePlan, plan_allreduce
+from .reference.simulate import resolve_algorithm, simulate_allreduce
 from .transport import LoopbackGroup, Transport, release
 
 try:  # one place for the version: pyproject.toml, read back from the installed package's metadata
@@ -21,4 +22,4 @@ except _NotInstalled:  # a source tree on sys.path that pip has not installed
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "AllreducePlan", "release", "CommTimeout",
            "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
-           "Transport", "__version__"]
+           "Transport", "resolve_algorithm", "simulate_allreduce", "__version__"]

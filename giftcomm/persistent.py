@@ -349,18 +349,15 @@ def plan_allreduce(
     allow_native: bool = True,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
-    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
-    plain call; where the plan's calls go through the node-shared channel, the one-shot
-    algorithm is predicted there (no messages: codec work and one handshake), so it is taken for
-    larger buffers than by the plain call (giftcomm.costmodel.choose, ``channel``). With
+    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the plain call's choice
+    (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which). With
     ``rounding="stochastic"`` every call passes its own ``seed=``.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
                                timeout, op, mx_scale, allow_native)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
-                                channel=able(t, _xp.is_device_array(x)))
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size)
         return plan_of(t, job)
 
 

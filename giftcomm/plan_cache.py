@@ -19,8 +19,8 @@ rank when the signatures differ, or runs the call and caches its plan everywhere
 is therefore never run against another signature: its word (the agreed signature and the plan's
 number) differs from every other plan's, so ranks on different cached plans (made in different
 calls) agree afresh, as after a miss. Results are those of the plan: bit-identical on every rank and equal to
-``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``
-predicts the channel's cost, as :func:`giftcomm.plan_allreduce` does).
+``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``: the
+one decision of giftcomm.costmodel.auto_algorithm, whether or not the plan is cached).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _xp, persistent
+from . import persistent
 from .collectives import engine
 from .options import CallOptions
 from .transport import HOST, Transport
@@ -79,11 +79,7 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
     with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
-        # auto predicts the channel only for calls whose plan is cached (run through it): a larger
-        # plain call runs the agreed algorithm over messages or the shared window
-        cacheable = getattr(x, "nbytes", CACHED_MAX_BYTES + 1) <= CACHED_MAX_BYTES
-        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size,
-                                channel=cacheable and persistent.able(t, _xp.is_device_array(x)))
+        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
         if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
             plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
             if key is not None and plan.through_channel:

@@ -150,8 +150,7 @@ class Job:
     """One agreed call: the call record, its options, the algorithm every rank runs (None for
     allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
     and the chunk bounds (reduce-scatter) or every rank's shard length and their total
-    (allgather). channel: the call plans a persistent plan whose calls would go through the
-    node-shared channel (so ``auto`` predicts the one-exchange rows' cost there). A plain class
+    (allgather). A plain class
     with class-level defaults: it is made on every call, and only what a kind sets is written."""
 
     algorithm: Algorithm | None = None
@@ -162,8 +161,8 @@ class Job:
     counts: np.ndarray | None = None
     total: int = 0
 
-    def __init__(self, call: Call, opts: CallOptions, channel: bool = False) -> None:
-        self.call, self.opts, self.channel = call, opts, channel
+    def __init__(self, call: Call, opts: CallOptions) -> None:
+        self.call, self.opts = call, opts
 
 
 @dataclass(frozen=True)
@@ -185,10 +184,9 @@ class Kind:
 
 
 def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-               local_size: int | None = None, channel: bool = False) -> Job:
+               local_size: int | None = None) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
-    the agreed :class:`Job`, or the same exception on every rank. ``channel``: see :class:`Job`
-    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe)."""
+    the agreed :class:`Job`, or the same exception on every rank."""
     caller = planning.caller()
 
     def prepare() -> tuple[Job, dict[str, int]]:
@@ -197,7 +195,7 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
         call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
-        job = Job(call, opts, channel=channel)
+        job = Job(call, opts)
         return job, kind.prepare(t, job, out, geometry, local_size)
 
     job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
@@ -336,8 +334,7 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
         # and one with a device array (the fused kernels) would round differently
         call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel,
-                                        native=job.opts.allow_native)
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, native=job.opts.allow_native)
     call.sig["shared_memory"] = int(t.shared_memory)
     return call.sig
 
