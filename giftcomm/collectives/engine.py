@@ -204,10 +204,17 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
 
 
 def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-            local_size: int | None = None) -> Any:
-    """One whole call of ``kind``: validate and agree, run, finish (collective)."""
+            local_size: int | None = None, explicit: bool = True) -> Any:
+    """One whole call of ``kind``: validate and agree, run, finish (collective); counted in
+    giftcomm.stats (``explicit``: the caller named the format, giftcomm.accounting.agreed)."""
+    from .. import accounting  # lazy: it resolves communicators
+
     with held(t, None if isinstance(opts, Exception) else opts.timeout):
-        return kind.run(t, agree_call(t, kind, x, out, opts, geometry, local_size), out)
+        job = agree_call(t, kind, x, out, opts, geometry, local_size)
+        slot = accounting.agreed(t, job, explicit)
+        result = kind.run(t, job, out)
+        slot.calls += 1
+        return result
 
 
 # ----------------------------------------------------------------------------- finishing
