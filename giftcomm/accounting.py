@@ -36,7 +36,7 @@ from typing import Any
 from .formats import get_format, message_nbytes
 from .partition import shared_chunk_bounds
 
-__all__ = ["stats", "reset_stats", "Slot", "sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
+__all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
 
 log = logging.getLogger("giftcomm")
 
@@ -143,20 +143,52 @@ def agreed(t: Any, job: Any, explicit: bool) -> Slot:
     return slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, reason)
 
 
+def _summary(counted: Any) -> dict[str, Any]:
+    """The stats dict of (slot, calls) pairs."""
+    out: dict[str, Any] = {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
+    for s, calls in counted:
+        if not calls:
+            continue
+        out["calls"] += calls
+        out["bytes_sent"][s.key] = out["bytes_sent"].get(s.key, 0) + calls * s.nbytes
+        out["algorithms"][s.algorithm] = out["algorithms"].get(s.algorithm, 0) + calls
+        if s.reason is not None:
+            out["fallbacks"][s.reason] = out["fallbacks"].get(s.reason, 0) + calls
+    return out
+
+
+class Tally:
+    """An adapter's own counts: :meth:`add` after each of its plain calls on a transport (that
+    call's slot, which the call left in ``t.last_slot``), :meth:`as_dict` the stats dict of
+    those calls only, :meth:`reset`."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[Slot, int] = {}
+
+    def add(self, comm: Any, device: bool = False) -> None:
+        """Count the call just made on ``comm`` (a Transport, or what the call's ``comm=`` was)."""
+        from .transport import resolve
+
+        t = resolve(comm, device=device)
+        slot = getattr(t, "last_slot", None)
+        if slot is not None:
+            self.counts[slot] = self.counts.get(slot, 0) + 1
+            t.last_slot = None  # counted once
+
+    def as_dict(self) -> dict[str, Any]:
+        return _summary(list(self.counts.items()))
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
 def stats(comm: Any = None) -> dict[str, Any]:
     """What the plain calls sent on ``comm`` (None: the default communicator, as the calls
     resolve it); the dict described in the module docstring."""
-    out: dict[str, Any] = {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
     rec = _RECORDS.get(_transport(comm))
-    for s in ([] if rec is None else rec.slots.values()):
-        if not s.calls:
-            continue
-        out["calls"] += s.calls
-        out["bytes_sent"][s.key] = out["bytes_sent"].get(s.key, 0) + s.calls * s.nbytes
-        out["algorithms"][s.algorithm] = out["algorithms"].get(s.algorithm, 0) + s.calls
-        if s.reason is not None:
-            out["fallbacks"][s.reason] = out["fallbacks"].get(s.reason, 0) + s.calls
-    return out
+    return _summary([] if rec is None else [(s, s.calls) for s in rec.slots.values()])
 
 
 def reset_stats(comm: Any = None) -> None:

@@ -79,6 +79,7 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
             result = plan(x, out, opts.seed, opts.timeout)
             t.last_run = plan.last_run  # what engine.last_algorithm reports (error feedback, adapters)
             plan.slot.calls += 1  # giftcomm.stats
+            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
@@ -92,6 +93,7 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
                 _keep(cache, key, plan)
         result = engine.ALLREDUCE.run(t, job, out)
         slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
         return result
 
 
@@ -116,6 +118,7 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
             if plan.last_run is not None:
                 t.last_run = plan.last_run
             plan.slot.calls += 1  # giftcomm.stats
+            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
             missed = True
@@ -132,6 +135,7 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
                 _keep(cache, key, made)
         result = kind.run(t, job, out)
         slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
         return result
 
 

@@ -214,6 +214,7 @@ def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exce
         slot = accounting.agreed(t, job, explicit)
         result = kind.run(t, job, out)
         slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
         return result
 
 
