@@ -109,3 +109,82 @@ def test_stats_count_a_real_run_over_gloo(tmp_path):
     for r, st in enumerate(_spawn(_gloo_worker, 2, str(tmp_path))):
         assert st["calls"] == 3 and st["algorithms"] == {algo: 3}
         assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes(algo, 1024, 2, r, "e4m3", 256)}
+
+
+def _model(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 7))
+
+
+def test_adapters_count_what_they_sent_and_warn_once(caplog):
+    """GradSync, ShardedGradSync and TreeSync: stats() counts their own calls only (a plain call on
+    the same communicator is not theirs), nodes of one rank make auto go native and warn once."""
+    import torch
+
+    from giftcomm.adapters.jax import TreeSync
+    from giftcomm.adapters.torch import GradSync, ShardedGradSync
+
+    p = 2
+    models = [_model(1) for _ in range(p)]
+    n = sum(q.numel() for q in models[0].parameters())
+
+    def body(t):
+        torch.set_num_threads(1)
+        model = models[t.rank]
+        for q in model.parameters():
+            q.grad = torch.ones_like(q)
+        sync = GradSync(model, comm=t, fmt="e4m3", bucket_mb=1)  # one bucket
+        for _ in range(2):
+            sync.sync()
+        gc.allreduce(np.ones(10, np.float32), comm=t)  # not GradSync's
+        sharded = ShardedGradSync(_model(1), comm=t, fmt="e5m2", allow_native=False)
+        sharded.sync()
+        sharded.gather_params(sharded.param_shard())
+        tree = TreeSync(comm=t, fmt="e4m3", refresh_every=10**6)
+        tree({"w": np.ones(50, np.float32)})
+        return sync.stats(), sharded.stats(), tree.stats(), gc.stats(t)
+
+    with caplog.at_level(logging.WARNING, logger="giftcomm"):
+        res = gc.LoopbackGroup(p).run(body)
+    for r, (grad, sharded, tree, plain) in enumerate(res):
+        algo = gc.resolve_algorithm("auto", n, p, None, "e4m3")
+        assert grad["calls"] == 2 and grad["algorithms"] == {algo: 2}
+        key = "native" if algo == "native" else "e4m3"
+        assert grad["bytes_sent"] == {key: 2 * sent_bytes(algo, n, p, r, "e4m3", 256)} and grad["bytes_sent"][key] > 0
+        assert sharded["calls"] == 2 and sharded["fallbacks"] == {} and sharded["algorithms"]["allgather"] == 1
+        assert sum(sharded["algorithms"].get(a, 0) for a in ("ring", "direct")) == 1  # allow_native=False
+        assert set(sharded["bytes_sent"]) == {"e5m2", "fp32"}  # its parameters gather on the fp32 wire
+        assert tree["calls"] == 1 and set(tree) == {"calls", "bytes_sent", "algorithms", "fallbacks"}
+        assert plain["calls"] == grad["calls"] + sharded["calls"] + tree["calls"] + 1
+    assert not _warnings(caplog)  # one node: auto compresses these sizes
+
+
+def test_an_adapter_warns_once_when_auto_goes_native(caplog):
+    """Nodes of one rank (local_size=1 through the transport's node layout is not an adapter
+    option, so: a transport whose nodes are one rank each) make auto go native."""
+    import torch
+
+    from giftcomm.adapters.torch import GradSync
+
+    p = 2
+    models = [_model(2) for _ in range(p)]
+    n = sum(q.numel() for q in models[0].parameters())
+    assert gc.resolve_algorithm("auto", n, p, 1, "e4m3") == "native"
+
+    def body(t):
+        torch.set_num_threads(1)
+        t.node_ids = lambda: np.arange(t.size)  # every rank its own node (as on p hosts)
+        for q in models[t.rank].parameters():
+            q.grad = torch.ones_like(q)
+        sync = GradSync(models[t.rank], comm=t, fmt="e4m3", bucket_mb=1)
+        for _ in range(3):
+            sync.sync()
+        return sync.stats()
+
+    with caplog.at_level(logging.WARNING, logger="giftcomm"):
+        res = gc.LoopbackGroup(p).run(body)
+    assert len(_warnings(caplog)) == p  # once per rank's communicator, not per call
+    for st in res:
+        assert st["fallbacks"] == {AUTO_NATIVE: 3} and st["bytes_sent"] == {"native": 3 * (2 * (p - 1) * n * 4 // p)}
