@@ -58,7 +58,7 @@ try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
 except ImportError:  # older torch: duck-typed; register_reduce_scatter says what is missing
     _ReduceScatterProtocol = object  # type: ignore[assignment,misc]
 
-__all__ = ["GiftReduceScatter", "register_reduce_scatter", "fsdp_modules"]
+__all__ = ["GiftReduceScatter", "GiftReduceScatters", "register_reduce_scatter", "fsdp_modules"]
 
 _GEOMETRIES = (None, "kfac")
 _SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed + c) * 2**16 + i
@@ -399,7 +399,23 @@ def _op(op: Any) -> tuple[str, float | None]:
     raise ValueError(f"GiftReduceScatter: giftcomm reduces with SUM, AVG or PREMUL_SUM, not {op}")
 
 
-def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[GiftReduceScatter]:
+class GiftReduceScatters(list):
+    """What :func:`register_reduce_scatter` returns: the list of its GiftReduceScatter comms, plus
+    :meth:`stats`, their counts added up."""
+
+    def stats(self) -> dict[str, Any]:
+        """Every comm's :meth:`GiftReduceScatter.stats` added up (the dict of giftcomm.stats)."""
+        total: dict[str, Any] = {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
+        for comm in self:
+            st = comm.stats()
+            total["calls"] += st["calls"]
+            for key in ("bytes_sent", "algorithms", "fallbacks"):
+                for k, v in st[key].items():
+                    total[key][k] = total[key].get(k, 0) + v
+        return total
+
+
+def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduceScatters:
     """Install a :class:`GiftReduceScatter` on every FSDP2 module of ``model`` (one each, bound to
     that module's parameters) and return them in ``model.modules()`` order.
 
@@ -430,7 +446,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
         model.register_forward_pre_hook(step_capture)
         options["capture"] = capture
     names = {id(p): n for n, p in model.named_parameters()}
-    comms: list[GiftReduceScatter] = []
+    comms = GiftReduceScatters()
     host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
     device: dict[Any, Transport] = {}
     for i, module in enumerate(modules):
