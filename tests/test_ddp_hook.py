@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from giftcomm.accounting import sent_bytes
 from giftcomm.adapters.torch import GiftState, gift_hook
 from giftcomm.adapters.torch.kfac import KfacCapture
 from giftcomm.reference import simulate_allreduce
+from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
 torch.set_num_threads(1)
@@ -63,10 +65,14 @@ def test_device_route_grouped_no_host_copy(rng, dtype, P, monkeypatch):
         for name in ("cpu", "numpy", "to", "tolist", "item"):
             m.setattr(torch.Tensor, name, _refuse(name))
         outs = group.run(rank_fn)
-    for st in states:
+    for rank, st in enumerate(states):
         s = st.stats()
         assert s.device_buckets == 1 and s.host_buckets == 0 and st.iter == 1
         assert s.bytes_in == n * xs[0].element_size() and s.bytes_wire < s.bytes_in
+        algo = resolve_algorithm("auto", n, P, None, "e4m3")  # stats(): also the dict every adapter's has
+        assert dict(s) == {"calls": 1, "algorithms": {algo: 1}, "fallbacks": {},
+                           "bytes_sent": {"native" if algo == "native" else "e4m3": sent_bytes(algo, n, P, rank,
+                                                                                              "e4m3", 256)}}
         st.shutdown()
     ref = simulate_allreduce([x.float().numpy() for x in xs], "e4m3", 256, "avg")[0]
     expect = torch.from_numpy(ref).to(dtype)

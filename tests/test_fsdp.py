@@ -88,7 +88,8 @@ def _train(rank, world, steps, gift=None, reduce_dtype=None, factor=None, record
         opt.zero_grad()
         losses.append(float(loss))
     out = {"grads": grads, "losses": losses, "gift_calls": [c.gift_calls for c in comms],
-           "calls": [r.calls for r in recorders], "geometries": [c.geometry for c in comms]}
+           "calls": [r.calls for r in recorders], "geometries": [c.geometry for c in comms],
+           "stats": comms.stats() if gift is not None else None}
     return out
 
 
@@ -190,6 +191,9 @@ def test_fsdp2_with_giftcomm_against_fsdp2_own_reduce_scatter(fsdp_results):
             assert _rel(r["nvfp4"]["grads"][name], p) < 0.3, name
             assert _rel(r["bf16"]["grads"][name], r["own-bf16"]["grads"][name]) < 0.08, name
             assert _rel(r["fp16"]["grads"][name], r["own-fp16"]["grads"][name]) < 0.08, name
+        st = r["e4m3"]["stats"]  # register_reduce_scatter(...).stats(): what the comms sent
+        assert st["calls"] == sum(len(c) for c in r["e4m3"]["calls"]) > 0 and st["fallbacks"] == {}
+        assert set(st["bytes_sent"]) == {"e4m3"} and st["bytes_sent"]["e4m3"] > 0  # allow_native=False
         for case in ("fp32", "e4m3", "nvfp4", "warmup"):
             assert abs(r[case]["losses"][0] - r["own"]["losses"][0]) < 1e-6  # the same first forward
         assert abs(r["warmup"]["losses"][1] - r["own3"]["losses"][1]) < 1e-3  # a warm-up step ran FSDP's own

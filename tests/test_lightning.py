@@ -63,6 +63,7 @@ def _one_process_trainer(port: int, out: str) -> None:
     cb = GiftCommCallback(fmt="mxfp4")
     trainer(DDPStrategy(timeout=timeout), cb).fit(Tiny(), loader)
     res["registered"], res["stats"], res["same"] = cb.registered, cb.state.stats().as_dict(), list(same)
+    res["callback_stats"] = dict(cb.stats())
     cb.state.shutdown()
     try:
         trainer(DDPStrategy(ddp_comm_hook=allreduce_hook, timeout=timeout), GiftCommCallback()).fit(Tiny(), loader)
@@ -83,6 +84,8 @@ def test_callback_in_a_one_process_ddp_trainer(tmp_path):
     (res,) = spawn_ranks(1, str(tmp_path), lambda r, out: (_one_process_trainer, (port, out)))
     s = res["stats"]
     assert res["registered"] and s["passthrough_buckets"] == 3 and s["host_buckets"] == 0, s
+    # callback.stats(): nothing sent in one process
+    assert res["callback_stats"] == {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
     assert res["same"] == [True] * 3, res["same"]
     assert res["other_hook"] is not None and "another communication hook" in res["other_hook"]
     assert res["bad_option"] is not None and res["bad_option"].startswith("GiftState: ")

@@ -63,7 +63,7 @@ import giftcomm
 from giftcomm import codec, config
 from giftcomm.api import ALGORITHMS
 from giftcomm.collectives.algorithms import native_bytes
-from giftcomm.costmodel import choose
+from giftcomm.costmodel import auto_algorithm
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce
 
@@ -126,10 +126,10 @@ def _half_sum(kind: str) -> Any:
 
 def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
     """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
-    (giftcomm.costmodel.choose on the transport's node layout, as the API asks it)."""
+    (giftcomm.costmodel.auto_algorithm on the transport's node layout, as the API asks it)."""
     if algorithm != "auto":
         return algorithm
-    return choose(count, topology(transport)[1], fmt, block)
+    return auto_algorithm(count, topology(transport)[1], fmt, block)
 
 
 BASELINES = ("mpi", "mpibf", "ring-bf16")

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...accounting import Tally
 from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.paper import PaperOptions
@@ -58,7 +59,7 @@ try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
 except ImportError:  # older torch: duck-typed; register_reduce_scatter says what is missing
     _ReduceScatterProtocol = object  # type: ignore[assignment,misc]
 
-__all__ = ["GiftReduceScatter", "register_reduce_scatter", "fsdp_modules"]
+__all__ = ["GiftReduceScatter", "GiftReduceScatters", "register_reduce_scatter", "fsdp_modules"]
 
 _GEOMETRIES = (None, "kfac", "paper")
 _SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed + c) * 2**16 + i
@@ -143,6 +144,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                                       algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
                                       allow_native=allow_native)
         self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
+        self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GiftReduceScatter: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -246,6 +248,11 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
 
+    def stats(self) -> dict[str, Any]:
+        """What this rank sent in this GiftReduceScatter's reduce-scatters: the dict of :func:`giftcomm.stats`
+        (calls, bytes_sent per format or "native", algorithms, fallbacks; docs/api.md, "What was sent")."""
+        return self._tally.as_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """The call counts and this rank's error-feedback residual (None without feedback)."""
         return {"calls": self.calls, "gift_calls": self.gift_calls,
@@ -272,6 +279,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             if isinstance(x, torch.Tensor) and values is not None:
                 src = torch.as_tensor(values, device=x.device).to(x.dtype)
             got.append(api.reduce_scatter(src, op=how, out=out, **kw))
+            self._tally.add(transport)
 
         if self.feedback is None:
             reduce()
@@ -416,7 +424,23 @@ def _op(op: Any) -> tuple[str, float | None]:
     raise ValueError(f"GiftReduceScatter: giftcomm reduces with SUM, AVG or PREMUL_SUM, not {op}")
 
 
-def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[GiftReduceScatter]:
+class GiftReduceScatters(list):
+    """What :func:`register_reduce_scatter` returns: the list of its GiftReduceScatter comms, plus
+    :meth:`stats`, their counts added up."""
+
+    def stats(self) -> dict[str, Any]:
+        """Every comm's :meth:`GiftReduceScatter.stats` added up (the dict of giftcomm.stats)."""
+        total: dict[str, Any] = {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
+        for comm in self:
+            st = comm.stats()
+            total["calls"] += st["calls"]
+            for key in ("bytes_sent", "algorithms", "fallbacks"):
+                for k, v in st[key].items():
+                    total[key][k] = total[key].get(k, 0) + v
+        return total
+
+
+def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduceScatters:
     """Install a :class:`GiftReduceScatter` on every FSDP2 module of ``model`` (one each, bound to
     that module's parameters) and return them in ``model.modules()`` order.
 
@@ -450,7 +474,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> list[Gift
         model.register_forward_pre_hook(step_capture)
         options["capture"] = capture
     names = {id(p): n for n, p in model.named_parameters()}
-    comms: list[GiftReduceScatter] = []
+    comms = GiftReduceScatters()
     host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
     device: dict[Any, Transport] = {}
     for i, module in enumerate(modules):
