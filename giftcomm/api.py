@@ -74,9 +74,13 @@ def gift_allreduce(
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
-        return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
-    return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, fmt is not DEFAULT_FMT)
+    t = t.enter_call()  # a release on another thread lets the same calls in on every rank
+    try:
+        if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
+            return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
+        return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, fmt is not DEFAULT_FMT)
+    finally:
+        t.exit_call()
 
 
 def allreduce(
@@ -126,7 +130,11 @@ def allreduce(
     """
     t = resolve(comm, device=type(x) is not np.ndarray and is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
+    t = t.enter_call()  # a release on another thread lets the same calls in on every rank (docs/robustness.md)
+    try:
+        return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
+    finally:
+        t.exit_call()
 
 def reduce_scatter(
     x: Any,
@@ -161,7 +169,11 @@ def reduce_scatter(
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     kind, opts = engine.scatter_kind(layout, opts)
-    return plan_cache.collective(t, kind, x, out, opts, fmt is not DEFAULT_FMT)
+    t = t.enter_call()
+    try:
+        return plan_cache.collective(t, kind, x, out, opts, fmt is not DEFAULT_FMT)
+    finally:
+        t.exit_call()
 
 
 def allgather(
@@ -185,4 +197,8 @@ def allgather(
     """
     t = resolve(comm, device=is_device_array(shard))
     opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum", mx_scale)
-    return plan_cache.collective(t, engine.ALLGATHER, shard, out, opts)
+    t = t.enter_call()
+    try:
+        return plan_cache.collective(t, engine.ALLGATHER, shard, out, opts)
+    finally:
+        t.exit_call()

@@ -319,3 +319,45 @@ def test_a_gloo_wait_ends_at_the_transport_deadline(tmp_path):
     res = _spawn(_timeout_worker, 2, tmp_path)
     assert res[0]["raised"] and "receive from rank 1" in res[0]["raised"], res[0]
     assert res[0]["seconds"] < 30
+
+
+# ----------------------------------------------------------------------------- comm=None after re-init
+def _reinit_worker(rank, world, seed, port2):
+    import datetime
+
+    import torch.distributed as dist
+
+    from giftcomm.errors import CommClosed
+
+    res: dict = {}
+    rng = np.random.default_rng([seed, rank])
+    xs = [rng.standard_normal(2000).astype(np.float32) for _ in range(2)]
+    res["first"] = giftcomm.allreduce(xs[0])  # comm=None: the default group's transport
+    res["last0"] = giftcomm.api.last_algorithm()
+    plan = giftcomm.plan_allreduce(xs[0])
+    dist.barrier()
+    dist.destroy_process_group()  # without reset_default_transport: comm=None must notice
+    os.environ["MASTER_PORT"] = str(port2)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    res["second"] = giftcomm.allreduce(xs[1])  # over the new default group
+    res["last"] = giftcomm.api.last_algorithm()
+    try:
+        plan(xs[1])
+        res["old_plan"] = None
+    except Exception as exc:  # noqa: BLE001 - the type is the assertion
+        res["old_plan"] = type(exc)
+    res["closed"] = CommClosed
+    return res, xs
+
+
+def test_comm_none_follows_torchs_current_default_group(tmp_path):
+    """After destroy_process_group() and a new init_process_group(), comm=None reduces over the
+    new default group (not the destroyed one's transport: torch's raw "Group ... is not
+    registered"), and a plan of the old one raises CommClosed."""
+    world = 2
+    got = _spawn(_reinit_worker, world, tmp_path, 11, _free_port())
+    for i, (key, last) in enumerate((("first", "last0"), ("second", "last"))):
+        want = simulate_allreduce([xs[i] for _, xs in got], "e4m3", None, algorithm=got[0][0][last][0])
+        for r, (res, _) in enumerate(got):
+            np.testing.assert_array_equal(res[key], want[r])
+    assert all(res["old_plan"] is res["closed"] for res, _ in got)

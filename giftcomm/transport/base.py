@@ -127,6 +127,28 @@ class TransportState:
 
 
 LIVE_TRANSPORTS: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # transports with state or MPI objects (fork hook)
+
+
+class CallGate:
+    """Every public call on a transport passes here (:meth:`Transport.enter_call` /
+    :meth:`Transport.exit_call`): ``started`` counts the calls admitted, ``inflight`` those not yet
+    finished. A release (giftcomm.release) sets ``releasing``, agrees with its peers on
+    ``limit``, the largest number of calls any rank has admitted, lets exactly that many
+    calls run on every rank and waits for them to finish; calls beyond ``limit`` wait for the
+    release and then run on the communicator's new transport (``replaced``), the same calls
+    on every rank whatever the threads' interleaving."""
+
+    __slots__ = ("cond", "started", "inflight", "releasing", "limit", "replaced")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.started = 0
+        self.inflight = 0
+        self.releasing = False
+        self.limit: int | None = None
+        self.replaced = False
+
+
 class Transport(ABC):
     """Point-to-point messages plus small control collectives, for ``size`` ranks."""
 
@@ -148,6 +170,65 @@ class Transport(ABC):
     last_slot: Any = None  # the giftcomm.accounting slot the last counted plain call added to
     """(algorithm, chunk bounds or None) of the last allreduce / reduce-scatter agreed or run
     here (giftcomm.collectives.engine.last_algorithm)."""
+    _gate: CallGate | None = None
+
+    def gate(self) -> CallGate:
+        """This transport's :class:`CallGate` (made on first use)."""
+        g = self._gate
+        if g is None:
+            with _STATE_LOCK:
+                if self._gate is None:
+                    self._gate = CallGate()
+                g = self._gate
+        return g
+
+    def enter_call(self) -> "Transport":
+        """Admit one public call (pair with :meth:`exit_call` on the transport returned): this
+        transport, or, when a release replaced it while the call waited (:class:`CallGate`), the
+        communicator's new one (:meth:`renewed`); CommClosed when there is none, CommTimeout when
+        a release does not let the call in within the deadline."""
+        g = self._gate or self.gate()
+        with g.cond:
+            if not (g.releasing or g.replaced):  # the common case: a counter and a lock
+                g.started += 1
+                g.inflight += 1
+                return self
+        return self._enter_slow(g)
+
+    def _enter_slow(self, g: CallGate) -> "Transport":
+        import time
+
+        limit = self.timeout
+        deadline = time.monotonic() + limit if limit > 0 else None
+        with g.cond:
+            while g.releasing and (g.limit is None or g.started >= g.limit):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CommTimeout(f"giftcomm: a call waited {limit:g} s for a release of its communicator "
+                                      f"on another thread (rank {self.rank} of {self.size}; GIFTCOMM_TIMEOUT / timeout=)")
+                g.cond.wait(left)
+            if not g.replaced:
+                g.started += 1
+                g.inflight += 1
+                return self
+        succ = self.renewed()
+        if succ is None or succ is self:
+            raise CommClosed(self._closed or "giftcomm: this transport was released (giftcomm.release)")
+        return succ.enter_call()
+
+    def exit_call(self) -> None:
+        """End a call admitted by :meth:`enter_call`."""
+        g = self._gate
+        assert g is not None
+        with g.cond:
+            g.inflight -= 1
+            if g.releasing:
+                g.cond.notify_all()
+
+    def renewed(self) -> "Transport | None":
+        """The transport a call admitted after this one's release runs on (collective where it
+        is created); None here: such a call raises CommClosed."""
+        return None
 
     @property
     def timeout(self) -> float:

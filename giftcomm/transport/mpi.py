@@ -109,6 +109,7 @@ class MpiRequest(Request):
 # algorithms use as tags (and above every sub-transport's range).
 _ALLGATHER_TAG = 30000
 _BARRIER_TAG = 30001  # + round
+_RELEASE_TAG = 29999  # release's agreement on the calls to let in (giftcomm.release, another thread may be in a call)
 _DIRECT_CONTROL_MAX = 16  # up to this many ranks the agreement gather is point-to-point
 
 
@@ -519,6 +520,13 @@ class MpiTransport(Transport):
         if collective and self.comm != MPI.COMM_NULL:
             self.comm.Free()  # the private duplicate (a split's: its sub-communicator)
 
+    def renewed(self) -> "MpiTransport | None":
+        """The transport of this one's user communicator after :func:`release` (made, collectively,
+        by the first call admitted after it), or None when the communicator is gone."""
+        if self.pid != os.getpid() or self.user_comm == MPI.COMM_NULL:
+            return None
+        return transport_for(self.user_comm)
+
     def successor(self) -> "MpiTransport | None":
         """The cached transport that replaced this one over the same, still living, user
         communicator (after :func:`release`), or None."""
@@ -621,9 +629,12 @@ def release(comm: MPI.Comm | None = None) -> None:
     if comm == MPI.COMM_NULL:
         return
     t = _cache.get(MPI.Comm.py2f(comm))
+    gate = None
+    if t is not None and t._closed is None and t._health.failure is None:
+        gate = _drain(t)  # every rank lets the same calls in; they finish first
     st = None if t is None else t._state
     if st is not None:
-        st.lock.acquire()  # a call in flight on another thread completes first
+        st.lock.acquire()  # (held by no call now)
     try:
         if not _predefined(comm) and _keyval is not None and comm.Get_attr(_keyval) is not None:
             comm.Delete_attr(_keyval)  # runs _on_comm_free
@@ -635,3 +646,49 @@ def release(comm: MPI.Comm | None = None) -> None:
     finally:
         if st is not None:
             st.lock.release()
+        if gate is not None:
+            with gate.cond:  # the calls waiting beyond the agreed number run on the new transport
+                gate.replaced, gate.releasing = True, False
+                gate.cond.notify_all()
+
+
+def _drain(t: MpiTransport) -> Any:
+    """Release's first step: agree with the peers (point-to-point on a tag of its own, so a call
+    in flight on another thread is not disturbed) on the number of calls to let in (the largest
+    any rank has admitted), let exactly that many run on this rank, and wait for them to finish,
+    within the transport's deadline. Later calls wait in :meth:`Transport.enter_call` until the
+    release is done. Returns the gate."""
+    gate = t.gate()
+    with gate.cond:
+        if gate.releasing or gate.replaced:
+            raise RuntimeError("giftcomm.release: this communicator is already being released on another thread")
+        gate.releasing, gate.limit = True, None
+        mine = np.array([gate.started], np.int64)
+    try:
+        table = np.empty((t.size, 1), np.int64)
+        table[t.rank] = mine
+        peers = [q for q in range(t.size) if q != t.rank]
+        reqs = [t.comm.Irecv([table[q], MPI.INT64_T], q, _RELEASE_TAG) for q in peers]
+        reqs += [t.comm.Isend([mine, MPI.INT64_T], q, _RELEASE_TAG) for q in peers]
+        if reqs:
+            t.wait_for(reqs, "release (agreeing on the calls in flight)")
+        limit = int(table.max())
+        seconds = t.timeout
+        deadline = time.monotonic() + seconds if seconds > 0 else None
+        with gate.cond:
+            gate.limit = limit
+            gate.cond.notify_all()
+            while gate.started < limit or gate.inflight > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CommTimeout(
+                        f"giftcomm.release: rank {t.rank} of {t.size} waited {seconds:g} s for its calls in flight "
+                        f"({gate.inflight} running, {gate.started} of the {limit} the ranks agreed on started; "
+                        f"GIFTCOMM_TIMEOUT / timeout=)")
+                gate.cond.wait(left)
+    except BaseException:
+        with gate.cond:
+            gate.releasing, gate.limit = False, None
+            gate.cond.notify_all()
+        raise
+    return gate

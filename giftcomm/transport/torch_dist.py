@@ -309,6 +309,7 @@ def _is_device(buf: Any) -> bool:
 # ---------------------------------------------------------------------------- comm=None
 _DEFAULT: dict[str, Transport] = {}
 _DEFAULT_LOCK = threading.Lock()
+_DEFAULT_WORLD: list[Any] = [None]  # the default group _DEFAULT's transports were made over
 
 
 def torch_world_size() -> int:
@@ -360,7 +361,15 @@ def default_transport(device: bool = False) -> Transport | None:
             f"comm=None is ambiguous: MPI.COMM_WORLD has {n_mpi} ranks but torch.distributed's default "
             f"group has {n_torch}; pass comm= explicitly (an mpi4py communicator or a TorchDistTransport)")
     key = "device" if device else "host"
+    world = dist.GroupMember.WORLD
+    if _DEFAULT_WORLD[0] is world:
+        t = _DEFAULT.get(key)
+        if t is not None:
+            return t
     with _DEFAULT_LOCK:
+        if _DEFAULT_WORLD[0] is not world:  # destroy_process_group + init_process_group: a new default group
+            _drop_defaults()
+            _DEFAULT_WORLD[0] = world
         if "host" not in _DEFAULT:
             _DEFAULT["host"] = TorchDistTransport()
         if device and "device" not in _DEFAULT:
@@ -371,6 +380,19 @@ def default_transport(device: bool = False) -> Transport | None:
 
 
 def reset_default_transport() -> None:
-    """Forget the cached default transports (call before ``dist.destroy_process_group``)."""
+    """Forget the cached default transports (optional: ``comm=None`` notices a destroyed and
+    re-created default group by itself and drops them then)."""
     with _DEFAULT_LOCK:
-        _DEFAULT.clear()
+        _drop_defaults()
+        _DEFAULT_WORLD[0] = None
+
+
+def _drop_defaults() -> None:
+    """Forget the default transports of a default group that was destroyed: their state is
+    closed without communication (the group and its private gloo group are gone), so a plan
+    made over them raises CommClosed."""
+    for t in _DEFAULT.values():
+        if t._state is not None:
+            t.close("giftcomm: torch.distributed's default group was destroyed; comm=None now uses the new one",
+                    collective=False)
+    _DEFAULT.clear()
