@@ -101,7 +101,7 @@ def _printed_dict(out: str, key: str) -> dict:
 
 
 def _check_readme_ddp(out: str) -> None:
-    """The README's claim: FP8 (e4m3) on the wire. The hook's stats, as printed, show e4m3 bytes."""
+    """The README's claim: FP8 (e4m3) on the wire. The stats, as printed, show e4m3 bytes sent."""
     stats = _printed_dict(out, "bytes_sent")
     assert stats["calls"] > 0 and stats["bytes_sent"].get("e4m3", 0) > 0, stats
 
@@ -110,6 +110,7 @@ def _check_readme_ddp(out: str) -> None:
 #: exactly one snippet (test_every_check_has_its_snippet), so a check cannot silently go unused.
 CHECKS: dict[tuple[str, str], Callable[[str], None]] = {
     ("README.md", "gift_hook)"): _check_readme_ddp,
+    ("README.md", "giftcomm.stats("): _check_readme_ddp,   # "FP8 on the wire": e4m3 bytes were sent
 }
 
 
@@ -141,6 +142,8 @@ def _free_port() -> str:
 
 
 def _cuda() -> bool:
+    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
+        return False  # no driver: skip without importing torch
     try:
         import torch
 
@@ -197,6 +200,37 @@ def test_snippet(snippet: Snippet, tmp_path):
             check(out)
         except AssertionError as exc:
             raise AssertionError(f"{snippet.where}: what the prose claims does not hold: {exc}") from None
+
+
+# ------------------------------------------------------------------ the format tables
+def _format_rows(path: Path) -> dict[str, float]:
+    """{format name: bytes/value} of the Markdown table rows whose first cell names formats
+    (`"e4m3"`) and whose last cell is a number."""
+    rows: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.strip().startswith("|"):
+            continue
+        names = re.findall(r'`"(\w+)"`', cells[0])
+        try:
+            value = float(cells[-1])
+        except ValueError:
+            continue
+        for name in names:
+            rows[name] = value
+    return rows
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/api.md"])
+def test_format_table(doc):
+    """The formats table lists every format of giftcomm.formats.FORMATS with its bytes per value."""
+    import giftcomm
+    from giftcomm.formats import FORMATS
+
+    rows = _format_rows(ROOT / doc)
+    assert set(rows) == set(FORMATS), f"{doc}: the table lists {sorted(rows)}, giftcomm.FORMATS has {sorted(FORMATS)}"
+    for name, value in rows.items():
+        assert abs(value - giftcomm.bytes_per_value(name)) < 1e-4, (doc, name, value, giftcomm.bytes_per_value(name))
 
 
 # ------------------------------------------------------------------ docs/api.md's signatures
