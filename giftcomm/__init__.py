@@ -3,12 +3,14 @@
 Ring allreduce with FP8 wire messages (block-scaled E4M3/E5M2, fp32 accumulation at every hop)
 over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-layer geometry.
 """
+from .accounting import reset_stats, stats
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .errors import CommAborted, CommClosed, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
 from .partition import chunk_bounds
 from .persistent import AllreducePlan, plan_allreduce
+from .reference.simulate import resolve_algorithm, simulate_allreduce
 from .transport import LoopbackGroup, Transport, release
 
 try:  # one place for the version: pyproject.toml, read back from the installed package's metadata
@@ -21,4 +23,4 @@ except _NotInstalled:  # a source tree on sys.path that pip has not installed
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "AllreducePlan", "release", "CommTimeout",
            "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
-           "Transport", "__version__"]
+           "Transport", "resolve_algorithm", "simulate_allreduce", "stats", "reset_stats", "__version__"]

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import plan_cache
 from ._xp import is_device_array
+from .accounting import DEFAULT_FMT
 from .collectives import engine
 from .collectives.algorithms import CHOICES
 from .collectives.engine import GeometryLike, call_options
@@ -47,7 +48,7 @@ def gift_allreduce(
     *,
     comm: Any = None,
     op: str = "sum",
-    fmt: str | Format = "e4m3",
+    fmt: str | Format = DEFAULT_FMT,
     block: int | None = None,
     out: Any = None,
     algorithm: str = "auto",
@@ -74,8 +75,8 @@ def gift_allreduce(
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
-        return plan_cache.allreduce(t, x, out, opts, local_size)
-    return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
+        return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
+    return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, fmt is not DEFAULT_FMT)
 
 
 def allreduce(
@@ -83,7 +84,7 @@ def allreduce(
     *,
     comm: Any = None,
     op: str = "sum",
-    fmt: str | Format = "e4m3",
+    fmt: str | Format = DEFAULT_FMT,
     block: int | None = None,
     out: Any = None,
     algorithm: str = "auto",
@@ -125,14 +126,14 @@ def allreduce(
     """
     t = resolve(comm, device=type(x) is not np.ndarray and is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    return plan_cache.allreduce(t, x, out, opts, local_size)
+    return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
 
 def reduce_scatter(
     x: Any,
     *,
     comm: Any = None,
     op: str = "sum",
-    fmt: str | Format = "e4m3",
+    fmt: str | Format = DEFAULT_FMT,
     block: int | None = None,
     out: Any = None,
     algorithm: str = "ring",
@@ -160,14 +161,14 @@ def reduce_scatter(
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     kind, opts = engine.scatter_kind(layout, opts)
-    return plan_cache.collective(t, kind, x, out, opts)
+    return plan_cache.collective(t, kind, x, out, opts, fmt is not DEFAULT_FMT)
 
 
 def allgather(
     shard: Any,
     *,
     comm: Any = None,
-    fmt: str | Format = "e4m3",
+    fmt: str | Format = DEFAULT_FMT,
     block: int | None = None,
     out: Any = None,
     slice_elems: int | None = None,

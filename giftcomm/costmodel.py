@@ -34,7 +34,7 @@ from .machine import BOUNDS, BUILT_IN, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",
            "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose", "candidate_times",
-           "FIDELITY_SLACK"]
+           "FIDELITY_SLACK", "auto_algorithm", "ONE_NODE_CHANNEL_VALUES"]
 
 MAX_FILE_BYTES = 1 << 20
 """A calibration file is a few hundred bytes (plus the raw measurements): larger ones are refused."""
@@ -249,3 +249,36 @@ def candidate_times(n: int, topo: Topology, fmt: str, block: int = 256, cal: Cal
     multi_node = topo.nodes > 1 and topo.local_size > 1
     return {a.name: predict(a.name, n, topo, fmt, block, cal, channel) for a in algorithms.TABLE
             if a.auto and (multi_node or not a.needs_nodes) and (native or not a.native)}
+
+
+ONE_NODE_CHANNEL_VALUES = 1 << 18
+"""Up to this many values (1 MiB of float32), ``auto`` on one node of at least 2 ranks predicts
+the node-shared channel's cost (:func:`auto_algorithm`)."""
+
+
+def auto_algorithm(n: int, topo: Topology, fmt: str, block: int, *, allow_native: bool = True,
+                   scatter: bool = False) -> str:
+    """THE ``algorithm="auto"`` decision: every live call (giftcomm.allreduce, gift_allreduce,
+    reduce_scatter, their cached plans and giftcomm.plan_allreduce, on every transport) and
+    giftcomm.resolve_algorithm / the reference simulations ask this one function, with nothing
+    but the call's own arguments, so that what a call runs is what they say.
+
+    n: values in the call's buffer (any dtype). topo: the ranks and their nodes (the transport's
+    node layout, or ``local_size`` when the call gives one). fmt, block: the wire format's name
+    and its resolved block. allow_native: the call's option (False: never the native row).
+    scatter: a reduce_scatter, which chooses among the rows with a reduce-scatter (``ring``,
+    ``direct``, ``native``; the first of them when the cost model's pick has none).
+
+    On one node of at least 2 ranks, an allreduce of up to :data:`ONE_NODE_CHANNEL_VALUES`
+    values is predicted as a repeated call through the plans' node-shared channel runs it
+    (:func:`predict` with ``channel``: the one-shot row in C, the native row without the engine),
+    which is how MPI's shared-memory path runs it. The choice does not depend on whether this
+    transport has that channel (torch.distributed, NCCL and MPI with GIFTCOMM_SHARED_MEMORY=0
+    choose alike and send the same algorithm's messages): otherwise the same call would run
+    different algorithms, with different results, on different transports, and
+    giftcomm.resolve_algorithm could not say which."""
+    channel = not scatter and topo.nodes == 1 and topo.ranks > 1 and n <= ONE_NODE_CHANNEL_VALUES
+    pick = choose(n, topo, fmt, block, channel=channel, native=allow_native)
+    if scatter and not algorithms.BY_NAME[pick].scatter:
+        return next(a.name for a in algorithms.TABLE if a.scatter)
+    return pick

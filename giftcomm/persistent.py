@@ -153,6 +153,7 @@ class AllreducePlan(_ChannelCalls):
         self._fmt_code, self._block, self._avg = self._wire.fmt.variant_code, self._wire.block, call.op == "avg"
         self.last_run = (algorithm.name, None)  # what engine.last_algorithm reports after a call
         self.used = 0  # a cached plan's last use (giftcomm.plan_cache's eviction order)
+        self.slot: Any = None  # a cached plan's giftcomm.stats slot (giftcomm.accounting; set by giftcomm.plan_cache)
         # the native row's fast path: NumPy arrays of the dtype the transport sums (float32 for a
         # block-scaled format or fp32, float64 input for a block-scaled format), no seed
         kind = native.kind_of(self._wire.fmt, self._acc) if algorithm.native else ""
@@ -293,6 +294,7 @@ class JobPlan(_ChannelCalls):
         self._owner, self._what, self._cached = t.state, f"{kind.what} (cached plan)", True
         self.last_run = None if job.algorithm is None else (job.algorithm.name, job.bounds)
         self.used = 0  # its last use (giftcomm.plan_cache's eviction order)
+        self.slot: Any = None  # its giftcomm.stats slot (giftcomm.accounting; set by giftcomm.plan_cache)
 
     def __call__(self, x: Any, out: Any, opts: Any) -> Any:
         """The collective of ``x`` with the cached options ``opts`` (collective)."""
@@ -349,18 +351,15 @@ def plan_allreduce(
     allow_native: bool = True,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
-    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the cost model's choice, as for the
-    plain call; where the plan's calls go through the node-shared channel, the one-shot
-    algorithm is predicted there (no messages: codec work and one handshake), so it is taken for
-    larger buffers than by the plain call (giftcomm.costmodel.choose, ``channel``). With
+    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the plain call's choice
+    (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which). With
     ``rounding="stochastic"`` every call passes its own ``seed=``.
     Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
                                timeout, op, mx_scale, allow_native)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size,
-                                channel=able(t, _xp.is_device_array(x)))
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size)
         return plan_of(t, job)
 
 

@@ -19,8 +19,8 @@ rank when the signatures differ, or runs the call and caches its plan everywhere
 is therefore never run against another signature: its word (the agreed signature and the plan's
 number) differs from every other plan's, so ranks on different cached plans (made in different
 calls) agree afresh, as after a miss. Results are those of the plan: bit-identical on every rank and equal to
-``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``
-predicts the channel's cost, as :func:`giftcomm.plan_allreduce` does).
+``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``: the
+one decision of giftcomm.costmodel.auto_algorithm, whether or not the plan is cached).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _xp, persistent
+from . import accounting as _stats
+from . import persistent
 from .collectives import engine
 from .options import CallOptions
 from .transport import HOST, Transport
@@ -62,8 +63,10 @@ def signature(x: Any, out: Any, opts: CallOptions, local_size: int | None) -> tu
     return key
 
 
-def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, local_size: int | None) -> Any:
-    """:func:`giftcomm.allreduce` of ``x`` over ``t`` through the cache (collective)."""
+def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, local_size: int | None,
+              explicit: bool = True) -> Any:
+    """:func:`giftcomm.allreduce` of ``x`` over ``t`` through the cache (collective), counted in
+    giftcomm.stats (``explicit``: the caller named the format; its fallback to native is warned)."""
     if isinstance(opts, Exception):
         return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
     key = signature(x, out, opts, local_size)
@@ -75,30 +78,34 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
         try:
             result = plan(x, out, opts.seed, opts.timeout)
             t.last_run = plan.last_run  # what engine.last_algorithm reports (error feedback, adapters)
+            plan.slot.calls += 1  # giftcomm.stats
+            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
     with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
-        # auto predicts the channel only for calls whose plan is cached (run through it): a larger
-        # plain call runs the agreed algorithm over messages or the shared window
-        cacheable = getattr(x, "nbytes", CACHED_MAX_BYTES + 1) <= CACHED_MAX_BYTES
-        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size,
-                                channel=cacheable and persistent.able(t, _xp.is_device_array(x)))
+        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+        slot = _stats.agreed(t, job, explicit)
         if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
             plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
+            plan.slot = slot
             if key is not None and plan.through_channel:
                 _keep(cache, key, plan)
-        return engine.ALLREDUCE.run(t, job, out)
+        result = engine.ALLREDUCE.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result
 
 
-def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions | Exception) -> Any:
+def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions | Exception,
+               explicit: bool = True) -> Any:
     """:func:`giftcomm.reduce_scatter` (``kind``: its layout's) or :func:`giftcomm.allgather` of
     ``x`` over ``t`` through the cache (collective): a repeated call with one signature runs the
     job agreed the first time (a :class:`~giftcomm.persistent.JobPlan`: its check words through
     the plans' channel instead of the agreement; the data moves as the agreed algorithm moves it).
     Stochastic rounding's calls (a seed per call) agree every time."""
     if isinstance(opts, Exception) or opts.seed is not None:
-        return engine.execute(t, kind, x, out, opts)
+        return engine.execute(t, kind, x, out, opts, explicit=explicit)
     sig = signature(x, out, opts, None)
     key = None if sig is None else (id(kind), sig)
     cache = t.state.plan_cache
@@ -110,18 +117,26 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
             result = plan(x, out, opts)
             if plan.last_run is not None:
                 t.last_run = plan.last_run
+            plan.slot.calls += 1  # giftcomm.stats
+            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
             missed = True
     with engine.held(t, opts.timeout, plain=not missed):
         job = engine.agree_call(t, kind, x, out, opts)
+        slot = _stats.agreed(t, job, explicit)
         # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
         nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
         if t.shared_memory and t.memory == HOST and nbytes <= CACHED_MAX_BYTES:
             made = persistent.job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
+            if made is not None:
+                made.slot = slot
             if key is not None and made is not None:
                 _keep(cache, key, made)
-        return kind.run(t, job, out)
+        result = kind.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result
 
 
 def _keep(cache: Any, key: Any, plan: Any) -> None:

@@ -33,8 +33,7 @@ def test_equal_layout_matches_simulation_for_every_format_and_algorithm(rng, p, 
         got = group(p).run(lambda t: gc.reduce_scatter(xs[t.rank], comm=t, fmt=fmt, op=op, algorithm=algorithm,
                                                        slice_elems=512, rounding=rounding, seed=seed, layout="equal",
                                                        allow_native=False))
-        sim_algorithm = resolve_algorithm(algorithm, n, p, None, fmt, allow_native=False)  # auto: the call's pick
-        sim_algorithm = sim_algorithm if sim_algorithm in ("ring", "direct") else "ring"
+        sim_algorithm = resolve_algorithm(algorithm, n, p, None, fmt, allow_native=False, kind="reduce_scatter")
         want = simulate_reduce_scatter(xs, fmt, None, op, sim_algorithm, rounding=rounding, seed=seed, layout="equal")
         for r in range(p):
             assert got[r].shape == (n // p,), (algorithm, got[r].shape)

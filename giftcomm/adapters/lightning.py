@@ -60,6 +60,14 @@ class GiftCommCallback(Callback):
         self.state: GiftState | None = state if state is not None else (GiftState(**gift_options) if gift_options else None)
         self.registered = False
 
+    def stats(self) -> Any:
+        """What the hook sent (``callback.state.stats()``, a GiftStats that reads as the stats
+        dict of every adapter: ``["calls"]``, ``["bytes_sent"]``, ``["algorithms"]``,
+        ``["fallbacks"]``; docs/api.md, "What was sent"); zero counts before a state exists."""
+        if self.state is None:
+            return {"calls": 0, "bytes_sent": {}, "algorithms": {}, "fallbacks": {}}
+        return self.state.stats()
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         strategy = trainer.strategy
         ddp = strategy.model

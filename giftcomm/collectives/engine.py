@@ -150,8 +150,7 @@ class Job:
     """One agreed call: the call record, its options, the algorithm every rank runs (None for
     allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
     and the chunk bounds (reduce-scatter) or every rank's shard length and their total
-    (allgather). channel: the call plans a persistent plan whose calls would go through the
-    node-shared channel (so ``auto`` predicts the one-exchange rows' cost there). A plain class
+    (allgather). A plain class
     with class-level defaults: it is made on every call, and only what a kind sets is written."""
 
     algorithm: Algorithm | None = None
@@ -162,8 +161,8 @@ class Job:
     counts: np.ndarray | None = None
     total: int = 0
 
-    def __init__(self, call: Call, opts: CallOptions, channel: bool = False) -> None:
-        self.call, self.opts, self.channel = call, opts, channel
+    def __init__(self, call: Call, opts: CallOptions) -> None:
+        self.call, self.opts = call, opts
 
 
 @dataclass(frozen=True)
@@ -185,10 +184,9 @@ class Kind:
 
 
 def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-               local_size: int | None = None, channel: bool = False) -> Job:
+               local_size: int | None = None) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
-    the agreed :class:`Job`, or the same exception on every rank. ``channel``: see :class:`Job`
-    (rank 0's choice is the one every rank runs, so a hint that differs across ranks is safe)."""
+    the agreed :class:`Job`, or the same exception on every rank."""
     caller = planning.caller()
 
     def prepare() -> tuple[Job, dict[str, int]]:
@@ -197,7 +195,7 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
         call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
         call.sig["caller"] = caller
         planning.check_transport(t, call)
-        job = Job(call, opts, channel=channel)
+        job = Job(call, opts)
         return job, kind.prepare(t, job, out, geometry, local_size)
 
     job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
@@ -206,10 +204,18 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
 
 
 def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-            local_size: int | None = None) -> Any:
-    """One whole call of ``kind``: validate and agree, run, finish (collective)."""
+            local_size: int | None = None, explicit: bool = True) -> Any:
+    """One whole call of ``kind``: validate and agree, run, finish (collective); counted in
+    giftcomm.stats (``explicit``: the caller named the format, giftcomm.accounting.agreed)."""
+    from .. import accounting  # lazy: it resolves communicators
+
     with held(t, None if isinstance(opts, Exception) else opts.timeout):
-        return kind.run(t, agree_call(t, kind, x, out, opts, geometry, local_size), out)
+        job = agree_call(t, kind, x, out, opts, geometry, local_size)
+        slot = accounting.agreed(t, job, explicit)
+        result = kind.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result
 
 
 # ----------------------------------------------------------------------------- finishing
@@ -336,8 +342,7 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
         # and one with a device array (the fused kernels) would round differently
         call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, channel=job.channel,
-                                        native=job.opts.allow_native)
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, native=job.opts.allow_native)
     call.sig["shared_memory"] = int(t.shared_memory)
     return call.sig
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from ..costmodel import Topology, choose
+from ..costmodel import Topology, auto_algorithm
 from ..formats import Format
 from ..options import CallOptions
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
 from .agree import DTYPE_CODES, OP_CODES
-from .algorithms import AUTO, BY_CODE, BY_NAME, CHOICES, CODES, TABLE, Algorithm
+from .algorithms import AUTO, BY_CODE, BY_NAME, CHOICES, CODES, Algorithm
 from .hierarchical import check_uniform, contiguous_nodes
 from .ring import auto_slice_elems
 from .wire import Wire
@@ -33,7 +33,6 @@ __all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
            "direct_out", "finish", "divide", "gathered_counts", "positive_int", "caller"]
 
-_SCATTER_DEFAULT = next(a.name for a in TABLE if a.scatter)
 """What ``auto`` runs for reduce_scatter when the cost model's choice has no reduce-scatter half."""
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
           "caller", "rounding", "seed", "allow_native", "chosen")
@@ -172,18 +171,18 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 
 
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
-                   allowed: tuple[str, ...] = CHOICES, channel: bool = False, native: bool = True) -> np.ndarray:
-    """Validate ``algorithm``/``local_size``, record the choice (auto: the cost model's, or for
-    a restricted ``allowed`` set the first reduce-scatter row when the choice is not in it;
-    ``channel``: for a plan whose calls would go through the node-shared channel; ``native``:
-    the call's allow_native) in the signature; returns the node layout."""
+                   allowed: tuple[str, ...] = CHOICES, native: bool = True) -> np.ndarray:
+    """Validate ``algorithm``/``local_size``, record the choice (auto:
+    giftcomm.costmodel.auto_algorithm of the call's size, format and block on the node layout,
+    among the reduce-scatter rows when ``allowed`` is not every row; ``native``: the call's
+    allow_native) in the signature; returns the node layout."""
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
-        chosen = choose(call.arr.size, topo, call.fmt.name, call.block, channel=channel, native=native)
-        chosen = chosen if chosen in allowed else _SCATTER_DEFAULT
+        chosen = auto_algorithm(call.arr.size, topo, call.fmt.name, call.block, allow_native=native,
+                                scatter=allowed is not CHOICES)
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes
     call.sig.update(algorithm=CODES[algorithm], local_size=local_size or 0, chosen=CODES[chosen])

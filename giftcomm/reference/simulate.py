@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
-from ..costmodel import Topology, choose
+from ..costmodel import Topology, auto_algorithm
 from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
 from .codec import decode, encode
@@ -220,33 +220,49 @@ def _native_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
 
 def simulate_reduce_scatter(
     inputs: Sequence[np.ndarray], fmt: str = "e4m3", block: int | None = None, op: str = "sum", algorithm: str = "ring",
-    *, rounding: str = "nearest", seed: int | None = None, layout: str = "blocks",
+    *, rounding: str = "nearest", seed: int | None = None, layout: str = "blocks", allow_native: bool = True,
 ) -> list[np.ndarray]:
     """Every rank's reduce_scatter shard (1-D, input dtype), from every rank's input.
 
     algorithm: a row of the algorithm table with ``scatter`` ("ring" or "direct": the
-    reduce-scatter halves of those allreduces). layout: "blocks" or "equal", as for
+    reduce-scatter halves of those allreduces; "native"), or "auto" (the live call's choice,
+    :func:`resolve_algorithm` with ``kind="reduce_scatter"``; allow_native: its option). layout: "blocks" or "equal", as for
     giftcomm.reduce_scatter.
     """
     w = _Wire.of(fmt, block, rounding, seed)
+    flat, dtype, _ = _flat_inputs(inputs)
+    if algorithm == AUTO:  # the live call's choice (allow_native: its option)
+        algorithm = resolve_algorithm(AUTO, flat[0].size, len(flat), None, w.fmt.name, w.block, allow_native,
+                                      kind="reduce_scatter")
     if algorithm not in SCATTER_SIMULATIONS:
         raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(SCATTER_SIMULATIONS)}, got {algorithm!r}")
-    flat, dtype, _ = _flat_inputs(inputs)
     sums, _ = SCATTER_SIMULATIONS[algorithm](flat, w, layout)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
 def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
-                      block: int | None = None, allow_native: bool = True) -> str:
-    """The algorithm "auto" stands for: the cost model's choice for n values on p ranks, in
-    nodes of ``local_size`` consecutive ranks (one node when None), as giftcomm.allreduce does
-    (``allow_native``: as its option)."""
-    if algorithm not in CHOICES:
-        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(CHOICES)}")
+                      block: int | None = None, allow_native: bool = True, *, kind: str = "allreduce") -> str:
+    """The algorithm a call with these arguments runs ("auto" resolved; another name as given):
+    giftcomm.costmodel.auto_algorithm, the one decision every live call makes, on every transport
+    (MPI with or without its shared-memory paths, torch.distributed, NCCL) and whether or not the
+    call's plan is cached.
+
+    n: values in the buffer. p: ranks. local_size: ranks per node (None: all ``p`` on one node,
+    the layout of a single host; pass the transport's own on several nodes). fmt, block: the
+    wire format and block (None: the format's own). allow_native: the call's option. kind:
+    "allreduce" (also gift_allreduce and giftcomm.plan_allreduce) or "reduce_scatter" (chooses
+    among its rows). The live call's choice is reported by
+    ``giftcomm.collectives.engine.last_algorithm(transport)``."""
+    allowed = CHOICES if kind == "allreduce" else SCATTER_CHOICES
+    if kind not in ("allreduce", "reduce_scatter"):
+        raise ValueError(f"kind must be 'allreduce' or 'reduce_scatter', got {kind!r}")
+    if algorithm not in allowed:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(allowed)}")
     if algorithm != AUTO:
         return algorithm
     k = local_size or p
-    return choose(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block), native=allow_native)
+    return auto_algorithm(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block),
+                          allow_native=allow_native, scatter=kind == "reduce_scatter")
 
 
 def simulate_allreduce(
@@ -270,7 +286,7 @@ def simulate_allreduce(
       pass-through (``local_fmt``) ring reduce-scatter inside each node, ring / direct FP8
       allreduce of each node chunk across nodes, exact fp32 allgather inside each node;
     - "auto" (the default, as in giftcomm.allreduce): the cost model's choice for this size,
-      rank count and node layout (giftcomm.costmodel.choose).
+      rank count and node layout (:func:`resolve_algorithm`: what the live call runs).
     block: None gives the format's own block (giftcomm.formats.resolve_block). rounding, seed: as
     for giftcomm.allreduce.
     """

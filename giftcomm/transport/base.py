@@ -145,6 +145,7 @@ class Transport(ABC):
     _closed: str | None = None
     """Why this transport is gone for good (its communicator freed, a forked child), or None."""
     last_run: "tuple[str, Any] | None" = None
+    last_slot: Any = None  # the giftcomm.accounting slot the last counted plain call added to
     """(algorithm, chunk bounds or None) of the last allreduce / reduce-scatter agreed or run
     here (giftcomm.collectives.engine.last_algorithm)."""
 

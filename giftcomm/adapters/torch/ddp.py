@@ -46,7 +46,7 @@ import time
 import warnings
 from concurrent.futures import Future as _CFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, SelectivePolicy
@@ -72,7 +73,9 @@ _GEOMETRIES = ("none", "reduced", "kfac")
 
 @dataclass
 class GiftStats:
-    """What the hook did so far (``state.stats()``). Bytes are per rank, per reduction:
+    """What the hook did so far (``state.stats()``): ``calls``, ``bytes_sent``, ``algorithms``,
+    ``fallbacks`` as every adapter's ``stats()`` has them (also as ``stats["calls"]`` etc.), and
+    the hook's own counters. Bytes are per rank, per reduction:
     ``bytes_in`` the buckets' size in their own dtype, ``bytes_wire`` the wire messages of the
     same values (format + scales); ``bytes_saved`` their difference. ``comm_seconds``: wall time
     of the reductions (host route: on the worker; device route: the host time to enqueue them,
@@ -91,6 +94,23 @@ class GiftStats:
     geometry_seconds: float = 0.0
     geometry_waits: int = 0
     transformed_segments: int = 0
+    # what giftcomm.stats counts for the plain calls, for this hook's reductions (docs/api.md, "What
+    # was sent"); also readable as a mapping: stats["calls"], stats["bytes_sent"], ...
+    calls: int = 0
+    bytes_sent: dict = field(default_factory=dict)
+    algorithms: dict = field(default_factory=dict)
+    fallbacks: dict = field(default_factory=dict)
+
+    _KEYS = ("calls", "bytes_sent", "algorithms", "fallbacks")
+
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the stats dict every adapter's ``stats()`` has (``dict(state.stats())``)."""
+        return self._KEYS
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
 
     @property
     def bytes_saved(self) -> int:
@@ -117,6 +137,7 @@ class _Runtime:
             and transport.schedule == GROUPED else None
         self.sync_transport = sync_transport
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-ddp")
+        self.tally = Tally()  # the reductions' giftcomm.accounting counts (GiftState.stats)
         self.geometry_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-geometry")
         self.streams: dict[int, Any] = {}
         self.layouts: dict[int, Layout] = {}
@@ -407,7 +428,9 @@ class GiftState:
         """A copy of the counters (see :class:`GiftStats`)."""
         with self.runtime.lock:
             s = copy.copy(self._stats)
+            sent = self.runtime.tally.as_dict()
         s.iterations = self.iter
+        s.calls, s.bytes_sent, s.algorithms, s.fallbacks = (sent[k] for k in GiftStats._KEYS)
         return s
 
     def geometry_of(self, index: int):
@@ -598,6 +621,7 @@ def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
 
     def reduce(_values: Any = None) -> None:  # _values: buf's own memory
         api.gift_allreduce(buf, geo, comm=transport, out=buf, **kw)
+        state.runtime.tally.add(transport)
 
     if state.feedback is None:
         reduce()

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...accounting import Tally
 from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.sharded import ShardedGeometry
@@ -139,6 +140,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
                                       algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
                                       allow_native=allow_native)
         self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
+        self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GiftReduceScatter: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -235,6 +237,11 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
 
+    def stats(self) -> dict[str, Any]:
+        """What this rank sent in this GiftReduceScatter's reduce-scatters: the dict of :func:`giftcomm.stats`
+        (calls, bytes_sent per format or "native", algorithms, fallbacks; docs/api.md, "What was sent")."""
+        return self._tally.as_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """The call counts and this rank's error-feedback residual (None without feedback)."""
         return {"calls": self.calls, "gift_calls": self.gift_calls,
@@ -261,6 +268,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
             if isinstance(x, torch.Tensor) and values is not None:
                 src = torch.as_tensor(values, device=x.device).to(x.dtype)
             got.append(api.reduce_scatter(src, op=how, out=out, **kw))
+            self._tally.add(transport)
 
         if self.feedback is None:
             reduce()

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ... import api
+from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...options import CallOptions
 from ...transport import resolve
@@ -112,6 +113,7 @@ class GradSync:
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
                                                     timeout=timeout, allow_native=allow_native)
         self._paths_told: set[int] = set()  # bucket sizes whose path was logged (calls.log_path)
+        self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
@@ -162,6 +164,7 @@ class GradSync:
             with _torch_stream(b.tensor):
                 def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
                     api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
+                    self._tally.add(self.comm, device=b.tensor.device.type == "cuda")
 
                 def transport(b=b) -> Any:
                     return resolve(self.comm, device=b.tensor.device.type == "cuda")
@@ -181,6 +184,12 @@ class GradSync:
         times.total = time.perf_counter() - t0
         times.comm = times.total - times.transform
         return times
+
+    def stats(self) -> dict[str, Any]:
+        """What this GradSync's reductions sent (this rank): ``{"calls", "bytes_sent": {fmt or
+        "native": bytes}, "algorithms": {name: count}, "fallbacks": {reason: count}}``, as
+        :func:`giftcomm.stats` counts them (docs/api.md, "What was sent")."""
+        return self._tally.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (host float32, by bucket index; empty without

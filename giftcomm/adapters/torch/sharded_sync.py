@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ... import api
+from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...options import CallOptions
 from ...transport import resolve
@@ -72,6 +73,7 @@ class ShardedGradSync:
         dtype, device = kinds.pop()
         self.comm = resolve(comm, device=device.type == "cuda")
         self.size, self.rank = self.comm.size, self.comm.rank
+        self._tally = Tally()  # what stats() reports
         self.numel = sum(p.numel() for _, p in self.params)
         padded = -(-self.numel // self.size) * self.size
         self.lo, self.hi = self.rank * padded // self.size, (self.rank + 1) * padded // self.size
@@ -104,6 +106,7 @@ class ShardedGradSync:
                                algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
                                allow_native=o.allow_native,
                                seed=call_seed, timeout=o.timeout, layout="equal")
+            self._tally.add(self.comm, device=self.buffer.device.type == "cuda")
 
         if self.feedback is not None:
             # compensated in a copy: the .grad views keep this rank's own gradient
@@ -115,6 +118,11 @@ class ShardedGradSync:
             last = api.last_algorithm(self.comm)
             self.algorithm_used = None if last is None else last[0]
         return shard
+
+    def stats(self) -> dict[str, Any]:
+        """What this rank sent in this ShardedGradSync's reduce-scatters and gather_params allgathers: the dict of :func:`giftcomm.stats`
+        (calls, bytes_sent per format or "native", algorithms, fallbacks; docs/api.md, "What was sent")."""
+        return self._tally.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """The call count and this rank's error-feedback residual (None without feedback): a
@@ -147,6 +155,7 @@ class ShardedGradSync:
                              f"got {tuple(shard.shape)}")
         full = api.allgather(shard.detach().to(torch.float32).contiguous(), comm=self.comm, fmt="fp32",
                              timeout=self.options.timeout)
+        self._tally.add(self.comm)
         off = 0
         with torch.no_grad():
             for _, p in self.params:
