@@ -92,12 +92,23 @@ SNIPPETS = [s for p in DOCS for s in extract(p)]
 
 # ------------------------------------------------------------------ claims checked on the output
 def _printed_dict(out: str, key: str) -> dict:
-    """The last printed line that is a dict literal holding ``key``."""
-    for line in reversed(out.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and repr(key) in line:
-            return ast.literal_eval(line)
-    raise AssertionError(f"no printed dict with {key!r} in:\n{out[-3000:]}")
+    """The last dict literal holding ``key`` in the output (several ranks' prints may share a line)."""
+    found, depth, start = [], 0, 0
+    for i, ch in enumerate(out):
+        if ch == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                try:
+                    d = ast.literal_eval(out[start:i + 1])
+                except (ValueError, SyntaxError):
+                    continue
+                if isinstance(d, dict) and key in d:
+                    found.append(d)
+    assert found, f"no printed dict with {key!r} in:\n{out[-3000:]}"
+    return found[-1]
 
 
 def _check_readme_ddp(out: str) -> None:
