@@ -244,45 +244,60 @@ def test_format_table(doc):
         assert abs(value - giftcomm.bytes_per_value(name)) < 1e-4, (doc, name, value, giftcomm.bytes_per_value(name))
 
 
-# ------------------------------------------------------------------ docs/api.md's signatures
-_SIG_LINE = re.compile(r"^(giftcomm(?:\.\w+)+)\((.*?)\)(?:\s*->.*)?$")
+# ------------------------------------------------------------------ written signatures
+_SIG_LINE = re.compile(r"^([A-Za-z_][\w.]*)\((.*?)\)(?:\s*->.*)?$")
+#: where the bare names of a doc's signature listings live
+NAMESPACES = {"api.md": "giftcomm", "geometry.md": "giftcomm.geometry"}
 
 
 def _signature_listings() -> list[tuple[Snippet, str, str]]:
-    """(snippet, dotted name, parameter text) of every ``giftcomm.x.y(...)`` written in the
-    signature listings of docs/api.md (lines joined across the continuation indent)."""
+    """(snippet, name, parameter text) of every ``name(...)`` written in the signature listings
+    (``<!-- not-run: signatures ... -->``) of the docs in NAMESPACES, lines joined across the
+    continuation indent; "x = f(...)" counts as f(...)."""
     out = []
-    for s in extract(ROOT / "docs" / "api.md"):
-        if s.mark != "not-run" or not s.reason.startswith("signatures"):
-            continue
-        joined: list[str] = []
-        for line in s.code.splitlines():
-            text = line.split("  #")[0].rstrip()
-            if not text:
+    for doc in NAMESPACES:
+        for s in extract(ROOT / "docs" / doc):
+            if s.mark != "not-run" or not s.reason.startswith("signatures"):
                 continue
-            if joined and (line.startswith(" ") or joined[-1].count("(") > joined[-1].count(")")):
-                joined[-1] += " " + text.strip()
-            else:
-                joined.append(text.strip())
-        for text in joined:
-            text = re.sub(r"^\w+\s*=\s*", "", text)  # "plan = giftcomm.plan_allreduce(...)"
-            m = _SIG_LINE.match(text)
-            if m:
-                out.append((s, m.group(1), m.group(2)))
+            joined: list[str] = []
+            for line in s.code.splitlines():
+                text = line.split("  #")[0].rstrip()
+                if not text.strip():
+                    continue
+                if joined and joined[-1].count("(") > joined[-1].count(")"):  # an open call goes on
+                    joined[-1] += " " + text.strip()
+                else:
+                    joined.append(text.strip())
+            for text in joined:
+                text = re.sub(r"^\w+\s*=\s*", "", text)
+                m = _SIG_LINE.match(text)
+                if m:
+                    out.append((s, m.group(1), m.group(2)))
     return out
 
 
-def _resolve(dotted: str):
-    parts = dotted.split(".")
-    for k in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:k]))
-        except ImportError:
-            continue
-        for attr in parts[k:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
+def _resolve(doc: str, dotted: str):
+    """The object a written name means: ``giftcomm.x.y`` from the root, a bare name from the doc's
+    namespace; None for what names no module attribute (``est.update``: an instance's method)."""
+    candidates = [dotted] if dotted.startswith("giftcomm.") else [f"{NAMESPACES[doc]}.{dotted}"]
+    for full in candidates:
+        parts = full.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[k:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                return None
+            return obj
+    return None
+
+
+def _default(src: str) -> str:
+    return ast.unparse(ast.parse(src, mode="eval").body)
 
 
 def _written(params: str) -> list[tuple[str, str | None, bool]]:
@@ -298,29 +313,38 @@ def _written(params: str) -> list[tuple[str, str | None, bool]]:
     return out
 
 
-def _real(fn) -> list[tuple[str, str | None, bool]]:
+def _real(fn, written: list) -> list[tuple[str, str | None, bool]]:
+    """The function's parameters as _written gives them; a default whose repr is not Python
+    (a dataclass field's ``<factory>``) is taken as written."""
+    said = {name: d for name, d, _ in written}
     out = []
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        d = None if p.default is p.empty else ast.unparse(ast.parse(repr(p.default), mode="eval").body)
+        d = None
+        if p.default is not p.empty:
+            try:
+                d = _default(repr(p.default))
+            except SyntaxError:
+                d = said.get(p.name)
         out.append((p.name, d, p.kind == p.KEYWORD_ONLY))
     return out
 
 
-SIGNATURES = _signature_listings()
+SIGNATURES = [e for e in _signature_listings() if _resolve(e[0].path.name, e[1]) is not None]  # not est.update
 
 
 def test_api_md_lists_the_public_functions():
-    names = {name for _, name, _ in SIGNATURES}
+    names = {name for s, name, _ in SIGNATURES if s.path.name == "api.md"}
     for fn in ("allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "release"):
         assert f"giftcomm.{fn}" in names, f"docs/api.md writes no signature of giftcomm.{fn}"
 
 
 @pytest.mark.parametrize("entry", SIGNATURES, ids=[f"{s.where}:{name}" for s, name, _ in SIGNATURES])
 def test_api_signature(entry):
-    """A signature written in docs/api.md is the function's: every parameter, in order, with its
+    """A signature written in a listing is the function's: every parameter, in order, with its
     default and kind (positional or keyword-only)."""
     s, name, params = entry
-    assert _written(params) == _real(_resolve(name)), (
-        f"{s.where}: docs/api.md writes {name}({params}), the code has {name}{inspect.signature(_resolve(name))}")
+    fn = _resolve(s.path.name, name)
+    written = _written(params)
+    assert written == _real(fn, written), f"{s.where}: the docs write {name}({params}), the code has {name}{inspect.signature(fn)}"
