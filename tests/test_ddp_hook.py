@@ -236,21 +236,29 @@ def test_hook_uses_the_options_and_derives_per_step_seeds(rng, fmt, rounding):
         assert len({o.tobytes() for o in outs[0]}) == 4
 
 
-def test_one_rank_passes_buckets_through(monkeypatch):
-    """No process group (or a group of one): the bucket comes back unchanged, no error."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "e4m3"])
+def test_one_rank_quantizes_as_allreduce_does(rng, fmt, monkeypatch):
+    """One rank is no special case (the rule of docs/adapters.md, "One process"): with no process
+    group, or a transport of one rank, the hook returns what giftcomm.allreduce returns at P = 1,
+    the bucket once through the wire format, bit for bit; DDP's warm-up leaves it as it is."""
     import torch.distributed as dist
 
     assert not dist.is_initialized()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    st = GiftState(fmt="nvfp4", geometry="reduced")
-    x = torch.randn(1000)
+    x = torch.from_numpy(rng.standard_normal(int(rng.integers(1000, 5000))).astype(np.float32))
+    want = simulate_allreduce([x.numpy()], fmt, None, "avg")[0]
+    assert not np.array_equal(want, x.numpy())  # the wire format rounds: the test can tell
+    st = GiftState(fmt=fmt, geometry="reduced")
     buf = x.clone()
     out = gift_hook(st, FakeBucket(buf)).wait()
-    assert out is buf and torch.equal(out, x) and st.iter == 1 and st.stats().passthrough_buckets == 1
-    st1 = GiftState(transport=DeviceLoopbackGroup(1).transports[0])
-    assert torch.equal(gift_hook(st1, FakeBucket(x.clone())).wait(), x)
+    assert out is buf and np.array_equal(out.numpy(), want) and st.iter == 1 and st.stats().host_buckets == 1
+    st1 = GiftState(fmt=fmt, transport=DeviceLoopbackGroup(1).transports[0])
+    assert np.array_equal(gift_hook(st1, FakeBucket(x.clone())).wait().numpy(), want)
+    warm = GiftState(fmt=fmt, start_gift_iter=1)
+    assert torch.equal(gift_hook(warm, FakeBucket(x.clone())).wait(), x) and warm.stats().warmup_buckets == 1
+    assert np.array_equal(gift_hook(warm, FakeBucket(x.clone())).wait().numpy(), want)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="init_process_group"):
         gift_hook(st, FakeBucket(x.clone()))
-    st.shutdown()
-    st1.shutdown()
+    for s in (st, st1, warm):
+        s.shutdown()

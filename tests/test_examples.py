@@ -1,8 +1,8 @@
 """The examples run, each in its quick mode and showing what it claims: torchrun DDP (2 processes,
 gloo; GIFT transforms segments), Lightning's Trainer (its own launcher and torchrun; the strategy
 route and GiftCommCallback), Accelerate (``accelerate launch``, 2 CPU processes), mpiexec GradSync +
-KFAC, JAX; the README's snippets run verbatim; the GPU device check's CPU-side parts (plan, model
-size, table, verdict, profiler filter)."""
+KFAC, JAX; the GPU device check's CPU-side parts (plan, model
+size, table, verdict, profiler filter). The snippets of README.md and docs/*.md: test_docs_snippets.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -117,33 +117,6 @@ def test_accelerate_prepare_then_register_comm_hook():
                 _free_port(), str(EX / "accelerate_ddp.py"), "--quick"], timeout=240)
     assert "accelerate: 2 processes (DistributedType.MULTI_CPU), e4m3, 6 iterations" in out, out
     assert _hook_counts(out)[1] > 0 and "parameters identical on every rank: True" in out, out
-
-
-# ----------------------------------------------------------------------------- README snippets
-def _readme_snippets() -> list[str]:
-    """The README's Python blocks that say how they are launched (first line "# torchrun ..." or
-    "# mpiexec ...")."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    return [b for b in blocks if b.startswith(("# torchrun", "# mpiexec"))]
-
-
-def test_readme_has_launchable_snippets():
-    firsts = [b.splitlines()[0] for b in _readme_snippets()]
-    assert any(f.startswith("# torchrun") for f in firsts) and any(f.startswith("# mpiexec") for f in firsts), firsts
-
-
-@pytest.mark.parametrize("index", range(len(_readme_snippets())))
-def test_readme_snippet_runs_verbatim(tmp_path, index):
-    """Each snippet, as written, on 2 CPU processes with the launcher its first line names."""
-    code = _readme_snippets()[index]
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    if code.startswith("# torchrun"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
-               str(script)]
-    else:
-        cmd = [_mpiexec(), "-n", "2", sys.executable, str(script)]
-    _run(cmd, timeout=180, cwd=tmp_path)
 
 
 def _device_check():

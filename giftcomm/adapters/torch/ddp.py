@@ -8,10 +8,11 @@
 What ``gift_hook(state, bucket)`` does, per gradient bucket (any float dtype: float32, float16,
 bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucket_view=True``):
 
-0. With one rank (a process group of size 1, or no process group at all) the bucket is returned
-   unchanged in a completed future. Otherwise the first bucket builds the state's private gloo
-   groups over the process group (collective; every rank reaches it in the same order), so the
-   state may be built before ``dist.init_process_group``.
+0. The first bucket builds the state's private gloo groups over the process group (collective;
+   every rank reaches it in the same order), so the state may be built before
+   ``dist.init_process_group``. One rank is no special case: as ``giftcomm.allreduce`` at P = 1,
+   the bucket goes through the wire format (docs/adapters.md, "One process"); with no process
+   group at all (a hook called outside DDP) a one-rank loopback transport stands in for it.
 1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
    world size (DDP's default hook), returned as its own future.
 2. **CUDA buckets (device route)**: on the calling (autograd) thread, a side CUDA stream waits
@@ -78,15 +79,13 @@ class GiftStats:
     ``fallbacks`` as every adapter's ``stats()`` has them (also as ``stats["calls"]`` etc.), and
     the hook's own counters. Bytes are per rank, per reduction:
     ``bytes_in`` the buckets' size in their own dtype, ``bytes_wire`` the wire messages of the
-    same values (format + scales); ``bytes_saved`` their difference. ``passthrough_buckets``:
-    buckets returned unchanged because there is one rank. ``comm_seconds``: wall time
+    same values (format + scales); ``bytes_saved`` their difference. ``comm_seconds``: wall time
     of the reductions (host route: on the worker; device route: the host time to enqueue them,
     the GPU time is not measured here). ``geometry_seconds``: estimator updates and rebuilds on
     the geometry thread; ``geometry_waits``: times the hook had to wait for a rebuild."""
 
     iterations: int = 0
     warmup_buckets: int = 0
-    passthrough_buckets: int = 0
     host_buckets: int = 0
     device_buckets: int = 0
     bytes_in: int = 0
@@ -154,11 +153,18 @@ class _Runtime:
         """Build the transports over ``state.process_group`` that are still missing (collective:
         private gloo groups; called by the hook for every bucket, cheap once built)."""
         if self.given is None and self.host is None:
-            from ...transport.torch_dist import TorchDistTransport
+            if not _has_group():  # no process group (a hook called outside DDP): this process alone
+                from ...transport.loopback import LoopbackGroup
 
-            self.host = TorchDistTransport(state.process_group)
+                self.host = LoopbackGroup(1).transports[0]
+            else:
+                from ...transport.torch_dist import TorchDistTransport
+
+                self.host = TorchDistTransport(state.process_group)
         if state.geometry in _CAPTURED and self.sync_transport is None:
-            if self.given is None:
+            if self.given is None and not _has_group():
+                self.sync_transport = self.host
+            elif self.given is None:
                 from ...transport.torch_dist import TorchDistTransport
 
                 self.sync_transport = TorchDistTransport(state.process_group)  # the geometry thread's own group
@@ -170,6 +176,11 @@ class _Runtime:
             if self.given is not None:
                 raise TypeError(f"gift_hook: a CUDA bucket, but the GiftState's transport {type(self.given).__name__} "
                                 f"moves {self.given.memory} buffers only")
+            if not _has_group():  # this process alone (see connect)
+                from ...transport.device_loopback import DeviceLoopbackGroup
+
+                self.device = DeviceLoopbackGroup(1).transports[0]
+                return self.device
             from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
 
             assert isinstance(self.host, TorchDistTransport)
@@ -731,6 +742,11 @@ def _route_is_device(state: GiftState, buf: torch.Tensor) -> bool:
     return buf.device.type == "cuda" or (given is not None and given.schedule == GROUPED)
 
 
+def _has_group() -> bool:
+    """Whether torch.distributed has a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: returns a Future of the averaged bucket (see module doc)."""
     if not isinstance(state, GiftState):
@@ -738,16 +754,17 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
                         f"(got {type(state).__name__}; PyTorch's fp16/bf16 hooks take None, this one does not)")
     buf = bucket.buffer()
     it = state.iter
-    if state.world_size() == 1:  # one rank: the average is the bucket itself
+    state.world_size()  # raises under a launcher of several ranks without a process group
+    state.runtime.connect(state)  # the first bucket builds the private groups (KFAC may rebuild during warm-up)
+    state._begin_iteration(it)
+    index = bucket.index()
+    if it < state.start_gift_iter and not _has_group():  # DDP's default on one rank: the bucket itself
         with state.runtime.lock:
-            state._stats.passthrough_buckets += 1
+            state._stats.warmup_buckets += 1
         state.maybe_increase_iter(bucket)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buf)
         return done
-    state.runtime.connect(state)  # the first bucket builds the private groups (KFAC may rebuild during warm-up)
-    state._begin_iteration(it)
-    index = bucket.index()
     if it < state.start_gift_iter:
         group = state.process_group
         buf.div_(dist.get_world_size(group))
