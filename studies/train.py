@@ -62,18 +62,30 @@ class Mode:
     damping: float | None  # None: the library's default
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
     ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
+    opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
 
     @property
     def twin(self) -> str:
-        """The Euclidean mode without GIFT this one is paired with (same format, rounding, EF)."""
-        return "-".join([self.fmt, self.rounding[0]] + (["ef"] if self.ef else []))
+        """The Euclidean mode without GIFT this one is paired with (same format, rounding, EF, optimizer)."""
+        return "-".join([self.fmt, self.rounding[0]] + (["ef"] if self.ef else []) + self._opt_suffix)
+
+    @property
+    def reference(self) -> str:
+        """The fp32 mode this one's loss gap is measured against (same optimizer)."""
+        return "-".join(["fp32"] + self._opt_suffix)
+
+    @property
+    def _opt_suffix(self) -> list[str]:
+        return [] if self.opt == "adamw" else [self.opt]
 
 
 def parse_mode(name: str) -> Mode:
     parts = name.split("-")
-    fmt, rounding, gift, damping, full, ef = parts[0], "nearest", False, None, False, False
+    fmt, rounding, gift, damping, full, ef, opt = parts[0], "nearest", False, None, False, False, "adamw"
     for p in parts[1:]:
-        if p in ("n", "s"):
+        if p == "muon":
+            opt = "muon"
+        elif p in ("n", "s"):
             rounding = "nearest" if p == "n" else "stochastic"
         elif p == "ef":
             ef = True
@@ -82,8 +94,8 @@ def parse_mode(name: str) -> Mode:
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]]")
-    return Mode(name, fmt, rounding, gift, damping, full, ef)
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]][-muon]")
+    return Mode(name, fmt, rounding, gift, damping, full, ef, opt)
 
 
 @dataclass
@@ -169,6 +181,26 @@ def make_model(cfg: Config, seed: int):
         return Llama(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, seq_len=cfg.seq_len))
 
 
+def make_optimizers(model, name: str, cfg: Config) -> list:
+    """The optimizers of one replica. ``adamw``: AdamW on every parameter. ``muon``: the standard
+    split, ``torch.optim.Muon`` on the hidden 2-D weights (every nn.Linear of the blocks; Muon
+    orthogonalises a matrix update, so it takes 2-D tensors only) with ``adjust_lr_fn=
+    "match_rms_adamw"`` (its update's RMS matches AdamW's, so both follow cfg.lr's schedule), and
+    AdamW on the rest (the tied embedding / output head, the norm scales)."""
+    import torch
+
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **adamw)]
+    if name != "muon":
+        raise ValueError(f"unknown optimizer {name!r} (adamw, muon)")
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, **adamw)]
+
+
 def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str = "auto",
                block: int | None = None, mx_scale: str | None = None) -> tuple[list[dict], dict]:
     """One rank of one run (``algorithm``, ``block``: GradSync's; ``mx_scale``: the MX formats'
@@ -182,7 +214,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     rank, size = ctx.rank, ctx.size
     model = make_model(cfg, seed)
     seq = cfg.seq_len
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opts = make_optimizers(model, mode.opt, cfg)
     from giftcomm.formats import get_format
 
     fmt = get_format(mode.fmt)
@@ -215,8 +247,9 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        for o in opts:
+            for g in o.param_groups:
+                g["lr"] = lr
         starts = batch_starts(seed, step, cfg.batch * size, len(corpus.train), seq)
         batch = torch.from_numpy(corpus.batch("train", starts[rank * cfg.batch : (rank + 1) * cfg.batch], seq))
         capture.step(step)
@@ -262,7 +295,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
         tc = time.perf_counter()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
+        for o in opts:
+            o.step()
         t_step = time.perf_counter() - t0
         mine = [t_step, t_fwbw + time.perf_counter() - tc - capture.seconds, times.transform, times.comm, t_geo,
                 float(loss.detach())]
@@ -349,7 +383,7 @@ def stats(runs: dict) -> list[dict]:
     fp32 (same seed), of the gradient errors; and the share of the Euclidean twin's gap GIFT recovers."""
     out = []
     for (world, mode), by_seed in sorted(runs.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
-        ref = runs.get((world, "fp32"), {})
+        ref = runs.get((world, parse_mode(mode).reference), {})
         seeds = sorted(s for s in by_seed if s in ref)
         final = np.array([by_seed[s][-1]["val_loss"] for s in seeds])
         gaps = np.array([by_seed[s][-1]["val_loss"] - ref[s][-1]["val_loss"] for s in seeds])
@@ -388,7 +422,7 @@ def stats(runs: dict) -> list[dict]:
 def _order(mode: str) -> tuple:
     m = parse_mode(mode)
     fmts = ["fp32", "bf16", "fp16", "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2", "nvfp4", "mxfp4"]
-    return (fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.ef, m.gift, m.full, m.damping or 0.0)
+    return (m.opt, fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.ef, m.gift, m.full, m.damping or 0.0)
 
 
 def summary_table(st: list[dict]) -> str:
@@ -396,7 +430,7 @@ def summary_table(st: list[dict]) -> str:
              "| whitened grad err | train-loss gap (last 20 steps) | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
              "| ---: | --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in st:
-        sig = "" if s["mode"] == "fp32" else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
+        sig = "" if s["mode"] == parse_mode(s["mode"]).reference else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
         rec = "-" if math.isnan(s["recovered"]) else f"{s['recovered']:.0f}%"
         lines.append(f"| {s['world']} | {s['mode']} | {s['algorithm']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
                      f"{s['gap']:+.4f} ± {s['gap_sd']:.4f} | {s['gap_pct']:+.2f}% | {sig} | "
@@ -413,7 +447,7 @@ def plot(st: list[dict], out: str) -> None:
     worlds = sorted({s["world"] for s in st})
     fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.8), squeeze=False)
     for ax, w in zip(axes[0], worlds):
-        rows = [s for s in st if s["world"] == w and s["mode"] != "fp32"]
+        rows = [s for s in st if s["world"] == w and s["mode"] != parse_mode(s["mode"]).reference]
         x = np.arange(len(rows))
         colors = ["tab:green" if parse_mode(s["mode"]).gift else "tab:gray" for s in rows]
         ax.bar(x, [s["gap"] for s in rows], yerr=[s["gap_sd"] for s in rows], color=colors, capsize=3)
@@ -455,6 +489,10 @@ def report(out: str, header: str = "", no_plot: bool = False) -> str:
 
 # ---------------------------------------------------------------- CLI
 
+# the issue-36 comparison's model (--size medium): 4 blocks of width 128, ~0.8M parameters
+MEDIUM = Config(dim=128, layers=4, heads=4, ffn=344, seq_len=64, steps=100, val_every=20, val_batches=64,
+                refresh=25, warmup=8)
+SIZES = {"grid": Config(), "medium": MEDIUM}
 QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
                kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
 
@@ -470,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=None, help="block size of the scaled formats (default: each format's own)")
     p.add_argument("--mx-scale", choices=["ceil", "floor"], default=None,
                    help="scale rule of the MX formats (default: the library's, ceil; floor = OCP MX v1.0)")
+    p.add_argument("--size", choices=sorted(SIZES), default="grid",
+                   help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
@@ -486,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     from studies.workloads.corpus import load_corpus
 
     torch.set_num_threads(1)
-    cfg = Config(**asdict(QUICK)) if a.quick else Config()
+    cfg = Config(**asdict(QUICK if a.quick else SIZES[a.size]))
     if a.steps is not None:
         cfg.steps = a.steps
     modes = [parse_mode(m.strip()) for m in a.modes.split(",") if m.strip()]
