@@ -39,7 +39,7 @@ from .collectives.wire import Wire
 from .formats import Format, get_format
 from .partition import shared_chunk_bounds
 
-__all__ = ["ErrorFeedback", "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
+__all__ = ["ErrorFeedback", "TransformedFeedback", "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
 
 
 def feedback_view(buffer: Any) -> Any:
@@ -259,3 +259,118 @@ class ErrorFeedback:
         first :meth:`compensate` with a device array)."""
         self.residuals = {k: np.array(v, dtype=np.float32, copy=True) for k, v in state["residuals"].items()}
         self.signatures = dict(state.get("signatures") or {})
+
+
+class TransformedFeedback:
+    """Error feedback kept in the geometry's coordinates (the GIFT paper's), by key.
+
+    The residual of key k is ``e = y - Q(y)``, ``y = T(g)`` the compensated values in the
+    coordinates of the geometry ``T`` the call used (this rank's own-encoding error, the same
+    pieces as :class:`ErrorFeedback`), stored with ``T``. The next call adds it back in those
+    coordinates: :meth:`compensate` adds ``T.inverse(e)`` to the ordinary-coordinate buffer, so
+    that the call's own ``T.forward`` quantizes ``T(g) + e``.
+
+    When the geometry changes (a factor refresh: another fingerprint) the residual is
+    re-expressed, ``e_new = T_new(T_old^-1(e_old))`` -- for the paper's input-side map
+    ``e_new = e_old L_old^T L_new^-T`` -- which keeps the residual in ordinary coordinates,
+    ``T_new^-1(e_new) = T_old^-1(e_old)``, exactly up to float32 rounding. ``reexpress=False``
+    keeps ``e_old`` as it is in the new coordinates (the paper's artifact; what it costs is
+    ``|T_new^-1(e_old) - T_old^-1(e_old)|``). ``euclidean=False`` keeps no residual on the
+    geometry's identity segments (the artifact's Euclidean branch has none); the default keeps it
+    there too, which is then exactly :class:`ErrorFeedback`'s. A geometry of None is the identity.
+    Residuals are float32; a key's residual is dropped when its size or signature changes.
+    """
+
+    def __init__(self, reexpress: bool = True, euclidean: bool = True) -> None:
+        if not isinstance(reexpress, bool) or not isinstance(euclidean, bool):
+            raise TypeError("TransformedFeedback: reexpress and euclidean must be bools")
+        self.reexpress, self.euclidean = reexpress, euclidean
+        self.residuals: dict[Hashable, Any] = {}  # key -> residual in the coordinates of geometries[key]
+        self.geometries: dict[Hashable, Any] = {}
+        self.signatures: dict[Hashable, Any] = {}
+        self.refreshes = 0  # residuals carried into a new geometry (re-expressed or not)
+
+    @staticmethod
+    def _fp(geometry: Any) -> Any:
+        return None if geometry is None or getattr(geometry, "is_identity", False) else geometry.fingerprint()
+
+    @staticmethod
+    def _map(geometry: Any, v: Any, inverse: bool) -> Any:
+        if geometry is None or getattr(geometry, "is_identity", False):
+            return v
+        xp = array_module(v)
+        return xp.ascontiguousarray(xp.asarray(geometry.inverse(v) if inverse else geometry.forward(v), dtype=np.float32))
+
+    def residual(self, key: Hashable, geometry: Any = None) -> Any:
+        """The residual of ``key`` in ``geometry``'s coordinates (carried over as the next
+        :meth:`compensate` with that geometry would: re-expressed or not); None if none."""
+        e = self.residuals.get(key)
+        if e is None:
+            return None
+        old = self.geometries.get(key)
+        if self._fp(old) != self._fp(geometry):
+            if self.reexpress:
+                e = self._map(geometry, self._map(old, e, inverse=True), inverse=False)
+            self.residuals[key], self.geometries[key] = e, geometry
+            self.refreshes += 1
+        return e
+
+    def compensate(self, key: Hashable, values: Any, geometry: Any = None, signature: Any = None) -> Any:
+        """``values += T^-1(e)`` in place (1-D float ordinary-coordinate ``values``), ``e`` the
+        key's residual carried into ``geometry`` (:meth:`residual`); returns ``values``."""
+        e = self.residuals.get(key)
+        if e is None:
+            return values
+        if e.size != values.size or self.signatures.get(key) != signature:
+            self.residuals.pop(key, None)
+            self.geometries.pop(key, None)
+            self.signatures.pop(key, None)
+            return values
+        e = self.residual(key, geometry)
+        back = self._map(geometry, e, inverse=True)
+        values += back.astype(values.dtype, copy=False)
+        return values
+
+    def record(self, key: Hashable, sent: Any, fmt: Format, block: int, seed: int | None, rank: int,
+               geometry: Any = None, pieces: Sequence[tuple[int, int]] | None = None, stage: int = 0,
+               signature: Any = None) -> None:
+        """Keep the own-encoding error of ``T(sent)`` (``sent``: this rank's compensated values in
+        ordinary coordinates, 1-D) in ``T``'s coordinates. pieces, stage: as for
+        :func:`own_quantization_error`."""
+        xp = array_module(sent)
+        flat = xp.ascontiguousarray(sent.reshape(-1), dtype=np.float32)
+        y = self._map(geometry, flat, inverse=False)
+        err = own_quantization_error(y, fmt, block, seed, rank, pieces, stage)
+        err[~xp.isfinite(err)] = 0
+        if not self.euclidean and geometry is not None:
+            for t in geometry.transforms:
+                if t.is_identity:
+                    err[t.segment.offset : t.segment.stop] = 0
+        self.residuals[key], self.geometries[key], self.signatures[key] = err, geometry, signature
+
+    def around(self, key: Hashable, buffer: Any, reduce: Any, transport: Any, fmt: Format, block: int,
+               seed: int | None, geometry: Any = None, signature: Any = None, in_place: bool = True) -> str:
+        """As :meth:`ErrorFeedback.around` (same arguments), with the residual in ``geometry``'s
+        coordinates. Returns the algorithm the call ran."""
+        from .collectives.engine import last_algorithm
+
+        values = feedback_view(buffer)
+        if not in_place:
+            values = values.astype(np.float32, copy=True)
+        self.compensate(key, values, geometry, signature)
+        sent = values.astype(np.float32, copy=True) if in_place else values
+        reduce(values)
+        t = transport()
+        last = last_algorithm(t)
+        if last is None:
+            raise RuntimeError("TransformedFeedback.around: no collective has run on this transport")
+        name, bounds = last
+        pieces, stage = own_pieces(name, int(sent.size), t.size, t.rank, block, bounds)
+        self.record(key, sent, fmt, block, seed, t.rank, geometry, pieces, stage, signature)
+        return name
+
+    def reset(self) -> None:
+        """Forget every residual."""
+        self.residuals.clear()
+        self.geometries.clear()
+        self.signatures.clear()

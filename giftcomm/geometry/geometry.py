@@ -231,6 +231,19 @@ class Geometry:
         return cls(layout, ts)
 
     @classmethod
+    def preset(cls, name: str, layout, factors: Mapping, **options) -> Geometry:
+        """A named method in one word. ``"paper"``: the GIFT paper's input-side method
+        (giftcomm.geometry.paper: Cholesky factor of the low-rank-32 + residual-diagonal
+        approximation of A, damping 1e-3 absolute); factors: name -> A (or (A, G), G ignored);
+        options: :class:`~giftcomm.geometry.paper.PaperOptions` fields (rank, damping, factor,
+        names, ...) or ``options=`` a PaperOptions. ValueError for an unknown name."""
+        from .paper import PRESETS, paper_geometry
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown geometry preset {name!r}; known: {PRESETS}")
+        return paper_geometry(layout, factors, options.pop("options", None), **options)
+
+    @classmethod
     def hadamard(cls, layout, seed: int = 0, min_size: int = 0, names: Sequence[str] | None = None) -> Geometry:
         """Randomised Hadamard rotation of both axes of each segment's matrix view.
 

@@ -18,6 +18,7 @@ from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
 from ..costmodel import Topology, choose
 from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
+from .baselines import BASELINE_WIRES, simulate_baseline_allreduce
 from .codec import decode, encode
 from .rounding import call_key
 
@@ -273,7 +274,17 @@ def simulate_allreduce(
       rank count and node layout (giftcomm.costmodel.choose).
     block: None gives the format's own block (giftcomm.formats.resolve_block). rounding, seed: as
     for giftcomm.allreduce.
+
+    fmt may also name a baseline wire (giftcomm.reference.baselines.BASELINE_WIRES:
+    "e5m2/tensor-nccl", "e5m2/tensor-local", "e4m3/tensor-nccl", "e4m3/tensor-local"): one scale
+    per tensor and NCCL's FP8 ring sum; then algorithm must be "auto" or "ring", block None and
+    rounding "nearest", and the "-local" wires give different outputs per rank.
     """
+    if isinstance(fmt, str) and fmt in BASELINE_WIRES:
+        if algorithm not in (AUTO, "ring") or block is not None or rounding != "nearest" or local_size is not None:
+            raise ValueError(f"baseline wire {fmt!r} has its own ring order, one scale per tensor and rounding to "
+                             "nearest: algorithm 'auto'/'ring', block None, rounding 'nearest', no local_size")
+        return simulate_baseline_allreduce(inputs, fmt, op)
     w = _Wire.of(fmt, block, rounding, seed)
     get_format(local_fmt)
     flat, dtype, shape = _flat_inputs(inputs)

@@ -1,0 +1,108 @@
+"""Baseline wires as live collectives: what peers run, to compare giftcomm's wire against.
+
+Not giftcomm's method and never a default: ``baseline_allreduce(x, "e5m2/tensor-nccl", comm=...)``
+runs one of giftcomm.reference.baselines.BASELINE_WIRES (its module doc states the definitions:
+one scale per tensor agreed by a MAX allreduce, FP8 codes summed pairwise in fp16 and rounded
+back to FP8 after every addition in NCCL's ring order; the ``-local`` wires decode with each
+rank's own scale) over any giftcomm transport, with the same bytes as the reference simulation
+:func:`~giftcomm.reference.baselines.simulate_baseline_allreduce`. Reference speed: NumPy
+arithmetic, a ring of ``2 (P - 1)`` sendrecv hops of FP8 codes on the host, the scale through
+the transport's control gather.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .reference.baselines import (
+    BASELINE_WIRES,
+    BaselineWire,
+    baseline_wire,
+    fp8_add,
+    fp8_codes,
+    local_scale,
+    ring_bounds,
+    simulate_baseline_allreduce,
+)
+
+__all__ = ["BASELINE_WIRES", "BaselineWire", "baseline_allreduce", "simulate_baseline_allreduce"]
+
+_TAG = 7351
+
+
+def _host(x: Any) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        if x.device.type != "cpu":
+            raise TypeError("baseline_allreduce runs on host arrays (NumPy, CPU torch tensors)")
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *, comm: Any = None, op: str = "sum",
+                       geometry: Any = None, out: Any = None) -> np.ndarray:
+    """Allreduce ``x`` (NumPy array or CPU torch tensor, float32/64/16; read only) with a baseline
+    wire; returns a NumPy array of x's shape and dtype (``out``, a NumPy array or CPU tensor of
+    x's shape, is filled instead and returned as a NumPy view).
+
+    comm: a giftcomm Transport, an mpi4py communicator or None (MPI.COMM_WORLD). geometry: None or
+    a Geometry: the values are mapped by ``geometry.forward`` before encoding and the decoded sum
+    by ``geometry.inverse`` (the paper's GIFT on this wire). Collective; ranks must agree on the
+    wire, element count, dtype, op and geometry fingerprint, else ValueError on every rank (also
+    for non-finite input on any rank). The ``-local`` wires leave the ranks with different results
+    by design (the artifact's defect)."""
+    from .transport import resolve
+
+    w = baseline_wire(wire)
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    t = resolve(comm)
+    src = _host(x)
+    flat = np.ascontiguousarray(src.reshape(-1), dtype=np.float32)
+    if geometry is not None:
+        flat = np.asarray(geometry.forward(flat), np.float32)
+    finite = bool(np.all(np.isfinite(flat)))
+    amax = local_scale(flat, w.fmt) if finite else 0.0
+    fp = None if geometry is None else geometry.fingerprint()
+    head = (w.name, int(flat.size), op, src.dtype.str, fp)
+    p, rank = t.size, t.rank
+    rows = t.allgather_object((head, finite, amax)) if p > 1 else [(head, finite, amax)]
+    if any(h != rows[0][0] for h, _, _ in rows):
+        raise ValueError("baseline_allreduce: the ranks disagree on (wire, count, op, dtype, geometry): "
+                         + "; ".join(f"rank {r}: {h}" for r, (h, _, _) in enumerate(rows)))
+    bad = [r for r, (_, ok, _) in enumerate(rows) if not ok]
+    if bad:
+        raise ValueError(f"baseline_allreduce ({w.name}): non-finite input values on rank(s) {bad}")
+    scale = amax if w.local_scale else max(a for _, _, a in rows)
+    scale = scale if scale > 0 else 1.0
+    buf = fp8_codes(flat / np.float32(scale), w.fmt)
+    n = flat.size
+    if p > 1:
+        bounds = ring_bounds(n, p)
+        raw = buf.view(np.uint8)
+        right, left = (rank + 1) % p, (rank - 1) % p
+        for k in range(p - 1):  # reduce-scatter: chunk c starts at rank c + 1, rank c adds last
+            (slo, shi), (rlo, rhi) = bounds[(rank - k - 1) % p], bounds[(rank - k - 2) % p]
+            if rhi > rlo:
+                got = np.empty(rhi - rlo, np.uint8)
+                t.sendrecv(np.ascontiguousarray(raw[slo:shi]), right, got, left, _TAG)
+                buf[rlo:rhi] = fp8_add(got.view(w.fmt.wire_dtype), buf[rlo:rhi], w.fmt)
+        for k in range(p - 1):  # allgather of the FP8 sums, unchanged
+            (slo, shi), (rlo, rhi) = bounds[(rank - k) % p], bounds[(rank - k - 1) % p]
+            if rhi > rlo:
+                got = np.empty(rhi - rlo, np.uint8)
+                t.sendrecv(np.ascontiguousarray(raw[slo:shi]), right, got, left, _TAG)
+                raw[rlo:rhi] = got
+    y = buf.astype(np.float32) * np.float32(scale)
+    if geometry is not None:
+        y = np.asarray(geometry.inverse(y), np.float32)
+    if op == "avg":
+        y = y / np.float32(p)
+    result = y.astype(src.dtype).reshape(src.shape)
+    if out is None:
+        return result
+    dst = _host(out)
+    if dst.shape != src.shape:
+        raise ValueError(f"out must have x's shape {src.shape}, got {dst.shape}")
+    dst[...] = result
+    return dst

@@ -1,0 +1,461 @@
+"""The GIFT paper's method as a preset: ``Geometry.preset("paper", layout, factors)``.
+
+What the paper runs (../shared/reference/gift-method.md; docs/method.md "The paper's method"),
+restated as giftcomm's definitions:
+
+- **Input side only**: ``W~ = W L_A^-T`` on a weight's (m, n) matrix view (A the (n, n) covariance
+  of the layer's inputs), mapped back by ``W = W~ L_A^T``. The output axis is left alone.
+- **Low rank plus residual diagonal**: with ``U_r, l_r`` the top-``rank`` eigenpairs of A (largest
+  eigenvalues, r = 32 by default),
+  ``A^ = U_r diag(l_r) U_r^T + diag(max(diag(A - U_r diag(l_r) U_r^T), d))``;
+  for ``rank >= n`` the low-rank part is A itself and the diagonal term is ``d I``.
+- **Factor**: ``L_A = chol(A^ + d I)`` (lower triangular), damping ``d`` **absolute** (1e-3 by
+  default, in the units of A). ``factor="symmetric"`` uses the symmetric inverse square root
+  ``S = (A^ + d I)^-1/2`` of the same matrix instead (``W~ = W S``, ``W = W~ S^-1``).
+- **Estimation**: ``A`` is an exponential moving average of ``a^T a / rows`` with decay 0.95 per
+  batch (the first batch sets it), kept per rank (:class:`InputFactorEstimator`); every
+  ``refresh_every`` (50) steps it is averaged over the data-parallel ranks through the
+  transport's control operations and the factor rebuilt from the average
+  (:func:`refresh_geometry`), so every rank applies the same map (fingerprints compared).
+- **Selection**: the paper's rule (:class:`SaturationProfile`): over a window of steps, score each
+  weight by the fraction of its FP8 codes that hit the format's upper or lower bound, and
+  transform the top N, or those above a threshold. giftcomm's own :class:`SelectivePolicy` stays
+  available beside it.
+
+The map of one segment acts on each row of the (m, n) view independently (``x -> x L^-T``), so a
+row shard (FSDP2 shards dim 0) maps alone: :func:`paper_sharded` gives the per-shard geometries.
+
+Numerics: A is approximated and factored in float64; ``L^-1`` is formed once per refresh (NumPy
+has no triangular solve and SciPy is not a dependency of giftcomm; the inverse of the triangular
+factor is itself lower triangular) and both ``L^-1`` and ``L`` are rounded once to float32, so
+forward and inverse are one float32 GEMM each (``x @ L^-T`` and ``x @ L^T``), on any array
+backend. Bad input raises ValueError: a non-finite A, or ``A^ + d I`` that is not positive
+definite (possible only for ``d <= 0`` or an A that is not positive semi-definite).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..formats import Format, get_format
+from .geometry import Geometry
+from .layout import Layout, as_layout
+from .sides import DenseSide, IdentitySide, Side
+from .transform import SegmentTransform, identity_transform
+
+__all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_input_factor", "input_side",
+           "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
+           "SaturationProfile", "saturation_fraction", "select_saturated"]
+
+PRESETS = ("paper",)
+"""The preset names ``Geometry.preset`` knows."""
+
+FACTORS = ("cholesky", "symmetric")
+"""The factor of the damped approximation: its Cholesky factor (the paper's) or its symmetric
+inverse square root (giftcomm's KFAC convention)."""
+
+
+@dataclass(frozen=True)
+class PaperOptions:
+    """The paper's settings (each settable; defaults are the paper's).
+
+    rank: eigenpairs of A kept (r, >= 1). damping: d, absolute (units of A), >= 0. decay: EMA decay
+    of A per batch, in [0, 1). refresh_every: K, steps between factor refreshes (>= 1). factor:
+    "cholesky" or "symmetric" (FACTORS). names: the segments to transform (None: every 2-D segment
+    with a factor; the paper's rule chooses them with :class:`SaturationProfile`). top_n,
+    threshold: the selection rule's settings (:meth:`SaturationProfile.select`: the top_n highest
+    scores, and/or those with a score >= threshold; both None: all). profile_steps: the length of
+    the profile window. reexpress: error feedback re-expressed in the new coordinates at a
+    refresh (:class:`giftcomm.feedback.TransformedFeedback`); False is the artifact's behaviour.
+    """
+
+    rank: int = 32
+    damping: float = 1e-3
+    decay: float = 0.95
+    refresh_every: int = 50
+    factor: str = "cholesky"
+    names: tuple[str, ...] | None = None
+    top_n: int | None = None
+    threshold: float | None = None
+    profile_steps: int = 100
+    reexpress: bool = True
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, v: Any, low: int = 1) -> None:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"PaperOptions: {name} must be an int >= {low}, got {v!r}")
+
+        positive_int("rank", self.rank)
+        positive_int("refresh_every", self.refresh_every)
+        positive_int("profile_steps", self.profile_steps)
+        if self.top_n is not None:
+            positive_int("top_n", self.top_n)
+        d = self.damping
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (np.isfinite(d) and d >= 0):
+            raise ValueError(f"PaperOptions: damping must be a finite number >= 0 (absolute), got {d!r}")
+        if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
+            raise ValueError(f"PaperOptions: decay must be in [0, 1), got {self.decay!r}")
+        if self.factor not in FACTORS:
+            raise ValueError(f"PaperOptions: factor must be one of {FACTORS}, got {self.factor!r}")
+        if self.threshold is not None and not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1):
+            raise ValueError(f"PaperOptions: threshold is a fraction of codes in [0, 1], got {self.threshold!r}")
+        if self.names is not None:
+            if isinstance(self.names, str) or not all(isinstance(n, str) for n in self.names):
+                raise TypeError(f"PaperOptions: names must be a sequence of segment names, got {self.names!r}")
+            object.__setattr__(self, "names", tuple(self.names))
+        if not isinstance(self.reexpress, bool):
+            raise TypeError(f"PaperOptions: reexpress must be a bool, got {self.reexpress!r}")
+
+    @classmethod
+    def of(cls, options: PaperOptions | None = None, **overrides: Any) -> PaperOptions:
+        """``options`` (default: the paper's) with ``overrides`` (TypeError naming an unknown one)."""
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise TypeError(f"unknown option(s) of the 'paper' preset: {bad}; known: {sorted(known)}")
+        return replace(options or cls(), **overrides)
+
+
+# ------------------------------------------------------------------------------ the factor
+def _check_factor(a: Any, name: str) -> np.ndarray:
+    f = np.asarray(a, dtype=np.float64)
+    if f.ndim != 2 or f.shape[0] != f.shape[1]:
+        raise ValueError(f"paper preset: A of {name!r} must be a square matrix, got shape {f.shape}")
+    if not np.all(np.isfinite(f)):
+        raise ValueError(f"paper preset: A of {name!r} has non-finite entries")
+    return 0.5 * (f + f.T)
+
+
+def approximate_input_factor(a: Any, rank: int = 32, damping: float = 1e-3) -> np.ndarray:
+    """``A^ = U_r diag(l_r) U_r^T + diag(max(diag(A - U_r diag(l_r) U_r^T), d))``: (n, n) float64
+    from a symmetric (n, n) A (any float dtype; symmetrised). ``U_r, l_r``: the ``rank`` largest
+    eigenpairs (all of them when rank >= n)."""
+    f = _check_factor(a, "A")
+    n = f.shape[0]
+    vals, vecs = np.linalg.eigh(f)
+    k = min(int(rank), n)
+    u, lam = vecs[:, n - k:], vals[n - k:]
+    low = (u * lam) @ u.T
+    resid = np.maximum(np.diag(f) - np.diag(low), float(damping))
+    out = low + np.diag(resid)
+    return 0.5 * (out + out.T)
+
+
+class CholeskySide(Side):
+    """``S = L^-1`` for a lower-triangular Cholesky factor L (d x d): ``right(x) = x L^-T``,
+    ``right(x, inverse=True) = x L^T``; ``left`` the transposed action (``L^-1 x``, ``L x``).
+
+    linv: L^-1 (d, d) float32 lower triangular; l: L (d, d) float32 lower triangular."""
+
+    kind = "cholesky"
+
+    def __init__(self, linv: np.ndarray, l_factor: np.ndarray):
+        self.linv = np.ascontiguousarray(linv, dtype=np.float32)
+        self.l = np.ascontiguousarray(l_factor, dtype=np.float32)
+        self.dim = self.l.shape[0]
+        self.rank = self.dim
+
+    def left(self, x, inverse=False):
+        return self._on(x, "l" if inverse else "linv")[0] @ x
+
+    def right(self, x, inverse=False):
+        return x @ self._on(x, "l" if inverse else "linv")[0].T
+
+    def params(self):
+        return (self.linv, self.l)
+
+    def flops_per_column(self) -> float:
+        return float(self.dim * self.dim)  # a triangular product: half a dense one
+
+
+def input_side(a: Any, options: PaperOptions | None = None, name: str = "A") -> Side:
+    """The input-side operator of one weight from its (n, n) input covariance A (module doc):
+    a :class:`CholeskySide` (``factor="cholesky"``) or a symmetric ``DenseSide``. ValueError,
+    naming ``name``, for a non-finite A or a damped approximation that is not positive definite."""
+    o = options or PaperOptions()
+    f = _check_factor(a, name)
+    m = approximate_input_factor(f, o.rank, o.damping) + o.damping * np.eye(f.shape[0])
+    if o.factor == "cholesky":
+        try:
+            low = np.linalg.cholesky(m)
+        except np.linalg.LinAlgError:
+            low = None
+        if low is None or not np.all(np.isfinite(low)) or not np.all(np.diag(low) > 0):
+            raise ValueError(f"paper preset: A^ + d I of {name!r} is not positive definite (damping d = "
+                             f"{o.damping:g}, absolute); A must be positive semi-definite and d > 0")
+        return CholeskySide(np.tril(np.linalg.inv(low)), low)
+    vals, vecs = np.linalg.eigh(m)
+    if not vals[0] > 0:
+        raise ValueError(f"paper preset: A^ + d I of {name!r} is not positive definite (smallest eigenvalue "
+                         f"{vals[0]:.3g}, damping d = {o.damping:g}, absolute)")
+    fwd, inv = (vecs * vals**-0.5) @ vecs.T, (vecs * vals**0.5) @ vecs.T
+    return DenseSide(0.5 * (fwd + fwd.T), 0.5 * (inv + inv.T))
+
+
+def _input_factor(pair: Any) -> Any:
+    """A from a factors entry: A itself, or an (A, G) pair (G ignored: input side only)."""
+    if isinstance(pair, tuple) and len(pair) == 2:
+        return pair[0]
+    return pair
+
+
+def _chosen(layout: Layout, factors: Mapping, options: PaperOptions) -> list[str]:
+    for name in factors:
+        if name not in layout:
+            raise ValueError(f"paper preset: factor given for {name!r}, which is not a segment of the layout")
+    if options.names is None:
+        return [s.name for s in layout if s.ndim >= 2 and s.name in factors]
+    missing = [n for n in options.names if n in layout and n not in factors]
+    if missing:
+        raise ValueError(f"paper preset: no factor A for the selected segment(s) {missing[:8]}")
+    flat = [n for n in options.names if n in layout and layout[n].ndim < 2]
+    if flat:
+        raise ValueError(f"paper preset: selected segment(s) {flat[:8]} are not matrices (input side needs 2-D)")
+    return [n for n in options.names if n in layout]
+
+
+def paper_geometry(layout, factors: Mapping, options: PaperOptions | None = None, **overrides: Any) -> Geometry:
+    """The paper's geometry over ``layout``: segment -> input-side map for every chosen segment.
+
+    factors: name -> A ((n, n) input covariance of the segment's (m, n) view; an (A, G) pair is
+    accepted and G ignored). options / overrides: :class:`PaperOptions`. Chosen segments:
+    ``options.names`` (each must have a factor: ValueError otherwise), else every 2-D segment
+    with a factor; all others get the identity."""
+    o = PaperOptions.of(options, **overrides)
+    layout = as_layout(layout)
+    chosen = set(_chosen(layout, factors, o))
+    ts = []
+    for seg in layout:
+        if seg.name not in chosen:
+            ts.append(identity_transform(seg, "paper: not selected"))
+            continue
+        m, n = seg.matrix_shape
+        a = _input_factor(factors[seg.name])
+        if np.shape(a) != (n, n):
+            raise ValueError(f"paper preset: segment {seg.name!r} of shape {seg.shape} needs A of shape ({n}, {n}), "
+                             f"got {np.shape(a)}")
+        side = input_side(a, o, seg.name)
+        ts.append(SegmentTransform(seg, IdentitySide(m), side, {"note": f"paper {o.factor} r={o.rank} d={o.damping:g}"}))
+    return Geometry(layout, ts)
+
+
+def paper_sharded(layout, factors: Mapping, shards: int, options: PaperOptions | None = None, **overrides: Any):
+    """The paper's geometry for a dim-0 sharded buffer (FSDP2): a ShardedGeometry whose shard
+    ``r`` applies the same input-side map to its own rows only (the map acts row by row, so no
+    shard needs another's rows); padding rows pass through (the map of a zero row is zero)."""
+    from .sharded import ShardedGeometry, _check_shards, shard_layout
+
+    o = PaperOptions.of(options, **overrides)
+    layout, shards = as_layout(layout), _check_shards(shards)
+    full = paper_geometry(layout, factors, o)
+    rows = [shard_layout(layout, shards, r) for r in range(shards)]
+    per = []
+    for r in range(shards):
+        ts = []
+        for t, seg in zip(full.transforms, rows[r].segments):
+            if t.is_identity:
+                ts.append(identity_transform(seg, t.info.get("note", "")))
+            else:
+                m, _ = seg.matrix_shape
+                ts.append(SegmentTransform(seg, IdentitySide(m), t.right, {"note": f"{t.info['note']} shard {r}/{shards}"}))
+        per.append(Geometry(rows[r], ts))
+    return ShardedGeometry(layout, shards, per, full)
+
+
+# ------------------------------------------------------------------------------ estimation
+class InputFactorEstimator:
+    """Per-rank EMA of each segment's input covariance ``A = E[a a^T]`` (float64).
+
+    layout: the buffer layout; segments: names to estimate (default: every 2-D segment); decay:
+    the EMA decay per batch (the first batch sets A). ``update(name, inputs)`` with inputs
+    (..., n) (leading axes flattened into rows; any float dtype): ``A <- decay A + (1 - decay)
+    a^T a / rows``."""
+
+    def __init__(self, layout, segments: Sequence[str] | None = None, decay: float = 0.95):
+        self.layout = as_layout(layout)
+        if segments is None:
+            segments = [s.name for s in self.layout if s.ndim >= 2]
+        for n in segments:
+            if n not in self.layout:
+                raise ValueError(f"{n!r} is not a segment of the layout")
+        self.segments = list(segments)
+        if not 0.0 <= float(decay) < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self._a: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {n: 0 for n in self.segments}
+
+    def update(self, name: str, inputs: Any) -> None:
+        if name not in self.counts:
+            raise ValueError(f"{name!r} is not an estimated segment ({self.segments})")
+        n = self.layout[name].matrix_shape[1]
+        if np.shape(inputs)[-1:] != (n,):
+            raise ValueError(f"{name!r}: inputs must end with {n}, got shape {np.shape(inputs)}")
+        a = np.asarray(inputs, np.float64).reshape(-1, n)
+        if a.shape[0] == 0:
+            raise ValueError(f"{name!r}: no rows")
+        batch = a.T @ a / a.shape[0]
+        old = self._a.get(name)
+        self._a[name] = batch if old is None else self.decay * old + (1.0 - self.decay) * batch
+        self.counts[name] += 1
+
+    def factors(self) -> dict[str, np.ndarray]:
+        """This rank's local EMA: name -> A (n, n) float64 (fed segments only)."""
+        return dict(self._a)
+
+
+def average_input_factors(comm: Any, factors: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
+    """Collective over ``comm`` (a giftcomm Transport, an mpi4py communicator, or None: this
+    process alone): the mean over ranks of each rank's A, identical on every rank.
+
+    Every rank must call it at the same ``step`` with factors for the same names and shapes: one
+    allgather of (step, names, shapes) first, and any difference (a rank missing a factor, a
+    refresh that only some ranks reach at this step) raises RuntimeError on every rank, naming
+    the ranks. Then one ``sum_float64`` of all factors packed together (the transport's control
+    operation, deadline-bound like every wait of the transport)."""
+    from .sync import as_transport
+
+    mats = {n: np.ascontiguousarray(a, dtype=np.float64) for n, a in sorted(factors.items())}
+    t = as_transport(comm)
+    if t is None or t.size == 1:
+        return {n: a.copy() for n, a in mats.items()}
+    head = (int(step), tuple((n, a.shape) for n, a in mats.items()))
+    heads = t.allgather_object(head)
+    if any(h != heads[0] for h in heads):
+        steps = sorted({h[0] for h in heads})
+        names = [set(n for n, _ in h[1]) for h in heads]
+        every = set.union(*names)
+        lines = [f"rank {r}: step {h[0]}, missing {sorted(every - names[r])[:6]}" for r, h in enumerate(heads)
+                 if h != heads[0] or r == 0]
+        raise RuntimeError(f"paper preset: the ranks disagree on the factor refresh (steps {steps}); every rank must "
+                           f"refresh at the same step with a factor A for the same segments: " + "; ".join(lines))
+    packed = np.concatenate([a.reshape(-1) for a in mats.values()]) if mats else np.zeros(0)
+    total = t.sum_float64(packed) / t.size
+    out, lo = {}, 0
+    for n, a in mats.items():
+        out[n] = total[lo : lo + a.size].reshape(a.shape)
+        lo += a.size
+    return out
+
+
+def refresh_geometry(comm: Any, layout, factors: Mapping[str, Any], step: int,
+                     options: PaperOptions | None = None, **overrides: Any) -> Geometry:
+    """Collective: average this rank's factors over the ranks (:func:`average_input_factors`),
+    build :func:`paper_geometry` from the average, and make sure every rank has the same map: a
+    failure on any rank (e.g. a factor not positive definite after damping) raises ValueError on
+    every rank with that rank's message, and differing fingerprints take rank 0's geometry (as
+    ``Geometry.agree``)."""
+    from .sync import as_transport
+
+    avg = average_input_factors(comm, factors, step)
+    t = as_transport(comm)
+    geo: Geometry | None = None
+    err = None
+    try:
+        geo = paper_geometry(layout, avg, options, **overrides)
+    except (ValueError, TypeError) as exc:
+        if t is None or t.size == 1:
+            raise
+        err = f"{type(exc).__name__}: {exc}"
+    if t is None or t.size == 1:
+        assert geo is not None
+        return geo
+    got = t.allgather_object((err, None if geo is None else geo.fingerprint()))
+    bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
+    if bad:
+        raise ValueError("paper preset: the factor refresh failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    assert geo is not None
+    if any(fp != got[0][1] for _, fp in got):
+        geo = t.broadcast_object(geo if t.rank == 0 else None, root=0)
+    return geo
+
+
+# ------------------------------------------------------------------------------ selection
+def saturation_fraction(values: Any, fmt: str | Format = "e5m2", scale: float | None = None) -> float:
+    """Fraction (in [0, 1]) of the FP8 codes of ``values`` (any shape, float) that hit a bound of
+    the format, with one scale per tensor (the paper's wire).
+
+    Definition: ``s = scale`` (default ``max|values| / fmt.max_value``, the per-tensor scale),
+    ``q = fp8(values / s)`` rounded to nearest even and saturated to +-max. A value's code hits
+    the **upper bound** when ``|q| == max_value``; it hits the **lower bound** when the value is
+    not zero and ``|q| <= the format's smallest subnormal`` (it underflows to zero or to the
+    smallest subnormal). Zeros (exact) never count; non-finite values count as upper. An all-zero
+    tensor scores 0."""
+    f = get_format(fmt)
+    if not f.scaled or f.value_bits != 8:
+        raise ValueError(f"saturation_fraction needs an FP8 format (e4m3, e5m2), got {f.name}")
+    x = np.asarray(values, dtype=np.float32).reshape(-1)
+    if x.size == 0:
+        return 0.0
+    finite = np.isfinite(x)
+    amax = float(np.max(np.abs(x[finite]))) if finite.any() else 0.0
+    s = float(scale) if scale is not None else amax / f.max_value
+    if not s > 0:
+        return float(np.count_nonzero(~finite)) / x.size
+    y = np.clip(np.where(finite, x, 0.0) / np.float32(s), -f.max_value, f.max_value)
+    q = np.abs(y.astype(f.wire_dtype).astype(np.float32))
+    tiny = float(ml_dtypes.finfo(f.wire_dtype).smallest_subnormal)
+    hits = (q >= f.max_value) | ((x != 0) & (q <= tiny)) | ~finite
+    return float(np.count_nonzero(hits)) / x.size
+
+
+class SaturationProfile:
+    """The paper's selection rule: profile a window of steps, score each weight by the fraction of
+    its FP8 codes that hit the format's bounds (:func:`saturation_fraction`, averaged over the
+    steps it was fed), transform the top N or those above a threshold.
+
+    fmt: the wire format scored (the paper: "e5m2", one scale per tensor). steps: the window
+    (``full`` after that many :meth:`update` calls per weight; later calls are ignored)."""
+
+    def __init__(self, fmt: str | Format = "e5m2", steps: int = 100):
+        self.fmt = get_format(fmt)
+        saturation_fraction(np.zeros(1), self.fmt)  # validates the format
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise ValueError(f"SaturationProfile: steps must be an int >= 1, got {steps!r}")
+        self.steps = int(steps)
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def update(self, name: str, grad: Any) -> None:
+        """Score one step's gradient of weight ``name`` (within the window)."""
+        if self.counts.get(name, 0) >= self.steps:
+            return
+        self.totals[name] = self.totals.get(name, 0.0) + saturation_fraction(grad, self.fmt)
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def update_flat(self, layout, flat: Any, names: Iterable[str] | None = None) -> None:
+        """Score every 2-D segment of ``layout`` (or ``names``) in one flat gradient buffer."""
+        layout = as_layout(layout)
+        x = np.asarray(flat).reshape(-1)
+        for seg in layout:
+            if (names is None and seg.ndim >= 2) or (names is not None and seg.name in names):
+                self.update(seg.name, x[seg.offset : seg.stop])
+
+    @property
+    def full(self) -> bool:
+        return bool(self.counts) and all(c >= self.steps for c in self.counts.values())
+
+    def scores(self) -> dict[str, float]:
+        """name -> mean fraction of bound-hitting codes over the profiled steps."""
+        return {n: self.totals[n] / self.counts[n] for n in self.counts}
+
+    def select(self, top_n: int | None = None, threshold: float | None = None) -> tuple[str, ...]:
+        """:func:`select_saturated` of :meth:`scores`."""
+        return select_saturated(self.scores(), top_n, threshold)
+
+
+def select_saturated(scores: Mapping[str, float], top_n: int | None = None,
+                     threshold: float | None = None) -> tuple[str, ...]:
+    """The names to transform: the ``top_n`` highest scores (ties broken by name), then only those
+    with ``score >= threshold``; None disables either rule (both None: every name). Sorted by
+    descending score."""
+    order = sorted(scores, key=lambda n: (-scores[n], n))
+    if top_n is not None:
+        order = order[: int(top_n)]
+    if threshold is not None:
+        order = [n for n in order if scores[n] >= threshold]
+    return tuple(order)
