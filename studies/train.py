@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,8 @@ COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err
 PASSTHROUGH = ("fp32", "bf16", "fp16")
 DEFAULT_MODES = ("fp32,bf16,e4m3-n,e4m3-s,e4m3-n-gift,e4m3-s-gift,nvfp4-n,nvfp4-s,nvfp4-n-gift,nvfp4-s-gift,"
                  "mxfp4-n,mxfp4-n-gift")
+# baseline wires (giftcomm.baselines, opt-in, not giftcomm's method): the mode's FMT -> the wire
+BASELINES = {"e5m2t": "e5m2/tensor-nccl", "e4m3t": "e4m3/tensor-nccl"}
 MEASURE_DAMPING = 1e-3  # the metric of the whitened error: full KFAC whitening (G+dI)^-1/2 X (A+dI)^-1/2
 
 
@@ -63,6 +66,7 @@ class Mode:
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
     ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
     opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
+    preset: str | None = None  # "-paper": Geometry.preset("paper") on the MLP down projections
 
     @property
     def twin(self) -> str:
@@ -82,9 +86,12 @@ class Mode:
 def parse_mode(name: str) -> Mode:
     parts = name.split("-")
     fmt, rounding, gift, damping, full, ef, opt = parts[0], "nearest", False, None, False, False, "adamw"
+    preset: str | None = None
     for p in parts[1:]:
         if p == "muon":
             opt = "muon"
+        elif p == "paper":
+            preset, gift = "paper", True
         elif p in ("n", "s"):
             rounding = "nearest" if p == "n" else "stochastic"
         elif p == "ef":
@@ -94,8 +101,11 @@ def parse_mode(name: str) -> Mode:
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]][-muon]")
-    return Mode(name, fmt, rounding, gift, damping, full, ef, opt)
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]|-paper][-muon]")
+    if fmt in BASELINES and (rounding != "nearest" or (ef and preset is None) or (gift and preset is None)):
+        raise ValueError(f"bad mode {name!r}: a baseline wire ({fmt}) rounds to nearest, takes GIFT only as "
+                         "-paper, and error feedback only with it (kept in the transformed coordinates)")
+    return Mode(name, fmt, rounding, gift, damping, full, ef, opt, preset)
 
 
 @dataclass
@@ -189,7 +199,7 @@ def make_optimizers(model, name: str, cfg: Config) -> list:
     AdamW on the rest (the tied embedding / output head, the norm scales)."""
     import torch
 
-    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    adamw: dict[str, Any] = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if name == "adamw":
         return [torch.optim.AdamW(model.parameters(), **adamw)]
     if name != "muon":
@@ -199,6 +209,103 @@ def make_optimizers(model, name: str, cfg: Config) -> list:
     rest = [p for p in model.parameters() if id(p) not in ids]
     return [torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(rest, **adamw)]
+
+
+class PaperInputs:
+    """The GIFT paper's geometry for studies.train: A of every MLP down projection (the weights the
+    paper's saturation profile selected on its models) estimated from the layer's inputs each step
+    (``giftcomm.geometry.paper.InputFactorEstimator``, EMA 0.95), and at each refresh averaged over
+    the ranks and turned into ``Geometry.preset("paper")`` (Cholesky of low-rank-32 + residual
+    diagonal, damping 1e-3 absolute) by ``refresh_geometry``; every other segment is identity."""
+
+    def __init__(self, model, layouts, refresh: int) -> None:
+        from giftcomm.adapters.torch.kfac import linear_segments
+        from giftcomm.geometry.paper import InputFactorEstimator, PaperOptions
+
+        self.layouts = layouts
+        self.modules = {m: n for m, n in linear_segments(model).items() if n.endswith("mlp.down.weight")}
+        names = tuple(self.modules.values())
+        self.estimators = [InputFactorEstimator(lay, [n for n in names if n in lay]) for lay in layouts]
+        self.options = [PaperOptions(names=tuple(n for n in names if n in lay), refresh_every=refresh) for lay in layouts]
+        self.seconds = 0.0
+        self._handles = [m.register_forward_hook(self._hook(n)) for m, n in self.modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output) -> None:
+            t0 = time.perf_counter()
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).numpy()
+            for lay, est in zip(self.layouts, self.estimators):
+                if name in lay:
+                    est.update(name, x)
+            self.seconds += time.perf_counter() - t0
+        return hook
+
+    def refresh(self, comm, step: int) -> list:
+        from giftcomm.geometry import Geometry
+        from giftcomm.geometry.paper import refresh_geometry
+
+        return [refresh_geometry(comm, lay, est.factors(), step, opt) if opt.names else Geometry.identity(lay)
+                for lay, est, opt in zip(self.layouts, self.estimators, self.options)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class BaselineSync:
+    """GradSync's buckets reduced with a baseline wire (``giftcomm.baselines.baseline_allreduce``,
+    op avg), each bucket through its geometry; ``ef``: the paper's error feedback, kept in the
+    transformed coordinates of the transformed segments only and re-expressed when the geometry
+    changes (``giftcomm.feedback.TransformedFeedback(euclidean=False)``). The residual is what this
+    rank's own encoding lost: ``y - Q(y)`` with the MAX-agreed per-tensor scale (the later fp16
+    pairwise sums' roundings are not this rank's alone and are not compensated)."""
+
+    def __init__(self, ctx, sync, wire: str, ef: bool) -> None:
+        from giftcomm.feedback import TransformedFeedback
+        from giftcomm.reference.baselines import baseline_wire
+
+        self.ctx, self.gs, self.wire = ctx, sync, baseline_wire(wire)
+        self.feedback = TransformedFeedback(reexpress=True, euclidean=False) if ef else None
+
+    def sync(self, step: int):
+        from giftcomm.adapters.torch.grad_sync import SyncTimes
+        from giftcomm.baselines import baseline_allreduce
+        from giftcomm.reference.baselines import fp8_codes, local_scale
+
+        times = SyncTimes()
+        t0 = time.perf_counter()
+        fmt = self.wire.fmt
+        for b, g in zip(self.gs.buckets, self.gs.geometries):
+            b.bind()
+            buf = b.buffer
+            moved = g is not None and not g.is_identity
+            if self.feedback is not None:
+                self.feedback.compensate(b.index, buf, g)
+            tt = time.perf_counter()
+            y = np.asarray(g.forward(np.array(buf, np.float32)), np.float32) if moved else np.array(buf, np.float32)
+            times.transform += time.perf_counter() - tt if moved else 0.0
+            segs = [t.segment for t in g.transforms] if moved else list(b.layout)
+            if self.feedback is not None and moved:
+                # this call's residual in g's coordinates (TransformedFeedback's record, at the wire's
+                # MAX-agreed per-tensor scale instead of a giftcomm block scale); none on identity segments
+                scales = np.max(np.array(self.ctx.allgather([local_scale(y[s.offset : s.stop], fmt) for s in segs])), 0)
+                err = np.zeros_like(y)
+                for s, t, sc in zip(segs, g.transforms, scales):
+                    if not t.is_identity:
+                        v, sc = y[s.offset : s.stop], np.float32(sc if sc > 0 else 1.0)
+                        err[s.offset : s.stop] = v - fp8_codes(v / sc, fmt).astype(np.float32) * sc
+                self.feedback.residuals[b.index], self.feedback.geometries[b.index] = err, g
+                self.feedback.signatures[b.index] = None
+            for s in segs:  # one scale per parameter tensor, as the paper's wire
+                part = y[s.offset : s.stop]
+                baseline_allreduce(part, self.wire, comm=self.ctx.transport, op="avg", out=part)
+            tt = time.perf_counter()
+            buf[...] = g.inverse(y) if moved else y
+            times.transform += time.perf_counter() - tt if moved else 0.0
+        times.total = time.perf_counter() - t0
+        times.comm = times.total - times.transform
+        self.gs.algorithms = ["ring"] * len(self.gs.buckets)
+        return times
 
 
 def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str = "auto",
@@ -217,12 +324,16 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     opts = make_optimizers(model, mode.opt, cfg)
     from giftcomm.formats import get_format
 
-    fmt = get_format(mode.fmt)
+    baseline = BASELINES.get(mode.fmt)
+    fmt = get_format("fp32" if baseline else mode.fmt)
     if mx_scale is not None and fmt.scale_kind == "e8m0":
         fmt = fmt.with_scale_rule(mx_scale)
-    sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if mode.fmt in PASSTHROUGH else block,
+    # a baseline wire: GradSync holds the buckets, BaselineSync reduces them
+    sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if fmt.name in PASSTHROUGH else block,
                     op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
-                    error_feedback=mode.ef)
+                    error_feedback=mode.ef and not baseline)
+    reducer = BaselineSync(ctx, sync, baseline, mode.ef) if baseline else sync
+    paper = PaperInputs(model, sync.layouts, cfg.refresh) if mode.preset == "paper" else None
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
     capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=seed * 1000 + rank,
                           decay=cfg.kfac_decay)
@@ -259,13 +370,19 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
         loss.backward()
         t_fwbw = time.perf_counter() - t0
         t_geo = capture.seconds
+        if paper is not None:
+            t_geo, paper.seconds = t_geo + paper.seconds, 0.0
         if step % cfg.refresh == 0:
             tg = time.perf_counter()
             capture.estimator.sync(ctx.transport)
             factors = [{n: (sa, sg) for n, (sg, sa) in capture.estimator.spectra.items() if n in lay}
                        for lay in sync.layouts]
             metric = [Geometry.from_kfac(lay, f, damping=MEASURE_DAMPING) for lay, f in zip(sync.layouts, factors)]
-            if mode.gift:
+            if paper is not None:
+                geoms = paper.refresh(ctx.transport, step)
+                sync.set_geometries(geoms)
+                chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
+            elif mode.gift:
                 if mode.full:
                     geoms = [Geometry.from_kfac(lay, f, **gkw) for lay, f in zip(sync.layouts, factors)]
                 else:
@@ -275,7 +392,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
             t_geo += time.perf_counter() - tg
         measure = step % cfg.val_every == 0 or step == cfg.steps - 1
         local = [b.copy() for b in sync.flat_grads()] if measure else None
-        times = sync.sync(step)
+        times = reducer.sync(step)
         e2 = ew = float("nan")
         if measure:
             allg = ctx.allgather(local)
@@ -308,6 +425,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
                          err_l2=e2, err_white=ew, **dict(zip(COLUMNS[9:14], worst.tolist())),
                          algorithm="+".join(sorted({a or "-" for a in sync.algorithms}))))
     capture.remove()
+    if paper is not None:
+        paper.remove()
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())

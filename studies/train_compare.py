@@ -35,6 +35,7 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,18 +58,28 @@ class Row:
 CONFIGS = (
     Row("fp32", "fp32", "fp32", "fp32"),
     Row("bf16", "bf16", "bf16", "bf16"),
+    Row("e5m2t", "paper's wire: E5M2 per tensor, NCCL fp16 pairwise sums (baseline 3a)", "e5m2t", "e5m2t"),
+    Row("e5m2t-paper", "paper's GIFT: preset + EF (transformed) on the paper's wire", "e5m2t-n-ef-paper", "e5m2t"),
     Row("e4m3", "giftcomm E4M3 block 256", "e4m3-n", "e4m3"),
     Row("e4m3-ef", "giftcomm E4M3 block 256 + error feedback", "e4m3-n-ef", "e4m3"),
+    Row("e4m3-paper", "giftcomm E4M3 block 256 + paper preset", "e4m3-n-paper", "e4m3"),
+    Row("e4m3-ef-paper", "giftcomm E4M3 block 256 + paper preset + error feedback", "e4m3-n-ef-paper", "e4m3"),
     Row("nvfp4", "NVFP4 (E4M3 scale per 16)", "nvfp4-n", "nvfp4"),
     Row("nvfp4-gift", "NVFP4 + GIFT (giftcomm's default policy)", "nvfp4-n-gift", "nvfp4"),
+    Row("nvfp4-paper", "NVFP4 + paper preset", "nvfp4-n-paper", "nvfp4"),
 )
 OPTIMIZERS = ("adamw", "muon")
 # which pairs decide a default: (row, the row it is compared with, what it decides)
 DECISIONS = (
+    ("e4m3", "e5m2t", "wire: giftcomm E4M3/256 against the paper's E5M2 per tensor"),
+    ("e5m2t-paper", "e5m2t", "the paper's GIFT on its own wire"),
+    ("e4m3-paper", "e4m3", "geometry (paper preset) on E4M3/256"),
+    ("e4m3-ef-paper", "e4m3-ef", "geometry (paper preset) on E4M3/256 with error feedback"),
     ("e4m3", "bf16", "format: E4M3/256 against bf16"),
     ("e4m3-ef", "e4m3", "error feedback on E4M3/256"),
     ("nvfp4", "e4m3", "format: NVFP4 against E4M3/256"),
     ("nvfp4-gift", "nvfp4", "geometry (GIFT, default policy) on NVFP4"),
+    ("nvfp4-paper", "nvfp4", "geometry (paper preset) on NVFP4"),
 )
 # the netbed files (1 Gbit/s, 4 hosts x 1 rank) whose 64 MiB rows price the wires
 NETBED_MAIN = "perf/results/netbed-allreduce-1gbit-p4.txt"  # run 1: e4m3, bf16, fp32 on the ring
@@ -100,13 +111,18 @@ def _netbed_rows(path: str, first_section_only: bool = False) -> dict[str, float
 def netbed_seconds_per_value() -> dict[str, dict]:
     """wire -> {"s_per_value", "source"}: the allreduce time of one fp32 gradient value on the
     1 Gbit/s netbed at P = 4 (64 MiB calls, wire-bound). fp32, bf16, e4m3 from NETBED_MAIN's run 1;
-    nvfp4 as its ratio to fp32 in NETBED_NVFP4 (same run) times NETBED_MAIN's fp32."""
+    nvfp4 as its ratio to fp32 in NETBED_NVFP4 (same run) times NETBED_MAIN's fp32; e5m2t (the
+    paper's per-tensor wire, never run on the netbed) as e4m3's scaled by the bytes per value."""
     n = NETBED_BYTES // 4
     main = _netbed_rows(NETBED_MAIN, first_section_only=True)
     nv = _netbed_rows(NETBED_NVFP4)
-    out = {w: {"s_per_value": main[w] / n, "source": f"{NETBED_MAIN} run 1, 64 MiB"} for w in ("fp32", "bf16", "e4m3")}
+    out: dict[str, dict[str, Any]] = {w: {"s_per_value": main[w] / n, "source": f"{NETBED_MAIN} run 1, 64 MiB"}
+                                      for w in ("fp32", "bf16", "e4m3")}
     out["nvfp4"] = {"s_per_value": nv["nvfp4"] / nv["fp32"] * main["fp32"] / n,
                     "source": f"{NETBED_NVFP4} (nvfp4/fp32 of that run) x fp32 of {NETBED_MAIN}"}
+    # not run on the netbed: 1 byte per value (and one scale per tensor) against E4M3/256's 1.0156
+    out["e5m2t"] = {"s_per_value": out["e4m3"]["s_per_value"] / 1.015625,
+                    "source": "e4m3's x 1/1.0156 (bytes per value; not measured on the netbed)"}
     return out
 
 

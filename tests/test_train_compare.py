@@ -17,7 +17,7 @@ from studies.train_compare import CONFIGS, mode_name, netbed_seconds_per_value
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-KEYS = ("fp32", "bf16", "e4m3", "e4m3-ef", "nvfp4-gift")
+KEYS = ("fp32", "bf16", "e5m2t-paper", "e4m3", "e4m3-ef", "nvfp4-gift")
 
 
 def test_muon_mode_and_optimizer_split():
@@ -36,6 +36,11 @@ def test_muon_mode_and_optimizer_split():
         assert (id(p) in hidden) == (p.ndim == 2 and n.startswith("blocks.")), n
     with pytest.raises(ValueError):
         train.make_optimizers(model, "sgd", cfg)
+    m = train.parse_mode("e5m2t-n-ef-paper-muon")
+    assert (m.fmt, m.preset, m.gift, m.ef, m.opt) == ("e5m2t", "paper", True, True, "muon")
+    for bad in ("e5m2t-s", "e5m2t-ef", "e5m2t-gift"):  # the baseline wire: nearest, paper preset, EF with it
+        with pytest.raises(ValueError):
+            train.parse_mode(bad)
 
 
 def test_netbed_prices_follow_the_bytes():
@@ -67,13 +72,18 @@ def test_train_compare_quick(tmp_path):
     c = json.load(open(out / "compare.json"))
     by = {(e["opt"], e["key"]): e for e in c["rows"]}
     assert set(by) == {(o, k) for o in ("adamw", "muon") for k in KEYS}
-    for (opt, key), e in by.items():
+    for (opt, _key), e in by.items():
         (r,) = runs[(2, e["mode"])].values()
         (ref,) = runs[(2, mode_name(rows["fp32"], opt))].values()
         assert e["val"] == pytest.approx(r[-1]["val_loss"])
         assert e["gap"] == pytest.approx(r[-1]["val_loss"] - ref[-1]["val_loss"])
     # the GIFT row ran a transform and the others did not; the decision rows pair what they say
     assert by[("muon", "nvfp4-gift")]["t_transform"] > 0 and by[("muon", "e4m3")]["t_transform"] == 0
+    assert by[("adamw", "e5m2t-paper")]["t_transform"] > 0
+    # the paper's preset transformed the MLP down projections only
+    (final,) = [json.load(open(out / f"P2-s0-{mode_name(rows['e5m2t-paper'], 'adamw')}.json"))]
+    moved = [seg.split()[0] for seg in final["geometry"].split("; ") if " cholesky " in seg]
+    assert moved and all(n.endswith("mlp.down.weight") for n in moved), final["geometry"]
     ef = [d for d in c["decisions"] if d["row"] == "e4m3-ef" and d["opt"] == "adamw"]
     assert len(ef) == 1 and ef[0]["diff"] == pytest.approx(by[("adamw", "e4m3-ef")]["val"] - by[("adamw", "e4m3")]["val"])
     t = {(x["opt"], x["key"]): x for x in c["time"]}
