@@ -1,6 +1,7 @@
 """``python -m studies <command> ...``: the studies about giftcomm (from a source checkout).
 
 train         end-to-end data-parallel Llama training comparison (under mpiexec; torch)
+train-compare the training comparison that decides the defaults (issue 36; torch)
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
 sharded-gift  what aligning GIFT with FSDP's dim-0 shards costs (P = 2, 4, 8)
@@ -22,6 +23,7 @@ import sys
 
 COMMANDS = {
     "train": "studies.train",
+    "train-compare": "studies.train_compare",
     "fidelity": "studies.fidelity",
     "gradients": "studies.gradients",
     "sharded-gift": "studies.sharded_gift",

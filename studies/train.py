@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,8 @@ COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err
 PASSTHROUGH = ("fp32", "bf16", "fp16")
 DEFAULT_MODES = ("fp32,bf16,e4m3-n,e4m3-s,e4m3-n-gift,e4m3-s-gift,nvfp4-n,nvfp4-s,nvfp4-n-gift,nvfp4-s-gift,"
                  "mxfp4-n,mxfp4-n-gift")
+# baseline wires (giftcomm.baselines, opt-in, not giftcomm's method): the mode's FMT -> the wire
+BASELINES = {"e5m2t": "e5m2/tensor-nccl", "e4m3t": "e4m3/tensor-nccl"}
 MEASURE_DAMPING = 1e-3  # the metric of the whitened error: full KFAC whitening (G+dI)^-1/2 X (A+dI)^-1/2
 
 
@@ -62,18 +65,34 @@ class Mode:
     damping: float | None  # None: the library's default
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
     ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
+    opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
+    preset: str | None = None  # "-paper": Geometry.preset("paper") on the MLP down projections
 
     @property
     def twin(self) -> str:
-        """The Euclidean mode without GIFT this one is paired with (same format, rounding, EF)."""
-        return "-".join([self.fmt, self.rounding[0]] + (["ef"] if self.ef else []))
+        """The Euclidean mode without GIFT this one is paired with (same format, rounding, EF, optimizer)."""
+        return "-".join([self.fmt, self.rounding[0]] + (["ef"] if self.ef else []) + self._opt_suffix)
+
+    @property
+    def reference(self) -> str:
+        """The fp32 mode this one's loss gap is measured against (same optimizer)."""
+        return "-".join(["fp32"] + self._opt_suffix)
+
+    @property
+    def _opt_suffix(self) -> list[str]:
+        return [] if self.opt == "adamw" else [self.opt]
 
 
 def parse_mode(name: str) -> Mode:
     parts = name.split("-")
-    fmt, rounding, gift, damping, full, ef = parts[0], "nearest", False, None, False, False
+    fmt, rounding, gift, damping, full, ef, opt = parts[0], "nearest", False, None, False, False, "adamw"
+    preset: str | None = None
     for p in parts[1:]:
-        if p in ("n", "s"):
+        if p == "muon":
+            opt = "muon"
+        elif p == "paper":
+            preset, gift = "paper", True
+        elif p in ("n", "s"):
             rounding = "nearest" if p == "n" else "stochastic"
         elif p == "ef":
             ef = True
@@ -82,8 +101,11 @@ def parse_mode(name: str) -> Mode:
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]]")
-    return Mode(name, fmt, rounding, gift, damping, full, ef)
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]|-paper][-muon]")
+    if fmt in BASELINES and (rounding != "nearest" or (ef and preset is None) or (gift and preset is None)):
+        raise ValueError(f"bad mode {name!r}: a baseline wire ({fmt}) rounds to nearest, takes GIFT only as "
+                         "-paper, and error feedback only with it (kept in the transformed coordinates)")
+    return Mode(name, fmt, rounding, gift, damping, full, ef, opt, preset)
 
 
 @dataclass
@@ -169,6 +191,123 @@ def make_model(cfg: Config, seed: int):
         return Llama(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, seq_len=cfg.seq_len))
 
 
+def make_optimizers(model, name: str, cfg: Config) -> list:
+    """The optimizers of one replica. ``adamw``: AdamW on every parameter. ``muon``: the standard
+    split, ``torch.optim.Muon`` on the hidden 2-D weights (every nn.Linear of the blocks; Muon
+    orthogonalises a matrix update, so it takes 2-D tensors only) with ``adjust_lr_fn=
+    "match_rms_adamw"`` (its update's RMS matches AdamW's, so both follow cfg.lr's schedule), and
+    AdamW on the rest (the tied embedding / output head, the norm scales)."""
+    import torch
+
+    adamw: dict[str, Any] = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **adamw)]
+    if name != "muon":
+        raise ValueError(f"unknown optimizer {name!r} (adamw, muon)")
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, **adamw)]
+
+
+class PaperInputs:
+    """The GIFT paper's geometry for studies.train: A of every MLP down projection (the weights the
+    paper's saturation profile selected on its models) estimated from the layer's inputs each step
+    (``giftcomm.geometry.paper.InputFactorEstimator``, EMA 0.95), and at each refresh averaged over
+    the ranks and turned into ``Geometry.preset("paper")`` (Cholesky of low-rank-32 + residual
+    diagonal, damping 1e-3 absolute) by ``refresh_geometry``; every other segment is identity."""
+
+    def __init__(self, model, layouts, refresh: int) -> None:
+        from giftcomm.adapters.torch.kfac import linear_segments
+        from giftcomm.geometry.paper import InputFactorEstimator, PaperOptions
+
+        self.layouts = layouts
+        self.modules = {m: n for m, n in linear_segments(model).items() if n.endswith("mlp.down.weight")}
+        names = tuple(self.modules.values())
+        self.estimators = [InputFactorEstimator(lay, [n for n in names if n in lay]) for lay in layouts]
+        self.options = [PaperOptions(names=tuple(n for n in names if n in lay), refresh_every=refresh) for lay in layouts]
+        self.seconds = 0.0
+        self._handles = [m.register_forward_hook(self._hook(n)) for m, n in self.modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output) -> None:
+            t0 = time.perf_counter()
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).numpy()
+            for lay, est in zip(self.layouts, self.estimators):
+                if name in lay:
+                    est.update(name, x)
+            self.seconds += time.perf_counter() - t0
+        return hook
+
+    def refresh(self, comm, step: int) -> list:
+        from giftcomm.geometry import Geometry
+        from giftcomm.geometry.paper import refresh_geometry
+
+        return [refresh_geometry(comm, lay, est.factors(), step, opt) if opt.names else Geometry.identity(lay)
+                for lay, est, opt in zip(self.layouts, self.estimators, self.options)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class BaselineSync:
+    """GradSync's buckets reduced with a baseline wire (``giftcomm.baselines.baseline_allreduce``,
+    op avg), each bucket through its geometry; ``ef``: the paper's error feedback, kept in the
+    transformed coordinates of the transformed segments only and re-expressed when the geometry
+    changes (``giftcomm.feedback.TransformedFeedback(euclidean=False)``). The residual is what this
+    rank's own encoding lost: ``y - Q(y)`` with the MAX-agreed per-tensor scale (the later fp16
+    pairwise sums' roundings are not this rank's alone and are not compensated)."""
+
+    def __init__(self, ctx, sync, wire: str, ef: bool) -> None:
+        from giftcomm.feedback import TransformedFeedback
+        from giftcomm.reference.baselines import baseline_wire
+
+        self.ctx, self.gs, self.wire = ctx, sync, baseline_wire(wire)
+        self.feedback = TransformedFeedback(reexpress=True, euclidean=False) if ef else None
+
+    def sync(self, step: int):
+        from giftcomm.adapters.torch.grad_sync import SyncTimes
+        from giftcomm.baselines import baseline_allreduce
+        from giftcomm.reference.baselines import fp8_codes, local_scale
+
+        times = SyncTimes()
+        t0 = time.perf_counter()
+        fmt = self.wire.fmt
+        for b, g in zip(self.gs.buckets, self.gs.geometries):
+            b.bind()
+            buf = b.buffer
+            moved = g is not None and not g.is_identity
+            if self.feedback is not None:
+                self.feedback.compensate(b.index, buf, g)
+            tt = time.perf_counter()
+            y = np.asarray(g.forward(np.array(buf, np.float32)), np.float32) if moved else np.array(buf, np.float32)
+            times.transform += time.perf_counter() - tt if moved else 0.0
+            segs = [t.segment for t in g.transforms] if moved else list(b.layout)
+            if self.feedback is not None and moved:
+                # this call's residual in g's coordinates (TransformedFeedback's record, at the wire's
+                # MAX-agreed per-tensor scale instead of a giftcomm block scale); none on identity segments
+                scales = np.max(np.array(self.ctx.allgather([local_scale(y[s.offset : s.stop], fmt) for s in segs])), 0)
+                err = np.zeros_like(y)
+                for s, t, sc in zip(segs, g.transforms, scales):
+                    if not t.is_identity:
+                        v, sc = y[s.offset : s.stop], np.float32(sc if sc > 0 else 1.0)
+                        err[s.offset : s.stop] = v - fp8_codes(v / sc, fmt).astype(np.float32) * sc
+                self.feedback.residuals[b.index], self.feedback.geometries[b.index] = err, g
+                self.feedback.signatures[b.index] = None
+            for s in segs:  # one scale per parameter tensor, as the paper's wire
+                part = y[s.offset : s.stop]
+                baseline_allreduce(part, self.wire, comm=self.ctx.transport, op="avg", out=part)
+            tt = time.perf_counter()
+            buf[...] = g.inverse(y) if moved else y
+            times.transform += time.perf_counter() - tt if moved else 0.0
+        times.total = time.perf_counter() - t0
+        times.comm = times.total - times.transform
+        self.gs.algorithms = ["ring"] * len(self.gs.buckets)
+        return times
+
+
 def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str = "auto",
                block: int | None = None, mx_scale: str | None = None) -> tuple[list[dict], dict]:
     """One rank of one run (``algorithm``, ``block``: GradSync's; ``mx_scale``: the MX formats'
@@ -182,15 +321,19 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     rank, size = ctx.rank, ctx.size
     model = make_model(cfg, seed)
     seq = cfg.seq_len
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opts = make_optimizers(model, mode.opt, cfg)
     from giftcomm.formats import get_format
 
-    fmt = get_format(mode.fmt)
+    baseline = BASELINES.get(mode.fmt)
+    fmt = get_format("fp32" if baseline else mode.fmt)
     if mx_scale is not None and fmt.scale_kind == "e8m0":
         fmt = fmt.with_scale_rule(mx_scale)
-    sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if mode.fmt in PASSTHROUGH else block,
+    # a baseline wire: GradSync holds the buckets, BaselineSync reduces them
+    sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if fmt.name in PASSTHROUGH else block,
                     op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
-                    error_feedback=mode.ef)
+                    error_feedback=mode.ef and not baseline)
+    reducer = BaselineSync(ctx, sync, baseline, mode.ef) if baseline else sync
+    paper = PaperInputs(model, sync.layouts, cfg.refresh) if mode.preset == "paper" else None
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
     capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=seed * 1000 + rank,
                           decay=cfg.kfac_decay)
@@ -215,8 +358,9 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        for o in opts:
+            for g in o.param_groups:
+                g["lr"] = lr
         starts = batch_starts(seed, step, cfg.batch * size, len(corpus.train), seq)
         batch = torch.from_numpy(corpus.batch("train", starts[rank * cfg.batch : (rank + 1) * cfg.batch], seq))
         capture.step(step)
@@ -226,13 +370,19 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
         loss.backward()
         t_fwbw = time.perf_counter() - t0
         t_geo = capture.seconds
+        if paper is not None:
+            t_geo, paper.seconds = t_geo + paper.seconds, 0.0
         if step % cfg.refresh == 0:
             tg = time.perf_counter()
             capture.estimator.sync(ctx.transport)
             factors = [{n: (sa, sg) for n, (sg, sa) in capture.estimator.spectra.items() if n in lay}
                        for lay in sync.layouts]
             metric = [Geometry.from_kfac(lay, f, damping=MEASURE_DAMPING) for lay, f in zip(sync.layouts, factors)]
-            if mode.gift:
+            if paper is not None:
+                geoms = paper.refresh(ctx.transport, step)
+                sync.set_geometries(geoms)
+                chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
+            elif mode.gift:
                 if mode.full:
                     geoms = [Geometry.from_kfac(lay, f, **gkw) for lay, f in zip(sync.layouts, factors)]
                 else:
@@ -242,7 +392,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
             t_geo += time.perf_counter() - tg
         measure = step % cfg.val_every == 0 or step == cfg.steps - 1
         local = [b.copy() for b in sync.flat_grads()] if measure else None
-        times = sync.sync(step)
+        times = reducer.sync(step)
         e2 = ew = float("nan")
         if measure:
             allg = ctx.allgather(local)
@@ -262,7 +412,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
         tc = time.perf_counter()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
+        for o in opts:
+            o.step()
         t_step = time.perf_counter() - t0
         mine = [t_step, t_fwbw + time.perf_counter() - tc - capture.seconds, times.transform, times.comm, t_geo,
                 float(loss.detach())]
@@ -274,6 +425,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
                          err_l2=e2, err_white=ew, **dict(zip(COLUMNS[9:14], worst.tolist())),
                          algorithm="+".join(sorted({a or "-" for a in sync.algorithms}))))
     capture.remove()
+    if paper is not None:
+        paper.remove()
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
@@ -349,7 +502,7 @@ def stats(runs: dict) -> list[dict]:
     fp32 (same seed), of the gradient errors; and the share of the Euclidean twin's gap GIFT recovers."""
     out = []
     for (world, mode), by_seed in sorted(runs.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
-        ref = runs.get((world, "fp32"), {})
+        ref = runs.get((world, parse_mode(mode).reference), {})
         seeds = sorted(s for s in by_seed if s in ref)
         final = np.array([by_seed[s][-1]["val_loss"] for s in seeds])
         gaps = np.array([by_seed[s][-1]["val_loss"] - ref[s][-1]["val_loss"] for s in seeds])
@@ -388,7 +541,7 @@ def stats(runs: dict) -> list[dict]:
 def _order(mode: str) -> tuple:
     m = parse_mode(mode)
     fmts = ["fp32", "bf16", "fp16", "e4m3", "e5m2", "mxfp8", "mxfp8_e5m2", "nvfp4", "mxfp4"]
-    return (fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.ef, m.gift, m.full, m.damping or 0.0)
+    return (m.opt, fmts.index(m.fmt) if m.fmt in fmts else 99, m.rounding, m.ef, m.gift, m.full, m.damping or 0.0)
 
 
 def summary_table(st: list[dict]) -> str:
@@ -396,7 +549,7 @@ def summary_table(st: list[dict]) -> str:
              "| whitened grad err | train-loss gap (last 20 steps) | GIFT − Euclid gap (paired) | share of gap recovered | comm ms/step |",
              "| ---: | --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in st:
-        sig = "" if s["mode"] == "fp32" else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
+        sig = "" if s["mode"] == parse_mode(s["mode"]).reference else ("yes" if abs(s["gap"]) > 2 * s["gap_sd"] else "no")
         rec = "-" if math.isnan(s["recovered"]) else f"{s['recovered']:.0f}%"
         lines.append(f"| {s['world']} | {s['mode']} | {s['algorithm']} | {s['n']} | {s['val']:.4f} ± {s['val_sd']:.4f} | "
                      f"{s['gap']:+.4f} ± {s['gap_sd']:.4f} | {s['gap_pct']:+.2f}% | {sig} | "
@@ -413,7 +566,7 @@ def plot(st: list[dict], out: str) -> None:
     worlds = sorted({s["world"] for s in st})
     fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.8), squeeze=False)
     for ax, w in zip(axes[0], worlds):
-        rows = [s for s in st if s["world"] == w and s["mode"] != "fp32"]
+        rows = [s for s in st if s["world"] == w and s["mode"] != parse_mode(s["mode"]).reference]
         x = np.arange(len(rows))
         colors = ["tab:green" if parse_mode(s["mode"]).gift else "tab:gray" for s in rows]
         ax.bar(x, [s["gap"] for s in rows], yerr=[s["gap_sd"] for s in rows], color=colors, capsize=3)
@@ -455,6 +608,10 @@ def report(out: str, header: str = "", no_plot: bool = False) -> str:
 
 # ---------------------------------------------------------------- CLI
 
+# the issue-36 comparison's model (--size medium): 4 blocks of width 128, ~0.8M parameters
+MEDIUM = Config(dim=128, layers=4, heads=4, ffn=344, seq_len=64, steps=100, val_every=20, val_batches=64,
+                refresh=25, warmup=8)
+SIZES = {"grid": Config(), "medium": MEDIUM}
 QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
                kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
 
@@ -470,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=None, help="block size of the scaled formats (default: each format's own)")
     p.add_argument("--mx-scale", choices=["ceil", "floor"], default=None,
                    help="scale rule of the MX formats (default: the library's, ceil; floor = OCP MX v1.0)")
+    p.add_argument("--size", choices=sorted(SIZES), default="grid",
+                   help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
@@ -486,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     from studies.workloads.corpus import load_corpus
 
     torch.set_num_threads(1)
-    cfg = Config(**asdict(QUICK)) if a.quick else Config()
+    cfg = Config(**asdict(QUICK if a.quick else SIZES[a.size]))
     if a.steps is not None:
         cfg.steps = a.steps
     modes = [parse_mode(m.strip()) for m in a.modes.split(",") if m.strip()]
