@@ -21,8 +21,6 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from studies.gradients import _capture_block, _KfacHooks
 
 __all__ = ["capture", "main", "DEFAULT_PATH"]
