@@ -15,7 +15,12 @@ with factors (EMA factors, damping 1e-3, definitions of ``studies.paper_tables``
   of A's top-32 eigenvectors (||W U_32||^2 / ||W||^2: how much of the gradient's rows lie where A is
   large, i.e. what the input-side map shrinks least); ``outlier`` max(diag A) / median(diag A);
   ``gcrest`` the crest factor of W (max|W| / rms(W), what a per-tensor scale suffers from) and
-  ``tcrest`` the same of W L_A^-T.
+  ``tcrest`` the same of W L_A^-T; ``model`` the ratio a floating-point wire would give if each
+  value carried an independent error proportional to its own magnitude (relative error e, the same
+  in both coordinates): error energy e^2 sum_ij W~_ij^2 (L_A^T L_A)_jj in ordinary coordinates
+  against e^2 ||W||^2, so model = sqrt(sum_ij W~_ij^2 (L_A^T L_A)_jj / ||W||^2). For W's rows along
+  A's top eigenvector it is about sqrt(mean eigenvalue / top eigenvalue) (a gain); for rows spread
+  evenly over A's eigenvectors it is >= 1 (a loss).
 - Token scan: the pooled ratio of the mean of the last K shards, K = 1, 2, 4, ... up to all
   (steps x ranks) shards of the capture: tokens per gradient K x (batch / ranks) x seq_len.
 
@@ -47,7 +52,9 @@ def predictors(w: np.ndarray, a: np.ndarray, damping: float = DAMPING) -> dict:
     la = chol(a, damping)
     t = sla.solve_triangular(la, w.T, lower=True).T
     ww = float(np.sum(w * w))
-    return {"cond": float((lam[0] + damping) / (lam[-1] + damping)), "top32": float(p[:32].sum()),
+    col = np.sum(la * la, axis=0)  # (L_A^T L_A)_jj
+    model = float(np.sqrt(np.sum(t * t * col[None, :]) / ww)) if ww > 0 else 0.0
+    return {"model": model, "cond": float((lam[0] + damping) / (lam[-1] + damping)), "top32": float(p[:32].sum()),
             "erank": float(np.exp(-np.sum(nz * np.log(nz)))),
             "align32": float(np.sum((w @ u[:, :32]) ** 2) / ww) if ww > 0 else 0.0,
             "outlier": float(d.max() / max(np.median(d), 1e-30)),
@@ -110,7 +117,7 @@ def _corr(x: list[float], y: list[float]) -> float:
     return float(np.corrcoef(rx, ry)[0, 1]) if len(x) > 2 else float("nan")
 
 
-PRED = ("cond", "top32", "erank", "align32", "outlier", "gcrest", "tcrest")
+PRED = ("model", "cond", "top32", "erank", "align32", "outlier", "gcrest", "tcrest")
 
 
 def _markdown(res: list[dict], wires: tuple[str, ...]) -> str:
@@ -147,23 +154,23 @@ def _figure(res: list[dict], wires: tuple[str, ...], path: str) -> None:
 
     plt = pyplot()
     w0 = wires[0]
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     for r in res:
         rows = list(r["layers"].values())
         y = [v[f"ratio {w0}"] for v in rows]
-        for ax, p in zip(axes[:3], ("top32", "align32", "tcrest")):
+        for ax, p in zip(axes[:3], ("model", "align32", "outlier")):
             ax.scatter([v[p] for v in rows], y, s=14, label=r["label"])
         axes[3].plot([s["tokens"] for s in r["scan"]], [s[f"ratio {w0}"] for s in r["scan"]], marker="o",
                      label=r["label"])
-    titles = ("top-32 energy fraction of A", "gradient energy in A's top-32 eigenvectors",
-              "crest factor of W L_A^-T (max / rms)", "tokens per gradient")
+    titles = ("model: relative-error prediction of the ratio", "gradient energy in A's top-32 eigenvectors",
+              "outlier inputs: max / median of diag A", "tokens per gradient")
     for ax, t in zip(axes, titles):
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(0.335, color="red", lw=0.8, ls="--")
         ax.set_xlabel(t)
         ax.set_ylabel(f"input / Euclidean RelL2 ({w0})")
         ax.grid(True, alpha=0.3)
-    axes[0].set_xscale("linear")
+    axes[0].plot([0.3, 1.3], [0.3, 1.3], color="black", lw=0.6)
     axes[2].set_xscale("log")
     axes[3].set_xscale("log")
     axes[3].legend(fontsize=7)
