@@ -2,7 +2,7 @@
 per layer against what should predict it, across captures (training phases, models), and its trend
 with the tokens each gradient averages.
 
-``python -m studies.paper_gain CAPTURE.npz ... [--out perf/results/paper-gain] [--wires e5m2/tensor,e4m3/256]``
+``python -m studies.paper_gain CAPTURE.npz ... [--out perf/results/paper-gain.md] [--wires e5m2/tensor,e4m3/256]``
 
 For each capture (``studies.gradients`` / ``studies.pretrained_gradients`` .npz) and each 2-D weight
 with factors (EMA factors, damping 1e-3, definitions of ``studies.paper_tables``):
@@ -24,7 +24,7 @@ with factors (EMA factors, damping 1e-3, definitions of ``studies.paper_tables``
 - Token scan: the pooled ratio of the mean of the last K shards, K = 1, 2, 4, ... up to all
   (steps x ranks) shards of the capture: tokens per gradient K x (batch / ranks) x seq_len.
 
-Writes ``OUT.json`` (all numbers), ``OUT.md`` (tables) and ``OUT.png`` (figure).
+Writes ``OUT`` (markdown tables) and beside it ``.json`` (all numbers) and ``.png`` (figure).
 """
 from __future__ import annotations
 
@@ -181,18 +181,20 @@ def _figure(res: list[dict], wires: tuple[str, ...], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.paper_gain", description=__doc__.split("\n")[0])
     p.add_argument("captures", nargs="+")
-    p.add_argument("--out", default="perf/results/paper-gain")
+    p.add_argument("--out", default="perf/results/paper-gain.md")
     p.add_argument("--wires", default="e5m2/tensor,e4m3/256")
     a = p.parse_args(argv)
     wires = tuple(a.wires.split(","))
     res = [study(c, wires) for c in a.captures]
-    with open(a.out + ".json", "w") as f:
+    from studies.plotting import sibling
+
+    with open(sibling(a.out, ".json"), "w") as f:
         json.dump(res, f, indent=1)
     md = _markdown(res, wires)
-    with open(a.out + ".md", "w") as f:
+    with open(a.out, "w") as f:
         f.write(f"# Where the paper's input-side gain comes from\n\n`python -m studies.paper_gain "
                 f"{' '.join(os.path.basename(c) for c in a.captures)} --out {a.out} --wires {a.wires}`\n\n" + md)
-    _figure(res, wires, a.out + ".png")
+    _figure(res, wires, str(sibling(a.out, ".png")))
     print(md)
     return 0
 
