@@ -36,7 +36,7 @@ import sys
 import numpy as np
 import scipy.linalg as sla
 
-from studies.paper_tables import DAMPING, _pool, _sides, chol, kind, load
+from studies.paper_tables import DAMPING, _pool, _sides, chol, kind, load, single_threaded_blas
 
 __all__ = ["predictors", "layer_ratio", "study", "main"]
 
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wires", default="e5m2/tensor,e4m3/256")
     a = p.parse_args(argv)
     wires = tuple(a.wires.split(","))
-    res = [study(c, wires) for c in a.captures]
+    with single_threaded_blas():
+        res = [study(c, wires) for c in a.captures]
     from studies.plotting import sibling
 
     with open(sibling(a.out, ".json"), "w") as f:

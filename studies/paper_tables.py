@@ -223,7 +223,24 @@ def _print(res: dict, info: dict, out=sys.stdout) -> None:
         print(f"- {wire}: " + "; ".join(cells), file=out)
 
 
+def single_threaded_blas():
+    """A context in which BLAS/LAPACK run one thread: these matrices (<= a few thousand wide) are
+    faster so, and a shared machine's idle-spinning BLAS threads cost several times the work."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with the torch/test extras
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    with single_threaded_blas():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.paper_tables", description=__doc__.split("\n")[0])
     p.add_argument("grads", help="a .npz capture of python -m studies.gradients")
     p.add_argument("--json", default=None, help="write the tables as JSON here")
