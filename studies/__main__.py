@@ -4,6 +4,9 @@ train         end-to-end data-parallel Llama training comparison (under mpiexec;
 train-compare the training comparison that decides the defaults (issue 36; torch)
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
+pretrained-gradients  the same capture from all-MiniLM-L6-v2 continued on the corpus (transformers)
+paper-tables  the GIFT paper's Tables I and II on a capture
+paper-gain    where the paper's input-side gain comes from: predictors, tokens per gradient
 sharded-gift  what aligning GIFT with FSDP's dim-0 shards costs (P = 2, 4, 8)
 errors        allreduce error growth against P for every algorithm
 mx-scale      error and bias of the MX scale rules (ceil vs OCP floor)
@@ -26,6 +29,9 @@ COMMANDS = {
     "train-compare": "studies.train_compare",
     "fidelity": "studies.fidelity",
     "gradients": "studies.gradients",
+    "pretrained-gradients": "studies.pretrained_gradients",
+    "paper-tables": "studies.paper_tables",
+    "paper-gain": "studies.paper_gain",
     "sharded-gift": "studies.sharded_gift",
     "errors": "studies.errors",
     "mx-scale": "studies.mx_scale",

@@ -1,9 +1,11 @@
 """Capture real data-parallel gradients and KFAC factors from the small Llama-style model.
 
 ``python -m studies.gradients [--config small] [--train-steps 120] [--capture-steps 3]
-[--ranks 4] [--batch 16] [--out PATH] [--capture-at 30,120,240]``
+[--ranks 4] [--batch 16] [--capture-batch N] [--out PATH] [--capture-at 30,120,240]``
 
-(``--capture-at``: several training phases of one run, one file each; see ``capture``.)
+(``--capture-at``: several training phases of one run, one file each; see ``capture``.
+``--capture-batch``: sequences per capture step, split over the ranks (default ``--batch``): more
+tokens per captured gradient without more training cost.)
 
 1. Train ``studies.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
    SwiGLU 688, tied embedding, ~5.3M parameters) with AdamW (lr 3e-3, warm-up 20 steps, weight
@@ -110,21 +112,26 @@ class _KfacHooks:
 
 def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 3, ranks: int = 4,
             batch: int = 16, lr: float = 3e-3, kfac_rows: int = 512, seed: int = 0,
-            out: str = DEFAULT_PATH, log=sys.stderr, capture_at: list[int] | None = None) -> str | list[str]:
+            out: str = DEFAULT_PATH, log=sys.stderr, capture_at: list[int] | None = None,
+            capture_batch: int | None = None) -> str | list[str]:
     """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path.
 
     ``capture_at`` (training phases, e.g. [30, 120, 240]): one training run whose cosine schedule
     spans ``max(capture_at)`` plus all capture steps; after each listed number of training steps
     (counting the earlier phases' capture steps, which also step the optimiser) the capture block
     runs and is saved to ``<out stem>-step<N>.npz`` (written as soon as it is taken, so a study can
-    start on it); returns the list of paths. ``train_steps`` is ignored then."""
+    start on it); returns the list of paths. ``train_steps`` is ignored then.
+
+    ``capture_batch`` (default ``batch``): sequences per capture step, ``capture_batch // ranks``
+    per rank; training steps keep ``batch``."""
     import torch
 
     from studies.workloads.corpus import load_corpus
     from studies.workloads.llama import CONFIGS, Llama
 
-    if batch % ranks:
-        raise ValueError(f"batch {batch} must be a multiple of ranks {ranks}")
+    capture_batch = batch if capture_batch is None else capture_batch
+    if capture_batch % ranks:
+        raise ValueError(f"capture batch {capture_batch} must be a multiple of ranks {ranks}")
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = CONFIGS[config]
@@ -144,8 +151,8 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     n = sum(p.numel() for _, p in params)
     losses, t0 = [], time.perf_counter()
 
-    def get_batch():
-        starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=batch)
+    def get_batch(size: int = batch):
+        starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=size)
         return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len))
 
     paths, done = [], 0
@@ -164,9 +171,9 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
                 print(f"train step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", file=log, flush=True)
         done = phase
         path = out if capture_at is None else f"{stem}-step{phase}.npz"
-        paths.append(_capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps, ranks, batch,
-                                    losses, t0, log, path, dict(
-                                        config=config, cfg=cfg, train_steps=phase, lr=lr, kfac_rows=kfac_rows,
+        paths.append(_capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps, ranks,
+                                    capture_batch, losses, t0, log, path, dict(
+                                        config=config, cfg=cfg, train_steps=phase, train_batch=batch, lr=lr, kfac_rows=kfac_rows,
                                         seed=seed, corpus=corpus.digest, schedule_steps=total_steps)))
     hooks.remove()
     return paths if capture_at is not None else paths[0]
@@ -184,7 +191,7 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
     grads = np.empty((capture_steps, ranks, n), np.float32)
     shard = batch // ranks
     for s in range(capture_steps):
-        tokens = get_batch()
+        tokens = get_batch(batch)
         mean = [torch.zeros_like(p) for _, p in params]
         for r in range(ranks):
             model.zero_grad(set_to_none=True)
@@ -209,7 +216,7 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
     cfg = meta["cfg"]
     info = {"config": meta["config"], "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
             "parameters": n, "train_steps": meta["train_steps"], "capture_steps": capture_steps, "ranks": ranks,
-            "batch": batch, "lr": meta["lr"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
+            "batch": batch, "train_batch": meta["train_batch"], "lr": meta["lr"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
             "corpus": meta["corpus"], "schedule_steps": meta["schedule_steps"],
             "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[max(0, first - 5):first])),
             "capture_losses": losses[first:], "seconds": time.perf_counter() - t0,
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture-steps", type=int, default=3)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--capture-batch", type=int, default=None,
+                   help="sequences per capture step, split over the ranks (default: --batch)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--kfac-rows", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     at = [int(x) for x in a.capture_at.split(",")] if a.capture_at else None
     path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out,
-                   capture_at=at)
+                   capture_at=at, capture_batch=a.capture_batch)
     print("\n".join(path) if isinstance(path, list) else path)
     return 0
 
