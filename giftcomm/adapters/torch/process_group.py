@@ -159,7 +159,7 @@ class GiftProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, inner: dist.ProcessGroup, host: Transport, options: CallOptions, policy: Policy) -> None:
-        super().__init__(inner.rank(), inner.size())
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]  # the (rank, size) overload
         self.inner, self.host, self.options, self.policy = inner, host, options, policy
         self._device: Transport | None = None
         self.counts = {"giftcomm": 0, "inner": 0}
@@ -196,7 +196,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         return getattr(self.inner, method)(*args)
 
     # ------------------------------------------------------------------ allreduce
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         opts = dist.AllreduceOptions() if opts is None else opts
         how = self.policy.reduction(opts.reduceOp)
         if how is None or len(tensors) != 1 or not self.policy.carries(tensors):
@@ -232,14 +232,14 @@ class GiftProcessGroup(dist.ProcessGroup):
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter([output], [input], opts, "reduce_scatter_single")
 
-    _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.13
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the name before torch 2.13
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter(outputs, inputs, opts, "reduce_scatter_single_coalesced")
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the name before torch 2.13
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # the name before torch 2.13
 
     def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                         method: str) -> Any:
@@ -275,17 +275,17 @@ class GiftProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-gather
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = dist.distributed_c10d.AllgatherOptions() if opts is None else opts
         return self._allgather([output], [input], opts, "all_gather_single")
 
     _allgather_base = all_gather_single  # the name before torch 2.13
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> Any:
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = dist.distributed_c10d.AllgatherOptions() if opts is None else opts
         return self._allgather(outputs, inputs, opts, "all_gather_single_coalesced")
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the name before torch 2.13
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # the name before torch 2.13
 
     def _allgather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any, method: str) -> Any:
         """Each input (n_i) gathered into its output (P x n_i, rank r's at chunk r): one giftcomm
