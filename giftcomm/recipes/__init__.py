@@ -1,0 +1,1 @@
+"""Ready-made configurations for training stacks (``giftcomm.recipes.torchtitan``)."""

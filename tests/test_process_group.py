@@ -1,0 +1,182 @@
+"""The giftcomm process group (giftcomm.adapters.torch.new_group), run for real over gloo at P = 2
+with torchrun-style spawned ranks: every compressed collective equals the reference simulation
+bit for bit on every rank; what the policy leaves alone equals the inner group's own result;
+bad input fails on every rank; DDP(process_group=pg) trains with it (no comm hook).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_torchrun import _spawn
+
+from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
+
+N = 3001  # a multiple of no block
+
+
+def _data(rank, n, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _collectives_worker(rank, world):
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    res: dict = {"rank": dist.get_rank(pg), "size": dist.get_world_size(pg), "backend": dist.get_backend(pg)}
+    x = _data(rank, N)
+    res["x"] = x.clone()
+    y = x.clone()
+    res["work_done"] = dist.all_reduce(y, group=pg, async_op=True).wait()
+    res["allreduce"] = y
+    y = x.clone()
+    dist.all_reduce(y, op=dist.ReduceOp.AVG, group=pg)
+    res["avg"] = y
+    y = x.clone()
+    dist.all_reduce(y, op=dist._make_nccl_premul_sum(0.25), group=pg)
+    res["premul"] = y
+    # reduce-scatter (equal layout) of a (P, n) stack, and a coalesced block of two
+    inp = _data(rank, 2 * 1500, seed=1)
+    out = torch.empty(1500)
+    dist.reduce_scatter_tensor(out, inp, group=pg)
+    res["rs_in"], res["rs"] = inp, out
+    a, b = x.clone(), _data(rank, 1200, seed=2)
+    res["coal_in"] = torch.cat([a, b])
+    with dist._coalescing_manager(pg, async_ops=True) as cm:
+        dist.all_reduce(a, group=pg)
+        dist.all_reduce(b, group=pg)
+    cm.wait()
+    res["coal"] = torch.cat([a, b])
+    i1, i2 = _data(rank, 2 * 700, seed=3), _data(rank, 2 * 900, seed=4)
+    o1, o2 = torch.empty(700), torch.empty(900)
+    with dist._coalescing_manager(pg):
+        dist.reduce_scatter_tensor(o1, i1, group=pg)
+        dist.reduce_scatter_tensor(o2, i2, group=pg)
+    res["rsc_in"], res["rsc"] = (i1, i2), (o1, o2)
+    gift_calls = pg.counts["giftcomm"]
+    # left to the inner group: ints, small tensors, MAX, broadcast, barrier, all-gather
+    ints = torch.arange(5000) * (rank + 1)
+    dist.all_reduce(ints, group=pg)
+    small = _data(rank, 999, seed=5)
+    dist.all_reduce(small, group=pg)
+    mx = x.clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=pg)
+    bc = x.clone()
+    dist.broadcast(bc, group_src=0, group=pg)
+    dist.barrier(group=pg)
+    gathered = torch.empty(2 * N)
+    dist.all_gather_into_tensor(gathered, x, group=pg)
+    res["plain"] = (ints, small, mx, bc, gathered)
+    res["gift_calls"] = (gift_calls, pg.counts["giftcomm"], pg.counts["inner"])
+    # bad input: a tensor factor PREMUL_SUM goes to gloo, which refuses it (on every rank)
+    try:
+        dist.all_reduce(x.clone(), op=dist._make_nccl_premul_sum(torch.tensor(0.5)), group=pg)
+        res["tensor_premul"] = None
+    except Exception as exc:  # noqa: BLE001
+        res["tensor_premul"] = type(exc).__name__
+    return res
+
+
+def test_collectives_match_the_reference_bit_for_bit(tmp_path):
+    import torch.distributed as dist
+
+    res = _spawn(_collectives_worker, 2, tmp_path)
+    xs = [r["x"].numpy() for r in res]
+    want = simulate_allreduce(xs, fmt="e4m3", algorithm="ring")
+    avg = simulate_allreduce(xs, fmt="e4m3", algorithm="ring", op="avg")
+    for r in range(2):
+        got = res[r]
+        assert (got["rank"], got["size"], got["backend"]) == (r, 2, "giftcomm")
+        assert got["work_done"] is True
+        np.testing.assert_array_equal(got["allreduce"].numpy(), want[r])
+        assert not np.array_equal(got["allreduce"].numpy(), xs[0] + xs[1])  # it really was compressed
+        np.testing.assert_array_equal(got["avg"].numpy(), avg[r])
+        np.testing.assert_array_equal(got["premul"].numpy(), want[r] * np.float32(0.25))
+        rs = simulate_reduce_scatter([x["rs_in"].numpy() for x in res], fmt="e4m3", layout="equal")
+        np.testing.assert_array_equal(got["rs"].numpy(), rs[r])
+        coal = simulate_allreduce([x["coal_in"].numpy() for x in res], fmt="e4m3", algorithm="ring")
+        np.testing.assert_array_equal(got["coal"].numpy(), coal[r])
+        # the coalesced reduce-scatter: each input's rank-r chunk, laid out rank by rank, in one call
+        rows = [np.concatenate([i.numpy().reshape(2, -1) for i in x["rsc_in"]], axis=1).reshape(-1) for x in res]
+        shard = simulate_reduce_scatter(rows, fmt="e4m3", layout="equal")[r]
+        np.testing.assert_array_equal(np.concatenate([o.numpy() for o in got["rsc"]]), shard)
+        assert got["gift_calls"][0] == 6 and got["gift_calls"][1] == 6  # nothing below went through giftcomm
+        ints, small, mx, bc, gathered = got["plain"]
+        assert torch.equal(ints, torch.arange(5000) * 3)
+        s = [_data(q, 999, seed=5) for q in range(2)]
+        assert torch.equal(small, s[0] + s[1])
+        assert torch.equal(mx, torch.maximum(res[0]["x"], res[1]["x"]))
+        assert torch.equal(bc, res[0]["x"]) and torch.equal(gathered, torch.cat([res[0]["x"], res[1]["x"]]))
+        assert got["tensor_premul"] is not None
+    assert dist.ReduceOp.PREMUL_SUM  # the op exists in this torch
+
+
+def _disagree_worker(rank, world):
+    from giftcomm.adapters.torch import new_group
+
+    try:
+        new_group(fmt="e4m3" if rank == 0 else "e5m2")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_disagreeing_on_options_all_raise(tmp_path):
+    res = _spawn(_disagree_worker, 2, tmp_path)
+    assert all(r is not None and "disagree" in r for r in res)
+
+
+def test_bad_options_raise_where_given():
+    from giftcomm.adapters.torch import Policy, new_group
+
+    with pytest.raises(ValueError, match="fmt|format"):
+        new_group(fmt="e9m9")
+    with pytest.raises(ValueError, match="min_elems"):
+        Policy(min_elems=0)
+    with pytest.raises(ValueError, match="ops"):
+        Policy(ops=("max",))
+
+
+def _ddp_worker(rank, world, gift):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from giftcomm.adapters.torch import new_group
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 32))
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=4096) if gift else None
+    ddp = DDP(model, process_group=pg, bucket_cap_mb=0.05)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads, losses = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+        losses.append(loss.item())
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"grads": grads, "losses": losses, "params": params,
+            "counts": dict(pg.counts) if gift else None, "backend": dist.get_backend(ddp.process_group)}
+
+
+def test_ddp_trains_through_the_group_without_a_hook(tmp_path):
+    gift = _spawn(_ddp_worker, 2, tmp_path, True)
+    (tmp_path / "plain").mkdir()
+    plain = _spawn(_ddp_worker, 2, tmp_path / "plain", False)
+    assert gift[0]["backend"] == "giftcomm" and gift[0]["counts"]["giftcomm"] >= 3
+    torch.testing.assert_close(gift[0]["params"], gift[1]["params"], rtol=0, atol=0)  # replicas agree bit for bit
+    for step in range(3):
+        g, p = gift[0]["grads"][step], plain[0]["grads"][step]
+        assert torch.equal(g, gift[1]["grads"][step])
+        # e4m3 with per-256-block scales: each value within 2**-3 of its block's max (two ranks' sum)
+        assert (g - p).abs().max() <= 0.125 * p.abs().max()
+        assert not torch.equal(g, p)
+    assert abs(gift[0]["losses"][-1] - plain[0]["losses"][-1]) < 0.05
