@@ -181,7 +181,7 @@ def mesh2d_cases() -> None:
         for j in range(4):
             ok_t &= same_bits(np.moveaxis(tiled[i, j], 1, 0).reshape(-1), wt[j])
             ok_u &= same_bits(untiled[i, j].reshape(-1), wu[j])
-            ok_t &= bool(np.allclose(tiled[i, j], lt[i, j], rtol=0.1, atol=0.3))
+            ok_t &= bool(np.allclose(tiled[i, j], lt[i, j], rtol=0.1, atol=0.5))
     record("2d/psum_scatter tiled", ok_t, f"shapes {tiled.shape} vs lax {lt.shape}")
     record("2d/psum_scatter untiled", ok_u, f"shapes {untiled.shape} vs lax {lu.shape}")
 
