@@ -67,7 +67,9 @@ def _exact(product: jax.Array, scale: jax.Array) -> jax.Array:
     multiply with an add that uses it into one fused multiply-add (rounded once, not twice as
     the reference does): XLA:CPU does, and removes optimisation barriers before codegen. The
     select is an identity (a NaN scale makes a NaN product anyway)."""
-    return jnp.where(jnp.isnan(scale), jnp.float32(jnp.nan), product)
+    bits = jax.lax.bitcast_convert_type(product, _U32)
+    bits = jnp.where(jnp.isnan(scale), _U32(0x7FC00001), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _mulhilo(a: int, b: Any) -> tuple[Any, Any]:
