@@ -71,3 +71,39 @@ def test_bad_models_and_options_raise_at_once():
         t.run(lambda tr: ShardedGradSync(_model(), comm=tr, algorithm="doubling"))
     with pytest.raises(ValueError, match="ShardedGradSync"):
         t.run(lambda tr: ShardedGradSync(_model(), comm=tr, fmt="nope"))
+
+
+def _gather_with_one_bad_rank(t, bad_rank):
+    """gather_params where rank ``bad_rank`` passes a 2-D shard: (exception type name, message, seconds)."""
+    import time
+
+    sync = ShardedGradSync(_model(), comm=t, fmt="e4m3", timeout=20.0)
+    shard = sync.param_shard()
+    if t.rank == bad_rank:
+        shard = shard.reshape(1, -1)  # the right number of values, the wrong shape
+    t0 = time.perf_counter()
+    try:
+        sync.gather_params(shard)
+    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return None, "", time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_gather_params_with_a_bad_shard_on_one_rank_raises_on_every_rank_at_once(p):
+    got = gc.LoopbackGroup(p).run(lambda t: _gather_with_one_bad_rank(t, p - 1))
+    assert [g[0] for g in got] == ["ValueError"] * p, got
+    assert "got (1, " in got[p - 1][1] and all("another rank" in g[1] for g in got[: p - 1]), got
+    assert all(g[2] < 10.0 for g in got), got  # well inside the 20 s deadline: nobody waited it out
+
+
+@pytest.mark.mpi
+@pytest.mark.multirank
+def test_gather_params_with_a_bad_shard_on_one_rank_raises_on_every_rank_under_mpi():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    kind, msg, secs = _gather_with_one_bad_rank(gc.transport.resolve(comm), comm.size - 1)
+    every = comm.allgather((kind, secs))
+    assert [k for k, _ in every] == ["ValueError"] * comm.size, every
+    assert max(s for _, s in every) < 10.0, every

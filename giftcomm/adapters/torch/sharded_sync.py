@@ -150,12 +150,18 @@ class ShardedGradSync:
     def gather_params(self, shard: torch.Tensor) -> None:
         """Collective: every rank's updated parameter shard (``(hi - lo,)``) gathered exactly
         (fp32 wire: raw values) and written into the parameters, cast to their dtype."""
-        if tuple(shard.shape) != (self.hi - self.lo,):
-            raise ValueError(f"ShardedGradSync.gather_params: shard must have shape ({self.hi - self.lo},), "
-                             f"got {tuple(shard.shape)}")
-        full = api.allgather(shard.detach().to(torch.float32).contiguous(), comm=self.comm, fmt="fp32",
-                             timeout=self.options.timeout)
+        want = self.hi - self.lo  # >= 1 on every rank (the padded length is a multiple of P)
+        good = tuple(shard.shape) == (want,)
+        # A bad shard still takes part in the allgather, as an empty one: every rank then sees a
+        # short total and raises the same ValueError, instead of its peers waiting out the deadline.
+        send = shard.detach().to(torch.float32).contiguous() if good else torch.zeros(0, device=self.buffer.device)
+        full = api.allgather(send, comm=self.comm, fmt="fp32", timeout=self.options.timeout)
         self._tally.add(self.comm)
+        if not good:
+            raise ValueError(f"ShardedGradSync.gather_params: shard must have shape ({want},), got {tuple(shard.shape)}")
+        if full.numel() != self.buffer.numel():
+            raise ValueError("ShardedGradSync.gather_params: another rank passed a shard of the wrong shape "
+                             f"({full.numel()} values gathered, {self.buffer.numel()} expected)")
         off = 0
         with torch.no_grad():
             for _, p in self.params:
