@@ -80,7 +80,8 @@ def codec_cases() -> None:
     for (name, f, _r), g, m, b in zip(cases, got, refs, back):
         d0 = ref_codec.decode(m, n, f)
         record(f"codec/{name}", same_bits(g, m) and same_bits(b, d0),
-               f"bytes differ: {int(np.sum(np.asarray(g) != m))}, values differ: {int(np.sum(np.asarray(b).view(np.uint32) != d0.view(np.uint32)))}")
+               f"bytes differ: {int(np.sum(np.asarray(g) != m))}, "
+               f"values differ: {int(np.sum(np.asarray(b).view(np.uint32) != d0.view(np.uint32)))}")
 
 
 def tree_input(p: int, odd: int):
@@ -214,7 +215,8 @@ def error_cases() -> None:
                                     ["int32"]))
     record("error/tiled", raises(lambda v: gj.psum_scatter(v, "d", scatter_dimension=1, tiled=True, fmt="e4m3")[:, :1],
                                  jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=sh), ValueError, ["divisible", "2"]))
-    record("error/untiled", raises(lambda v: gj.psum_scatter(v, "d"), jax.ShapeDtypeStruct((6, 6), jnp.float32, sharding=sh), ValueError, ["equal to the axis size"]))
+    f33 = jax.ShapeDtypeStruct((6, 6), jnp.float32, sharding=sh)
+    record("error/untiled", raises(lambda v: gj.psum_scatter(v, "d"), f33, ValueError, ["equal to the axis size"]))
     record("error/algorithm", raises(lambda v: gj.psum(v, "d", algorithm="doubling"), f32, ValueError, ["inside jit"]))
     record("error/seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic"), f32, ValueError, ["seed"]))
     record("error/format", raises(lambda v: gj.psum(v, "d", fmt="e3m4"), f32, ValueError, ["unknown format"]))

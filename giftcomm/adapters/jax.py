@@ -32,7 +32,8 @@ from ..options import DEFAULT_DAMPING, CallOptions
 from .calls import call_kwargs
 from .jax_jit import pmean, psum, psum_scatter
 
-__all__ = ["psum", "pmean", "psum_scatter", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
+__all__ = ["psum", "pmean", "psum_scatter",
+           "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
            "on_gpu"]
 
 
