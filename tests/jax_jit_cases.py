@@ -215,8 +215,8 @@ def error_cases() -> None:
                                     ["int32"]))
     record("error/tiled", raises(lambda v: gj.psum_scatter(v, "d", scatter_dimension=1, tiled=True, fmt="e4m3")[:, :1],
                                  jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=sh), ValueError, ["divisible", "2"]))
-    record("error/untiled", raises(lambda v: gj.psum_scatter(v, "d"), jax.ShapeDtypeStruct((6, 6), jnp.float32, sharding=sh),
-                                   ValueError, ["equal to the axis size"]))
+    f33 = jax.ShapeDtypeStruct((6, 6), jnp.float32, sharding=sh)
+    record("error/untiled", raises(lambda v: gj.psum_scatter(v, "d"), f33, ValueError, ["equal to the axis size"]))
     record("error/algorithm", raises(lambda v: gj.psum(v, "d", algorithm="doubling"), f32, ValueError, ["inside jit"]))
     record("error/seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic"), f32, ValueError, ["seed"]))
     record("error/format", raises(lambda v: gj.psum(v, "d", fmt="e3m4"), f32, ValueError, ["unknown format"]))

@@ -31,12 +31,7 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-GROUPS = ["codec/", "P1/", "P2/", "P3/", "P4/", "P5/", "P6/", "P7/", "P8/", "2d/pmean", "2d/psum_scatter untiled",
-          "hlo/", "error/"]
-#: known open bug (reported at hand-off): on the 2x4 mesh, psum over the axis tuple ("x", "y")
-#: and the ring psum_scatter with chunks shorter than a block differ from the reference in some
-#: blocks (by one rounding: the results stay within the format's error of lax's)
-OPEN = ["2d/psum(x,y)", "2d/psum_scatter tiled"]
+GROUPS = ["codec/", "P1/", "P2/", "P3/", "P4/", "P5/", "P6/", "P7/", "P8/", "2d/", "hlo/", "error/"]
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -46,9 +41,3 @@ def test_jit_path(results, group):
     failed = {k: v[1] for k, v in cases.items() if not v[0]}
     assert not failed, failed
 
-
-@pytest.mark.xfail(reason="open bug: 2-D mesh tuple-axis psum / short-chunk ring psum_scatter differ from the "
-                          "reference in some blocks (see the module's OPEN)", strict=False)
-@pytest.mark.parametrize("case", OPEN)
-def test_jit_path_open(results, case):
-    assert results[case][0], results[case][1]

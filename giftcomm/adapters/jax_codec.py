@@ -62,13 +62,14 @@ def divisor(c: float, like: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.full(like.shape, c, jnp.float32))
 
 
-def _exact(product: jax.Array, scale: jax.Array) -> jax.Array:
-    """``product`` (= values * scale) behind a select, so that the compiler cannot contract the
-    multiply with an add that uses it into one fused multiply-add (rounded once, not twice as
-    the reference does): XLA:CPU does, and removes optimisation barriers before codegen. The
-    select is an identity (a NaN scale makes a NaN product anyway)."""
+def _exact(product: jax.Array) -> jax.Array:
+    """``product`` (a multiply's result) behind an element-wise integer select, so that the
+    compiler cannot contract the multiply with an add that uses it into one fused multiply-add
+    (rounded once, not twice as the reference does): XLA:CPU does, and removes optimisation
+    barriers before code generation. The select is an identity in practice: it swaps the NaN
+    pattern 0xFFFFFFFF, which no decode produces, for another NaN."""
     bits = jax.lax.bitcast_convert_type(product, _U32)
-    bits = jnp.where(jnp.isnan(scale), _U32(0x7FC00001), bits)
+    bits = jnp.where(bits == _U32(0xFFFFFFFF), _U32(0x7FC00001), bits)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
@@ -285,8 +286,7 @@ def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: in
         values = _values(message[:count], f.wire_dtype.name)
     if f.scale_kind == "f32":
         scales = jax.lax.bitcast_convert_type(message[off : off + 4 * nb].reshape(nb, 4), jnp.float32)
-        per = _per_value(scales, block, count)
-        return _exact(values * per, per)
+        return _exact(values * _per_value(scales, block, count))
     sc = message[off : off + nb]
     if f.scale_kind == "e8m0":
         s = _values(sc, "float8_e8m0fnu")
@@ -296,7 +296,7 @@ def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: in
         s2 = jax.lax.bitcast_convert_type(message[goff : goff + 4 * num_groups(count)].reshape(-1, 4), jnp.float32)
         s = _values(sc, "float8_e4m3fn") * s2[np.arange(nb) // (NVFP4_GROUP // block)]
         bad = (sc & 0x7F) == 0x7F
-    values = values * _per_value(s, block, count)
+    values = _exact(values * _per_value(s, block, count))
     return jnp.where(_per_value(bad, block, count), jnp.float32(jnp.nan), values)
 
 
