@@ -74,7 +74,7 @@ def gift_allreduce(
     """
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    t = t.enter_call()  # a release on another thread lets the same calls in on every rank
+    t = t.enter_call(t is not comm)  # a release on another thread lets the same calls in on every rank
     try:
         if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
             return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
@@ -130,7 +130,7 @@ def allreduce(
     """
     t = resolve(comm, device=type(x) is not np.ndarray and is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    t = t.enter_call()  # a release on another thread lets the same calls in on every rank (docs/robustness.md)
+    t = t.enter_call(t is not comm)  # a release on another thread lets the same calls in on every rank (docs/robustness.md)
     try:
         return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
     finally:
@@ -169,7 +169,7 @@ def reduce_scatter(
     t = resolve(comm, device=is_device_array(x))
     opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
     kind, opts = engine.scatter_kind(layout, opts)
-    t = t.enter_call()
+    t = t.enter_call(t is not comm)
     try:
         return plan_cache.collective(t, kind, x, out, opts, fmt is not DEFAULT_FMT)
     finally:
@@ -197,7 +197,7 @@ def allgather(
     """
     t = resolve(comm, device=is_device_array(shard))
     opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum", mx_scale)
-    t = t.enter_call()
+    t = t.enter_call(t is not comm)
     try:
         return plan_cache.collective(t, engine.ALLGATHER, shard, out, opts)
     finally:

@@ -182,20 +182,21 @@ class Transport(ABC):
                 g = self._gate
         return g
 
-    def enter_call(self) -> "Transport":
+    def enter_call(self, renew: bool = True) -> "Transport":
         """Admit one public call (pair with :meth:`exit_call` on the transport returned): this
-        transport, or, when a release replaced it while the call waited (:class:`CallGate`), the
-        communicator's new one (:meth:`renewed`); CommClosed when there is none, CommTimeout when
-        a release does not let the call in within the deadline."""
+        transport, or, when a release replaced it (:class:`CallGate`) and ``renew`` (the call
+        named a communicator, not this Transport object), the communicator's new one
+        (:meth:`renewed`); CommClosed when there is none or not ``renew``, CommTimeout when a
+        release does not let the call in within the deadline."""
         g = self._gate or self.gate()
         with g.cond:
             if not (g.releasing or g.replaced):  # the common case: a counter and a lock
                 g.started += 1
                 g.inflight += 1
                 return self
-        return self._enter_slow(g)
+        return self._enter_slow(g, renew)
 
-    def _enter_slow(self, g: CallGate) -> "Transport":
+    def _enter_slow(self, g: CallGate, renew: bool) -> "Transport":
         import time
 
         limit = self.timeout
@@ -211,7 +212,7 @@ class Transport(ABC):
                 g.started += 1
                 g.inflight += 1
                 return self
-        succ = self.renewed()
+        succ = self.renewed() if renew else None
         if succ is None or succ is self:
             raise CommClosed(self._closed or "giftcomm: this transport was released (giftcomm.release)")
         return succ.enter_call()
