@@ -6,7 +6,7 @@ and ``summary`` (see docs/geometry.md).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,11 @@ def rank_choice(rank, name: str, m: int, n: int) -> tuple[SideChoice, SideChoice
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
         raise ValueError(f"rank must be None, an int >= 1, a (k_out, k_in) pair or a mapping, got {r!r}")
     return min(int(r), m), min(int(r), n)
+
+
+PRESET_BUILDERS: dict[str, Callable[..., Geometry]] = {}
+"""Geometry.preset's table: name -> builder(layout, factors, options, **fields). A preset's own
+module registers its row (giftcomm.geometry.paper registers "paper"), so this module imports none."""
 
 
 class Geometry:
@@ -237,11 +242,10 @@ class Geometry:
         approximation of A, damping 1e-3 absolute); factors: name -> A (or (A, G), G ignored);
         options: :class:`~giftcomm.geometry.paper.PaperOptions` fields (rank, damping, factor,
         names, ...) or ``options=`` a PaperOptions. ValueError for an unknown name."""
-        from .paper import PRESETS, paper_geometry
-
-        if name not in PRESETS:
-            raise ValueError(f"unknown geometry preset {name!r}; known: {PRESETS}")
-        return paper_geometry(layout, factors, options.pop("options", None), **options)
+        build = PRESET_BUILDERS.get(name)
+        if build is None:
+            raise ValueError(f"unknown geometry preset {name!r}; known: {tuple(PRESET_BUILDERS)}")
+        return build(layout, factors, options.pop("options", None), **options)
 
     @classmethod
     def hadamard(cls, layout, seed: int = 0, min_size: int = 0, names: Sequence[str] | None = None) -> Geometry:

@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from ..formats import Format, get_format
-from .geometry import Geometry
+from .geometry import PRESET_BUILDERS, Geometry
 from .layout import Layout, as_layout
 from .sides import DenseSide, IdentitySide, Side
 from .transform import SegmentTransform, identity_transform
@@ -248,10 +248,10 @@ def paper_sharded(layout, factors: Mapping, shards: int, options: PaperOptions |
     """The paper's geometry for a dim-0 sharded buffer (FSDP2): a ShardedGeometry whose shard
     ``r`` applies the same input-side map to its own rows only (the map acts row by row, so no
     shard needs another's rows); padding rows pass through (the map of a zero row is zero)."""
-    from .sharded import ShardedGeometry, _check_shards, shard_layout
+    from .sharded import ShardedGeometry, check_shards, shard_layout
 
     o = PaperOptions.of(options, **overrides)
-    layout, shards = as_layout(layout), _check_shards(shards)
+    layout, shards = as_layout(layout), check_shards(shards)
     full = paper_geometry(layout, factors, o)
     rows = [shard_layout(layout, shards, r) for r in range(shards)]
     per = []
@@ -499,3 +499,6 @@ def select_saturated(scores: Mapping[str, float], top_n: int | None = None,
     if threshold is not None:
         order = [n for n in order if scores[n] >= threshold]
     return tuple(order)
+
+
+PRESET_BUILDERS["paper"] = paper_geometry  # Geometry.preset("paper", ...)

@@ -48,7 +48,7 @@ def row_chunks(m: int, shards: int) -> list[tuple[int, int]]:
     return [(min(r * c, m), min((r + 1) * c, m)) for r in range(shards)]
 
 
-def _check_shards(shards: Any) -> int:
+def check_shards(shards: Any) -> int:
     if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
         raise ValueError(f"shards must be a positive int (the number of ranks), got {shards!r}")
     return int(shards)
@@ -59,7 +59,7 @@ def shard_layout(layout, shards: int, rank: int) -> Layout:
     chunk, shape ``(ceil(m / shards), *shape[1:])``, in the layout's order. ValueError for a 0-d
     segment (FSDP2 shards along dim 0)."""
     layout = as_layout(layout)
-    shards = _check_shards(shards)
+    shards = check_shards(shards)
     if not 0 <= rank < shards:
         raise ValueError(f"rank {rank} is not in [0, {shards})")
     for seg in layout:
@@ -137,7 +137,7 @@ class ShardedGeometry:
     """
 
     def __init__(self, layout: Layout, shards: int, per_shard: list[Geometry], full: Geometry) -> None:
-        self.layout, self.shards = as_layout(layout), _check_shards(shards)
+        self.layout, self.shards = as_layout(layout), check_shards(shards)
         if len(per_shard) != self.shards:
             raise ValueError(f"need {self.shards} shard geometries, got {len(per_shard)}")
         self._shards, self._full = list(per_shard), full
@@ -187,7 +187,7 @@ class ShardedGeometry:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def identity(cls, layout, shards: int) -> ShardedGeometry:
-        layout, shards = as_layout(layout), _check_shards(shards)
+        layout, shards = as_layout(layout), check_shards(shards)
         return cls(layout, shards, [Geometry.identity(shard_layout(layout, shards, r)) for r in range(shards)],
                    Geometry.identity(layout))
 
@@ -198,7 +198,7 @@ class ShardedGeometry:
         :meth:`Geometry.from_kfac` (matrix, 1-D diagonal or Spectrum); ``rank`` (None, k,
         (k_out, k_in) or a mapping) applies to the side that is not sharded. Segments without
         factors get the identity. ValueError for sizes that do not match the layout."""
-        layout, shards, damping = as_layout(layout), _check_shards(shards), check_damping(damping)
+        layout, shards, damping = as_layout(layout), check_shards(shards), check_damping(damping)
         rows = [shard_layout(layout, shards, r) for r in range(shards)]
         per: list[list[SegmentTransform]] = [[] for _ in range(shards)]
         full: list[SegmentTransform] = []

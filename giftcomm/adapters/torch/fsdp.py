@@ -82,7 +82,7 @@ def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _members_transport(group: dist.ProcessGroup) -> Transport:
+def members_transport(group: dist.ProcessGroup) -> Transport:
     """The host transport over ``group``'s members: a TorchDistTransport whose private gloo group
     only the members create (collective over ``group`` alone, so each HSDP shard group makes
     its own while the others make theirs)."""
@@ -300,7 +300,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
         host = self._host.get(group)
         if host is None:
-            host = self._host[group] = _members_transport(group)
+            host = self._host[group] = members_transport(group)
         if x.device.type != "cuda":
             return host
         dev = self._device.get(group)

@@ -348,9 +348,9 @@ def _create(backend_opts: Any, spec: Any) -> GiftProcessGroup:
         raise ValueError("the giftcomm backend is created by giftcomm.adapters.torch.new_group(...) "
                          "(dist.init_process_group/new_group(backend='giftcomm') alone lacks its inner group "
                          "and options)")
-    from .fsdp import _members_transport
+    from .fsdp import members_transport
 
-    host = _members_transport(spec.inner)
+    host = members_transport(spec.inner)
     mine = (spec.options, spec.policy, dist.get_backend(spec.inner))
     every = host.allgather_object(mine)
     differ = [r for r, x in enumerate(every) if x != mine]
