@@ -372,7 +372,8 @@ _register()
 def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None, timeout: Any = None,
               policy: Policy | None = None, min_elems: int | None = None, allgather: bool | None = None,
               **options: Any) -> Any:
-    """A giftcomm process group over ``ranks`` (None: every rank), collective like
+    """A giftcomm process group over ``ranks`` (None or every rank: a subset raises
+    NotImplementedError on every rank), collective like
     ``dist.new_group``: every rank of the default group calls it, with the same arguments.
 
     backend: the inner group's ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...; None: the default
@@ -398,6 +399,11 @@ def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None,
         raise ValueError("new_group: give policy= or min_elems/allgather, not both")
     if not isinstance(policy, Policy):
         raise TypeError(f"new_group: policy must be a giftcomm Policy, got {type(policy).__name__}")
+    if ranks is not None and sorted(ranks) != list(range(dist.get_world_size())):
+        # every rank calls new_group with the same ranks, so every rank raises here: a group over
+        # some ranks left the next dist.new_group waiting (the members' private gloo group)
+        raise NotImplementedError(f"new_group: a giftcomm group over some of the ranks ({sorted(ranks)}) is not "
+                                  f"supported yet; give ranks=None (all {dist.get_world_size()} ranks)")
     extra = {} if timeout is None else {"timeout": timeout}
     inner = dist.new_group(ranks=None if ranks is None else list(ranks), backend=backend, **extra)
     if inner == dist.GroupMember.NON_GROUP_MEMBER:
