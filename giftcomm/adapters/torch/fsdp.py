@@ -98,9 +98,10 @@ def members_transport(group: dist.ProcessGroup) -> Transport:
 
 
 @contextlib.contextmanager
-def _on_current_stream(t: torch.Tensor) -> Iterator[None]:
+def on_current_stream(t: torch.Tensor) -> Iterator[None]:
     """For a CUDA tensor: CuPy on torch's current stream (FSDP's reduce-scatter stream in the
-    call), so giftcomm's kernels and NCCL run in FSDP's order; nothing for a CPU tensor."""
+    call, the caller's stream for the giftcomm process group), so giftcomm's kernels and NCCL run
+    in the caller's order; nothing for a CPU tensor."""
     if t.device.type != "cuda":
         yield
         return
@@ -232,7 +233,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
                                   slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
                                   timeout=opts.timeout, layout="equal", allow_native=opts.allow_native)
-        with _on_current_stream(input_tensor):
+        with on_current_stream(input_tensor):
             if geo is None:
                 self._plain(input_tensor, output_tensor, transport, how, kw)
             else:

@@ -50,8 +50,7 @@ transfers are queued on torch's current stream, the stream the caller issued it 
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +60,7 @@ import torch.distributed as dist
 from ... import api
 from ...options import CallOptions
 from ...transport import Transport
+from .fsdp import members_transport, on_current_stream
 
 __all__ = ["Policy", "GiftProcessGroup", "new_group", "BACKEND"]
 
@@ -119,20 +119,6 @@ class Policy:
         if t0.dtype not in _FLOATS or any(t.dtype != t0.dtype or t.device != t0.device for t in tensors):
             return False
         return sum(int(t.numel()) for t in tensors) >= self.min_elems
-
-
-@contextlib.contextmanager
-def _on_current_stream(t: torch.Tensor) -> Iterator[None]:
-    """For a CUDA tensor: CuPy on torch's current stream (giftcomm's kernels and NCCL then run
-    in the caller's stream order); nothing for a CPU tensor."""
-    if t.device.type != "cuda":
-        yield
-        return
-    import cupy
-
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
-        yield
 
 
 def _done(tensors: list[torch.Tensor]) -> Any:
@@ -215,7 +201,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         flats = [_flat(t) for t in tensors]
         buf = flats[0] if len(flats) == 1 else torch.cat(flats)
         o = self.options
-        with _on_current_stream(buf):
+        with on_current_stream(buf):
             api.allreduce(buf, op=how, out=buf, algorithm=o.algorithm, allow_native=o.allow_native, **self._kw(buf))
             if factor is not None:
                 buf.mul_(factor)
@@ -259,7 +245,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         outs = [_flat(o) for o in outputs]
         single = len(outs) == 1
         o = self.options
-        with _on_current_stream(src):
+        with on_current_stream(src):
             algorithm = o.algorithm if o.algorithm in ("ring", "direct", "native", "auto") else "auto"
             shard = api.reduce_scatter(src, op=op, out=outs[0] if single else None, layout="equal",
                                        algorithm=algorithm, allow_native=o.allow_native, **self._kw(src))
@@ -300,7 +286,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         flats = [_flat(i) for i in inputs]
         src = flats[0] if len(flats) == 1 else torch.cat(flats)
         outs = [_flat(o) for o in outputs]
-        with _on_current_stream(src):
+        with on_current_stream(src):
             kw = self._kw(src)
             if len(outs) == 1:
                 api.allgather(src, out=outs[0], **kw)
@@ -348,8 +334,6 @@ def _create(backend_opts: Any, spec: Any) -> GiftProcessGroup:
         raise ValueError("the giftcomm backend is created by giftcomm.adapters.torch.new_group(...) "
                          "(dist.init_process_group/new_group(backend='giftcomm') alone lacks its inner group "
                          "and options)")
-    from .fsdp import members_transport
-
     host = members_transport(spec.inner)
     mine = (spec.options, spec.policy, dist.get_backend(spec.inner))
     every = host.allgather_object(mine)
