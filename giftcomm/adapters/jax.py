@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import api
+from ..accounting import Tally
 from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
 from ..options import DEFAULT_DAMPING, CallOptions
 from .calls import call_kwargs
 from .jax_jit import pmean, psum, psum_scatter
 
-__all__ = ["psum", "pmean", "psum_scatter",
-           "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp", "unflatten_tree", "allreduce_tree", "TreeSync",
-           "on_gpu"]
+__all__ = ["psum", "pmean", "psum_scatter", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp",
+           "unflatten_tree", "allreduce_tree", "TreeSync", "on_gpu"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ class TreeSync:
         if policy is not None and not isinstance(policy, SelectivePolicy):
             raise TypeError(f"TreeSync: policy must be a SelectivePolicy, got {type(policy).__name__}")
         self.comm = comm
+        self._tally = Tally()  # what stats() reports
         self.estimate_every, self.refresh_every = int(estimate_every), int(refresh_every)
         self.policy, self.damping, self.decay = policy or SelectivePolicy(), float(damping), decay
         self.device = device
@@ -174,6 +175,11 @@ class TreeSync:
         self.calls = 0
         self.seconds = 0.0
 
+    def stats(self) -> dict[str, Any]:
+        """What this rank sent in this TreeSync's allreduces: the dict of :func:`giftcomm.stats`
+        (calls, bytes_sent per format or "native", algorithms, fallbacks; docs/api.md, "What was sent")."""
+        return self._tally.as_dict()
+
     def __call__(self, tree):
         """Collective: the reduced pytree (as ``allreduce_tree`` with the current geometry)."""
         flat, spec = _flatten(tree, self.device)
@@ -182,6 +188,7 @@ class TreeSync:
             self.estimator = GradientFactorEstimator(spec.layout, decay=self.decay)
         assert self.estimator is not None
         out = api.gift_allreduce(flat, self.geometry, comm=self.comm, **call_kwargs(self.options, self.calls))
+        self._tally.add(self.comm)
         t0 = time.perf_counter()
         if self.calls % self.estimate_every == 0:
             self.estimator.update(np.asarray(out))  # a host copy for GPU arrays, estimator steps only
