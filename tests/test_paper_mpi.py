@@ -43,6 +43,7 @@ def test_paper_map_identical_on_every_rank():
 
 
 @pytest.mark.mpi
+@pytest.mark.multirank  # ranks that differ: needs P >= 2
 def test_paper_refresh_errors_on_every_rank():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
