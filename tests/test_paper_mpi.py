@@ -67,4 +67,6 @@ def test_baseline_wire_live_matches_simulation(wire):
     got = baseline_allreduce(xs[rank], wire, comm=comm, op="avg")
     np.testing.assert_array_equal(got, simulate_allreduce(xs, wire, op="avg")[rank])
     same = comm.allgather(got.tobytes())
-    assert all(s == same[0] for s in same) == wire.endswith("nccl")
+    # the "local" wire's ranks decode with their own scales, so they disagree once there are two
+    agree = all(s == same[0] for s in same)
+    assert agree == (wire.endswith("nccl") or comm.Get_size() == 1)
