@@ -214,7 +214,8 @@ def _pool(stats: list[tuple[float, float, float, float]]) -> dict:
 def tables(grads: dict, facs: dict, wires: tuple[str, ...] = WIRES, damping: float = DAMPING,
            factor: str = "cholesky") -> dict:
     """Both tables, pooled, per kind and per layer (the JSON of the module doc, without info)."""
-    per = {nm: layer_errors(grads[nm], *facs[nm], wires=wires, damping=damping, factor=factor) for nm in grads}
+    per = {nm: layer_errors(grads[nm], facs[nm][0], facs[nm][1], wires=wires, damping=damping, factor=factor)
+           for nm in grads}
     kinds = sorted({kind(nm) for nm in per})
     res: dict = {"table1": {}, "table2": {}, "per_kind": {"table1": {}, "table2": {}}, "per_layer": {}}
     for table in ("table1", "table2"):
