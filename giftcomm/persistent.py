@@ -142,7 +142,8 @@ class AllreducePlan(_ChannelCalls):
         self._stochastic = call.seed is not None
         self._acc = accumulation_dtype(planning.flat_values(call).dtype)
         self._header = np.zeros(WORDS, np.int64)
-        self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device
+        # the one-shot message carries the check words: not with a geometry (transforms around the sum)
+        self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device and job.geometry is None
         self._zeros = call.xp.zeros(call.arr.size, self._acc)  # what a failing rank sends
         self._owner = t.state  # the transport's state this plan belongs to: closed with it (CommClosed)
         self._state = self._owner if channel else None
@@ -349,17 +350,26 @@ def plan_allreduce(
     timeout: float | None = None,
     mx_scale: str = "ceil",
     allow_native: bool = True,
+    geometry: Any = None,
 ) -> AllreducePlan:
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
     :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the plain call's choice
     (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which). With
     ``rounding="stochastic"`` every call passes its own ``seed=``.
-    Raises on every rank as :func:`giftcomm.allreduce` does."""
+
+    geometry: None, or a geometry as :func:`giftcomm.gift_allreduce` takes it (e.g.
+    ``Geometry.preset("paper", layout, factors)``): every call is then that call,
+    ``inverse(sum(forward(x)))``, bit-identical to ``gift_allreduce(x, geometry, ...)`` with the
+    same arguments and the algorithm the plan chose; the ranks agree on its fingerprint when the
+    plan is made (a rank with another geometry raises on every rank), and the plan word carries
+    it. A word (``geometry="paper"``) is a ValueError on every rank: a flat buffer has no layer
+    structure to build a map from. Such a plan checks each call with one small gather (no
+    node-shared channel fast path). Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
     opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
                                timeout, op, mx_scale, allow_native)
     with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, None, local_size)
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, geometry, local_size)
         return plan_of(t, job)
 
 
@@ -368,12 +378,15 @@ def plan_of(t: Transport, job: engine.Job, cached: bool = False) -> AllreducePla
     after the same agreement). ``cached``: a plain call's plan (giftcomm.plan_cache), whose
     word carries :data:`~giftcomm.transport.channel.CACHED`."""
     call, chosen = job.call, job.algorithm
-    assert chosen is not None and job.geometry is None
+    assert chosen is not None and (job.geometry is None or not cached)
     # the same word on every rank: the agreed signature and the plan's number on this transport
     # (plans are made collectively, so every rank counts them alike)
     t.state.plans += 1
     word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
-    return AllreducePlan(t, job, word | (CACHED if cached else 0), _channel(t, call, chosen), cached)
+    # a geometry's plan: its calls run engine.run_allreduce (the transforms around the agreed
+    # algorithm, as gift_allreduce), checked by one small gather, never through the channel
+    channel = job.geometry is None and _channel(t, call, chosen)
+    return AllreducePlan(t, job, word | (CACHED if cached else 0), channel, cached)
 
 
 def able(t: Transport, device: bool) -> bool:

@@ -1,7 +1,7 @@
 """The GIFT paper's Tables I and II on a gradient capture of ``studies.gradients``.
 
 ``python -m studies.paper_tables GRADS.npz [--json OUT] [--factors ema|capture] [--shards K]
-[--wires e5m2/tensor,e4m3/256,mxfp8,nvfp4]``
+[--wires e5m2/tensor,e4m3/256,mxfp8,nvfp4] [--factor cholesky|symmetric]``
 
 What is measured (definitions as ../shared/reference/gift-method.md restates the paper's):
 
@@ -11,7 +11,9 @@ What is measured (definitions as ../shared/reference/gift-method.md restates the
   input covariance, G (out, out) the output-gradient covariance (``--factors ema``: the training
   run's EMA ``A/``, ``G/``, what a geometry would be built from; ``capture``: the capture batches'
   own ``MA/``, ``MG/``).
-- Factors: L = chol(M + d I), lower Cholesky, damping d = 1e-3 absolute.
+- Factors: L = chol(M + d I), lower Cholesky, damping d = 1e-3 absolute (the paper's);
+  ``--factor symmetric``: L = (M + d I)^1/2, the symmetric square root, instead (every row, both
+  tables: the map W L^-T is then the symmetric inverse root, giftcomm's KFAC convention).
 - Table I rows: euclidean W~ = W; output W~ = L_G^-1 W; input W~ = W L_A^-T; full W~ = L_G^-1 W L_A^-T.
   The round trip quantizes W~ with the wire and maps back (W^ = W~^ L_A^T, L_G W~^, L_G W~^ L_A^T).
 - Table II rows (input side, A replaced by an approximation before the damped Cholesky): full A;
@@ -43,7 +45,7 @@ import ml_dtypes
 import numpy as np
 import scipy.linalg as sla
 
-__all__ = ["WIRES", "TABLE1_ROWS", "TABLE2_ROWS", "DAMPING", "load", "roundtrip", "approximate", "chol",
+__all__ = ["FACTORS", "WIRES", "TABLE1_ROWS", "TABLE2_ROWS", "DAMPING", "load", "roundtrip", "approximate", "chol",
            "layer_errors", "tables", "kind", "main"]
 
 DAMPING = 1e-3
@@ -133,13 +135,33 @@ def approximate(a: np.ndarray, row: str, damping: float = DAMPING) -> np.ndarray
     raise ValueError(f"unknown approximation {row!r}; known: {', '.join(TABLE2_ROWS)}")
 
 
-def chol(m: np.ndarray, damping: float = DAMPING) -> np.ndarray:
-    """Lower Cholesky factor of m + damping I (symmetrised); ValueError if not positive definite."""
+FACTORS = ("cholesky", "symmetric")
+
+
+def chol(m: np.ndarray, damping: float = DAMPING, factor: str = "cholesky") -> np.ndarray:
+    """Lower Cholesky factor of m + damping I (symmetrised); ``factor="symmetric"``: its symmetric
+    square root (eigh) instead. ValueError if not positive definite."""
     m = 0.5 * (m + m.T) + damping * np.eye(m.shape[0])
+    if factor == "symmetric":
+        lam, u = np.linalg.eigh(m)
+        if not lam[0] > 0:
+            raise ValueError(f"factor not positive definite after damping {damping}")
+        r = (u * np.sqrt(lam)) @ u.T
+        return 0.5 * (r + r.T)
+    if factor != "cholesky":
+        raise ValueError(f"factor must be one of {FACTORS}, got {factor!r}")
     try:
         return np.linalg.cholesky(m)
     except np.linalg.LinAlgError as e:
         raise ValueError(f"factor not positive definite after damping {damping}") from e
+
+
+def _solve(f: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """f^-1 b for a factor of :func:`chol`: lower triangular, or symmetric (its upper triangle is
+    non-zero then)."""
+    if np.any(np.triu(f, 1)):
+        return sla.solve(f, b, assume_a="pos")
+    return sla.solve_triangular(f, b, lower=True)
 
 
 def _sides(w: np.ndarray, la: np.ndarray | None, lg: np.ndarray | None,
@@ -147,9 +169,9 @@ def _sides(w: np.ndarray, la: np.ndarray | None, lg: np.ndarray | None,
     """Round trip of w through the two-sided map (None = identity on that side)."""
     t = w
     if la is not None:  # W L_A^-T = (L_A^-1 W^T)^T
-        t = sla.solve_triangular(la, t.T, lower=True).T
+        t = _solve(la, t.T).T
     if lg is not None:
-        t = sla.solve_triangular(lg, t, lower=True)
+        t = _solve(lg, t)
     q = roundtrip(t, wire)
     if lg is not None:
         q = lg @ q
@@ -159,9 +181,9 @@ def _sides(w: np.ndarray, la: np.ndarray | None, lg: np.ndarray | None,
 
 
 def layer_errors(w: np.ndarray, a: np.ndarray, g: np.ndarray, wires: tuple[str, ...] = WIRES,
-                 damping: float = DAMPING) -> dict:
+                 damping: float = DAMPING, factor: str = "cholesky") -> dict:
     """{"table1"|"table2": {wire: {row: (err^2, g^2, <q, w>, q^2)}}} for one layer's gradient w."""
-    la, lg = chol(a, damping), chol(g, damping)
+    la, lg = chol(a, damping, factor), chol(g, damping, factor)
     maps: dict[str, dict[str, Callable[[str], np.ndarray]]] = {
         "table1": {"euclidean": lambda wr: _sides(w, None, None, wr),
                    "output": lambda wr: _sides(w, None, lg, wr),
@@ -169,7 +191,7 @@ def layer_errors(w: np.ndarray, a: np.ndarray, g: np.ndarray, wires: tuple[str, 
                    "full": lambda wr: _sides(w, la, lg, wr)},
         "table2": {}}
     for row in TABLE2_ROWS:
-        lr = la if row == "full" else chol(approximate(a, row, damping), damping)
+        lr = la if row == "full" else chol(approximate(a, row, damping), damping, factor)
         maps["table2"][row] = (lambda lr_: lambda wr: _sides(w, lr_, None, wr))(lr)
     ww = float(np.sum(w * w))
     out: dict = {}
@@ -189,9 +211,11 @@ def _pool(stats: list[tuple[float, float, float, float]]) -> dict:
             "cos": float(qw / np.sqrt(qq * gg)) if qq > 0 and gg > 0 else 0.0}
 
 
-def tables(grads: dict, facs: dict, wires: tuple[str, ...] = WIRES, damping: float = DAMPING) -> dict:
+def tables(grads: dict, facs: dict, wires: tuple[str, ...] = WIRES, damping: float = DAMPING,
+           factor: str = "cholesky") -> dict:
     """Both tables, pooled, per kind and per layer (the JSON of the module doc, without info)."""
-    per = {nm: layer_errors(grads[nm], *facs[nm], wires=wires, damping=damping) for nm in grads}
+    per = {nm: layer_errors(grads[nm], facs[nm][0], facs[nm][1], wires=wires, damping=damping, factor=factor)
+           for nm in grads}
     kinds = sorted({kind(nm) for nm in per})
     res: dict = {"table1": {}, "table2": {}, "per_kind": {"table1": {}, "table2": {}}, "per_layer": {}}
     for table in ("table1", "table2"):
@@ -208,7 +232,8 @@ def tables(grads: dict, facs: dict, wires: tuple[str, ...] = WIRES, damping: flo
 
 def _print(res: dict, info: dict, out=sys.stdout) -> None:
     print(f"# {info.get('config')} after {info.get('train_steps')} steps; {info.get('layers')} weights pooled; "
-          f"{info.get('tokens_per_gradient')} tokens per gradient; factors {info.get('factors')}", file=out)
+          f"{info.get('tokens_per_gradient')} tokens per gradient; factors {info.get('factors')}; "
+          f"factor {info.get('factor', 'cholesky')}", file=out)
     for table, rows, title in (("table1", TABLE1_ROWS, "Table I: RelL2 / Cos"),
                                ("table2", TABLE2_ROWS, "Table II: input side, A approximated: RelL2")):
         print(f"\n{title}\n| wire | " + " | ".join(rows) + " |\n|---|" + "---:|" * len(rows), file=out)
@@ -248,15 +273,18 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=0, help="mean of the last K shards (0: the last step's ranks)")
     p.add_argument("--wires", default=",".join(WIRES))
     p.add_argument("--damping", type=float, default=DAMPING)
+    p.add_argument("--factor", default="cholesky", choices=FACTORS,
+                   help="the factor of the damped matrix: its Cholesky factor (the paper's) or symmetric square root")
     a = p.parse_args(argv)
     wires = tuple(w for w in a.wires.split(",") if w)
     bad = [w for w in wires if w not in WIRES]
     if bad:
         p.error(f"unknown wire(s) {bad}; known: {', '.join(WIRES)}")
     grads, facs, info = load(a.grads, a.factors, a.shards)
-    res = tables(grads, facs, wires, a.damping)
+    res = tables(grads, facs, wires, a.damping, a.factor)
     info = {"config": info.get("config"), "train_steps": info.get("train_steps"), "layers": len(grads),
             "tokens_per_gradient": info["tokens_per_gradient"], "factors": a.factors, "damping": a.damping,
+            "factor": a.factor,
             "shards": a.shards, "source": re.sub(r".*/", "", a.grads)}
     _print(res, info)
     if a.json:

@@ -117,3 +117,27 @@ def test_pooling_and_shards(capture):
     assert res["table1"]["mxfp8"]["euclidean"]["rel_l2"] == pytest.approx(pooled, rel=1e-9)
     assert pt.kind("blocks.3.mlp.down.weight") == "mlp.down"
     assert pt.kind("bert.encoder.layer.5.attention.self.query.weight") == "attention.self.query"
+
+
+def test_symmetric_factor_restated(capture):
+    """``--factor symmetric``: the input row is W S^-1 quantized and mapped back by S, with
+    S = (A + d I)^1/2 (an eigendecomposition here), for the paper's wire; and it differs from
+    the Cholesky row (a different map, the same error scale)."""
+    grads, facs, _ = pt.load(capture)
+    res = pt.tables(grads, facs, wires=("e5m2/tensor",), factor="symmetric")
+    chol = pt.tables(grads, facs, wires=("e5m2/tensor",))
+    e = gg = 0.0
+    for nm, w in grads.items():
+        a = facs[nm][0]
+        lam, u = np.linalg.eigh(0.5 * (a + a.T) + 1e-3 * np.eye(a.shape[0]))
+        root, inv_root = (u * lam**0.5) @ u.T, (u * lam**-0.5) @ u.T
+        e += np.sum((_e5m2_tensor(w @ inv_root) @ root - w) ** 2)
+        gg += np.sum(w * w)
+    got = res["table1"]["e5m2/tensor"]["input"]["rel_l2"]
+    assert got == pytest.approx(np.sqrt(e / gg), rel=2e-3)
+    assert res["table1"]["e5m2/tensor"]["euclidean"] == chol["table1"]["e5m2/tensor"]["euclidean"]
+    assert got != chol["table1"]["e5m2/tensor"]["input"]["rel_l2"]
+    s = pt.chol(facs[next(iter(facs))][0], factor="symmetric")
+    np.testing.assert_allclose(s, s.T, atol=0)
+    with pytest.raises(ValueError, match="factor must be one of"):
+        pt.chol(np.eye(3), factor="qr")

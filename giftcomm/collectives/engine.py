@@ -331,9 +331,20 @@ def _geometry_inverse(geo: Any, total: Any, xp: Any) -> Any:
                     "geometry.inverse")
 
 
+def _word_geometry(word: str) -> str:
+    """The error for a geometry given as a word (e.g. "paper") to a flat-buffer call."""
+    return (f"giftcomm.gift_allreduce: geometry={word!r} names a method, not a map: a flat buffer has no layer "
+            f"structure (layout) nor input covariances to build it from. Build the geometry and pass it, e.g. "
+            f"geometry=Geometry.preset({word!r}, layout, factors) (giftcomm.geometry), or use an entry point that "
+            f"captures them from the model (GradSync, ShardedGradSync, GiftState, GiftReduceScatter, the Lightning "
+            f"callback: geometry={word!r})")
+
+
 def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
     call = job.call
     planning.check_out(call, out, tuple(call.arr.shape))
+    if isinstance(geometry, str):  # inside the agreement: every rank raises it
+        raise ValueError(_word_geometry(geometry))
     geo = None if geometry is None or geometry.is_identity else geometry
     if geo is not None:
         if geo.size != call.arr.size:

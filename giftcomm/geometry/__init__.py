@@ -6,7 +6,7 @@ See docs/method.md (the method and its choices) and docs/geometry.md (API refere
 from .estimators import GradientFactorEstimator, KfacEstimator, row_col_mean_squares
 from .geometry import Geometry
 from .layout import Layout, Segment
-from .paper import InputFactorEstimator, PaperOptions, SaturationProfile, paper_geometry, paper_sharded, refresh_geometry
+from .paper import FactorEMA, InputFactorEstimator, PaperOptions, SaturationProfile, paper_geometry, paper_sharded, refresh_geometry
 from .policy import SelectivePolicy, TransformTimeModel, collective_seconds, select
 from .sharded import ShardedGeometry, shard_layout
 from .spectral import Spectrum
@@ -14,5 +14,5 @@ from .sync import SyncReport
 
 __all__ = ["Geometry", "Layout", "Segment", "Spectrum", "KfacEstimator", "GradientFactorEstimator", "SyncReport", "SelectivePolicy",
            "ShardedGeometry", "shard_layout", "PaperOptions", "InputFactorEstimator", "SaturationProfile",
-           "paper_geometry", "paper_sharded", "refresh_geometry",
+           "paper_geometry", "paper_sharded", "refresh_geometry", "FactorEMA",
            "select", "TransformTimeModel", "collective_seconds", "row_col_mean_squares"]

@@ -17,6 +17,13 @@ restated as giftcomm's definitions:
   ``refresh_every`` (50) steps it is averaged over the data-parallel ranks through the
   transport's control operations and the factor rebuilt from the average
   (:func:`refresh_geometry`), so every rank applies the same map (fingerprints compared).
+- **Factor EMA**: as the paper, the factor itself is smoothed across refreshes,
+  ``F <- factor_decay F_prev + (1 - factor_decay) F_fresh`` (0.95 by default; 0 keeps the fresh
+  factor), with F = L (Cholesky: the blend of lower-triangular factors with positive diagonals
+  is one again) or F = (A^ + d I)^1/2 (symmetric: a blend of positive definite matrices is one
+  again); the map is then built from the blended F (``x -> x F^-T``). The history lives in a
+  :class:`FactorEMA` that the caller keeps across refreshes (the adapters do); a one-shot
+  ``Geometry.preset("paper", ...)`` has none and uses the fresh factor.
 - **Selection**: the paper's rule (:class:`SaturationProfile`): over a window of steps, score each
   weight by the fraction of its FP8 codes that hit the format's upper or lower bound, and
   transform the top N, or those above a threshold. giftcomm's own :class:`SelectivePolicy` stays
@@ -48,6 +55,7 @@ from .sides import DenseSide, IdentitySide, Side
 from .transform import SegmentTransform, identity_transform
 
 __all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_input_factor", "input_side",
+           "input_factor", "side_of_factor", "FactorEMA",
            "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
            "refresh_geometries", "refresh_sharded",
            "SaturationProfile", "saturation_fraction", "select_saturated"]
@@ -72,6 +80,8 @@ class PaperOptions:
     scores, and/or those with a score >= threshold; both None: all). profile_steps: the length of
     the profile window. reexpress: error feedback re-expressed in the new coordinates at a
     refresh (:class:`giftcomm.feedback.TransformedFeedback`); False is the artifact's behaviour.
+    factor_decay: the EMA of the factor itself across refreshes, in [0, 1) (the paper's 0.95;
+    0: each refresh uses its fresh factor; :class:`FactorEMA`).
     """
 
     rank: int = 32
@@ -84,6 +94,7 @@ class PaperOptions:
     threshold: float | None = None
     profile_steps: int = 100
     reexpress: bool = True
+    factor_decay: float = 0.95
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: Any, low: int = 1) -> None:
@@ -100,6 +111,9 @@ class PaperOptions:
             raise ValueError(f"PaperOptions: damping must be a finite number >= 0 (absolute), got {d!r}")
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay < 1.0):
             raise ValueError(f"PaperOptions: decay must be in [0, 1), got {self.decay!r}")
+        fd = self.factor_decay
+        if isinstance(fd, bool) or not (isinstance(fd, (int, float)) and 0.0 <= fd < 1.0):
+            raise ValueError(f"PaperOptions: factor_decay must be in [0, 1), got {fd!r}")
         if self.factor not in FACTORS:
             raise ValueError(f"PaperOptions: factor must be one of {FACTORS}, got {self.factor!r}")
         if self.threshold is not None and not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1):
@@ -173,10 +187,11 @@ class CholeskySide(Side):
         return float(self.dim * self.dim)  # a triangular product: half a dense one
 
 
-def input_side(a: Any, options: PaperOptions | None = None, name: str = "A") -> Side:
-    """The input-side operator of one weight from its (n, n) input covariance A (module doc):
-    a :class:`CholeskySide` (``factor="cholesky"``) or a symmetric ``DenseSide``. ValueError,
-    naming ``name``, for a non-finite A or a damped approximation that is not positive definite."""
+def input_factor(a: Any, options: PaperOptions | None = None, name: str = "A") -> np.ndarray:
+    """The (n, n) float64 factor F of one weight's input covariance A (module doc): the lower
+    Cholesky factor L of ``A^ + d I`` (``factor="cholesky"``) or its symmetric square root
+    (``"symmetric"``); the map is ``x -> x F^-T``. ValueError, naming ``name``, for a
+    non-finite A or a damped approximation that is not positive definite."""
     o = options or PaperOptions()
     f = _check_factor(a, name)
     m = approximate_input_factor(f, o.rank, o.damping) + o.damping * np.eye(f.shape[0])
@@ -188,13 +203,71 @@ def input_side(a: Any, options: PaperOptions | None = None, name: str = "A") -> 
         if low is None or not np.all(np.isfinite(low)) or not np.all(np.diag(low) > 0):
             raise ValueError(f"paper preset: A^ + d I of {name!r} is not positive definite (damping d = "
                              f"{o.damping:g}, absolute); A must be positive semi-definite and d > 0")
-        return CholeskySide(np.tril(np.linalg.inv(low)), low)
+        return np.tril(low)
     vals, vecs = np.linalg.eigh(m)
     if not vals[0] > 0:
         raise ValueError(f"paper preset: A^ + d I of {name!r} is not positive definite (smallest eigenvalue "
                          f"{vals[0]:.3g}, damping d = {o.damping:g}, absolute)")
-    fwd, inv = (vecs * vals**-0.5) @ vecs.T, (vecs * vals**0.5) @ vecs.T
-    return DenseSide(0.5 * (fwd + fwd.T), 0.5 * (inv + inv.T))
+    root = (vecs * vals**0.5) @ vecs.T
+    return 0.5 * (root + root.T)
+
+
+def side_of_factor(f: np.ndarray, factor: str = "cholesky") -> Side:
+    """The input-side operator of a factor F from :func:`input_factor` (or a blend of such):
+    ``right(x) = x F^-T``, ``right(x, inverse=True) = x F^T``; a :class:`CholeskySide` for
+    ``"cholesky"`` (F lower triangular), a symmetric ``DenseSide`` for ``"symmetric"``."""
+    f = np.asarray(f, np.float64)
+    if factor == "cholesky":
+        return CholeskySide(np.tril(np.linalg.inv(f)), f)
+    vals, vecs = np.linalg.eigh(0.5 * (f + f.T))
+    fwd = (vecs * vals**-1.0) @ vecs.T
+    return DenseSide(0.5 * (fwd + fwd.T), f)
+
+
+def input_side(a: Any, options: PaperOptions | None = None, name: str = "A") -> Side:
+    """The input-side operator of one weight from its (n, n) input covariance A:
+    ``side_of_factor(input_factor(a, options, name), options.factor)`` (fresh factor, no EMA)."""
+    o = options or PaperOptions()
+    return side_of_factor(input_factor(a, o, name), o.factor)
+
+
+class FactorEMA:
+    """The paper's EMA of the factor across refreshes (per process; identical on every rank when
+    fed the same averaged A, which :func:`refresh_geometries` makes sure of).
+
+    ``factors``: name -> (factor kind, F (n, n) float64), the blended factors of the last refresh
+    agreed on. A refresh stages ``blend(name, fresh, kind, decay)`` for each segment and
+    ``commit()`` s them once every rank built its map (a refresh that fails anywhere changes
+    nothing). A segment whose factor kind or size changed restarts from its fresh factor."""
+
+    def __init__(self) -> None:
+        self.factors: dict[str, tuple[str, np.ndarray]] = {}
+        self.staged: dict[str, tuple[str, np.ndarray]] = {}
+
+    def blend(self, name: str, fresh: np.ndarray, kind: str, decay: float) -> np.ndarray:
+        """``decay F_prev + (1 - decay) fresh`` (fresh when there is no compatible F_prev), staged."""
+        prev = self.factors.get(name)
+        f = fresh
+        if prev is not None and prev[0] == kind and prev[1].shape == fresh.shape and decay > 0:
+            f = decay * prev[1] + (1.0 - decay) * fresh
+            if kind == "symmetric":
+                f = 0.5 * (f + f.T)
+        self.staged[name] = (kind, f)
+        return f
+
+    def commit(self) -> None:
+        self.factors.update(self.staged)
+        self.staged = {}
+
+    def discard(self) -> None:
+        self.staged = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"factors": {n: (k, f.copy()) for n, (k, f) in self.factors.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.factors = {n: (str(k), np.asarray(f, np.float64)) for n, (k, f) in state["factors"].items()}
+        self.staged = {}
 
 
 def _input_factor(pair: Any) -> Any:
@@ -219,13 +292,16 @@ def _chosen(layout: Layout, factors: Mapping, options: PaperOptions) -> list[str
     return [n for n in options.names if n in layout]
 
 
-def paper_geometry(layout, factors: Mapping, options: PaperOptions | None = None, **overrides: Any) -> Geometry:
+def paper_geometry(layout, factors: Mapping, options: PaperOptions | None = None, *,
+                   smoothing: FactorEMA | None = None, **overrides: Any) -> Geometry:
     """The paper's geometry over ``layout``: segment -> input-side map for every chosen segment.
 
     factors: name -> A ((n, n) input covariance of the segment's (m, n) view; an (A, G) pair is
     accepted and G ignored). options / overrides: :class:`PaperOptions`. Chosen segments:
     ``options.names`` (each must have a factor: ValueError otherwise), else every 2-D segment
-    with a factor; all others get the identity."""
+    with a factor; all others get the identity. smoothing: a :class:`FactorEMA` holding the
+    previous refresh's factors: each factor is blended with it (``options.factor_decay``, staged
+    in it); None: the fresh factors."""
     o = PaperOptions.of(options, **overrides)
     layout = as_layout(layout)
     chosen = set(_chosen(layout, factors, o))
@@ -239,12 +315,16 @@ def paper_geometry(layout, factors: Mapping, options: PaperOptions | None = None
         if np.shape(a) != (n, n):
             raise ValueError(f"paper preset: segment {seg.name!r} of shape {seg.shape} needs A of shape ({n}, {n}), "
                              f"got {np.shape(a)}")
-        side = input_side(a, o, seg.name)
+        f = input_factor(a, o, seg.name)
+        if smoothing is not None:
+            f = smoothing.blend(seg.name, f, o.factor, o.factor_decay)
+        side = side_of_factor(f, o.factor)
         ts.append(SegmentTransform(seg, IdentitySide(m), side, {"note": f"paper {o.factor} r={o.rank} d={o.damping:g}"}))
     return Geometry(layout, ts)
 
 
-def paper_sharded(layout, factors: Mapping, shards: int, options: PaperOptions | None = None, **overrides: Any):
+def paper_sharded(layout, factors: Mapping, shards: int, options: PaperOptions | None = None, *,
+                  smoothing: FactorEMA | None = None, **overrides: Any):
     """The paper's geometry for a dim-0 sharded buffer (FSDP2): a ShardedGeometry whose shard
     ``r`` applies the same input-side map to its own rows only (the map acts row by row, so no
     shard needs another's rows); padding rows pass through (the map of a zero row is zero)."""
@@ -252,7 +332,7 @@ def paper_sharded(layout, factors: Mapping, shards: int, options: PaperOptions |
 
     o = PaperOptions.of(options, **overrides)
     layout, shards = as_layout(layout), check_shards(shards)
-    full = paper_geometry(layout, factors, o)
+    full = paper_geometry(layout, factors, o, smoothing=smoothing)
     rows = [shard_layout(layout, shards, r) for r in range(shards)]
     per = []
     for r in range(shards):
@@ -344,17 +424,52 @@ def average_input_factors(comm: Any, factors: Mapping[str, Any], step: int) -> d
 
 
 def refresh_geometry(comm: Any, layout, factors: Mapping[str, Any], step: int,
-                     options: PaperOptions | None = None, **overrides: Any) -> Geometry:
+                     options: PaperOptions | None = None, *, smoothing: FactorEMA | None = None,
+                     **overrides: Any) -> Geometry:
     """Collective: average this rank's factors over the ranks (:func:`average_input_factors`),
-    build :func:`paper_geometry` from the average, and make sure every rank has the same map: a
-    failure on any rank (e.g. a factor not positive definite after damping) raises ValueError on
-    every rank with that rank's message, and differing fingerprints take rank 0's geometry (as
-    ``Geometry.agree``)."""
-    return refresh_geometries(comm, {0: layout}, factors, step, options, **overrides)[0]
+    build :func:`paper_geometry` from the average (blended with ``smoothing``'s previous factors
+    when given: the factor EMA), and make sure every rank has the same map: a failure on any
+    rank (e.g. a factor not positive definite after damping) raises ValueError on every rank
+    with that rank's message, and differing fingerprints take rank 0's geometry (as
+    ``Geometry.agree``) and its factors."""
+    return refresh_geometries(comm, {0: layout}, factors, step, options, smoothing=smoothing, **overrides)[0]
+
+
+def _agreed(t: Any, build: Any, fingerprint: Any, smoothing: FactorEMA | None) -> Any:
+    """Run ``build()`` on every rank of transport ``t`` (None or one rank: this process alone) and
+    agree: its error on any rank is a ValueError on every rank; fingerprints that differ take
+    rank 0's result (and staged factors). Commits ``smoothing`` on success, discards on failure."""
+    alone = t is None or t.size == 1
+    err, got = None, None
+    try:
+        got = build()
+    except (ValueError, TypeError) as exc:
+        if smoothing is not None:
+            smoothing.discard()
+        if alone:
+            raise
+        err = f"{type(exc).__name__}: {exc}"
+    if not alone:
+        every = t.allgather_object((err, None if err is not None else fingerprint(got)))
+        bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+        if bad:
+            if smoothing is not None:
+                smoothing.discard()
+            raise ValueError("paper preset: the factor refresh failed on rank(s) " +
+                             "; ".join(f"{r}: {e}" for r, e in bad))
+        if any(fp != every[0][1] for _, fp in every):
+            staged = None if smoothing is None else smoothing.staged
+            got, staged = t.broadcast_object((got, staged) if t.rank == 0 else None, root=0)
+            if smoothing is not None:
+                smoothing.staged = staged
+    if smoothing is not None:
+        smoothing.commit()
+    return got
 
 
 def refresh_geometries(comm: Any, layouts: Mapping[Any, Any], factors: Mapping[str, Any], step: int,
-                       options: PaperOptions | None = None, **overrides: Any) -> dict[Any, Geometry]:
+                       options: PaperOptions | None = None, *, smoothing: FactorEMA | None = None,
+                       **overrides: Any) -> dict[Any, Geometry]:
     """:func:`refresh_geometry` for several layouts at once (e.g. one per gradient bucket): one
     average of every factor, then key -> :func:`paper_geometry` of that layout (with the factors
     of its segments), agreed in one allgather. Same order of keys expected on every rank."""
@@ -362,56 +477,29 @@ def refresh_geometries(comm: Any, layouts: Mapping[Any, Any], factors: Mapping[s
 
     o = PaperOptions.of(options, **overrides)
     avg = average_input_factors(comm, factors, step)
-    t = as_transport(comm)
-    alone = t is None or t.size == 1
-    geos: dict[Any, Geometry] = {}
-    err = None
-    try:
+
+    def build() -> dict[Any, Geometry]:
+        geos = {}
         for key, lay in layouts.items():
             lay = as_layout(lay)
-            geos[key] = paper_geometry(lay, {n: a for n, a in avg.items() if n in lay}, o)
-    except (ValueError, TypeError) as exc:
-        if alone:
-            raise
-        err = f"{type(exc).__name__}: {exc}"
-    if alone:
+            geos[key] = paper_geometry(lay, {n: a for n, a in avg.items() if n in lay}, o, smoothing=smoothing)
         return geos
-    assert t is not None
-    mine = None if err is not None else [geos[k].fingerprint() for k in layouts]
-    got = t.allgather_object((err, mine))
-    bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
-    if bad:
-        raise ValueError("paper preset: the factor refresh failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
-    if any(fp != got[0][1] for _, fp in got):
-        geos = t.broadcast_object(geos if t.rank == 0 else None, root=0)
-    return geos
+
+    return _agreed(as_transport(comm), build, lambda g: [g[k].fingerprint() for k in layouts], smoothing)
 
 
 def refresh_sharded(comm: Any, layout, factors: Mapping[str, Any], shards: int, step: int,
-                    options: PaperOptions | None = None, **overrides: Any):
+                    options: PaperOptions | None = None, *, smoothing: FactorEMA | None = None,
+                    **overrides: Any):
     """:func:`refresh_geometry` for a dim-0 sharded buffer (FSDP2): the average of the ranks' A,
     then :func:`paper_sharded`; errors and fingerprints agreed in one allgather (ValueError on
     every rank if the build fails on any)."""
     from .sync import as_transport
 
+    o = PaperOptions.of(options, **overrides)
     avg = average_input_factors(comm, factors, step)
-    t = as_transport(comm)
-    geo, err = None, None
-    try:
-        geo = paper_sharded(layout, avg, shards, options, **overrides)
-    except (ValueError, TypeError) as exc:
-        if t is None or t.size == 1:
-            raise
-        err = f"{type(exc).__name__}: {exc}"
-    if t is None or t.size == 1:
-        return geo
-    got = t.allgather_object((err, None if geo is None else geo.fingerprint()))
-    bad = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
-    if bad:
-        raise ValueError("paper preset: the factor refresh failed on rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
-    if any(fp != got[0][1] for _, fp in got):
-        geo = t.broadcast_object(geo if t.rank == 0 else None, root=0)
-    return geo
+    return _agreed(as_transport(comm), lambda: paper_sharded(layout, avg, shards, o, smoothing=smoothing),
+                   lambda g: g.fingerprint(), smoothing)
 
 
 # ------------------------------------------------------------------------------ selection

@@ -58,7 +58,7 @@ from ...accounting import Tally
 from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
-from ...geometry.paper import refresh_geometries
+from ...geometry.paper import FactorEMA, refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from ..calls import call_kwargs, log_path
@@ -292,6 +292,7 @@ class GiftState:
         if paper is not None and geometry != "paper":
             raise ValueError(f'GiftState: paper= goes with geometry="paper" only (geometry is {geometry!r})')
         self.paper: Optional[PaperOptions] = None
+        self.factor_ema = FactorEMA()  # the paper's EMA of the factor across refreshes
         if geometry == "paper":
             self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
             refresh_every = self.paper.refresh_every
@@ -391,7 +392,8 @@ class GiftState:
         stats.geometry_waits = 0  # whether the hook had to wait depends on this process's timing
         d = {k: getattr(self, k) for k in self._PICKLED}
         d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending,
-                 feedback=None if self.feedback is None else self.feedback.state_dict())
+                 feedback=None if self.feedback is None else self.feedback.state_dict(),
+                 factor_ema=self.factor_ema.state_dict())
         return d
 
     def _settle(self) -> None:
@@ -427,6 +429,9 @@ class GiftState:
             done.set_result(result)
             self.runtime.pending.append((at, done))
         self.runtime.adopted_iter = self.iter - 1
+        self.factor_ema = FactorEMA()
+        if d.get("factor_ema") is not None:
+            self.factor_ema.load_state_dict(d["factor_ema"])
         self.feedback = None
         if d.get("feedback") is not None:
             self.feedback = TransformedFeedback() if self.paper is not None else ErrorFeedback()
@@ -541,7 +546,8 @@ class GiftState:
         with blas_limit(self.blas_threads):
             if self.paper is not None:  # input side only: A averaged over the group, every rank's map agreed
                 built = refresh_geometries(self.runtime.sync_transport, layouts,
-                                           {n: a for n, (a, _) in snapshot.items()}, it, self.paper)
+                                           {n: a for n, (a, _) in snapshot.items()}, it, self.paper,
+                                           smoothing=self.factor_ema)
                 geos = {k: (layouts[k], g) for k, g in built.items()}
             else:
                 geos = geometries_from_factors(self.runtime.sync_transport, model_layout, segments, snapshot, counts,

@@ -47,7 +47,7 @@ from ... import api
 from ...accounting import Tally
 from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
-from ...geometry.paper import PaperOptions
+from ...geometry.paper import FactorEMA, PaperOptions
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions
 from ...transport import Transport
@@ -171,6 +171,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         if paper is not None and geometry != "paper":
             raise ValueError('GiftReduceScatter: paper= goes with geometry="paper" only')
         self.paper: PaperOptions | None = None
+        self.factor_ema = FactorEMA()  # the paper's EMA of the factor across refreshes
         if geometry == "paper":
             self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
             refresh_every = self.paper.refresh_every
@@ -365,7 +366,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         layout = list(zip(self.names, self.shapes))
         factors = {n: a for n, (a, _) in cap.estimator.factors().items()
                    if n in self.names and len(dict(layout)[n]) == 2}
-        return refresh_sharded(self._host[group], layout, factors, size, call, self.paper)
+        return refresh_sharded(self._host[group], layout, factors, size, call, self.paper, smoothing=self.factor_ema)
 
     def _build_kfac(self, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         """Collective over ``group``: average the captured factors of this module's Linear weights

@@ -32,6 +32,7 @@ from ...options import CallOptions
 from ...transport import resolve
 from ..calls import call_kwargs, log_path
 from .buckets import GradBucket, make_buckets
+from .paper_refresh import PaperRefresh, paper_options
 
 __all__ = ["GradSync", "SyncTimes"]
 
@@ -106,7 +107,18 @@ class GradSync:
     :meth:`state_dict` holds them for a per-rank checkpoint. ``sync.algorithms``: the algorithm
     each bucket's last call really ran (``auto`` resolved).
 
-    feedback: where the residuals live with ``error_feedback=True``: "ordinary" (gradient
+    geometry: None (the buckets' geometries are what :meth:`set_geometries` sets) or "paper" (the
+    GIFT paper's preset, giftcomm.geometry.paper, in one word: ``model`` must be the nn.Module; a
+    forward hook on each nn.Linear captures its input covariance A (EMA, PaperOptions.decay) and
+    every ``refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged over
+    the ranks, the factor blended with the previous one (factor_decay), every rank's map agreed;
+    giftcomm.adapters.torch.paper_refresh). paper: its settings, a PaperOptions or a dict of its
+    fields (rank, damping, decay, refresh_every, factor, names, reexpress, factor_decay);
+    capture_tokens: rows of each layer's input captured per forward (None: all).
+
+    feedback: where the residuals live with ``error_feedback=True``: None (default: "transformed"
+    with geometry="paper" -- "transformed-kept" when its reexpress is False -- else "ordinary"),
+    "ordinary" (gradient
     coordinates, :class:`~giftcomm.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
     coordinates, re-expressed when the geometry changes: the paper's method with the re-expression,
     :class:`~giftcomm.feedback.TransformedFeedback`) or "transformed-kept" (not re-expressed: the
@@ -121,7 +133,8 @@ class GradSync:
                  op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
                  slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
                  timeout: float | None = None, error_feedback: bool = False, allow_native: bool = True,
-                 feedback: str = "ordinary", baseline: str | None = None) -> None:
+                 feedback: str | None = None, baseline: str | None = None, geometry: str | None = None,
+                 paper: Any = None, capture_tokens: int | None = None) -> None:
         self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
                                                     slice_elems=slice_elems, rounding=rounding, seed=seed,
                                                     timeout=timeout, allow_native=allow_native)
@@ -131,6 +144,14 @@ class GradSync:
             raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
             check_feedback_format(self.options.format, "GradSync")
+        if geometry not in (None, "paper"):
+            raise ValueError(f"GradSync: geometry must be None or 'paper' (a built geometry goes to set_geometries), "
+                             f"got {geometry!r}")
+        if geometry is None and (paper is not None or capture_tokens is not None):
+            raise ValueError('GradSync: paper= and capture_tokens= go with geometry="paper" only')
+        self.paper = paper_options(paper, "GradSync") if geometry == "paper" else None
+        if feedback is None:
+            feedback = "ordinary" if self.paper is None else ("transformed" if self.paper.reexpress else "transformed-kept")
         if feedback not in _FEEDBACK:
             raise ValueError(f"GradSync: feedback must be one of {_FEEDBACK}, got {feedback!r}")
         self.baseline = None
@@ -155,6 +176,12 @@ class GradSync:
         self.buckets: list[GradBucket] = make_buckets(model, bucket_mb)
         self.geometries: list[Any] = [None] * len(self.buckets)
         self.algorithms: list[str | None] = [None] * len(self.buckets)
+        self.refresh: PaperRefresh | None = None  # geometry="paper": the capture of A and the refresh
+        if self.paper is not None:
+            try:
+                self.refresh = PaperRefresh(model, self.paper, tokens=capture_tokens)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"GradSync: {exc}") from None
 
     @property
     def layouts(self):
@@ -182,10 +209,13 @@ class GradSync:
         """Collective: replace every gradient by its reduction over all ranks, in place.
         step: the training step the stochastic-rounding seeds derive from (default: the call
         count). Returns the wall-time split (transform / comm)."""
+        sync_index = self.calls
         step = self.calls if step is None else int(step)
         self.calls += 1
         times = SyncTimes()
         t0 = time.perf_counter()
+        if self.refresh is not None and self.refresh.due(sync_index):
+            self._refresh(sync_index)
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
@@ -219,6 +249,14 @@ class GradSync:
         times.comm = times.total - times.transform
         return times
 
+    def _refresh(self, sync_index: int) -> None:
+        """Collective: the paper's maps of every bucket from A averaged over the ranks."""
+        assert self.refresh is not None
+        device = any(b.tensor.device.type == "cuda" for b in self.buckets)
+        geos = self.refresh.geometries(resolve(self.comm, device=device), {b.index: b.layout for b in self.buckets},
+                                       sync_index)
+        self.set_geometries([geos[b.index] for b in self.buckets])
+
     def _baseline(self, b: GradBucket, g: Any, tg: Any) -> str:
         """One bucket through the baseline wire (host), with the transformed-coordinate feedback."""
         from ...baselines import baseline_allreduce
@@ -241,13 +279,20 @@ class GradSync:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (host float32, by bucket index; empty without
-        error_feedback) and the call count: a per-rank checkpoint (residuals differ by rank)."""
-        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+        error_feedback) and the call count: a per-rank checkpoint (residuals differ by rank); with
+        geometry="paper" also the buckets' current maps and the factor EMA (the captured A
+        restarts after a restore)."""
+        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
+                "geometries": list(self.geometries) if self.refresh is not None else None,
+                "paper": None if self.refresh is None else self.refresh.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (a residual whose bucket size no longer matches is dropped
         at the next sync)."""
         self.calls = int(state["calls"])
+        if self.refresh is not None and state.get("paper") is not None:
+            self.refresh.load_state_dict(state["paper"])
+            self.set_geometries(state["geometries"])
         if self.feedback is not None:
             self.feedback.reset()
             if state.get("error_feedback") is not None:

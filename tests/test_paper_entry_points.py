@@ -1,0 +1,238 @@
+"""The paper's preset from every entry point that takes a geometry (issue 36 item 1): the plain
+call and plans refuse the word on every rank (a flat buffer has no layers) and take the built
+geometry (a plan bit-identical to gift_allreduce); GradSync and ShardedGradSync build it from
+the model (every rank the same map, refreshed from A averaged over the ranks); the factor EMA
+and the error feedback's re-expression at a refresh.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_same_error, outcomes, same
+
+import giftcomm as gc
+from giftcomm import LoopbackGroup
+from giftcomm.geometry import Geometry, Layout
+
+LAYOUT = Layout([("up", (24, 40)), ("up.bias", (24,)), ("down", (40, 24))])
+
+
+def random_factors(rng, layout=LAYOUT):
+    out = {}
+    for seg in layout:
+        if seg.ndim >= 2:
+            n = seg.matrix_shape[1]
+            a = rng.standard_normal((3 * n, n)) * np.exp(rng.uniform(-2, 2, n))
+            out[seg.name] = a.T @ a / (3 * n)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_plain_call_and_plan_refuse_the_word_on_every_rank(rng, p):
+    x = rng.standard_normal(LAYOUT.size).astype(np.float32)
+    errors = outcomes(p, lambda t: gc.gift_allreduce(x, "paper", comm=t))
+    assert_same_error(errors, ValueError, "geometry='paper'", 'Geometry.preset(\'paper\'', "layout")
+    errors = outcomes(p, lambda t: gc.plan_allreduce(x, comm=t, geometry="paper"))
+    assert_same_error(errors, ValueError, "Geometry.preset('paper'")
+    # the word on one rank only: still every rank
+    geo = Geometry.preset("paper", LAYOUT, random_factors(rng))
+    errors = outcomes(p, lambda t: gc.gift_allreduce(x, "paper" if t.rank == p - 1 else geo, comm=t))
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert all("Geometry.preset" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_plan_with_the_paper_geometry_is_bit_identical_to_gift_allreduce(rng, p, op):
+    geo = Geometry.preset("paper", LAYOUT, random_factors(rng))
+    calls = [[(rng.standard_normal(LAYOUT.size) * rng.uniform(0.1, 10)).astype(np.float32) for _ in range(p)]
+             for _ in range(3)]
+
+    def body(t):
+        plan = gc.plan_allreduce(calls[0][t.rank], comm=t, geometry=geo, op=op, fmt="e4m3")
+        got = [plan(xs[t.rank]) for xs in calls]
+        want = [gc.gift_allreduce(xs[t.rank], geo, comm=t, op=op, fmt="e4m3", algorithm=plan.algorithm)
+                for xs in calls]
+        return got, want
+
+    res = LoopbackGroup(p).run(body)
+    for got, want in res:
+        assert all(same(g, w) for g, w in zip(got, want))
+        assert all(same(g, r) for g, r in zip(got, res[0][0]))  # every rank alike
+    # and the geometry mattered: the plan without it differs
+    plain = LoopbackGroup(p).run(lambda t: gc.plan_allreduce(calls[0][t.rank], comm=t, op=op)(calls[0][t.rank]))
+    assert not same(plain[0], res[0][0][0])
+
+
+def test_plan_geometry_fingerprint_agreed_at_creation(rng):
+    f = random_factors(rng)
+    geos = [Geometry.preset("paper", LAYOUT, f), Geometry.preset("paper", LAYOUT, f, factor="symmetric")]
+    x = rng.standard_normal(LAYOUT.size).astype(np.float32)
+    errors = outcomes(2, lambda t: gc.plan_allreduce(x, comm=t, geometry=geos[t.rank]))
+    assert_same_error(errors, ValueError, "ranks disagree on geometry")
+
+    def rank_calls_another_plan(t):
+        plans = [gc.plan_allreduce(x, comm=t, geometry=g) for g in geos]
+        return plans[t.rank](x)
+
+    errors = outcomes(2, rank_calls_another_plan)
+    assert all(isinstance(e, (ValueError, RuntimeError)) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+
+
+# ------------------------------------------------------------------ GradSync(geometry="paper")
+torch = pytest.importorskip("torch")
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, skip_down: bool = False):
+        super().__init__()
+        self.up = torch.nn.Linear(40, 24)
+        self.down = torch.nn.Linear(24, 40)
+        self.skip_down = skip_down
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return h.sum(-1, keepdim=True) if self.skip_down else self.down(h)
+
+
+def make_model(seed, **kw):
+    torch.manual_seed(seed)
+    return Mlp(**kw)
+
+
+def batches(seed, rank, steps, rows=32):
+    g = np.random.default_rng([seed, rank])
+    scale = np.exp(g.uniform(-2, 2, 40)) if rank >= 0 else None
+    return [torch.from_numpy((g.standard_normal((rows, 40)) * scale).astype(np.float32)) for _ in range(steps)]
+
+
+def train_grad_sync(t, seed, steps, model_kw=None, **kw):
+    """``steps`` steps of GradSync(geometry="paper") on rank t.rank; per step the reduced
+    gradients and every bucket geometry's fingerprint; the capture's A after the last step."""
+    from giftcomm.adapters.torch import GradSync
+
+    model = make_model(seed, **(model_kw(t.rank) if callable(model_kw) else model_kw or {}))
+    sync = GradSync(model, comm=t, fmt="e4m3", geometry="paper", **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for x in batches(seed, t.rank, steps):
+        sync.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        sync.sync()
+        out.append(([p.grad.numpy().copy() for p in model.parameters()],
+                    [None if g is None else g.fingerprint() for g in sync.geometries]))
+        opt.step()
+    return out, sync
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_grad_sync_paper_trains_with_one_map_on_every_rank(rng, p):
+    seed = int(rng.integers(2**31))
+    res = LoopbackGroup(p).run(lambda t: train_grad_sync(t, seed, 5, paper={"refresh_every": 2, "rank": 4}))
+    fps = [[step[1] for step in out] for out, _ in res]
+    assert all(f == fps[0] for f in fps)  # every rank the same maps at every step
+    assert fps[0][0] == fps[0][1] != fps[0][2] == fps[0][3] != fps[0][4]  # refreshed at syncs 0, 2, 4
+    for out, _ in res:  # every rank the same reduced gradients
+        for step, step0 in zip(out, res[0][0]):
+            assert all(same(a, b) for a, b in zip(step[0], step0[0]))
+    sync = res[0][1]
+    geo = sync.geometries[0]
+    kinds = {t.segment.name: (t.left.kind, t.right.kind) for t in geo.transforms if not t.is_identity}
+    assert set(kinds) == {"up.weight", "down.weight"} and all(k == ("identity", "cholesky") for k in kinds.values())
+    assert sync.refresh.refreshes == 3
+
+
+def test_grad_sync_paper_first_map_is_the_preset_of_the_rank_mean(rng):
+    """At sync 0 (no factor history) the map is Geometry.preset("paper") of the mean of the ranks'
+    A, as a plain NumPy average gives it."""
+    seed, p = int(rng.integers(2**31)), 3
+
+    def body(t):
+        out, sync = train_grad_sync(t, seed, 1, paper={"rank": 8})
+        return sync.refresh.capture.estimator.factors(), sync.geometries[0], sync.layouts[0]
+
+    res = LoopbackGroup(p).run(body)
+    mean = {n: sum(r[0][n] for r in res) / p for n in res[0][0]}
+    want = Geometry.preset("paper", res[0][2], mean, rank=8)
+    probe = rng.standard_normal(want.size).astype(np.float32)
+    np.testing.assert_allclose(res[0][1].forward(probe), want.forward(probe), rtol=2e-5, atol=2e-5)
+
+
+def test_grad_sync_paper_factor_ema_blends_the_factors(rng):
+    """With factor_decay the second map's factor is decay F_0 + (1 - decay) F_fresh, F_fresh the
+    factor of the A captured by then; factor_decay=0 gives F_fresh."""
+    from giftcomm.geometry.paper import input_factor
+
+    seed = int(rng.integers(2**31))
+    got = {}
+    for decay in (0.0, 0.7):
+        def body(t, decay=decay):
+            out, sync = train_grad_sync(t, seed, 2, paper={"refresh_every": 1, "rank": 6, "factor_decay": decay})
+            return sync.refresh.capture.estimator.factors(), sync.geometries[0], sync.refresh.factor_ema.factors
+        got[decay] = LoopbackGroup(1).run(body)[0]
+    a_last, geo0, ema0 = got[0.0]
+    _, geo7, ema7 = got[0.7]
+    opts = gc.geometry.PaperOptions(rank=6)
+    for name in ("up.weight", "down.weight"):
+        fresh = input_factor(a_last[name], opts)
+        np.testing.assert_allclose(ema0[name][1], fresh, rtol=1e-12, atol=1e-12)
+        assert not np.allclose(ema7[name][1], fresh)
+        # the map uses the blended factor: x -> x F^-T
+        lf = geo7[name].right
+        np.testing.assert_allclose(lf.l, ema7[name][1].astype(np.float32), rtol=1e-6)
+    assert geo0.fingerprint() != geo7.fingerprint()
+
+
+def test_grad_sync_paper_errors_on_every_rank(rng):
+    seed = int(rng.integers(2**31))
+    # a rank whose down projection never fired: no factor for it there
+    errors = outcomes(2, lambda t: train_grad_sync(t, seed, 1, model_kw=lambda r: {"skip_down": r == 1}))
+    assert_same_error(errors, RuntimeError, "disagree on the factor refresh", "missing ['down.weight']")
+    # ranks that would refresh at different syncs
+    errors = outcomes(2, lambda t: train_grad_sync(t, seed, 3, paper={"refresh_every": 2 + t.rank}))
+    assert_same_error(errors, RuntimeError, "settings differ between ranks")
+    # bad settings, at once
+    from giftcomm.adapters.torch import GradSync
+
+    with pytest.raises(TypeError, match="GradSync.*unknown option"):
+        GradSync(make_model(0), comm=None, geometry="paper", paper={"ranks": 4})
+    with pytest.raises(ValueError, match="geometry must be None or 'paper'"):
+        GradSync(make_model(0), comm=None, geometry="kfac")
+    with pytest.raises(TypeError, match="GradSync: .*pass the nn.Module"):
+        GradSync(list(make_model(0).named_parameters()), comm=None, geometry="paper")
+
+
+@pytest.mark.parametrize("reexpress", [True, False])
+def test_grad_sync_paper_error_feedback_re_expressed_at_a_refresh(rng, reexpress):
+    """error_feedback=True with geometry="paper": the residual lives in the map's coordinates
+    (TransformedFeedback); at a refresh (factor EMA on) it is re-expressed so that in ordinary
+    coordinates it is unchanged to float32 rounding; reexpress=False keeps it as it is (moves)."""
+    from giftcomm.feedback import TransformedFeedback
+
+    seed = int(rng.integers(2**31))
+
+    def body(t):
+        out, sync = train_grad_sync(t, seed, 2, error_feedback=True,
+                                    paper={"refresh_every": 100, "rank": 4, "reexpress": reexpress})
+        assert isinstance(sync.feedback, TransformedFeedback) and sync.feedback.reexpress is reexpress
+        old = sync.geometries[0]
+        e_old = sync.feedback.residuals[0].copy()
+        for x in batches(seed + 1, t.rank, 3):  # more A, then a refresh outside the schedule
+            sync.zero_grad()
+            up = next(iter(sync.refresh.capture.layers))  # its hook feeds A on this forward
+            up(x).pow(2).mean().backward()
+        sync._refresh(100)
+        new = sync.geometries[0]
+        e_new = sync.feedback.residual(0, new)
+        return old, new, e_old, e_new
+
+    old, new, e_old, e_new = LoopbackGroup(2).run(body)[1]
+    assert old.fingerprint() != new.fingerprint() and np.abs(e_old).max() > 0
+    before, after = old.inverse(e_old), new.inverse(e_new)
+    if reexpress:
+        np.testing.assert_allclose(after, before, rtol=0, atol=1e-5 * np.abs(before).max())
+    else:
+        assert np.abs(after - before).max() > 1e-3 * np.abs(before).max()
+        assert same(e_new, e_old)
