@@ -25,10 +25,18 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from giftcomm.adapters import jax as gj  # noqa: E402
 from giftcomm.adapters import jax_codec  # noqa: E402
-from giftcomm.formats import FORMATS, SCALE_RULES, get_format  # noqa: E402
+from giftcomm.adapters.jax import tree_spec  # noqa: E402
+from giftcomm.adapters.jax_geometry import JaxGeometry  # noqa: E402
+from giftcomm.feedback import ErrorFeedback, own_pieces  # noqa: E402
+from giftcomm.formats import FORMATS, SCALE_RULES, get_format, resolve_block  # noqa: E402
+from giftcomm.geometry import Geometry  # noqa: E402
 from giftcomm.reference import codec as ref_codec  # noqa: E402
 from giftcomm.reference.rounding import call_key  # noqa: E402
-from giftcomm.reference.simulate import simulate_allreduce, simulate_reduce_scatter  # noqa: E402
+from giftcomm.reference.simulate import (  # noqa: E402
+    simulate_allreduce,
+    simulate_gift_allreduce,
+    simulate_reduce_scatter,
+)
 
 RESULTS: dict[str, list] = {}
 SEED = int(os.environ.get("GIFTCOMM_TEST_SEED", "20261205"))
@@ -82,6 +90,19 @@ def codec_cases() -> None:
         record(f"codec/{name}", same_bits(g, m) and same_bits(b, d0),
                f"bytes differ: {int(np.sum(np.asarray(g) != m))}, "
                f"values differ: {int(np.sum(np.asarray(b).view(np.uint32) != d0.view(np.uint32)))}")
+
+
+def seed_words_cases() -> None:
+    """call_key_words (traced seeds) equals call_key for scalar and two-word seeds."""
+    seeds = [0, 1, 2**31 - 1, 2**32 - 1, 2**32, 2**63 + 9, 2**64 - 1] + [int(v) for v in rng.integers(0, 2**63, 4)]
+    f = jax.jit(lambda w: jax_codec.call_key_words(w, range(9)))
+    g = jax.jit(lambda s: jax_codec.call_key_words(s, range(9)))
+    for seed in seeds:
+        want = np.array([jax_codec.key_words(call_key(seed, r)) for r in range(9)], np.uint32)
+        ok = same_bits(np.asarray(f(np.array(jax_codec.key_words(seed), np.uint32))), want)
+        if seed < 2**32:
+            ok &= same_bits(np.asarray(g(np.uint32(seed))), want)
+        record(f"codec/call_key_words/{seed}", ok)
 
 
 def tree_input(p: int, odd: int):
@@ -187,6 +208,130 @@ def mesh2d_cases() -> None:
     record("2d/psum_scatter untiled", ok_u, f"shapes {untiled.shape} vs lax {lu.shape}")
 
 
+def flat_of(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in jax.tree_util.tree_leaves(tree)])
+
+
+def ref_feedback(comp: list[np.ndarray], fmt: str, seed, algorithm: str, geometry=None) -> list[np.ndarray]:
+    """Every device's new residual by giftcomm.feedback.ErrorFeedback.record (the host path)."""
+    p, n = len(comp), comp[0].size
+    f = get_format(fmt)
+    block = resolve_block(f, None)
+    out = []
+    for r in range(p):
+        pieces, stage = own_pieces(algorithm, n, p, r, block)
+        fb = ErrorFeedback()
+        fb.record(0, comp[r], f, block, seed, r, geometry, pieces, stage)
+        out.append(fb.residuals[0])
+    return out
+
+
+def close(a, b, rel: float) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and bool(np.linalg.norm(a - b) <= rel * max(np.linalg.norm(b), 1e-30))
+
+
+def extras_cases() -> None:
+    """Traced seeds (one program, two seeds), error feedback returned functionally (ring and
+    direct, P = 1 and 4) and GIFT geometries (the paper preset, KFAC low-rank + diagonal) as a
+    jitted argument, against the reference, ErrorFeedback and the NumPy geometry path."""
+    for p in (1, 4):
+        mesh = jax.make_mesh((p,), ("data",), devices=jax.devices()[:p])
+        trees = tree_input(p, odd=11 * p + 2)
+        states = [jax.tree_util.tree_map(lambda v: (rng.standard_normal(np.shape(v)) * 0.05).astype(np.float32), t)
+                  for t in trees]
+        layout = tree_spec(trees[0]).layout
+        w = rng.standard_normal((40, 7))
+        a_in = w.T @ w / 40 + np.diag(rng.uniform(0, 2, 7))
+        paper = Geometry.preset("paper", layout, {"['w']": a_in}, rank=3)
+        lowrank = Geometry.from_kfac(layout, {"['w']": (a_in, np.diag(rng.uniform(0.1, 3, 11 * p + 2)))}, rank=(2, None))
+        diag = Geometry.diagonal(layout, {"['s'][1]": (rng.uniform(0.5, 2, 11 * p + 2), rng.uniform(0.5, 2, 3))})
+        geos = {"paper": paper, "kfac": lowrank, "diag": diag}
+
+        def body(t, st, seed, words, jgs):
+            t = jax.tree_util.tree_map(lambda v: v[0], t)
+            flat = jnp.concatenate([v.reshape(-1).astype(jnp.float32) for v in jax.tree_util.tree_leaves(t)])
+            out = {
+                "seed": gj.psum(t, "data", fmt="e4m3", rounding="stochastic", seed=seed),
+                "words": gj.psum(t, "data", fmt="nvfp4", rounding="stochastic", seed=words, algorithm="direct"),
+                "fb_ring": gj.pmean(t, "data", fmt="e4m3", feedback=st),
+                "fb_direct": gj.psum(t, "data", fmt="mxfp4", algorithm="direct", rounding="stochastic", seed=words,
+                                     feedback=st),
+                "fb_init": gj.psum(t, "data", fmt="e5m2", feedback=gj.feedback_init(t)),
+                "fwd": {k: g.forward(flat) for k, g in jgs.items()},
+                "inv": {k: g.inverse(flat) for k, g in jgs.items()},
+                "gift": {k: gj.pmean(t, "data", fmt="e4m3", geometry=g) for k, g in jgs.items()},
+                "gift_fb": gj.psum(t, "data", fmt="e4m3", geometry=jgs["paper"], feedback=st),
+            }
+            return jax.tree_util.tree_map(lambda v: v[None], out)
+
+        rep = NamedSharding(mesh, P())
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P(), P(), P()), out_specs=P("data")))
+        put = lambda v: jax.device_put(stack(v), NamedSharding(mesh, P("data")))  # noqa: E731
+        jgs = jax.device_put({k: JaxGeometry.of(g) for k, g in geos.items()}, rep)
+        flats = [flat_of(t) for t in trees]
+        comp = [flat_of(t) + flat_of(s) for t, s in zip(trees, states)]
+        for seed in (7, 2**31 + 5):
+            words = 2**64 - 3 - seed
+            got = f(put(trees), put(states), jnp.uint32(seed), jnp.asarray(jax_codec.key_words(words), jnp.uint32), jgs)
+            dev = lambda tree, d: flat_of(jax.tree_util.tree_map(lambda v: np.asarray(v)[d], tree))  # noqa: E731
+            tag = f"extras/P{p}/seed{seed}"
+            want = simulate_allreduce(flats, "e4m3", None, "sum", "ring", rounding="stochastic", seed=seed)[0]
+            record(f"{tag}/traced scalar seed", all(same_bits(dev(got["seed"], d), ref_cast(want, trees[0]))
+                                                    for d in range(p)))
+            want = simulate_allreduce(flats, "nvfp4", None, "sum", "direct", rounding="stochastic", seed=words)[0]
+            record(f"{tag}/traced uint32[2] seed", all(same_bits(dev(got["words"], d), ref_cast(want, trees[0]))
+                                                       for d in range(p)))
+            if seed != 7:
+                continue  # the rest does not depend on the seed argument
+            for name, o in (("fb_ring", dict(fmt="e4m3", op="avg", algorithm="ring", seed=None)),
+                            ("fb_direct", dict(fmt="mxfp4", op="sum", algorithm="direct", seed=words))):
+                res, st = got[name]
+                kw = dict(rounding="stochastic", seed=o["seed"]) if o["seed"] is not None else {}
+                want = simulate_allreduce([c.copy() for c in comp], o["fmt"], None, o["op"], o["algorithm"], **kw)[0]
+                resid = ref_feedback(comp, o["fmt"], o["seed"], o["algorithm"])
+                ok_res = all(same_bits(dev(res, d).astype(np.float32), ref_cast(want, trees[0])) for d in range(p))
+                ok_st = all(same_bits(dev(st, d), resid[d]) for d in range(p))
+                record(f"extras/P{p}/{name}/result", ok_res)
+                record(f"extras/P{p}/{name}/state", ok_st, "new state differs from ErrorFeedback.record")
+            res, st = got["fb_init"]
+            want = simulate_allreduce(flats, "e5m2", None, "sum", "ring")[0]
+            resid = ref_feedback(flats, "e5m2", None, "ring")
+            record(f"extras/P{p}/feedback_init", all(same_bits(dev(res, d), ref_cast(want, trees[0])) and
+                                                     same_bits(dev(st, d), resid[d]) for d in range(p)))
+            for k, g in geos.items():
+                fwd_ok = all(close(np.asarray(got["fwd"][k])[d], g.forward(flats[d]), 2e-6) and
+                             close(np.asarray(got["inv"][k])[d], g.inverse(flats[d]), 2e-6) for d in range(p))
+                record(f"extras/P{p}/geometry/{k}/maps", fwd_ok, "JaxGeometry differs from Geometry")
+                ys = [np.asarray(got["fwd"][k])[d] for d in range(p)]
+                # the reduction in the jnp coordinates is the reference's ring, bit for bit; the
+                # whole call is the NumPy geometry path up to the maps' float32 rounding
+                tight = g.inverse(simulate_allreduce(ys, "e4m3", None, "sum", "ring")[0]) / np.float32(p)
+                loose = simulate_gift_allreduce(flats, g, "e4m3", None, "avg", "ring")[0]
+                ok = all(close(dev(got["gift"][k], d), ref_cast(tight, trees[0]), 1e-5) for d in range(p))
+                ok &= all(close(dev(got["gift"][k], d), ref_cast(loose, trees[0]), 2e-2) for d in range(p))
+                ok &= all(same_bits(dev(got["gift"][k], d), dev(got["gift"][k], 0)) for d in range(p))
+                record(f"extras/P{p}/geometry/{k}/pmean", ok, "differs from simulate_gift_allreduce")
+            res, st = got["gift_fb"]
+            loose = simulate_gift_allreduce(comp, paper, "e4m3", None, "sum", "ring")[0]
+            resid = ref_feedback(comp, "e4m3", None, "ring", paper)
+            scale = np.linalg.norm(np.concatenate(resid)) + 1e-30
+            ok = all(close(dev(res, d), ref_cast(loose, trees[0]), 2e-2) for d in range(p))
+            ok &= all(np.linalg.norm(dev(st, d) - resid[d]) <= 0.05 * scale for d in range(p))
+            record(f"extras/P{p}/geometry/paper+feedback", ok, "differs from ErrorFeedback.record with the geometry")
+
+
+def ref_cast(flat: np.ndarray, tree) -> np.ndarray:
+    """``flat`` cast leaf by leaf to the tree's leaf dtypes and back to float32 (the result's
+    rounding to its leaves' dtypes)."""
+    out, off = [], 0
+    for v in jax.tree_util.tree_leaves(tree):
+        v = np.asarray(v)
+        out.append(flat[off : off + v.size].astype(v.dtype).astype(np.float32))
+        off += v.size
+    return np.concatenate(out)
+
+
 def hlo_case() -> None:
     """The compiled program moves uint8 through every collective-permute and all-gather."""
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
@@ -223,7 +368,7 @@ def error_cases() -> None:
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["codec", "mesh", "mesh2d", "hlo", "error"]
+    which = sys.argv[1:] or ["codec", "seed_words", "mesh", "mesh2d", "extras", "hlo", "error"]
     for name in which:
         globals()[f"{name}_cases" if name != "hlo" else "hlo_case"]()
     print(json.dumps(RESULTS))

@@ -31,7 +31,8 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-GROUPS = ["codec/", "P1/", "P2/", "P3/", "P4/", "P5/", "P6/", "P7/", "P8/", "2d/", "hlo/", "error/"]
+GROUPS = ["codec/", "P1/", "P2/", "P3/", "P4/", "P5/", "P6/", "P7/", "P8/", "2d/", "extras/P1/", "extras/P4/", "hlo/",
+          "error/"]
 
 
 @pytest.mark.parametrize("group", GROUPS)

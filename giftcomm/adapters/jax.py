@@ -31,9 +31,10 @@ from ..accounting import Tally
 from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
 from ..options import DEFAULT_DAMPING, CallOptions
 from .calls import call_kwargs
-from .jax_jit import pmean, psum, psum_scatter
+from .jax_geometry import JaxGeometry
+from .jax_jit import feedback_init, pmean, psum, psum_scatter
 
-__all__ = ["psum", "pmean", "psum_scatter", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp",
+__all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "JaxGeometry", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp",
            "unflatten_tree", "allreduce_tree", "TreeSync", "on_gpu"]
 
 

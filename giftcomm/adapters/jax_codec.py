@@ -10,7 +10,9 @@ formed from 16-bit halves, element rounding is the reference's integer formulati
 
 Stochastic rounding takes the Philox key as a pair of uint32 words (a traced ``uint32[2]`` or
 Python ints: ``key_words``) and the element index of value 0 as a uint32 ``offset`` (traced or
-int): indices must stay below 2**32 (the callers check).
+int): indices must stay below 2**32 (the callers check). :func:`call_key_words` is
+``giftcomm.reference.rounding.call_key`` on traced 64-bit seeds held as two uint32 words, so a
+jitted step can pass its seed as an array argument (one compiled program for every step).
 
 Bit identity relies on IEEE float32 multiply, divide and add without contraction into FMAs:
 true of XLA:CPU (checked by tests/test_jax_jit.py); a device run must check it on GPU
@@ -39,8 +41,10 @@ from ..formats import (
     scales_offset,
 )
 from ..reference.codec import NVFP4_TINY
+from ..reference.rounding import mix64
 
-__all__ = ["divisor", "encode", "decode", "decode_add_encode", "philox_bits", "key_words", "PASS_DTYPES"]
+__all__ = ["divisor", "encode", "decode", "decode_add_encode", "philox_bits", "key_words", "mix64_words",
+           "call_key_words", "PASS_DTYPES"]
 
 #: element formats: (mantissa bits, exponent of the smallest normal, total bits), as the reference
 _ELEM = {"float8_e4m3fn": (3, -6, 8), "float8_e5m2": (2, -14, 8), "float4_e2m1fn": (1, 0, 4)}
@@ -53,6 +57,50 @@ _U32 = jnp.uint32
 def key_words(key: int) -> tuple[int, int]:
     """A 64-bit Philox key as (low word, high word)."""
     return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+
+
+def _add64(lo: Any, hi: Any, c: int) -> tuple[Any, Any]:
+    """(lo, hi) + the 64-bit constant c, modulo 2**64."""
+    cl, ch = key_words(c)
+    s = lo + _U32(cl)
+    return s, hi + _U32(ch) + (s < lo).astype(_U32)
+
+
+def _xor_shr64(lo: Any, hi: Any, k: int) -> tuple[Any, Any]:
+    """z ^ (z >> k) for 0 < k < 32, z = (lo, hi)."""
+    return lo ^ ((lo >> _U32(k)) | (hi << _U32(32 - k))), hi ^ (hi >> _U32(k))
+
+
+def _mul64(lo: Any, hi: Any, c: int) -> tuple[Any, Any]:
+    """(lo, hi) * the 64-bit constant c, modulo 2**64."""
+    cl, ch = key_words(c)
+    h, low = _mulhilo(cl, lo)
+    return low, h + lo * _U32(ch) + hi * _U32(cl)
+
+
+def mix64_words(lo: Any, hi: Any) -> tuple[Any, Any]:
+    """``giftcomm.reference.rounding.mix64`` (SplitMix64's finaliser) of the 64-bit values whose
+    low and high uint32 words are ``lo`` and ``hi`` (arrays of one shape), as (low, high) words."""
+    lo, hi = _add64(jnp.asarray(lo, _U32), jnp.asarray(hi, _U32), 0x9E3779B97F4A7C15)
+    lo, hi = _mul64(*_xor_shr64(lo, hi, 30), 0xBF58476D1CE4E5B9)
+    lo, hi = _mul64(*_xor_shr64(lo, hi, 27), 0x94D049BB133111EB)
+    return _xor_shr64(lo, hi, 31)
+
+
+def call_key_words(seed: Any, parties: Any) -> jax.Array:
+    """uint32[len(parties), 2]: the Philox key words (low, high) of ``call_key(seed, party)``
+    (stage 0) for every party, ``seed`` a traced or concrete value: an unsigned or signed
+    integer scalar (taken modulo 2**32: a seed below 2**32) or ``uint32[2]`` words (low, high)
+    of a 64-bit seed. ``parties``: Python ints (the devices' indices)."""
+    s = jnp.asarray(seed)
+    if s.shape == (2,):
+        lo, hi = s[0].astype(_U32), s[1].astype(_U32)
+    else:
+        lo, hi = s.astype(_U32), _U32(0)
+    slo, shi = mix64_words(lo, hi)
+    party = np.array([key_words(mix64((int(q) & 0xFFFFFFFF) << 32)) for q in parties], np.uint32).reshape(-1, 2)
+    klo, khi = mix64_words(slo ^ jnp.asarray(party[:, 0]), shi ^ jnp.asarray(party[:, 1]))
+    return jnp.stack([klo, khi], axis=1)
 
 
 def divisor(c: float, like: jax.Array) -> jax.Array:

@@ -25,6 +25,23 @@ What runs (all traced once, static shapes):
    without the allgather;
 4. the result is divided by P in float32 for pmean, then cast to each leaf's dtype.
 
+Per-step seeds, error feedback, GIFT (psum / pmean keywords):
+
+- ``seed`` may be a traced integer array (the step number passed to the jitted step, the same on
+  every device): a scalar (taken as a uint32: a seed below 2**32) or ``uint32[2]`` words (low,
+  high) of a 64-bit seed; the keys are ``call_key`` of that seed computed in uint32 arithmetic
+  (jax_codec.call_key_words), so the bits equal the int seed's and one compiled step serves
+  every seed;
+- ``feedback=state`` (``feedback_init(grads)``: float32 zeros like the leaves) makes the call
+  return ``(result, new_state)``: the state is added to the leaves (in float32) before the
+  reduction, and the new state is what this device's own encodes of its values lost, exactly as
+  giftcomm.feedback.ErrorFeedback records it (``own_pieces``: ring, chunk index - 1; direct,
+  every chunk but its own; one device, everything; non-finite residuals are 0);
+- ``geometry=g`` (a giftcomm Geometry, or a jax_geometry.JaxGeometry passed as a jitted
+  argument) reduces ``forward(packed leaves)`` and maps the sum back with ``inverse`` before
+  ``pmean``'s division (giftcomm.simulate_gift_allreduce's order); with feedback the residual is
+  mapped back by ``inverse`` too (ErrorFeedback.record with a geometry).
+
 The result equals ``giftcomm.simulate_allreduce`` (``simulate_reduce_scatter`` with
 ``layout="equal"``) of the devices' flat float32 vectors with the same options, bit for bit, and
 is identical on every device; stochastic rounding draws its bits as the reference does (keys
@@ -45,8 +62,9 @@ from ..options import CallOptions
 from ..partition import shared_chunk_bounds
 from ..reference.rounding import call_key
 from . import jax_codec
+from .jax_geometry import JaxGeometry
 
-__all__ = ["psum", "pmean", "psum_scatter", "JIT_ALGORITHMS"]
+__all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "JIT_ALGORITHMS"]
 
 JIT_ALGORITHMS = ("ring", "direct")
 """The algorithms of the jit path ("auto" means "ring")."""
@@ -54,9 +72,25 @@ JIT_ALGORITHMS = ("ring", "direct")
 _UNSUPPORTED = ("slice_elems", "timeout")  # host-transport options: meaningless under jit
 
 
-def _options(owner: str, op: str, options: dict[str, Any]) -> CallOptions:
+def _split_seed(owner: str, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(options without an array seed, the array seed or None). A seed that is a jax or NumPy
+    array (a traced per-step seed): an integer scalar or ``uint32[2]`` key words (low, high)."""
+    seed = options.get("seed")
+    if seed is None or isinstance(seed, (int, np.integer)):
+        return options, None
+    if not hasattr(seed, "dtype") or not hasattr(seed, "shape"):
+        return options, None  # CallOptions rejects it with the common wording
+    if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.shape not in ((), (2,)):
+        raise ValueError(f"{owner}: an array seed must be an integer scalar or uint32[2] key words (low, high); "
+                         f"got {seed.dtype}{list(seed.shape)}")
+    return {k: v for k, v in options.items() if k != "seed"}, seed
+
+
+def _options(owner: str, op: str, options: dict[str, Any]) -> tuple[CallOptions, Any]:
+    """(the validated CallOptions, an array seed or None)."""
     if "op" in options:
         raise TypeError(f"{owner}: op is given by the function (psum: sum, pmean: avg), not as an option")
+    options, traced_seed = _split_seed(owner, options)
     opts = CallOptions.of(owner, op=op, **options)
     algorithm = "ring" if opts.algorithm == "auto" else opts.algorithm
     if algorithm not in JIT_ALGORITHMS:
@@ -65,9 +99,10 @@ def _options(owner: str, op: str, options: dict[str, Any]) -> CallOptions:
     for name in _UNSUPPORTED:
         if getattr(opts, name) is not None:
             raise ValueError(f"{owner}: {name} has no meaning inside jit (XLA schedules the transfers)")
-    if opts.rounding == "stochastic" and opts.seed is None:
-        raise ValueError(f"{owner}: stochastic rounding needs seed= (a Python int identifying the call)")
-    return opts.replace(algorithm=algorithm)
+    if opts.rounding == "stochastic" and opts.seed is None and traced_seed is None:
+        raise ValueError(f"{owner}: stochastic rounding needs seed= (an int, or an integer array such as the "
+                         "training step, the same on every device)")
+    return opts.replace(algorithm=algorithm), traced_seed
 
 
 def _axis(owner: str, axis_name: Any) -> tuple[Any, int]:
@@ -101,12 +136,15 @@ def _leaves(owner: str, tree: Any) -> tuple[list[jax.Array], Any]:
 class _Ring:
     """The per-call constants: format, block, keys per device, the axis and its size."""
 
-    def __init__(self, opts: CallOptions, axis: Any, p: int) -> None:
+    def __init__(self, opts: CallOptions, axis: Any, p: int, traced_seed: Any = None) -> None:
         self.f, self.block, self.axis, self.p = opts.format, opts.resolved_block, axis, p
         self.rounding = opts.rounding if self.f.scaled else "nearest"
         self.direct = opts.algorithm == "direct"
-        seed = opts.seed or 0
-        self.keys = np.array([jax_codec.key_words(call_key(seed, r)) for r in range(p)], np.uint32)
+        if traced_seed is not None and self.rounding == "stochastic":
+            self.keys: Any = jax_codec.call_key_words(traced_seed, range(p))
+        else:
+            seed = opts.seed or 0
+            self.keys = np.array([jax_codec.key_words(call_key(seed, r)) for r in range(p)], np.uint32)
         self.rank = jax.lax.axis_index(axis)
 
     def encode(self, v: jax.Array, offset: Any, party: Any = None) -> jax.Array:
@@ -121,33 +159,42 @@ class _Ring:
         """Every device's ``msg`` moved to device (index + s) mod P."""
         return jax.lax.ppermute(msg, self.axis, [(i, (i + s) % self.p) for i in range(self.p)])
 
-    def reduce_scatter(self, chunks: jax.Array, los: np.ndarray) -> jax.Array:
+    def reduce_scatter(self, chunks: jax.Array, los: np.ndarray, own_error: bool = False) -> Any:
         """float32[L]: this device's chunk of the sum of every device's ``chunks`` (P, L), chunk c
-        starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``)."""
+        starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``).
+        own_error: also return float32[P, L], what this device's encodes of its own values lost
+        (``chunks - decode(encode(chunks))`` on the chunks it encodes alone: giftcomm.feedback's
+        ``own_pieces``; 0 elsewhere); at P = 1 that is the allgather's, added by the caller."""
         p, r = self.p, self.rank
         lo = jnp.asarray(los.astype(np.uint32))
         L = chunks.shape[1]
+        err = jnp.zeros_like(chunks)  # unused (and dropped by XLA) without own_error
         if p == 1:
-            return chunks[0]
+            return (chunks[0], err) if own_error else chunks[0]
         if self.direct:
             got = [chunks[r]]
             for s in range(1, p):
                 c = (r + s) % p
-                got.append(self.decode(self.shift(self.encode(chunks[c], lo[c]), s), L))
+                msg = self.encode(chunks[c], lo[c])
+                if own_error:
+                    err = err.at[c].set(chunks[c] - self.decode(msg, L))
+                got.append(self.decode(self.shift(msg, s), L))
             by_shift = jnp.stack(got)
             by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
             acc = by_src[0]
             for q in range(1, p):
                 acc = acc + by_src[q]
-            return acc
+            return (acc, err) if own_error else acc
         c = (r - 1) % p
         msg = self.encode(chunks[c], lo[c])
+        if own_error:
+            err = err.at[c].set(chunks[c] - self.decode(msg, L))
         for k in range(2, p + 1):
             c = (r - k) % p
             acc = self.decode(self.shift(msg, 1), L) + chunks[c]
             if k < p:
                 msg = self.encode(acc, lo[c])
-        return acc
+        return (acc, err) if own_error else acc
 
     def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
         """float32[P, L]: every owner's chunk encoded once by it and decoded by every device."""
@@ -161,44 +208,119 @@ def _check_size(owner: str, n: int) -> None:
         raise ValueError(f"{owner}: {n} values; the jit path counts elements in 32 bits (fewer than 2**32)")
 
 
-def _reduce(owner: str, tree: Any, axis_name: Any, op: str, options: dict[str, Any]) -> Any:
-    opts = _options(owner, op, options)
+def feedback_init(tree: Any, copies: int | None = None) -> Any:
+    """The error-feedback state of :func:`psum` / :func:`pmean` before the first step: float32
+    zeros shaped like every leaf of ``tree`` (the per-device gradients). copies: None, or k for
+    leaves of shape (k, *shape), to hold the per-device states outside ``shard_map`` (pass them
+    with ``in_specs=P(axis)``: each device then sees (1, *shape), which the calls accept: a
+    state leaf needs the element count of its gradient leaf, not its shape)."""
+    lead = () if copies is None else (int(copies),)
+    return jax.tree_util.tree_map(lambda v: jnp.zeros(lead + tuple(jnp.shape(v)), jnp.float32), tree)
+
+
+def _feedback_leaves(owner: str, feedback: Any, treedef: Any, sizes: list[int]) -> list[jax.Array]:
+    leaves, fdef = jax.tree_util.tree_flatten(feedback)
+    if fdef != treedef:
+        raise ValueError(f"{owner}: feedback must have the structure of x (feedback_init(x) builds it); "
+                         f"got {fdef} for {treedef}")
+    out = []
+    for i, (leaf, size) in enumerate(zip(leaves, sizes)):
+        leaf = jnp.asarray(leaf)
+        if leaf.dtype != jnp.float32 or int(np.prod(leaf.shape, dtype=np.int64)) != size:
+            raise ValueError(f"{owner}: feedback leaf {i} must be float32 with {size} elements (its gradient leaf's "
+                             f"count); got {leaf.dtype}{list(leaf.shape)}")
+        out.append(leaf)
+    return out
+
+
+def _geometry(owner: str, geometry: Any, n: int) -> JaxGeometry | None:
+    if geometry is None:
+        return None
+    geo = JaxGeometry.of(geometry)
+    if geo.size != n:
+        raise ValueError(f"{owner}: the geometry covers {geo.size} elements but the packed pytree has {n} "
+                         "(build it over tree_spec(x).layout)")
+    return None if geo.is_identity else geo
+
+
+def _reduce(owner: str, tree: Any, axis_name: Any, op: str, options: dict[str, Any], feedback: Any = None,
+            geometry: Any = None) -> Any:
+    opts, traced_seed = _options(owner, op, options)
     axis, p = _axis(owner, axis_name)
     leaves, treedef = _leaves(owner, tree)
     sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in leaves]
     n = sum(sizes)
     _check_size(owner, n)
+    fb = None
+    if feedback is not None:
+        if not opts.format.scaled:
+            raise ValueError(f"{owner}: feedback needs a block-scaled format; {opts.fmt} is a pass-through format "
+                             "(nothing to feed back)")
+        fb = _feedback_leaves(owner, feedback, treedef, sizes)
+    geo = _geometry(owner, geometry, n)
     if n == 0:
-        return tree
+        return tree if fb is None else (tree, feedback)
     flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
-    ring = _Ring(opts, axis, p)
+    if fb is not None:  # compensate: add last step's residual (ErrorFeedback.compensate)
+        flat = flat + jnp.concatenate([e.reshape(-1) for e in fb])
+    y = flat if geo is None else geo.forward(flat)
+    ring = _Ring(opts, axis, p, traced_seed)
     bounds = np.asarray(shared_chunk_bounds(n, p, ring.block))
     lens = np.diff(bounds)
     L = int(lens.max())
-    chunks = jnp.stack([jnp.pad(flat[bounds[c] : bounds[c + 1]], (0, L - lens[c])) for c in range(p)])
-    rows = ring.allgather(ring.reduce_scatter(chunks, bounds[:-1]), bounds[:-1])
+    chunks = jnp.stack([jnp.pad(y[bounds[c] : bounds[c + 1]], (0, L - lens[c])) for c in range(p)])
+    if fb is None:
+        mine = ring.reduce_scatter(chunks, bounds[:-1])
+    else:
+        mine, err_chunks = ring.reduce_scatter(chunks, bounds[:-1], own_error=True)
+    rows = ring.allgather(mine, bounds[:-1])
     total = jnp.concatenate([rows[c, : lens[c]] for c in range(p)])
+    if fb is not None:
+        err = y - total if p == 1 else jnp.concatenate([err_chunks[c, : lens[c]] for c in range(p)])
+    if geo is not None:
+        total = geo.inverse(total)
     if op == "avg":
         total = total / jax_codec.divisor(p, total)
     out, off = [], 0
     for x, size in zip(leaves, sizes):
         out.append(total[off : off + size].reshape(x.shape).astype(x.dtype))
         off += size
-    return jax.tree_util.tree_unflatten(treedef, out)
+    result = jax.tree_util.tree_unflatten(treedef, out)
+    if fb is None:
+        return result
+    if geo is not None:  # the residual kept in gradient coordinates (ErrorFeedback.record)
+        err = geo.inverse(err)
+    err = jnp.where(jnp.isfinite(err), err, jnp.float32(0))
+    new, off = [], 0
+    for e, size in zip(fb, sizes):
+        new.append(err[off : off + size].reshape(e.shape))
+        off += size
+    return result, jax.tree_util.tree_unflatten(treedef, new)
 
 
-def psum(x: Any, axis_name: Any, **options: Any) -> Any:
+def psum(x: Any, axis_name: Any, *, feedback: Any = None, geometry: Any = None, **options: Any) -> Any:
     """``lax.psum(x, axis_name)`` through giftcomm's wire: the sum over the devices of the mesh
     axis (or tuple of axes) ``axis_name`` of every leaf of the pytree ``x`` (float16, bfloat16
     or float32 leaves; returned in their shapes and dtypes, identical on every device).
     ``options``: giftcomm.options.CallOptions fields (fmt="e4m3", block, rounding, seed,
-    mx_scale, algorithm "auto"/"ring"/"direct"). Call inside ``jax.shard_map`` (under jit)."""
-    return _reduce("psum", x, axis_name, "sum", options)
+    mx_scale, algorithm "auto"/"ring"/"direct"); ``seed`` may also be an integer array (traced:
+    e.g. the step number, the same on every device), a scalar below 2**32 or uint32[2] words
+    (low, high) of a 64-bit seed, rounding exactly as that int seed does.
+    feedback: None, or the error-feedback state (:func:`feedback_init`; a pytree of float32
+    leaves like x's): then the call returns ``(result, new_state)``, the state's residual added
+    to x before the reduction and the new state what this device's own encodes lost
+    (giftcomm.feedback.ErrorFeedback with the pieces of ``own_pieces``). geometry: None, a
+    giftcomm Geometry or a :class:`~giftcomm.adapters.jax_geometry.JaxGeometry` over the packed
+    leaves (tree order; e.g. built on ``tree_spec(x).layout``): the reduction runs in its
+    coordinates, ``inverse(sum(forward(x)))`` (GIFT), the residual mapped back to x's.
+    Call inside ``jax.shard_map`` (under jit)."""
+    return _reduce("psum", x, axis_name, "sum", options, feedback, geometry)
 
 
-def pmean(x: Any, axis_name: Any, **options: Any) -> Any:
-    """``lax.pmean``: :func:`psum` divided by the number of devices (in float32, then cast)."""
-    return _reduce("pmean", x, axis_name, "avg", options)
+def pmean(x: Any, axis_name: Any, *, feedback: Any = None, geometry: Any = None, **options: Any) -> Any:
+    """``lax.pmean``: :func:`psum` divided by the number of devices (in float32, then cast);
+    the same keywords."""
+    return _reduce("pmean", x, axis_name, "avg", options, feedback, geometry)
 
 
 def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: bool = False, **options: Any) -> Any:
@@ -209,7 +331,7 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: b
     (row r of the packed (P, m) matrix is device r's slices); equal to
     ``giftcomm.simulate_reduce_scatter(..., layout="equal")`` of the packed rows."""
     owner = "psum_scatter"
-    opts = _options(owner, "sum", options)
+    opts, traced_seed = _options(owner, "sum", options)
     axis, p = _axis(owner, axis_name)
     leaves, treedef = _leaves(owner, x)
     rows, shapes = [], []
@@ -233,7 +355,7 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: b
     _check_size(owner, m * p)
     if m == 0:
         return x
-    ring = _Ring(opts, axis, p)
+    ring = _Ring(opts, axis, p, traced_seed)
     mine = ring.reduce_scatter(jnp.concatenate(rows, axis=1), np.arange(p, dtype=np.int64) * m)
     out, off = [], 0
     for (dim, shape, dtype), r in zip(shapes, rows):
@@ -247,7 +369,7 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: b
 def wire_bytes(n: int, p: int, **options: Any) -> int:
     """Bytes one device sends in :func:`psum` of n values on p devices (ring: P - 1 hops of one
     chunk message, plus its one message in the allgather, received by P - 1 devices)."""
-    opts = _options("wire_bytes", "sum", options)
+    opts, _ = _options("wire_bytes", "sum", options)
     if p == 1:
         return 0
     lens = np.diff(shared_chunk_bounds(n, p, opts.resolved_block))
