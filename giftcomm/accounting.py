@@ -15,7 +15,9 @@ and chunk layout (:func:`sent_bytes`); on MPI's shared-memory paths the same mes
 written to node-shared memory for the peers to read instead of being sent. "native" (the
 transport's own collective, which giftcomm cannot look inside): the payload bytes a ring
 allreduce moves from this rank, ``2 * (P - 1) / P * n * itemsize`` (itemsize: 4 for a
-block-scaled format, whose values go as float32; the pass-through format's otherwise).
+block-scaled format, whose values go as float32; the pass-through format's otherwise). A
+reduce-scatter on giftcomm's ring or direct row sends one message of every chunk but this
+rank's (:func:`scatter_sent_bytes`), half an allreduce's.
 
 Counting costs one attribute increment per call: a call's counts go to a :class:`Slot` of its
 (format, algorithm, bytes, fallback) kept per communicator (a cached plan keeps its slot), and
@@ -36,7 +38,7 @@ from typing import Any
 from .formats import get_format, message_nbytes
 from .partition import shared_chunk_bounds
 
-__all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
+__all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
 
 log = logging.getLogger("giftcomm")
 
@@ -108,6 +110,18 @@ def sent_bytes(algorithm: str, n: int, p: int, rank: int, fmt: str, block: int) 
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
+def scatter_sent_bytes(bounds: tuple[int, ...] | list[int], rank: int, fmt: str, block: int) -> int:
+    """Bytes giftcomm's reduce-scatter (ring or direct) sends from ``rank`` for chunk bounds
+    ``bounds`` (P + 1 ints, chunk c = values ``[bounds[c], bounds[c + 1])``, owned by rank c):
+    one message of every chunk but its own (the ring passes each partial sum on once, the
+    direct sends each chunk to its owner). Half of the allreduce's: no allgather follows. The
+    native row runs the transport's whole allreduce and counts as :func:`sent_bytes`."""
+    p = len(bounds) - 1
+    if p <= 1:
+        return 0
+    return sum(message_nbytes(int(bounds[c + 1] - bounds[c]), fmt, block) for c in range(p) if c != rank)
+
+
 def slot_of(t: Any, fmt: str, algorithm: str, n: int, block: int, reason: str | None) -> Slot:
     """The slot a call of ``n`` values of ``fmt`` running ``algorithm`` on ``t`` counts in."""
     native = algorithm == "native" and get_format(fmt).scaled
@@ -147,6 +161,15 @@ def agreed(t: Any, job: Any, explicit: bool) -> Slot:
                         "faster for this size); pass allow_native=False to force compression "
                         "(docs/scaling.md, 'When auto sends uncompressed'). Said once per communicator.",
                         call.arr.size, call.fmt.name, reason)
+    if job.bounds is not None and not algorithm.native:  # a reduce-scatter (ring or direct)
+        bounds = tuple(int(b) for b in job.bounds)
+        skey = (call.fmt.name, algorithm.name, bounds, call.block, None)
+        rec = _record(t)
+        slot = rec.slots.get(skey)
+        if slot is None:
+            nbytes = scatter_sent_bytes(bounds, t.rank, call.fmt.name, call.block)
+            slot = rec.slots[skey] = Slot(call.fmt.name, algorithm.name, nbytes, None)
+        return slot
     return slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, reason)
 
 

@@ -129,6 +129,66 @@ def _disagree_worker(rank, world):
     return None, subset
 
 
+def _routes_worker(rank, world):
+    """Calls on which the ranks' own policies would take different routes, or agree on giftcomm
+    with different calls: each must raise the same ValueError on every rank, and the group must
+    stay usable (the good call after them)."""
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    x = _data(rank, 2 * N)
+    t = x[: 2 * N if rank == 0 else 998]  # below min_elems on rank 1 only
+
+    def bad_coalesced():
+        a, b = x[:1500].clone(), x[1500:].clone()
+        if rank == 1:
+            b = b.double()  # a coalesced call mixing dtypes on one rank
+        with dist._coalescing_manager(pg):
+            dist.all_reduce(a, group=pg)
+            dist.all_reduce(b, group=pg)
+
+    cases = {
+        "small_on_one": lambda: dist.all_reduce(t.clone(), group=pg),
+        "dtype": lambda: dist.all_reduce(x.clone().to(torch.float64 if rank else torch.float32), group=pg),
+        "int_on_one": lambda: dist.all_reduce(x.clone() if rank == 0 else torch.arange(2 * N), group=pg),
+        "op": lambda: dist.all_reduce(x.clone(), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX, group=pg),
+        "factor": lambda: dist.all_reduce(x.clone(), op=dist._make_nccl_premul_sum(0.5 + rank), group=pg),
+        "sizes": lambda: dist.all_reduce(x[: 2 * N - rank].clone(), group=pg),
+        "strided": lambda: dist.all_reduce(x.view(2, N).t() if rank else x.clone(), group=pg),
+        "rs_shape": lambda: dist.reduce_scatter_tensor(torch.empty(N), x[: 2 * N if rank == 0 else 2 * N - 2].clone()
+                                                       if rank == 0 else x.clone(), group=pg) if rank == 0 else
+        dist.reduce_scatter_tensor(torch.empty(N), x.clone().double(), group=pg),
+        "coalesced_dtypes": bad_coalesced,
+    }
+    res = {}
+    for name, call in cases.items():
+        try:
+            call()
+            res[name] = None
+        except ValueError as exc:
+            res[name] = str(exc)
+    y = x.clone()
+    dist.all_reduce(y, group=pg)
+    return res, x, y, dict(pg.counts)
+
+
+def test_ranks_on_different_routes_all_raise(tmp_path):
+    res = _spawn(_routes_worker, 2, tmp_path)
+    for name in res[0][0]:
+        msgs = [r[0][name] for r in res]
+        assert all(m is not None and "disagree" in m for m in msgs), (name, msgs)
+        assert msgs[0] == msgs[1], name  # the same error on every rank
+    assert "inner group" in res[0][0]["small_on_one"] and "giftcomm" in res[0][0]["small_on_one"]
+    assert "float64" in res[0][0]["dtype"] and "6001 elements" in res[0][0]["sizes"]
+    # the group is still in step: the next call is giftcomm's, bit for bit the reference on both ranks
+    want = simulate_allreduce([r[1].numpy() for r in res], fmt="e4m3", algorithm="ring")
+    for r in range(2):
+        np.testing.assert_array_equal(res[r][2].numpy(), want[r])
+        assert res[r][3]["giftcomm"] == 1  # none of the bad calls ran on either route
+
+
 def test_ranks_disagreeing_on_options_all_raise(tmp_path):
     res = _spawn(_disagree_worker, 2, tmp_path)
     assert all(r is not None and "disagree" in r for r, _ in res)

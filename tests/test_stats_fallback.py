@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm.accounting import AUTO_NATIVE, sent_bytes
+from giftcomm.accounting import AUTO_NATIVE, scatter_sent_bytes, sent_bytes
 from giftcomm.collectives import engine
 from giftcomm.formats import message_nbytes
 
@@ -75,7 +75,8 @@ def test_reset_and_reduce_scatter_allgather_counts(rng):
     for r, (_, st) in enumerate(res):
         assert st["calls"] == 2 and st["algorithms"] == {"ring": 1, "allgather": 1} and st["fallbacks"] == {}
         msgs = [message_nbytes(s, "e5m2") for s in sizes]
-        assert st["bytes_sent"]["e5m2"] == sent_bytes("ring", n, p, r, "e5m2", 256) + sum(msgs) - msgs[(r + 1) % p]
+        # the reduce-scatter: every chunk's message but this rank's; the allgather: every shard but the next rank's
+        assert st["bytes_sent"]["e5m2"] == sum(msgs) - msgs[r] + sum(msgs) - msgs[(r + 1) % p]
 
 
 @pytest.mark.mpi
@@ -226,3 +227,42 @@ def test_sent_bytes_is_what_the_message_path_sends(rng, p):
 
 def gc_opts(algo):
     return engine.call_options("e4m3", None, "nearest", None, algo, None, None, "sum")
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_reduce_scatter_counts_what_its_message_path_sends(rng, p):
+    """A reduce-scatter (ring, direct; both layouts) counts one message of every chunk but this
+    rank's -- the bytes its isend calls carry over the loopback transport, half an allreduce's
+    (it used to be counted as a whole allreduce) -- and giftcomm.stats reports that."""
+    n = int(rng.integers(3000, 9000)) * p
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    cases = [(algo, layout) for algo in ("ring", "direct") for layout in ("blocks", "equal")]
+
+    def body(t):
+        sent = [0]
+        isend = t.isend
+
+        def counting(buf, dest, tag=0):
+            sent[0] += buf.nbytes
+            return isend(buf, dest, tag)
+
+        t.isend = counting
+        got = {}
+        for algo, layout in cases:
+            kind = engine.REDUCE_SCATTERS[layout]
+            gc.reset_stats(t)
+            with engine.held(t, None):
+                job = engine.agree_call(t, kind, xs[t.rank], None, gc_opts(algo))
+                mid = sent[0]
+                kind.run(t, job, None)
+            ran = sent[0] - mid
+            gc.reduce_scatter(xs[t.rank], comm=t, fmt="e4m3", algorithm=algo, layout=layout)
+            got[algo, layout] = ran, tuple(int(b) for b in job.bounds), gc.stats(t)["bytes_sent"]
+        return got
+
+    for r, got in enumerate(gc.LoopbackGroup(p).run(body)):
+        for case in cases:
+            ran, bounds, counted = got[case]
+            assert ran == scatter_sent_bytes(bounds, r, "e4m3", 256) > 0, (case, r)
+            assert counted == {"e4m3": ran}, (case, r)
+            assert 2 * ran < sent_bytes(case[0], n, p, r, "e4m3", 256) + 2 * message_nbytes(n // p + 256, "e4m3")

@@ -42,6 +42,14 @@ arguments, so it behaves (and fails) exactly as on that group. All-gathers are n
 by default: trainers gather *parameters* with them (Megatron's distributed optimizer), and an
 FP8 copy of the weights is a different model.
 
+The route is agreed per call: before each allreduce / reduce-scatter (and all-gather with
+``allgather=True``) the ranks exchange a few int64s over the members' gloo group (what each
+rank's policy decided, dtype, sizes, op, factor). Unanimous "inner": the inner group's call,
+unchanged; unanimous "giftcomm" with the same call: giftcomm's; anything else (one rank's
+tensor below ``min_elems`` or of another dtype, another op, other sizes, a coalesced call mixing
+dtypes on one rank) raises the same ValueError on every rank instead of a hang or a call half
+on one route and half on the other.
+
 Results are bit-identical on every rank (giftcomm's guarantee); a rank that gets a bad input
 or a failure gets giftcomm's exception, raised on every rank (docs/robustness.md). The call
 runs when it is issued (on CPU it has finished on return; on CUDA the kernels and NCCL
@@ -121,6 +129,40 @@ class Policy:
         return sum(int(t.numel()) for t in tensors) >= self.min_elems
 
 
+_KINDS = ("allreduce", "reduce_scatter", "allgather")
+_ROW = 10
+"""The int64s each rank sends per call in :meth:`GiftProcessGroup._agree`: kind, route (0 inner,
+1 giftcomm), dtype (index in the floats, -1 other), device type (0 cpu, 1 cuda, 2 other), input
+count, input elements, a hash of the inputs' and outputs' sizes, op (0 sum, 1 avg, -1 other),
+the PREMUL_SUM factor's float64 bits (0 none), contiguous (1/0)."""
+
+
+def _row(what: str, go: bool, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+         how: tuple[str, float | None] | None) -> list[int]:
+    """This rank's row of the route agreement (:data:`_ROW`)."""
+    t0 = inputs[0] if inputs else None
+    dtype = _FLOATS.index(t0.dtype) if t0 is not None and t0.dtype in _FLOATS else -1
+    device = -1 if t0 is None else {"cpu": 0, "cuda": 1}.get(t0.device.type, 2)
+    sizes = 0
+    for t in [*inputs, *outputs]:
+        sizes = (sizes * 1_000_003 + int(t.numel()) + 1) % (1 << 61)
+    op = -1 if how is None else ("sum", "avg").index(how[0])
+    factor = 0 if how is None or how[1] is None else int(torch.tensor(how[1], dtype=torch.float64).view(torch.int64))
+    contiguous = int(all(t.is_contiguous() for t in [*inputs, *outputs]))
+    return [_KINDS.index(what), int(go and contiguous == 1), dtype, device, len(inputs),
+            sum(int(t.numel()) for t in inputs), sizes, op, factor, contiguous]
+
+
+def _describe(row: list[int]) -> str:
+    """A route-agreement row in words (for the error)."""
+    route = "giftcomm" if row[1] else "inner group"
+    dtype = str(_FLOATS[row[2]]).replace("torch.", "") if row[2] >= 0 else "not a giftcomm float"
+    op = ("sum", "avg")[row[7]] if row[7] >= 0 else "an op giftcomm leaves alone"
+    factor = f" x {torch.tensor(row[8], dtype=torch.int64).view(torch.float64).item()}" if row[8] else ""
+    return (f"{_KINDS[row[0]]} -> {route} ({row[4]} tensor(s) of {dtype}, {row[5]} elements, {op}{factor}"
+            f"{'' if row[9] else ', not contiguous'})")
+
+
 def _done(tensors: list[torch.Tensor]) -> Any:
     """A completed ``Work`` whose future holds ``tensors``."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -185,16 +227,44 @@ class GiftProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         opts = dist.AllreduceOptions() if opts is None else opts
         how = self.policy.reduction(opts.reduceOp)
-        if how is None or len(tensors) != 1 or not self.policy.carries(tensors):
+        go = how is not None and len(tensors) == 1 and self.policy.carries(tensors)
+        if not self._agree("allreduce", go, tensors, tensors, how):
             return self._inner("allreduce", tensors, opts)
+        assert how is not None
         return self._allreduce(tensors, *how)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
         how = self.policy.reduction(opts.reduceOp)
-        if how is None or not self.policy.carries(tensors):
+        go = how is not None and self.policy.carries(tensors)
+        if not self._agree("allreduce", go, tensors, tensors, how):
             return self._inner("allreduce_coalesced", tensors, opts)
+        assert how is not None
         return self._allreduce(tensors, *how)
+
+    # ------------------------------------------------------------------ the route, agreed
+    def _agree(self, what: str, go: bool, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+               how: tuple[str, float | None] | None) -> bool:
+        """Whether this call goes through giftcomm, the same answer on every rank (collective
+        over the members' gloo group: one all-gather of :data:`_ROW` int64s per call).
+
+        Every rank sends what its own policy decided (``go``) and what the call is (kind, dtype,
+        device type, tensor count, sizes, op, factor, contiguity). All ranks decided "inner": the
+        inner group's call follows, unchanged. All ranks decided "giftcomm" with the same call:
+        giftcomm's. Anything else -- one rank's tensor below ``min_elems``, of another dtype,
+        another op or factor, other sizes, a non-contiguous tensor -- raises the same ValueError
+        on every rank (a call split between the routes would hang or sum wrong)."""
+        row = _row(what, go, inputs, outputs, how)
+        rows = [torch.empty(len(row), dtype=torch.int64) for _ in range(self.size())]
+        dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=self.host.group)  # type: ignore[attr-defined]
+        table = [r.tolist() for r in rows]
+        if all(r[1] == 0 for r in table):
+            return False
+        if all(r == table[0] for r in table) and table[0][1] == 1:
+            return True
+        shown = "; ".join(f"group rank {q}: {_describe(r)}" for q, r in enumerate(table))
+        raise ValueError(f"giftcomm process group: the ranks' {what} calls disagree, so no rank runs it "
+                         f"(every rank must pass tensors of the same dtype, sizes, op and layout): {shown}")
 
     def _allreduce(self, tensors: list[torch.Tensor], how: str, factor: float | None) -> Any:
         """One giftcomm allreduce of all ``tensors`` (concatenated when several), in place."""
@@ -236,9 +306,11 @@ class GiftProcessGroup(dist.ProcessGroup):
         shaped = len(outputs) == len(inputs) and all(
             i.numel() == o.numel() * size and i.dtype == o.dtype and i.device == o.device
             for o, i in zip(outputs, inputs))
-        if how is None or not shaped or not self.policy.carries(inputs + outputs):
+        go = how is not None and shaped and self.policy.carries(inputs + outputs)
+        if not self._agree("reduce_scatter", go, inputs, outputs, how):
             args = (outputs[0], inputs[0], opts) if method == "reduce_scatter_single" else (outputs, inputs, opts)
             return self._inner(method, *args)
+        assert how is not None
         op, factor = how
         rows = [_flat(i).view(size, -1) for i in inputs]
         src = rows[0].reshape(-1) if len(rows) == 1 else torch.cat(rows, dim=1).reshape(-1)
@@ -280,7 +352,9 @@ class GiftProcessGroup(dist.ProcessGroup):
         shaped = len(outputs) == len(inputs) and all(
             o.numel() == i.numel() * size and i.dtype == o.dtype and i.device == o.device
             for o, i in zip(outputs, inputs))
-        if not self.policy.allgather or not shaped or not self.policy.carries(inputs + outputs):
+        # without allgather=True no rank compresses an all-gather (the policy is agreed at creation)
+        if not self.policy.allgather or not self._agree(
+                "allgather", shaped and self.policy.carries(inputs + outputs), inputs, outputs, None):
             args = (outputs[0], inputs[0], opts) if method == "all_gather_single" else (outputs, inputs, opts)
             return self._inner(method, *args)
         flats = [_flat(i) for i in inputs]
