@@ -318,3 +318,43 @@ def test_sharded_grad_sync_paper_bad_input(rng):
         return sync.sync()
 
     assert_same_error(outcomes(2, missing), RuntimeError, "disagree on the factor refresh")
+
+
+# ------------------------------------------------------------------ the factor EMA's agreement
+def test_factor_ema_committed_only_when_every_rank_built_its_map(rng):
+    """A refresh that fails (a singular averaged A with damping 0: not positive definite) raises
+    on every rank and leaves every rank's FactorEMA as it was; a rank whose history differs takes
+    rank 0's map and blended factors, so the histories agree afterwards."""
+    from giftcomm.geometry.paper import FactorEMA, refresh_geometry
+
+    f0, f1 = random_factors(rng), random_factors(rng)
+
+    def body(t):
+        ema = FactorEMA()
+        g0 = refresh_geometry(t, LAYOUT, f0, 0, smoothing=ema, rank=4)
+        before = {n: f.copy() for n, (_, f) in ema.factors.items()}
+        singular = {n: np.zeros_like(a) for n, a in f1.items()}
+        try:
+            refresh_geometry(t, LAYOUT, singular, 1, smoothing=ema, rank=4, damping=0.0)
+            err = None
+        except ValueError as exc:
+            err = str(exc)
+        unchanged = all(np.array_equal(before[n], ema.factors[n][1]) for n in before) and not ema.staged
+        if t.rank == 1:  # a history of its own
+            ema.factors = {n: (k, f * 1.5) for n, (k, f) in ema.factors.items()}
+        g2 = refresh_geometry(t, LAYOUT, f1, 2, smoothing=ema, rank=4)
+        return err, unchanged, g0.fingerprint(), g2.fingerprint(), {n: f for n, (_, f) in ema.factors.items()}
+
+    res = LoopbackGroup(2).run(body)
+    assert all(r[0] is not None and "not positive definite" in r[0] for r in res)
+    assert all(r[1] for r in res)
+    assert res[0][2] == res[1][2] and res[0][3] == res[1][3]
+    for n in res[0][4]:
+        assert np.array_equal(res[0][4][n], res[1][4][n])
+    # and the blend is what the EMA says: 0.95 F(f0) + 0.05 F(f1)
+    from giftcomm.geometry.paper import PaperOptions, input_factor
+
+    o = PaperOptions(rank=4)
+    for n in res[0][4]:
+        want = 0.95 * input_factor(f0[n], o) + 0.05 * input_factor(f1[n], o)
+        np.testing.assert_allclose(res[0][4][n], want, rtol=1e-12, atol=1e-14)
