@@ -358,3 +358,28 @@ def test_factor_ema_committed_only_when_every_rank_built_its_map(rng):
     for n in res[0][4]:
         want = 0.95 * input_factor(f0[n], o) + 0.05 * input_factor(f1[n], o)
         np.testing.assert_allclose(res[0][4][n], want, rtol=1e-12, atol=1e-14)
+
+
+def test_jax_tree_refuses_the_word_on_every_rank():
+    jnp = pytest.importorskip("jax.numpy")
+    from giftcomm.adapters.jax import allreduce_tree
+
+    errors = outcomes(2, lambda t: allreduce_tree({"w": jnp.ones((4, 4))}, comm=t, geometry="paper"))
+    assert_same_error(errors, ValueError, "Geometry.preset('paper'")
+
+
+def test_gift_state_pickles_its_factor_ema(rng):
+    """The DDP hook's state keeps the factor EMA's history through a checkpoint (the next
+    refresh blends as an uninterrupted run would)."""
+    import pickle
+
+    from giftcomm.adapters.torch import GiftState
+
+    state = GiftState(geometry="paper", capture=make_model(0), paper={"refresh_every": 3})
+    f = {"up.weight": ("cholesky", np.tril(rng.standard_normal((40, 40))))}
+    state.factor_ema.factors = dict(f)
+    back = pickle.loads(pickle.dumps(state))
+    state.shutdown()
+    assert np.array_equal(back.factor_ema.factors["up.weight"][1], f["up.weight"][1])
+    assert back.paper.refresh_every == 3 and back.paper.factor_decay == 0.95
+    back.shutdown()
