@@ -77,6 +77,19 @@ def _one_process_trainer(port: int, out: str) -> None:
         res["other_hook"] = None
     except RuntimeError as exc:
         res["other_hook"] = str(exc)
+    # the paper's preset in one word: the LightningModule is captured when fit starts
+    cb = GiftCommCallback(fmt="e4m3", geometry="paper", paper={"refresh_every": 1, "rank": 4})
+    module = Tiny()
+    trainer(DDPStrategy(timeout=timeout), cb).fit(module, loader)
+    cap = cb.state.capture
+    res["paper"] = (cb.registered, cb.state.geometry, cb.state.paper.rank, sorted(cap.layers.values()),
+                    cap.estimator.counts.get("net.weight", 0))
+    cb.state.shutdown()
+    try:
+        GiftCommCallback(geometry="paper", paper={"ranks": 4})
+        res["bad_paper"] = None
+    except TypeError as exc:
+        res["bad_paper"] = str(exc)
     try:
         GiftCommCallback(fmt="nvfp4", block=256)
         res["bad_option"] = None
@@ -95,4 +108,7 @@ def test_callback_in_a_one_process_ddp_trainer(tmp_path):
     assert res["same"] == [True] * 3, res["same"]
     assert res["other_hook"] is not None and "another communication hook" in res["other_hook"]
     assert res["bad_option"] is not None and res["bad_option"].startswith("GiftState: ")
+    registered, geometry, rank, layers, fed = res["paper"]
+    assert registered and geometry == "paper" and rank == 4 and layers == ["net.weight"] and fed > 0, res["paper"]
+    assert res["bad_paper"] is not None and "ranks" in res["bad_paper"]
 

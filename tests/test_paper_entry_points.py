@@ -236,3 +236,150 @@ def test_grad_sync_paper_error_feedback_re_expressed_at_a_refresh(rng, reexpress
     else:
         assert np.abs(after - before).max() > 1e-3 * np.abs(before).max()
         assert same(e_new, e_old)
+
+
+# ------------------------------------------------------------------ ShardedGradSync(geometry="paper")
+def test_inverse_flat_shard_equals_the_full_inverse_on_every_split(rng):
+    """Equal shards that cut rows anywhere (P = 1..5, and shards shorter than a row): the shard
+    inverse equals the full inverse's slice to float32 rounding; an output-side map is refused."""
+    from giftcomm.geometry.sharded import inverse_flat_shard
+
+    layout = Layout([("a", (7, 5)), ("b", (3,)), ("c", (4, 9)), ("d", (2, 13))])
+    geo = Geometry.preset("paper", layout, random_factors(rng, layout), rank=3)
+    for p in (1, 2, 3, 4, 5, 11):
+        padded = -(-layout.size // p) * p
+        y = np.zeros(padded, np.float32)
+        y[: layout.size] = rng.standard_normal(layout.size)
+        want = np.zeros(padded, np.float32)
+        want[: layout.size] = geo.inverse(y[: layout.size])
+        k = padded // p
+        got = LoopbackGroup(p).run(lambda t: inverse_flat_shard(geo, y[t.rank * k: (t.rank + 1) * k], t.rank * k, t))
+        np.testing.assert_allclose(np.concatenate(got)[: layout.size], want[: layout.size], rtol=1e-5, atol=1e-5)
+    kfac = Geometry.from_kfac(layout, {"a": (np.eye(5), np.diag(np.arange(1.0, 8.0)))})
+    with pytest.raises(ValueError, match="output side"):
+        inverse_flat_shard(kfac, np.zeros(10, np.float32), 0)
+
+
+def train_sharded(t, seed, steps, **kw):
+    from giftcomm.adapters.torch import ShardedGradSync
+
+    model = make_model(seed)
+    sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="ring", allow_native=False, **kw)
+    out = []
+    for x in batches(seed, t.rank, steps):
+        sync.zero_grad()
+        model(x).pow(2).mean().backward()
+        local = sync.buffer.numpy().copy()
+        out.append((local, sync.sync().numpy().copy(), sync.geometry_of))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+    return out, sync
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_sharded_grad_sync_paper_matches_the_reference(rng, p):
+    """Every rank the same map; the shards concatenated equal inverse(simulated equal reduce-scatter
+    of every rank's forward-mapped buffer), to float32 rounding; the map changes at a refresh."""
+    from giftcomm.reference import simulate_reduce_scatter
+
+    seed = int(rng.integers(2**31))
+    res = LoopbackGroup(p).run(lambda t: train_sharded(t, seed, 3, paper={"refresh_every": 2, "rank": 4}))
+    for step in range(3):
+        geos = [r[0][step][2] for r in res]
+        assert len({g.fingerprint() for g in geos}) == 1
+        geo = geos[0]
+        xs = [geo.forward(r[0][step][0]) for r in res]
+        shards = simulate_reduce_scatter(xs, fmt="e4m3", op="avg", layout="equal", algorithm="ring")
+        want = geo.inverse(np.concatenate(shards))
+        got = np.concatenate([r[0][step][1] for r in res])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    fps = [r[0][s][2].fingerprint() for r in res[:1] for s in range(3)]
+    assert fps[0] == fps[1] != fps[2]
+    assert not res[0][0][0][2].is_identity
+
+
+def test_sharded_grad_sync_paper_bad_input(rng):
+    from giftcomm.adapters.torch import ShardedGradSync
+
+    with pytest.raises(NotImplementedError, match="error feedback"):
+        ShardedGradSync(make_model(0), comm=None, geometry="paper", error_feedback=True)
+    with pytest.raises(ValueError, match="geometry must be None or 'paper'"):
+        ShardedGradSync(make_model(0), comm=None, geometry="kfac")
+    seed = int(rng.integers(2**31))
+
+    def missing(t):
+        from giftcomm.adapters.torch import ShardedGradSync
+
+        model = make_model(seed, skip_down=t.rank == 0)
+        sync = ShardedGradSync(model, comm=t, geometry="paper")
+        sync.zero_grad()
+        model(batches(seed, t.rank, 1)[0]).pow(2).mean().backward()
+        return sync.sync()
+
+    assert_same_error(outcomes(2, missing), RuntimeError, "disagree on the factor refresh")
+
+
+# ------------------------------------------------------------------ the factor EMA's agreement
+def test_factor_ema_committed_only_when_every_rank_built_its_map(rng):
+    """A refresh that fails (a singular averaged A with damping 0: not positive definite) raises
+    on every rank and leaves every rank's FactorEMA as it was; a rank whose history differs takes
+    rank 0's map and blended factors, so the histories agree afterwards."""
+    from giftcomm.geometry.paper import FactorEMA, refresh_geometry
+
+    f0, f1 = random_factors(rng), random_factors(rng)
+
+    def body(t):
+        ema = FactorEMA()
+        g0 = refresh_geometry(t, LAYOUT, f0, 0, smoothing=ema, rank=4)
+        before = {n: f.copy() for n, (_, f) in ema.factors.items()}
+        singular = {n: np.zeros_like(a) for n, a in f1.items()}
+        try:
+            refresh_geometry(t, LAYOUT, singular, 1, smoothing=ema, rank=4, damping=0.0)
+            err = None
+        except ValueError as exc:
+            err = str(exc)
+        unchanged = all(np.array_equal(before[n], ema.factors[n][1]) for n in before) and not ema.staged
+        if t.rank == 1:  # a history of its own
+            ema.factors = {n: (k, f * 1.5) for n, (k, f) in ema.factors.items()}
+        g2 = refresh_geometry(t, LAYOUT, f1, 2, smoothing=ema, rank=4)
+        return err, unchanged, g0.fingerprint(), g2.fingerprint(), {n: f for n, (_, f) in ema.factors.items()}
+
+    res = LoopbackGroup(2).run(body)
+    assert all(r[0] is not None and "not positive definite" in r[0] for r in res)
+    assert all(r[1] for r in res)
+    assert res[0][2] == res[1][2] and res[0][3] == res[1][3]
+    for n in res[0][4]:
+        assert np.array_equal(res[0][4][n], res[1][4][n])
+    # and the blend is what the EMA says: 0.95 F(f0) + 0.05 F(f1)
+    from giftcomm.geometry.paper import PaperOptions, input_factor
+
+    o = PaperOptions(rank=4)
+    for n in res[0][4]:
+        want = 0.95 * input_factor(f0[n], o) + 0.05 * input_factor(f1[n], o)
+        np.testing.assert_allclose(res[0][4][n], want, rtol=1e-12, atol=1e-14)
+
+
+def test_jax_tree_refuses_the_word_on_every_rank():
+    jnp = pytest.importorskip("jax.numpy")
+    from giftcomm.adapters.jax import allreduce_tree
+
+    errors = outcomes(2, lambda t: allreduce_tree({"w": jnp.ones((4, 4))}, comm=t, geometry="paper"))
+    assert_same_error(errors, ValueError, "Geometry.preset('paper'")
+
+
+def test_gift_state_pickles_its_factor_ema(rng):
+    """The DDP hook's state keeps the factor EMA's history through a checkpoint (the next
+    refresh blends as an uninterrupted run would)."""
+    import pickle
+
+    from giftcomm.adapters.torch import GiftState
+
+    state = GiftState(geometry="paper", capture=make_model(0), paper={"refresh_every": 3})
+    f = {"up.weight": ("cholesky", np.tril(rng.standard_normal((40, 40))))}
+    state.factor_ema.factors = dict(f)
+    back = pickle.loads(pickle.dumps(state))
+    state.shutdown()
+    assert np.array_equal(back.factor_ema.factors["up.weight"][1], f["up.weight"][1])
+    assert back.paper.refresh_every == 3 and back.paper.factor_decay == 0.95
+    back.shutdown()

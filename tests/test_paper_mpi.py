@@ -70,3 +70,87 @@ def test_baseline_wire_live_matches_simulation(wire):
     # the "local" wire's ranks decode with their own scales, so they disagree once there are two
     agree = all(s == same[0] for s in same)
     assert agree == (wire.endswith("nccl") or comm.Get_size() == 1)
+
+
+# ------------------------------------------------------------ the preset from the entry points
+def _mlp(seed, skip_down=False):
+    torch = pytest.importorskip("torch")
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)
+
+        def forward(self, x):
+            h = torch.relu(self.up(x))
+            return h.sum(-1, keepdim=True) if skip_down else self.down(h)
+
+    torch.manual_seed(seed)
+    return Mlp()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sharded", [False, True])
+def test_paper_from_grad_sync_one_map_on_every_rank(sharded):
+    """GradSync / ShardedGradSync(geometry="paper") under MPI: every rank the same map at every
+    step (refreshed every 2 syncs), the same reduced gradients (GradSync)."""
+    torch = pytest.importorskip("torch")
+    from giftcomm.adapters.torch import GradSync, ShardedGradSync
+
+    comm = MPI.COMM_WORLD
+    seed = int(shared_rng(comm).integers(2**31))
+    model = _mlp(seed)
+    cls = ShardedGradSync if sharded else GradSync
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4})
+    rng = np.random.default_rng([seed, comm.Get_rank()])
+    fps = []
+    for _ in range(3):
+        sync.zero_grad()
+        x = torch.from_numpy((rng.standard_normal((32, 40)) * np.linspace(0.1, 5, 40)).astype(np.float32))
+        model(x).pow(2).mean().backward()
+        got = sync.sync()
+        geo = sync.geometry_of if sharded else sync.geometries[0]
+        fps.append(geo.fingerprint())
+        if not sharded:
+            grads = b"".join(p.grad.numpy().tobytes() for p in model.parameters())
+            assert len(set(comm.allgather(grads))) == 1
+        else:
+            assert got.shape == (sync.hi - sync.lo,)
+    every = comm.allgather(fps)
+    assert all(f == every[0] for f in every)
+    assert fps[0] == fps[1] != fps[2]
+
+
+@pytest.mark.mpi
+@pytest.mark.multirank  # ranks that differ: needs P >= 2
+def test_paper_from_grad_sync_missing_factor_raises_on_every_rank():
+    torch = pytest.importorskip("torch")
+    from giftcomm.adapters.torch import GradSync
+
+    comm = MPI.COMM_WORLD
+    model = _mlp(0, skip_down=comm.Get_rank() == comm.Get_size() - 1)
+    sync = GradSync(model, comm=comm, geometry="paper")
+    sync.zero_grad()
+    model(torch.ones(4, 40)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="disagree on the factor refresh"):
+        sync.sync()
+
+
+@pytest.mark.mpi
+def test_paper_plan_bit_identical_to_gift_allreduce():
+    import giftcomm as gc
+
+    comm = MPI.COMM_WORLD
+    rng = np.random.default_rng([int(shared_rng(comm).integers(2**31)), comm.Get_rank()])
+    est = InputFactorEstimator(LAYOUT)
+    for name in est.segments:
+        est.update(name, rng.standard_normal((64, LAYOUT[name].matrix_shape[1])))
+    geo = refresh_geometry(comm, LAYOUT, est.factors(), step=0)
+    x = rng.standard_normal(LAYOUT.size).astype(np.float32)
+    plan = gc.plan_allreduce(x, comm=comm, geometry=geo, op="avg")
+    want = gc.gift_allreduce(x, geo, comm=comm, op="avg", algorithm=plan.algorithm)
+    got = plan(x)
+    assert got.tobytes() == want.tobytes()
+    assert len(set(comm.allgather(got.tobytes()))) == 1
+    with pytest.raises(ValueError, match="Geometry.preset"):
+        gc.gift_allreduce(x, "paper", comm=comm)

@@ -46,7 +46,9 @@ class GiftCommCallback(Callback):
     start_gift_iter, geometry, ...: validated here, when the callback is built); or neither: the
     state given to ``DDPStrategy(ddp_comm_state=...)``, else ``GiftState()`` (e4m3). For
     ``geometry="kfac"`` or ``geometry="paper"`` (the GIFT paper's preset, settings in ``paper=``)
-    pass ``capture=`` the LightningModule. ``callback.state`` is the state in use
+    the word is enough: without ``capture=`` the state is built when fit starts, capturing the
+    LightningModule (the other options are checked when the callback is built, as always); or
+    pass ``capture=`` yourself. ``callback.state`` is the state in use
     (its ``stats()`` after training). With one process (no DDP wrapper, world size 1) nothing is
     registered. Raises TypeError when several processes train without a DDP strategy, and
     RuntimeError when the DDP model already has another communication hook.
@@ -58,6 +60,13 @@ class GiftCommCallback(Callback):
             raise TypeError("GiftCommCallback: pass a GiftState or GiftState's options, not both")
         if state is not None and not isinstance(state, GiftState):
             raise TypeError(f"GiftCommCallback: state must be a GiftState, got {type(state).__name__}")
+        self._deferred: dict[str, Any] | None = None  # GiftState's options, built with capture=pl_module at fit
+        if state is None and gift_options.get("geometry") in ("kfac", "paper") and gift_options.get("capture") is None:
+            import torch
+
+            GiftState(**{**gift_options, "capture": torch.nn.Module()}).shutdown()  # checks every other option now
+            self._deferred = dict(gift_options)
+            gift_options = {}
         self.state: GiftState | None = state if state is not None else (GiftState(**gift_options) if gift_options else None)
         self.registered = False
 
@@ -79,6 +88,8 @@ class GiftCommCallback(Callback):
             logger.info("giftcomm: one process and no DDP wrapper: GiftCommCallback registers nothing")
             return
         strategy_state = getattr(strategy, "_ddp_comm_state", None)
+        if self.state is None and self._deferred is not None:  # the one word: capture the module being fit
+            self.state = GiftState(**self._deferred, capture=pl_module)
         if self.state is None:
             if isinstance(strategy_state, GiftState):
                 self.state = strategy_state

@@ -38,7 +38,7 @@ from .sides import DenseSide, DiagonalSide, Side
 from .spectral import Spectrum, damped
 from .transform import SegmentTransform, identity_transform, make_side
 
-__all__ = ["ShardedGeometry", "row_chunks", "shard_layout", "restrict"]
+__all__ = ["ShardedGeometry", "row_chunks", "shard_layout", "restrict", "inverse_flat_shard"]
 
 
 def row_chunks(m: int, shards: int) -> list[tuple[int, int]]:
@@ -267,3 +267,58 @@ def restrict(layout, flat: np.ndarray, shards: int, rank: int) -> np.ndarray:
         chunk[: hi - lo] = rows[lo:hi]
         parts.append(chunk.reshape(-1))
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def inverse_flat_shard(geometry: Geometry, shard: Any, lo: int, comm: Any = None) -> np.ndarray:
+    """Collective: ``geometry.inverse`` restricted to the elements ``[lo, lo + shard.size)`` of the
+    flat buffer (ZeRO's equal shards, e.g. ShardedGradSync), from this rank's shard alone plus one
+    small exchange.
+
+    For a geometry whose transformed segments act on the input side only (identity left side,
+    e.g. the paper's preset: ``x -> x F^T`` row by row of the (m, n) view), every row wholly
+    inside the shard is mapped here; a row that an equal split cuts at ``lo`` or at the shard's
+    end is assembled from the pieces every rank holds of it (one ``allgather_object`` over
+    ``comm`` of those pieces, at most two rows' worth per segment per rank; every rank calls it,
+    even with nothing to send) and mapped whole, keeping this rank's part. shard: (k,) float
+    array (NumPy) in the geometry's coordinates; returns (k,) float32. ValueError for a segment
+    whose left side is not the identity (its map mixes rows: not shard-local this way)."""
+    from .sync import as_transport
+
+    x = np.asarray(shard, np.float32).reshape(-1)
+    hi = lo + x.size
+    out = x.copy()
+    pieces: list[tuple[int, np.ndarray]] = []
+    cut: list[tuple[Any, int, int]] = []  # (transform, row start, row end) of my rows cut by a shard edge
+    for t in geometry.transforms:
+        if t.is_identity:
+            continue
+        if not t.left.is_identity:
+            raise ValueError(f"inverse_flat_shard: segment {t.segment.name!r} transforms its output side (rows mix); "
+                             "only input-side geometries invert on an equal shard alone")
+        seg = t.segment
+        n = seg.matrix_shape[1]
+        s0, s1 = max(seg.offset, lo), min(seg.stop, hi)
+        if s0 >= s1:
+            continue
+        r0, r1 = (s0 - seg.offset) // n, -(-(s1 - seg.offset) // n)  # rows touched: [r0, r1)
+        f0 = r0 if seg.offset + r0 * n >= lo else r0 + 1  # rows wholly inside: [f0, f1)
+        f1 = r1 if seg.offset + r1 * n <= hi else r1 - 1
+        if f1 > f0:
+            a = seg.offset + f0 * n - lo
+            rows = out[a : a + (f1 - f0) * n].reshape(f1 - f0, n)
+            out[a : a + (f1 - f0) * n] = np.asarray(t.right.right(rows, inverse=True), np.float32).reshape(-1)
+        for r in sorted({r0, r1 - 1} - set(range(f0, f1))):
+            a, b = seg.offset + r * n, seg.offset + (r + 1) * n
+            pieces.append((max(a, lo), x[max(a, lo) - lo : min(b, hi) - lo].copy()))
+            cut.append((t, a, b))
+    t_ = as_transport(comm)
+    every = [pieces] if t_ is None or t_.size == 1 else t_.allgather_object(pieces)
+    for t, a, b in cut:
+        row = np.zeros(b - a, np.float32)
+        for got in every:
+            for start, vals in got:
+                if a <= start < b:
+                    row[start - a : start - a + vals.size] = vals
+        y = np.asarray(t.right.right(row[None, :], inverse=True), np.float32)[0]
+        out[max(a, lo) - lo : min(b, hi) - lo] = y[max(a, lo) - a : min(b, hi) - a]
+    return out

@@ -27,9 +27,12 @@ import torch
 from ... import api
 from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
+from ...geometry import Geometry, Layout
+from ...geometry.sharded import inverse_flat_shard
 from ...options import CallOptions
 from ...transport import resolve
 from .buckets import named_trainable
+from .paper_refresh import PaperRefresh, paper_options
 
 __all__ = ["ShardedGradSync"]
 
@@ -48,12 +51,33 @@ class ShardedGradSync:
     residual (this rank's own) for a per-rank checkpoint; ``algorithm_used``: what the last
     sync really ran.
 
+    geometry="paper": the GIFT paper's preset in one word (``model`` the nn.Module; settings
+    ``paper``, a PaperOptions or a dict of its fields; ``capture_tokens`` rows per layer and
+    forward, None: all): the nn.Linear inputs' covariances A are captured by forward hooks and
+    every ``refresh_every``-th sync (0, K, 2K, ...) the map is rebuilt from A averaged over the
+    ranks, factor EMA included (giftcomm.adapters.torch.paper_refresh, shared with GradSync).
+    Each rank maps its whole local buffer forward, the reduce-scatter runs in those coordinates
+    (float32), and the inverse maps this rank's shard alone: whole rows here, a row the equal
+    split cuts from the pieces the ranks exchange (giftcomm.geometry.sharded.inverse_flat_shard,
+    exact: raw float32). ``geometry_of``: the current map over the padded buffer. Host (CPU)
+    parameters only, and without error feedback: both raise NotImplementedError.
+
     Attributes: ``buffer`` (padded,) the gradients; ``lo``, ``hi`` this rank's element range;
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
     """
 
-    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, **options: Any) -> None:
+    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, geometry: str | None = None,
+                 paper: Any = None, capture_tokens: int | None = None, **options: Any) -> None:
         options.setdefault("op", "avg")
+        if geometry not in (None, "paper"):
+            raise ValueError(f"ShardedGradSync: geometry must be None or 'paper', got {geometry!r}")
+        if geometry is None and (paper is not None or capture_tokens is not None):
+            raise ValueError('ShardedGradSync: paper= and capture_tokens= go with geometry="paper" only')
+        self.paper = paper_options(paper, "ShardedGradSync") if geometry == "paper" else None
+        if self.paper is not None and error_feedback:
+            raise NotImplementedError('ShardedGradSync: error feedback with geometry="paper" is not implemented '
+                                      "(the residual would live in the map's coordinates across the reduce-scatter); "
+                                      "use GradSync (allreduce) for the paper's error feedback, or error_feedback=False")
         self.options = CallOptions.of("ShardedGradSync", **options)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
@@ -79,6 +103,17 @@ class ShardedGradSync:
         self.lo, self.hi = self.rank * padded // self.size, (self.rank + 1) * padded // self.size
         self.buffer = torch.zeros(padded, dtype=dtype, device=device)
         self.calls = 0
+        self.refresh: PaperRefresh | None = None
+        self.geometry_of: Geometry | None = None  # geometry="paper": the map over the padded buffer
+        if self.paper is not None:
+            if device.type != "cpu":
+                raise NotImplementedError('ShardedGradSync: geometry="paper" runs on host (CPU) parameters only')
+            segs = [(n, tuple(p.shape)) for n, p in self.params]
+            self._padded_layout = Layout(segs + ([("<padding>", (padded - self.numel,))] if padded > self.numel else []))
+            try:
+                self.refresh = PaperRefresh(model, self.paper, layout=Layout(segs), tokens=capture_tokens)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"ShardedGradSync: {exc}") from None
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -99,6 +134,8 @@ class ShardedGradSync:
         o = self.options
         shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
         call_seed = seed if o.rounding == "stochastic" else None
+        if self.refresh is not None:
+            return self._sync_paper(self.calls - 1, shard, call_seed)
 
         def reduce(values: Any = None) -> None:
             x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
@@ -117,6 +154,27 @@ class ShardedGradSync:
             reduce()
             last = api.last_algorithm(self.comm)
             self.algorithm_used = None if last is None else last[0]
+        return shard
+
+    def _sync_paper(self, sync_index: int, shard: torch.Tensor, call_seed: int | None) -> torch.Tensor:
+        """The reduce-scatter in the paper's coordinates (class doc): refresh when due, map the
+        local buffer forward, reduce-scatter (float32), map this rank's shard back."""
+        assert self.refresh is not None
+        o = self.options
+        if self.refresh.due(sync_index):
+            self.geometry_of = self.refresh.geometries(self.comm, {0: self._padded_layout}, sync_index)[0]
+        geo = self.geometry_of
+        assert geo is not None
+        buf = self.buffer.detach()
+        x = geo.forward((buf if buf.dtype in (torch.float32, torch.float64) else buf.float()).numpy())
+        got = api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, algorithm=o.algorithm,
+                                 slice_elems=o.slice_elems, rounding=o.rounding, allow_native=o.allow_native,
+                                 seed=call_seed, timeout=o.timeout, layout="equal")
+        self._tally.add(self.comm)
+        last = api.last_algorithm(self.comm)
+        self.algorithm_used = None if last is None else last[0]
+        back = inverse_flat_shard(geo, got, self.lo, self.comm)
+        shard.copy_(torch.from_numpy(back))
         return shard
 
     def stats(self) -> dict[str, Any]:
