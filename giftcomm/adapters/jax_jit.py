@@ -64,6 +64,12 @@ from ..reference.rounding import call_key
 from . import jax_codec
 from .jax_geometry import JaxGeometry
 
+_all_gather_invariant: Any
+try:  # Varying -> Invariant all_gather (not in jax.lax's public names yet)
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - older jax: results typed varying
+    _all_gather_invariant = None
+
 __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "JIT_ALGORITHMS"]
 
 JIT_ALGORITHMS = ("ring", "direct")
@@ -197,10 +203,23 @@ class _Ring:
         return (acc, err) if own_error else acc
 
     def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
-        """float32[P, L]: every owner's chunk encoded once by it and decoded by every device."""
+        """float32[P, L]: every owner's chunk encoded once by it and decoded by every device,
+        typed device-invariant (as lax.psum's result: ``out_specs=P()`` accepts it)."""
         msg = self.encode(mine, jnp.asarray(los.astype(np.uint32))[self.rank])
-        every = jax.lax.all_gather(msg, self.axis)
+        every = _gather_invariant(msg, self.axis)
         return jnp.stack([self.decode(every[c], mine.shape[0]) for c in range(self.p)])
+
+
+def _gather_invariant(msg: jax.Array, axis: Any) -> jax.Array:
+    """``lax.all_gather(msg, axis)`` typed invariant over ``axis`` under shard_map's replication
+    check (jax's all_gather_invariant, not yet public: plain all_gather where it is missing,
+    whose result shard_map then types as varying)."""
+    if _all_gather_invariant is None:
+        return jax.lax.all_gather(msg, axis)
+    # the input must be typed varying over the axis; one that is not (one device, nearest
+    # rounding of replicated values) becomes so by adding 0 * the device index (folded by XLA)
+    msg = msg + (jax.lax.axis_index(axis) * 0).astype(msg.dtype)
+    return _all_gather_invariant(msg, axis)
 
 
 def _check_size(owner: str, n: int) -> None:
