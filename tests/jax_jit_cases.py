@@ -394,6 +394,16 @@ def error_cases() -> None:
     record("error/algorithm", raises(lambda v: gj.psum(v, "d", algorithm="doubling"), f32, ValueError, ["inside jit"]))
     record("error/seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic"), f32, ValueError, ["seed"]))
     record("error/format", raises(lambda v: gj.psum(v, "d", fmt="e3m4"), f32, ValueError, ["unknown format"]))
+    record("error/array seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic", seed=jnp.float32(1)), f32,
+                                      ValueError, ["array seed", "float32"]))
+    record("error/feedback structure", raises(lambda v: gj.psum(v, "d", feedback={"a": v}), f32, ValueError,
+                                              ["structure"]))
+    record("error/feedback dtype", raises(lambda v: gj.psum(v, "d", feedback=v.astype(jnp.bfloat16)), f32, ValueError,
+                                          ["float32"]))
+    record("error/feedback format", raises(lambda v: gj.psum(v, "d", fmt="bf16", feedback=v), f32, ValueError,
+                                           ["block-scaled", "bf16"]))
+    record("error/geometry size", raises(lambda v: gj.psum(v, "d", geometry=Geometry.hadamard([("x", (3, 5))])), f32,
+                                         ValueError, ["15", "12"]))
 
 
 if __name__ == "__main__":
