@@ -212,14 +212,15 @@ def flat_of(tree) -> np.ndarray:
     return np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in jax.tree_util.tree_leaves(tree)])
 
 
-def ref_feedback(comp: list[np.ndarray], fmt: str, seed, algorithm: str, geometry=None) -> list[np.ndarray]:
-    """Every device's new residual by giftcomm.feedback.ErrorFeedback.record (the host path)."""
+def ref_feedback(comp: list[np.ndarray], fmt: str, seed, algorithm: str, geometry=None, bounds=None) -> list[np.ndarray]:
+    """Every device's new residual by giftcomm.feedback.ErrorFeedback.record (the host path);
+    bounds: a reduce-scatter's chunk bounds (None: the allreduce's)."""
     p, n = len(comp), comp[0].size
     f = get_format(fmt)
     block = resolve_block(f, None)
     out = []
     for r in range(p):
-        pieces, stage = own_pieces(algorithm, n, p, r, block)
+        pieces, stage = own_pieces(algorithm, n, p, r, block, bounds)
         fb = ErrorFeedback()
         fb.record(0, comp[r], f, block, seed, r, geometry, pieces, stage)
         out.append(fb.residuals[0])
@@ -247,8 +248,12 @@ def extras_cases() -> None:
         lowrank = Geometry.from_kfac(layout, {"['w']": (a_in, np.diag(rng.uniform(0.1, 3, 11 * p + 2)))}, rank=(2, None))
         diag = Geometry.diagonal(layout, {"['s'][1]": (rng.uniform(0.5, 2, 11 * p + 2), rng.uniform(0.5, 2, 3))})
         geos = {"paper": paper, "kfac": lowrank, "diag": diag}
+        rs = [{"a": rng.standard_normal((5, 3 * p)).astype(np.float32),
+               "b": rng.standard_normal((2, 2 * p)).astype(ml_dtypes.bfloat16)} for _ in range(p)]
+        rs_states = [jax.tree_util.tree_map(lambda v: (rng.standard_normal(np.shape(v)) * 0.05).astype(np.float32), t)
+                     for t in rs]
 
-        def body(t, st, seed, words, jgs):
+        def body(t, st, seed, words, jgs, r, rst):
             t = jax.tree_util.tree_map(lambda v: v[0], t)
             flat = jnp.concatenate([v.reshape(-1).astype(jnp.float32) for v in jax.tree_util.tree_leaves(t)])
             out = {
@@ -262,18 +267,22 @@ def extras_cases() -> None:
                 "inv": {k: g.inverse(flat) for k, g in jgs.items()},
                 "gift": {k: gj.pmean(t, "data", fmt="e4m3", geometry=g) for k, g in jgs.items()},
                 "gift_fb": gj.psum(t, "data", fmt="e4m3", geometry=jgs["paper"], feedback=st),
+                "rs_fb": gj.psum_scatter(jax.tree_util.tree_map(lambda v: v[0], r), "data", scatter_dimension=-1,
+                                         tiled=True, fmt="e4m3", rounding="stochastic", seed=seed, feedback=rst),
             }
             return jax.tree_util.tree_map(lambda v: v[None], out)
 
         rep = NamedSharding(mesh, P())
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P(), P(), P()), out_specs=P("data")))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P(), P(), P(), P("data"), P("data")),
+                                  out_specs=P("data")))
         put = lambda v: jax.device_put(stack(v), NamedSharding(mesh, P("data")))  # noqa: E731
         jgs = jax.device_put({k: JaxGeometry.of(g) for k, g in geos.items()}, rep)
         flats = [flat_of(t) for t in trees]
         comp = [flat_of(t) + flat_of(s) for t, s in zip(trees, states)]
         for seed in (7, 2**31 + 5):
             words = 2**64 - 3 - seed
-            got = f(put(trees), put(states), jnp.uint32(seed), jnp.asarray(jax_codec.key_words(words), jnp.uint32), jgs)
+            got = f(put(trees), put(states), jnp.uint32(seed), jnp.asarray(jax_codec.key_words(words), jnp.uint32), jgs,
+                    put(rs), put(rs_states))
             dev = lambda tree, d: flat_of(jax.tree_util.tree_map(lambda v: np.asarray(v)[d], tree))  # noqa: E731
             tag = f"extras/P{p}/seed{seed}"
             want = simulate_allreduce(flats, "e4m3", None, "sum", "ring", rounding="stochastic", seed=seed)[0]
@@ -282,6 +291,26 @@ def extras_cases() -> None:
             want = simulate_allreduce(flats, "nvfp4", None, "sum", "direct", rounding="stochastic", seed=words)[0]
             record(f"{tag}/traced uint32[2] seed", all(same_bits(dev(got["words"], d), ref_cast(want, trees[0]))
                                                        for d in range(p)))
+            # psum_scatter over the last dimension (tiled) with feedback: the packed (P, m) rows
+            rows = lambda tree: np.concatenate([np.moveaxis(np.asarray(v, np.float32), -1, 0).reshape(p, -1)  # noqa: E731
+                                                for v in jax.tree_util.tree_leaves(tree)], axis=1)
+            comp_rows = [(rows(t) + rows(s_)).reshape(-1) for t, s_ in zip(rs, rs_states)]
+            m = comp_rows[0].size // p
+            want = simulate_reduce_scatter([c.copy() for c in comp_rows], "e4m3", None, "sum", "ring", layout="equal",
+                                           rounding="stochastic", seed=seed)
+            resid = ref_feedback(comp_rows, "e4m3", seed, "ring", bounds=np.arange(p + 1) * m)
+            if p == 1:  # one device: its shard is its own values, never encoded, so nothing is lost
+                resid = [np.zeros_like(r) for r in resid]
+            res, st = got["rs_fb"]
+            ok = True
+            for d in range(p):
+                mine = jax.tree_util.tree_map(lambda v: np.asarray(v)[d], res)
+                back = np.concatenate([np.moveaxis(np.asarray(v, np.float32), -1, 0).reshape(-1)
+                                       for v in jax.tree_util.tree_leaves(mine)])
+                cast = np.concatenate([want[d][: 3 * 5], want[d][15:].astype(ml_dtypes.bfloat16).astype(np.float32)])
+                ok &= same_bits(back, cast)
+                ok &= same_bits(rows(jax.tree_util.tree_map(lambda v: np.asarray(v)[d], st)).reshape(-1), resid[d])
+            record(f"{tag}/psum_scatter feedback", ok, "differs from simulate_reduce_scatter / ErrorFeedback.record")
             if seed != 7:
                 continue  # the rest does not depend on the seed argument
             for name, o in (("fb_ring", dict(fmt="e4m3", op="avg", algorithm="ring", seed=None)),
@@ -365,6 +394,16 @@ def error_cases() -> None:
     record("error/algorithm", raises(lambda v: gj.psum(v, "d", algorithm="doubling"), f32, ValueError, ["inside jit"]))
     record("error/seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic"), f32, ValueError, ["seed"]))
     record("error/format", raises(lambda v: gj.psum(v, "d", fmt="e3m4"), f32, ValueError, ["unknown format"]))
+    record("error/array seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic", seed=jnp.float32(1)), f32,
+                                      ValueError, ["array seed", "float32"]))
+    record("error/feedback structure", raises(lambda v: gj.psum(v, "d", feedback={"a": v}), f32, ValueError,
+                                              ["structure"]))
+    record("error/feedback dtype", raises(lambda v: gj.psum(v, "d", feedback=v.astype(jnp.bfloat16)), f32, ValueError,
+                                          ["float32"]))
+    record("error/feedback format", raises(lambda v: gj.psum(v, "d", fmt="bf16", feedback=v), f32, ValueError,
+                                           ["block-scaled", "bf16"]))
+    record("error/geometry size", raises(lambda v: gj.psum(v, "d", geometry=Geometry.hadamard([("x", (3, 5))])), f32,
+                                         ValueError, ["15", "12"]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The examples run, each in its quick mode and showing what it claims: torchrun DDP (2 processes,
 gloo; GIFT transforms segments), Lightning's Trainer (its own launcher and torchrun; the strategy
 route and GiftCommCallback), Accelerate (``accelerate launch``, 2 CPU processes), mpiexec GradSync +
-KFAC, JAX; the GPU device check's CPU-side parts (plan, model
+KFAC, JAX (TreeSync under mpiexec; the jitted Flax/Optax step with giftcomm's pmean); the GPU device check's CPU-side parts (plan, model
 size, table, verdict, profiler filter). The snippets of README.md and docs/*.md: test_docs_snippets.py."""
 from __future__ import annotations
 
@@ -83,6 +83,18 @@ def test_zero_sharded_adam_quick():
 def test_jax_quick():
     out = _run([_mpiexec(), "-n", "2", sys.executable, str(EX / "jax_train.py"), "--quick"])
     assert "parameters identical on every rank: True" in out and _transformed(out) > 0, out
+
+
+def test_jax_jit_train_quick():
+    """Flax + Optax with giftcomm's pmean inside the jitted shard_map step (traced per-step
+    seeds, error feedback) trains to lax.pmean's loss within the example's 10% tolerance."""
+    out = _run([sys.executable, str(EX / "jax_jit_train.py"), "--steps", "40", "--devices", "4", "--batch", "128",
+                "--rounding", "stochastic", "--feedback"], timeout=600)
+    assert "devices 4 (cpu)" in out, out
+    first = float(re.search(r"initial loss ([\d.]+)", out).group(1))
+    base = float(re.search(r"lax.pmean final loss ([\d.]+)", out).group(1))
+    gift = float(re.search(r"giftcomm pmean final loss ([\d.]+)", out).group(1))
+    assert base < 0.5 * first and abs(gift - base) <= 0.10 * base, out
 
 
 # ----------------------------------------------------------------------- Lightning, Accelerate

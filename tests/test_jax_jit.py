@@ -6,7 +6,9 @@ jnp codec equals the reference byte for byte; psum/pmean on P = 1..8 devices (1-
 of float32 and bfloat16 leaves of odd sizes, ring and direct, nearest and stochastic) equal
 simulate_allreduce bit for bit on every device; a 2x4 mesh (a tuple of axes, one axis,
 psum_scatter tiled and not) equals the reference and lax's shapes; the compiled program's
-collective-permutes and all-gathers carry uint8; bad input fails while tracing.
+collective-permutes and all-gathers carry uint8; bad input fails while tracing; traced seeds,
+error feedback and GIFT geometries (extras/) equal the reference, ErrorFeedback and the NumPy
+geometry path. test_two_processes runs psum / pmean across two jax.distributed processes.
 """
 from __future__ import annotations
 
@@ -42,3 +44,32 @@ def test_jit_path(results, group):
     failed = {k: v[1] for k, v in cases.items() if not v[0]}
     assert not failed, failed
 
+
+
+def test_two_processes():
+    """psum / pmean over a 4-device mesh spanning two jax.distributed processes (CPU, gloo
+    collectives, 2 host devices each) equal simulate_allreduce on every device of both
+    (tests/jax_dist_case.py)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    script = str(ROOT / "tests" / "jax_dist_case.py")
+    procs = [subprocess.Popen([sys.executable, script, str(port), str(pid)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    results: dict = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-4000:]
+            results.update(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert len(results) == 4, results
+    failed = {k: v for k, v in results.items() if not v[0]}
+    assert not failed, failed

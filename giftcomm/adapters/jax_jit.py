@@ -25,7 +25,7 @@ What runs (all traced once, static shapes):
    without the allgather;
 4. the result is divided by P in float32 for pmean, then cast to each leaf's dtype.
 
-Per-step seeds, error feedback, GIFT (psum / pmean keywords):
+Per-step seeds, error feedback (psum, pmean and psum_scatter), GIFT (psum and pmean):
 
 - ``seed`` may be a traced integer array (the step number passed to the jitted step, the same on
   every device): a scalar (taken as a uint32: a seed below 2**32) or ``uint32[2]`` words (low,
@@ -63,6 +63,12 @@ from ..partition import shared_chunk_bounds
 from ..reference.rounding import call_key
 from . import jax_codec
 from .jax_geometry import JaxGeometry
+
+_all_gather_invariant: Any
+try:  # Varying -> Invariant all_gather (not in jax.lax's public names yet)
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - older jax: results typed varying
+    _all_gather_invariant = None
 
 __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "JIT_ALGORITHMS"]
 
@@ -197,10 +203,23 @@ class _Ring:
         return (acc, err) if own_error else acc
 
     def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
-        """float32[P, L]: every owner's chunk encoded once by it and decoded by every device."""
+        """float32[P, L]: every owner's chunk encoded once by it and decoded by every device,
+        typed device-invariant (as lax.psum's result: ``out_specs=P()`` accepts it)."""
         msg = self.encode(mine, jnp.asarray(los.astype(np.uint32))[self.rank])
-        every = jax.lax.all_gather(msg, self.axis)
+        every = _gather_invariant(msg, self.axis)
         return jnp.stack([self.decode(every[c], mine.shape[0]) for c in range(self.p)])
+
+
+def _gather_invariant(msg: jax.Array, axis: Any) -> jax.Array:
+    """``lax.all_gather(msg, axis)`` typed invariant over ``axis`` under shard_map's replication
+    check (jax's all_gather_invariant, not yet public: plain all_gather where it is missing,
+    whose result shard_map then types as varying)."""
+    if _all_gather_invariant is None:
+        return jax.lax.all_gather(msg, axis)
+    # the input must be typed varying over the axis; one that is not (one device, nearest
+    # rounding of replicated values) becomes so by adding 0 * the device index (folded by XLA)
+    msg = msg + (jax.lax.axis_index(axis) * 0).astype(msg.dtype)
+    return _all_gather_invariant(msg, axis)
 
 
 def _check_size(owner: str, n: int) -> None:
@@ -323,17 +342,26 @@ def pmean(x: Any, axis_name: Any, *, feedback: Any = None, geometry: Any = None,
     return _reduce("pmean", x, axis_name, "avg", options, feedback, geometry)
 
 
-def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: bool = False, **options: Any) -> Any:
+def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: bool = False, feedback: Any = None,
+                 **options: Any) -> Any:
     """``lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)`` through giftcomm's
     wire, on every leaf of the pytree ``x``: device r gets the sum of the r-th slice along
     ``scatter_dimension`` (tiled=False: that dimension must have size P and is removed;
     tiled=True: it must divide by P and shrinks P-fold). One reduce-scatter carries every leaf
     (row r of the packed (P, m) matrix is device r's slices); equal to
-    ``giftcomm.simulate_reduce_scatter(..., layout="equal")`` of the packed rows."""
+    ``giftcomm.simulate_reduce_scatter(..., layout="equal")`` of the packed rows. feedback: as
+    for :func:`psum` (a state like x's leaves; returns ``(result, new_state)``; at P = 1 nothing
+    is encoded and the new state is 0)."""
     owner = "psum_scatter"
     opts, traced_seed = _options(owner, "sum", options)
     axis, p = _axis(owner, axis_name)
     leaves, treedef = _leaves(owner, x)
+    fb = None
+    if feedback is not None:
+        if not opts.format.scaled:
+            raise ValueError(f"{owner}: feedback needs a block-scaled format; {opts.fmt} is a pass-through format "
+                             "(nothing to feed back)")
+        fb = _feedback_leaves(owner, feedback, treedef, [int(np.prod(v.shape, dtype=np.int64)) for v in leaves])
     rows, shapes = [], []
     for i, leaf in enumerate(leaves):
         if leaf.ndim == 0:
@@ -347,23 +375,35 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: b
             need = f"equal to the axis size {p}" if not tiled else f"divisible by the axis size {p}"
             raise ValueError(f"{owner}: leaf {i} has shape {leaf.shape}; dimension {dim} must be {need} "
                              f"(tiled={tiled})")
-        moved = jnp.moveaxis(leaf, dim, 0)
+        values = leaf.astype(jnp.float32)
+        if fb is not None:  # compensate (ErrorFeedback.compensate), in the leaf's own layout
+            values = values + fb[i].reshape(leaf.shape)
+        moved = jnp.moveaxis(values, dim, 0)
         piece = moved.reshape((p, size // p) + moved.shape[1:])
-        shapes.append((dim, piece.shape[1:] if tiled else moved.shape[1:], leaf.dtype))
-        rows.append(piece.reshape(p, -1).astype(jnp.float32))
+        shapes.append((dim, piece.shape[1:] if tiled else moved.shape[1:], leaf.dtype, moved.shape))
+        rows.append(piece.reshape(p, -1))
     m = sum(int(r.shape[1]) for r in rows)
     _check_size(owner, m * p)
     if m == 0:
-        return x
+        return x if fb is None else (x, feedback)
     ring = _Ring(opts, axis, p, traced_seed)
-    mine = ring.reduce_scatter(jnp.concatenate(rows, axis=1), np.arange(p, dtype=np.int64) * m)
-    out, off = [], 0
-    for (dim, shape, dtype), r in zip(shapes, rows):
+    los = np.arange(p, dtype=np.int64) * m
+    if fb is None:
+        mine = ring.reduce_scatter(jnp.concatenate(rows, axis=1), los)
+    else:
+        mine, err = ring.reduce_scatter(jnp.concatenate(rows, axis=1), los, own_error=True)
+        err = jnp.where(jnp.isfinite(err), err, jnp.float32(0))
+    out, new, off = [], [], 0
+    for i, ((dim, shape, dtype, moved_shape), r) in enumerate(zip(shapes, rows)):
         k = int(r.shape[1])
         piece = mine[off : off + k].reshape(shape)  # tiled: the scatter dimension in front
         out.append((jnp.moveaxis(piece, 0, dim) if tiled else piece).astype(dtype))
+        if fb is not None:  # the residual's (P, k) columns back to the leaf's layout
+            e = jnp.moveaxis(err[:, off : off + k].reshape(moved_shape), 0, dim)
+            new.append(e.reshape(fb[i].shape))
         off += k
-    return jax.tree_util.tree_unflatten(treedef, out)
+    result = jax.tree_util.tree_unflatten(treedef, out)
+    return result if fb is None else (result, jax.tree_util.tree_unflatten(treedef, new))
 
 
 def wire_bytes(n: int, p: int, **options: Any) -> int:
