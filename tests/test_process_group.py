@@ -27,6 +27,8 @@ def _collectives_worker(rank, world):
 
     pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
     res: dict = {"rank": dist.get_rank(pg), "size": dist.get_world_size(pg), "backend": dist.get_backend(pg)}
+    # its name as torch registered it (DeviceMesh.from_group reads pg.group_name: FSDP2 over the group)
+    res["name"] = (pg.group_name, dist.distributed_c10d._world.pg_names[pg])
     x = _data(rank, N)
     res["x"] = x.clone()
     y = x.clone()
@@ -90,6 +92,7 @@ def test_collectives_match_the_reference_bit_for_bit(tmp_path):
     for r in range(2):
         got = res[r]
         assert (got["rank"], got["size"], got["backend"]) == (r, 2, "giftcomm")
+        assert got["name"][0] == got["name"][1] != ""
         assert got["work_done"] is True
         np.testing.assert_array_equal(got["allreduce"].numpy(), want[r])
         assert not np.array_equal(got["allreduce"].numpy(), xs[0] + xs[1])  # it really was compressed
