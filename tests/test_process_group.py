@@ -27,6 +27,8 @@ def _collectives_worker(rank, world):
 
     pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
     res: dict = {"rank": dist.get_rank(pg), "size": dist.get_world_size(pg), "backend": dist.get_backend(pg)}
+    # its name as torch registered it (DeviceMesh.from_group reads pg.group_name: FSDP2 over the group)
+    res["name"] = (pg.group_name, dist.distributed_c10d._world.pg_names[pg])
     x = _data(rank, N)
     res["x"] = x.clone()
     y = x.clone()
@@ -90,6 +92,7 @@ def test_collectives_match_the_reference_bit_for_bit(tmp_path):
     for r in range(2):
         got = res[r]
         assert (got["rank"], got["size"], got["backend"]) == (r, 2, "giftcomm")
+        assert got["name"][0] == got["name"][1] != ""
         assert got["work_done"] is True
         np.testing.assert_array_equal(got["allreduce"].numpy(), want[r])
         assert not np.array_equal(got["allreduce"].numpy(), xs[0] + xs[1])  # it really was compressed
@@ -138,6 +141,7 @@ def _routes_worker(rank, world):
     from giftcomm.adapters.torch import new_group
 
     pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    gathers = new_group(fmt="e4m3", algorithm="ring", min_elems=1000, allgather=True)
     x = _data(rank, 2 * N)
     t = x[: 2 * N if rank == 0 else 998]  # below min_elems on rank 1 only
 
@@ -149,6 +153,10 @@ def _routes_worker(rank, world):
             dist.all_reduce(a, group=pg)
             dist.all_reduce(b, group=pg)
 
+    def bad_gather():  # a compressed all-gather (allgather=True) of float32 on rank 0, float16 on rank 1
+        dtype = torch.float32 if rank == 0 else torch.float16
+        dist.all_gather_into_tensor(torch.empty(2 * N, dtype=dtype), x[:N].clone().to(dtype), group=gathers)
+
     cases = {
         "small_on_one": lambda: dist.all_reduce(t.clone(), group=pg),
         "dtype": lambda: dist.all_reduce(x.clone().to(torch.float64 if rank else torch.float32), group=pg),
@@ -157,10 +165,11 @@ def _routes_worker(rank, world):
         "factor": lambda: dist.all_reduce(x.clone(), op=dist._make_nccl_premul_sum(0.5 + rank), group=pg),
         "sizes": lambda: dist.all_reduce(x[: 2 * N - rank].clone(), group=pg),
         "strided": lambda: dist.all_reduce(x.view(2, N).t() if rank else x.clone(), group=pg),
-        "rs_shape": lambda: dist.reduce_scatter_tensor(torch.empty(N), x[: 2 * N if rank == 0 else 2 * N - 2].clone()
-                                                       if rank == 0 else x.clone(), group=pg) if rank == 0 else
-        dist.reduce_scatter_tensor(torch.empty(N), x.clone().double(), group=pg),
+        # rank 1's input is float64 into a float32 output: its policy leaves the call to gloo
+        "rs_dtype": lambda: dist.reduce_scatter_tensor(torch.empty(N), x.clone() if rank == 0 else x.clone().double(),
+                                                       group=pg),
         "coalesced_dtypes": bad_coalesced,
+        "allgather_dtype": bad_gather,
     }
     res = {}
     for name, call in cases.items():

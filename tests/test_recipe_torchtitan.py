@@ -1,10 +1,14 @@
 """giftcomm.recipes.torchtitan without torchtitan installed (not in the test extra: see
-docs/adapters.md): the GIFTCOMM_* options and the wrapped ``parallelize_fn`` over a real FSDP2
-model at P = 2 (gloo), whose gradient divide factor makes FSDP2 call the comm with PREMUL_SUM as
-torchtitan does."""
+docs/adapters.md): the GIFTCOMM_* options, the module's answer to torchtitan's config lookup
+(against a stand-in of torchtitan's model registry), and the wrapped ``parallelize_fn`` over a
+real FSDP2 model at P = 2 (gloo), whose gradient divide factor makes FSDP2 call the comm with
+PREMUL_SUM as torchtitan does."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
+import types
 from collections.abc import Callable
 
 import pytest
@@ -70,3 +74,45 @@ def test_wrapped_parallelize_installs_the_comm(tmp_path):
         for g, p in zip(gift[r][0], plain[r][0]):
             assert (g - p).abs().max() <= 0.125 * p.abs().max()
             assert g.numel() < 64 or not torch.equal(g, p)
+
+
+def _fake_torchtitan(monkeypatch, broken=()):
+    """A stand-in for torchtitan's model registry (only what the recipe reads): models "toy" and
+    "other" (their config_registry modules; those named in ``broken`` fail to import, as 0.3's
+    do without Triton), "toy" defining ``toy_debugmodel``."""
+    models = types.ModuleType("torchtitan.models")
+    models._supported_models = {"toy", "other", *broken}
+    monkeypatch.setitem(sys.modules, "torchtitan", types.ModuleType("torchtitan"))
+    monkeypatch.setitem(sys.modules, "torchtitan.models", models)
+    toy = types.ModuleType("torchtitan.models.toy.config_registry")
+    toy.toy_debugmodel = lambda: _Config(_Spec("toy", _stock_parallelize))
+    monkeypatch.setitem(sys.modules, toy.__name__, toy)
+    monkeypatch.setitem(sys.modules, "torchtitan.models.other.config_registry",
+                        types.ModuleType("torchtitan.models.other.config_registry"))
+    for name in broken:
+        monkeypatch.setitem(sys.modules, f"torchtitan.models.{name}.config_registry", None)  # import raises
+
+
+def test_module_answers_torchtitans_config_lookup(monkeypatch):
+    """What torchtitan's ConfigManager does with ``--module giftcomm.recipes.torchtitan --config
+    NAME``: import ``<module>.config_registry`` (must fail, so it falls back to the module), then
+    ``getattr(module, NAME, None)`` and call it."""
+    import giftcomm.recipes.torchtitan as recipe
+
+    toy, nope = "toy_debugmodel", "nope"  # names as torchtitan's getattr gets them
+    _fake_torchtitan(monkeypatch)
+    with pytest.raises(ImportError):
+        importlib.import_module("giftcomm.recipes.torchtitan.config_registry")
+    monkeypatch.setenv("GIFTCOMM_FMT", "e5m2")
+    cfg = getattr(recipe, toy)()
+    assert cfg.model_spec.name == "toy" and cfg.model_spec.parallelize_fn.__wrapped__ is _stock_parallelize
+    assert getattr(recipe, nope, None) is None  # torchtitan then reports "config not found"
+    assert getattr(recipe, "_private", None) is None
+    monkeypatch.setenv("GIFTCOMM_FMT", "e9m9")  # validated when the config loads, naming the variable
+    with pytest.raises(ValueError, match="GIFTCOMM_"):
+        getattr(recipe, toy)
+    monkeypatch.delenv("GIFTCOMM_FMT")
+    _fake_torchtitan(monkeypatch, broken=("needs_triton",))
+    assert callable(getattr(recipe, toy))  # another model's broken registry does not matter
+    with pytest.raises(ImportError, match="needs_triton"):  # but is named when no model has the config
+        getattr(recipe, nope)

@@ -94,17 +94,24 @@ def with_giftcomm(config: Any, **options: Any) -> Any:
 
 
 def _find(name: str) -> Callable[[], Any] | None:
-    """torchtitan's config function ``name`` from its models' config registries, or None."""
+    """torchtitan's config function ``name`` from its models' config registries, or None when
+    none defines it. ImportError when none defines it and some registries failed to import
+    (torchtitan 0.3's import Triton kernels: naming them beats "config not found")."""
     from torchtitan.models import _supported_models
 
+    failed: dict[str, str] = {}
     for model in sorted(_supported_models):
         try:
             registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-        except ImportError:
+        except ImportError as exc:
+            failed[model] = f"{type(exc).__name__}: {exc}"
             continue
         fn = getattr(registry, name, None)
         if callable(fn):
             return fn
+    if failed:
+        raise ImportError(f"giftcomm.recipes.torchtitan: no importable torchtitan model defines {name!r}; these "
+                          f"models' config registries failed to import: {failed}")
     return None
 
 

@@ -199,6 +199,15 @@ class GiftProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND
 
+    # torch's base ProcessGroup keeps its name on its backends, which this group has none of:
+    # the trampoline's virtual getGroupName/setGroupName look these up (pg.group_name, which
+    # DeviceMesh.from_group -- FSDP2's, Megatron's FSDP2 wrapper's -- reads)
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
     def __repr__(self) -> str:
         return (f"GiftProcessGroup(rank={self.rank()}, size={self.size()}, fmt={self.options.fmt!r}, "
                 f"policy={self.policy})")

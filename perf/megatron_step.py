@@ -1,0 +1,115 @@
+"""Megatron-core DDP step time with the giftcomm process group as its data-parallel group against
+its own uncompressed gloo group, all-reduce and distributed-optimizer (reduce-scatter) modes.
+
+    torchrun --nproc_per_node 2 perf/megatron_step.py [--width 2048] [--layers 4] [--steps 3] [--rounds 3]
+    # under mpiexec on the netbed (docs/netbed.md): ranks from MPI, rendezvous through a shared file
+    perf/netbed run --hosts 2 --rate 1gbit -- env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \\
+        python perf/megatron_step.py --rendezvous /tmp/megatron-step.rdzv
+
+The model is perf/torch_bench.py's stack of ``--layers`` bias-free nn.Linear(width, width) (width
+2048, 4 layers: 16.8M parameters, 64 MiB of float32 gradients) in megatron.core's
+DistributedDataParallel (overlap off: one bucket, reduced in ``finish_grad_sync``), on the CPU.
+Four configurations train it on the same data, interleaved round by round
+(giftcomm.perf.timing.time_rounds, one warm-up step each): ``{allreduce, dist-opt} x {gloo,
+giftcomm e4m3}``; "dist-opt" is ``use_distributed_optimizer=True`` (the gradient buffer
+reduce-scattered); giftcomm's group is ``new_group(fmt="e4m3")`` (its defaults otherwise). A step is
+forward, backward, ``finish_grad_sync`` and an SGD update of the parameters from ``main_grad`` (the
+distributed optimizer's parameter all-gather is not run: it is the inner gloo group's in both).
+
+Rank 0 prints the median step time per configuration, giftcomm's ratio against gloo, and the
+bytes a step sent from a rank: giftcomm's from ``giftcomm.stats`` of the group's transport (the
+encoded messages), gloo's as a ring moves float32 (allreduce ``2 (P-1)/P n 4``, reduce-scatter
+``(P-1)/P n 4``).
+
+CPU-only shim (a benchmark's, never the library's): ``torch.cuda.current_device`` returns "cpu",
+where Megatron allocates its gradient buffers.
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch_bench  # perf/torch_bench.py (this script's directory is on sys.path)
+
+import giftcomm
+from giftcomm.perf.timing import time_rounds
+
+MODES = ["allreduce", "dist-opt"]
+GROUPS = ["gloo", "giftcomm e4m3"]
+
+
+def _build(args, dopt: bool, group, one):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    pgc = ProcessGroupCollection(dp=group, tp=one, pp=one, ep=one, expt_dp=one)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1)
+    model = torch_bench.linear_stack(args.width, args.layers)
+    dcfg = DistributedDataParallelConfig(use_distributed_optimizer=dopt, overlap_grad_reduce=False)
+    return DistributedDataParallel(cfg, dcfg, model, pg_collection=pgc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rendezvous", default=None,
+                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # the CPU shim
+    torch_bench.init_process_group(args.rendezvous, "gloo")
+    from giftcomm.adapters.torch import new_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gift = new_group(fmt="e4m3")
+    plain = dist.new_group(backend="gloo")
+    one = dist.new_group(ranks=[rank], use_local_synchronization=True)
+    names = [(m, g) for m in MODES for g in GROUPS]
+    built = {(m, g): _build(args, m == "dist-opt", gift if g != "gloo" else plain, one) for m, g in names}
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    steps = {n: 0 for n in names}
+    gift_bytes = {m: 0 for m in MODES}
+
+    def step_of(name):
+        ddp = built[name]
+
+        def step() -> None:
+            ddp.zero_grad_buffer()
+            before = sum(giftcomm.stats(gift.host)["bytes_sent"].values())
+            ddp(x).square().mean().backward()
+            ddp.finish_grad_sync()
+            with torch.no_grad():
+                for p in ddp.module.parameters():
+                    p -= 1e-3 * p.main_grad
+            if name[1] != "gloo":
+                gift_bytes[name[0]] += sum(giftcomm.stats(gift.host)["bytes_sent"].values()) - before
+            steps[name] += 1
+        return step
+
+    seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
+    step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
+    if rank == 0:
+        n = sum(p.numel() for p in built[names[0]].module.parameters())
+        print(f"Megatron-core DDP step, P = {world}, {n / 1e6:.1f}M parameters ({4 * n / 2**20:.0f} MiB fp32 "
+              f"gradients, one bucket), CPU/gloo; medians over {args.rounds} rounds of {args.steps} steps; "
+              f"giftcomm group: new_group(fmt='e4m3'), counts {gift.counts}")
+        print(f"{'mode':<10} {'group':<14} {'step ms':>9} {'vs gloo':>8} {'MB sent/step':>13} {'bytes vs gloo':>14}")
+        for m in MODES:
+            fp32 = 4 * n * (world - 1) / world * (2 if m == "allreduce" else 1)
+            for g in GROUPS:
+                s = step_ms[(m, g)]
+                sent = fp32 if g == "gloo" else gift_bytes[m] / steps[(m, g)]
+                print(f"{m:<10} {g:<14} {s:>9.1f} {step_ms[(m, 'gloo')] / s:>7.2f}x {sent / 1e6:>13.2f} "
+                      f"{sent / fp32:>13.3f}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
