@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..formats import message_nbytes
-from ..options import CallOptions
+from ..options import CallOptions, options_of_call
 from ..partition import shared_chunk_bounds
 from ..reference.rounding import call_key
 from . import jax_codec
@@ -55,9 +55,10 @@ _UNSUPPORTED = ("slice_elems", "timeout")  # host-transport options: meaningless
 
 
 def _options(owner: str, op: str, options: dict[str, Any]) -> CallOptions:
-    if "op" in options:
-        raise TypeError(f"{owner}: op is given by the function (psum: sum, pmean: avg), not as an option")
-    opts = CallOptions.of(owner, op=op, **options)
+    """The call's options (``options=`` a CallOptions and/or the option keywords; op is the
+    function's: psum sums, pmean averages, another op is a ValueError)."""
+    record = options.pop("options", None)
+    opts = options_of_call(owner, record, options, {"op": op}, fixed=("op",))
     algorithm = "ring" if opts.algorithm == "auto" else opts.algorithm
     if algorithm not in JIT_ALGORITHMS:
         raise ValueError(f"{owner}: algorithm must be one of auto, {', '.join(JIT_ALGORITHMS)} inside jit; "
@@ -191,8 +192,9 @@ def psum(x: Any, axis_name: Any, **options: Any) -> Any:
     """``lax.psum(x, axis_name)`` through giftcomm's wire: the sum over the devices of the mesh
     axis (or tuple of axes) ``axis_name`` of every leaf of the pytree ``x`` (float16, bfloat16
     or float32 leaves; returned in their shapes and dtypes, identical on every device).
-    ``options``: giftcomm.options.CallOptions fields (fmt="e4m3", block, rounding, seed,
-    mx_scale, algorithm "auto"/"ring"/"direct"). Call inside ``jax.shard_map`` (under jit)."""
+    ``options``: the call options (docs/api.md) as keywords or one CallOptions as ``options=``
+    (fmt="e4m3", block, rounding, seed, mx_scale, algorithm "auto"/"ring"/"direct"; op is the
+    function's; slice_elems and timeout stay None). Call inside ``jax.shard_map`` (under jit)."""
     return _reduce("psum", x, axis_name, "sum", options)
 
 

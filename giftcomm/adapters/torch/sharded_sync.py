@@ -27,7 +27,7 @@ import torch
 from ... import api
 from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
-from ...options import CallOptions
+from ...options import CallOptions, options_of_call
 from ...transport import resolve
 from .buckets import named_trainable
 
@@ -39,7 +39,8 @@ class ShardedGradSync:
 
     model: an nn.Module or (name, parameter) pairs, all of one float dtype and device (CPU, or
     CUDA with a device transport). comm: mpi4py communicator, giftcomm Transport or None (as
-    for the collectives). Options as CallOptions (default op "avg", like DDP). With
+    for the collectives). options / ``**opts``: the call options (keywords, or one CallOptions as
+    ``options=``; docs/api.md; op defaults to "avg", like DDP). With
     ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
     error_feedback=True: keep what this rank's own encoding lost and add it to the next
@@ -52,9 +53,9 @@ class ShardedGradSync:
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
     """
 
-    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, **options: Any) -> None:
-        options.setdefault("op", "avg")
-        self.options = CallOptions.of("ShardedGradSync", **options)
+    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False,
+                 options: CallOptions | None = None, **opts: Any) -> None:
+        self.options = options_of_call("ShardedGradSync", options, opts, {"op": "avg"})
         if not isinstance(error_feedback, bool):
             raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
