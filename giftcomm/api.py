@@ -22,17 +22,27 @@ import numpy as np
 
 from . import plan_cache
 from ._xp import is_device_array
-from .accounting import DEFAULT_FMT
 from .collectives import engine
 from .collectives.algorithms import CHOICES
-from .collectives.engine import GeometryLike, call_options
-from .formats import Format
+from .collectives.engine import Entry, GeometryLike, call_options
+from .options import CallOptions
 from .transport import resolve
 
 __all__ = ["last_algorithm", "allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
 
 ALGORITHMS = CHOICES
 """The ``algorithm=`` values of allreduce and gift_allreduce (giftcomm.collectives.algorithms)."""
+
+
+_SCATTER = Entry(defaults={"algorithm": "ring"})
+"""reduce_scatter's options: algorithm "ring" unless given."""
+_GATHER = Entry(defaults={"op": "sum", "algorithm": "auto"}, fixed=("op", "algorithm"))
+"""allgather's options: nothing reduced, so op and algorithm stay at their defaults."""
+
+
+def _explicit(given: dict[str, Any], options: CallOptions | None) -> bool:
+    """Whether the caller chose the format (giftcomm.stats warns of its fallback to native)."""
+    return options is not None or "fmt" in given
 
 
 def last_algorithm(comm: Any = None, device: bool = False) -> tuple[str, Any] | None:
@@ -47,18 +57,10 @@ def gift_allreduce(
     geometry: GeometryLike | None = None,
     *,
     comm: Any = None,
-    op: str = "sum",
-    fmt: str | Format = DEFAULT_FMT,
-    block: int | None = None,
     out: Any = None,
-    algorithm: str = "auto",
     local_size: int | None = None,
-    slice_elems: int | None = None,
-    rounding: str = "nearest",
-    seed: int | None = None,
-    timeout: float | None = None,
-    mx_scale: str = "ceil",
-    allow_native: bool = True,
+    options: CallOptions | None = None,
+    **opts: Any,
 ) -> Any:
     """Allreduce ``x`` across ranks, quantizing in the geometry's coordinates.
 
@@ -70,15 +72,16 @@ def gift_allreduce(
     rank. Raises TypeError/ValueError on every rank when any rank's input is bad or the ranks
     disagree (count, dtype, fmt, block, op, slice, algorithm, local_size, geometry). Device
     arrays with a low-rank / identity giftcomm Geometry: the transforms run inside the codec
-    kernels (giftcomm.collectives.gift; docs/gpu.md "Fused transform").
+    kernels (giftcomm.collectives.gift; docs/gpu.md "Fused transform"). The options as for
+    :func:`allreduce`.
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
+    o = call_options(opts, options)
     t = t.enter_call(t is not comm)  # a release on another thread lets the same calls in on every rank
     try:
         if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
-            return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
-        return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, fmt is not DEFAULT_FMT)
+            return plan_cache.allreduce(t, x, out, o, local_size, _explicit(opts, options))
+        return engine.execute(t, engine.ALLREDUCE, x, out, o, geometry, local_size, _explicit(opts, options))
     finally:
         t.exit_call()
 
@@ -87,52 +90,35 @@ def allreduce(
     x: Any,
     *,
     comm: Any = None,
-    op: str = "sum",
-    fmt: str | Format = DEFAULT_FMT,
-    block: int | None = None,
     out: Any = None,
-    algorithm: str = "auto",
     local_size: int | None = None,
-    slice_elems: int | None = None,
-    rounding: str = "nearest",
-    seed: int | None = None,
-    timeout: float | None = None,
-    mx_scale: str = "ceil",
-    allow_native: bool = True,
+    options: CallOptions | None = None,
+    **opts: Any,
 ) -> Any:
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
     x: float32/float64/float16/bfloat16 array, any shape and size, of any framework (NumPy, CuPy,
-    torch CPU/CUDA, JAX; the result comes back in the same one). fmt: "e4m3", "e5m2" (block-scaled
-    FP8), "mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4" (microscaling and 4-bit) or "bf16", "fp16",
-    "fp32" (raw values on the wire). block: elements per scale (None: the format's own, 16 for
-    nvfp4, 32 for MX, 256 otherwise; MX and nvfp4 take only their own). rounding: "nearest" or
-    "stochastic" (scaled formats; unbiased, with ``seed``, an int identifying the call such as the
-    training step: the same seed gives the same bytes on every run and rank). comm:
-    mpi4py communicator (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm
-    Transport. algorithm: "ring", "direct", "doubling", "hierarchical", "hierarchical_direct",
-    "oneshot" (small messages: one exchange, each contribution quantized once), "native" (the
-    transport's own allreduce, uncompressed: float32 values for a block-scaled format, a
-    pass-through format's values otherwise; docs/api.md, Native path) or "auto" (the cost
-    model's choice among the rows of giftcomm.collectives.algorithms it may take; it takes
-    "native" only where that is predicted faster than every compressed algorithm, and never
-    with ``allow_native=False``);
+    torch CPU/CUDA, JAX; the result comes back in the same one). comm: mpi4py communicator
+    (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm Transport.
+    options / ``**opts``: the call options (fmt, block, rounding, seed, algorithm, slice_elems,
+    timeout, op, mx_scale, allow_native) as keywords, or whole as one
+    :class:`~giftcomm.options.CallOptions` (``options=``; keywords given beside it replace its
+    fields): docs/api.md, "Call options", says what each means. algorithm: a row of
+    giftcomm.collectives.algorithms ("oneshot" for small messages; "native" the transport's own
+    allreduce, uncompressed) or "auto" (the cost model's choice; "native" only where predicted
+    faster than every compressed algorithm, never with ``allow_native=False``).
     local_size: ranks per node for the hierarchical algorithms (default: from the transport).
-    timeout: seconds each wait of this call may wait for its peers (default: the transport's,
-    $GIFTCOMM_TIMEOUT; docs/robustness.md). mx_scale: the MX formats' shared-exponent rule,
-    "ceil" (default; no element saturates) or "floor" (OCP MX v1.0 bytes); "floor" with another
-    format raises (docs/wire-format.md). Returns an
-    array of x's shape and dtype, bit-identical on every rank and equal to
+    Returns an array of x's shape and dtype, bit-identical on every rank and equal to
     ``giftcomm.reference.simulate_allreduce`` of all ranks' inputs with the same algorithm.
     Repeated calls with one signature reuse a cached plan where the ranks share a node's memory
     (docs/api.md, Plan cache); ``auto`` there predicts the plans' channel, as
     :func:`giftcomm.plan_allreduce` does.
     """
     t = resolve(comm, device=type(x) is not np.ndarray and is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
+    o = call_options(opts, options)
     t = t.enter_call(t is not comm)  # a release on another thread lets the same calls in on every rank (docs/robustness.md)
     try:
-        return plan_cache.allreduce(t, x, out, opts, local_size, fmt is not DEFAULT_FMT)
+        return plan_cache.allreduce(t, x, out, o, local_size, _explicit(opts, options))
     finally:
         t.exit_call()
 
@@ -140,18 +126,10 @@ def reduce_scatter(
     x: Any,
     *,
     comm: Any = None,
-    op: str = "sum",
-    fmt: str | Format = DEFAULT_FMT,
-    block: int | None = None,
     out: Any = None,
-    algorithm: str = "ring",
-    slice_elems: int | None = None,
-    rounding: str = "nearest",
-    seed: int | None = None,
-    timeout: float | None = None,
     layout: str = "blocks",
-    mx_scale: str = "ceil",
-    allow_native: bool = True,
+    options: CallOptions | None = None,
+    **opts: Any,
 ) -> Any:
     """This rank's shard of the sum of ``x`` over all ranks (1-D, x's dtype and framework).
 
@@ -163,15 +141,15 @@ def reduce_scatter(
     ``[rank*n/P, (rank+1)*n/P)``; each shard's scale blocks count from the shard's start
     (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not
     re-quantized, bit-identical to ``giftcomm.reference.simulate_reduce_scatter`` with the same
-    layout. algorithm: "ring", "direct", "native" (the transport's own allreduce, this rank's
-    shard of it) or "auto"; allow_native as for :func:`allreduce`.
+    layout. The options as for :func:`allreduce`; algorithm: one of
+    giftcomm.collectives.algorithms.SCATTER_CHOICES ("ring" unless given as a keyword; "native"
+    is this rank's shard of the transport's own allreduce).
     """
     t = resolve(comm, device=is_device_array(x))
-    opts = call_options(fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native)
-    kind, opts = engine.scatter_kind(layout, opts)
+    kind, o = engine.scatter_kind(layout, call_options(opts, options, _SCATTER))
     t = t.enter_call(t is not comm)
     try:
-        return plan_cache.collective(t, kind, x, out, opts, fmt is not DEFAULT_FMT)
+        return plan_cache.collective(t, kind, x, out, o, _explicit(opts, options))
     finally:
         t.exit_call()
 
@@ -180,25 +158,22 @@ def allgather(
     shard: Any,
     *,
     comm: Any = None,
-    fmt: str | Format = DEFAULT_FMT,
-    block: int | None = None,
     out: Any = None,
-    slice_elems: int | None = None,
-    rounding: str = "nearest",
-    seed: int | None = None,
-    timeout: float | None = None,
-    mx_scale: str = "ceil",
+    options: CallOptions | None = None,
+    **opts: Any,
 ) -> Any:
     """Concatenate every rank's shard (read flat; lengths may differ) into one 1-D array.
 
     Each shard is encoded once by its owner; every rank decodes the same bytes, so the result is
     bit-identical everywhere. The inverse of :func:`reduce_scatter`'s layout. ``out``: a 1-D
-    array of the shard's dtype and framework holding all the gathered values.
+    array of the shard's dtype and framework holding all the gathered values. Options: the call
+    options (docs/api.md); it reduces nothing, so ``op`` and ``algorithm`` stay at their
+    defaults ("sum", "auto"; ValueError otherwise) and ``allow_native`` is not used.
     """
     t = resolve(comm, device=is_device_array(shard))
-    opts = call_options(fmt, block, rounding, seed, "auto", slice_elems, timeout, "sum", mx_scale)
+    o = call_options(opts, options, _GATHER)
     t = t.enter_call(t is not comm)
     try:
-        return plan_cache.collective(t, engine.ALLGATHER, shard, out, opts)
+        return plan_cache.collective(t, engine.ALLGATHER, shard, out, o)
     finally:
         t.exit_call()

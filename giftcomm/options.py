@@ -10,6 +10,7 @@ point. Defaults live here (and :data:`DEFAULT_DAMPING` for the geometries).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from .collectives.algorithms import CHOICES as ALGORITHM_CHOICES
 from .collectives.algorithms import NATIVE
 from .formats import SCALE_RULES, Format, check_key, check_rounding, get_format, resolve_block
 
-__all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES"]
+__all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES", "options_of_call"]
 
 DEFAULT_DAMPING = 0.03
 """The geometries' damping delta, relative to each factor's mean eigenvalue (docs/method.md)."""
@@ -82,22 +83,14 @@ class CallOptions:
         return h
 
     def __getstate__(self) -> dict[str, Any]:  # a pickle carries no hash (str hashes differ per process)
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_valid")}
 
     @classmethod
     def of(cls, owner: str = "", **kwargs: Any) -> CallOptions:
         """Build and validate; ``owner`` (e.g. "GiftState") prefixes error messages. Unknown
         keywords raise TypeError naming them."""
-        unknown = sorted(set(kwargs) - set(OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"{owner + ': ' if owner else ''}unknown option(s) {', '.join(unknown)}; "
-                            f"options are {', '.join(OPTION_NAMES)}")
-        try:
-            return cls(**kwargs).validated()
-        except (TypeError, ValueError) as exc:
-            if not owner:
-                raise
-            raise type(exc)(f"{owner}: {exc}") from None
+        _check_names(owner, kwargs)
+        return _owned(owner, lambda: cls(**kwargs).validated())
 
     def validated(self) -> CallOptions:
         """This record with fmt as its canonical name and every field checked (ValueError or
@@ -126,9 +119,11 @@ class CallOptions:
             timeout = float(timeout)
             if not (timeout >= 0 and np.isfinite(timeout)):
                 raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
-        return replace(self, fmt=f.name, block=None if self.block is None else int(self.block), seed=seed,
+        done = replace(self, fmt=f.name, block=None if self.block is None else int(self.block), seed=seed,
                        slice_elems=slice_elems, timeout=timeout, mx_scale=mx_scale,
                        allow_native=bool(self.allow_native))
+        object.__setattr__(done, "_valid", True)  # options_of_call takes such a record as it is
+        return done
 
     @property
     def format(self) -> Format:
@@ -151,3 +146,58 @@ class CallOptions:
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CallOptions))
 """The option keywords every entry point takes."""
+
+
+def _check_names(owner: str, given: Mapping[str, Any]) -> None:
+    """TypeError naming the keywords of ``given`` that are no option (the same words everywhere)."""
+    unknown = sorted(set(given) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"{owner + ': ' if owner else ''}unknown option(s) {', '.join(unknown)}; "
+                        f"options are {', '.join(OPTION_NAMES)}")
+
+
+def _owned(owner: str, build: Any) -> CallOptions:
+    """``build()``, its TypeError/ValueError prefixed with ``owner``."""
+    try:
+        return build()
+    except (TypeError, ValueError) as exc:
+        if not owner:
+            raise
+        raise type(exc)(f"{owner}: {exc}") from None
+
+
+def options_of_call(owner: str, options: CallOptions | None = None, given: Mapping[str, Any] | None = None,
+                    defaults: Mapping[str, Any] | None = None, fixed: tuple[str, ...] = ()) -> CallOptions:
+    """The one validated :class:`CallOptions` of an entry point's call -- how every entry point
+    takes its options whole: ``f(..., options=None, **given)``.
+
+    owner: the entry point's name, prefixed to error messages ("" for the plain collectives).
+    options: a CallOptions record (or None); the option keywords ``given`` replace its fields.
+    defaults: the entry point's own defaults where they differ from CallOptions' (e.g. the DDP
+    hook's ``op="avg"``), used for the names ``given`` lacks when no record is passed (a record
+    is taken whole: its fields are what the caller chose). fixed: names whose value the entry
+    point decides itself (e.g. the hook always averages): it takes them only at the value of
+    ``defaults`` (ValueError naming the option otherwise). Raises TypeError for a keyword that
+    is no option (the words of :meth:`CallOptions.of`) or an ``options`` that is no CallOptions,
+    ValueError/TypeError for a bad value, all prefixed with ``owner``.
+    """
+    given = {} if given is None else given
+    _check_names(owner, given)
+    if options is None:
+        opts = CallOptions.of(owner, **{**defaults, **given}) if defaults else CallOptions.of(owner, **given)
+    elif not isinstance(options, CallOptions):
+        raise TypeError(f"{owner + ': ' if owner else ''}options must be a giftcomm.options.CallOptions, "
+                        f"got {type(options).__name__}")
+    elif given:
+        opts = _owned(owner, lambda: options.replace(**given))
+    else:
+        opts = options if options.__dict__.get("_valid") else _owned(owner, options.validated)
+    for name in fixed:
+        want = (defaults or {}).get(name, getattr(_DEFAULTS, name))
+        if getattr(opts, name) != want:
+            raise ValueError(f"{owner + ': ' if owner else ''}{name} is {want!r} here (the entry point decides it), "
+                             f"got {getattr(opts, name)!r}")
+    return opts
+
+
+_DEFAULTS = CallOptions()

@@ -35,7 +35,8 @@ from .collectives.agree import error_code, meet_plans, raise_failures
 from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted, CommClosed, CommError
-from .formats import Format, check_key
+from .formats import check_key
+from .options import CallOptions
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
@@ -336,26 +337,23 @@ def job_plan_of(t: Transport, kind: engine.Kind, job: engine.Job) -> JobPlan | N
     return JobPlan(t, kind, job, word | CACHED)
 
 
+_PLAN = engine.Entry("plan_allreduce", fixed=("seed",))
+"""plan_allreduce's options: the seed is per call."""
+
+
 def plan_allreduce(
     x: Any,
     *,
     comm: Any = None,
-    op: str = "sum",
-    fmt: str | Format = "e4m3",
-    block: int | None = None,
-    algorithm: str = "auto",
     local_size: int | None = None,
-    slice_elems: int | None = None,
-    rounding: str = "nearest",
-    timeout: float | None = None,
-    mx_scale: str = "ceil",
-    allow_native: bool = True,
     geometry: Any = None,
+    options: CallOptions | None = None,
+    **opts: Any,
 ) -> AllreducePlan:
-    """Plan repeated allreduces of arrays like ``x`` (collective; the arguments of
-    :func:`giftcomm.allreduce`). ``algorithm="auto"`` is the plain call's choice
-    (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which). With
-    ``rounding="stochastic"`` every call passes its own ``seed=``.
+    """Plan repeated allreduces of arrays like ``x`` (collective; the arguments and options of
+    :func:`giftcomm.allreduce`, but ``seed``: with ``rounding="stochastic"`` every call passes
+    its own ``seed=``, so the plan's stays None). ``algorithm="auto"`` is the plain call's choice
+    (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which).
 
     geometry: None, or a geometry as :func:`giftcomm.gift_allreduce` takes it (e.g.
     ``Geometry.preset("paper", layout, factors)``): every call is then that call,
@@ -366,10 +364,11 @@ def plan_allreduce(
     structure to build a map from. Such a plan checks each call with one small gather (no
     node-shared channel fast path). Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
-    opts = engine.call_options(fmt, block, rounding, 0 if rounding == "stochastic" else None, algorithm, slice_elems,
-                               timeout, op, mx_scale, allow_native)
-    with engine.held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, None, opts, geometry, local_size)
+    o = engine.call_options(opts, options, _PLAN)
+    if not isinstance(o, Exception) and o.rounding == "stochastic":
+        o = o.replace(seed=0)  # a stand-in: the agreement's signature; each call gives its own
+    with engine.held(t, None if isinstance(o, Exception) else o.timeout):
+        job = engine.agree_call(t, engine.ALLREDUCE, x, None, o, geometry, local_size)
         return plan_of(t, job)
 
 

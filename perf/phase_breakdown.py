@@ -65,7 +65,7 @@ def main() -> None:
     comm = mpi_transport.MpiTransport(MPI.COMM_WORLD, shared_memory=None if args.shared_memory == "auto" else False)
     x = np.random.default_rng(comm.rank).standard_normal(args.count).astype(np.float32)
     out = np.empty_like(x)
-    opts = engine.call_options(args.fmt, None, "nearest", None, "auto", None, None, "sum")
+    opts = engine.call_options({"fmt": args.fmt})
     call = lambda: engine.execute(comm, engine.ALLREDUCE, x, out, opts)  # noqa: E731 - the plain call, never cached
     for _ in range(5):
         call()

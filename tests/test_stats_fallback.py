@@ -226,7 +226,7 @@ def test_sent_bytes_is_what_the_message_path_sends(rng, p):
 
 
 def gc_opts(algo):
-    return engine.call_options("e4m3", None, "nearest", None, algo, None, None, "sum")
+    return engine.call_options({"fmt": "e4m3", "algorithm": algo})
 
 
 @pytest.mark.parametrize("p", [2, 3, 5])

@@ -29,13 +29,15 @@ import numpy as np
 from .. import api
 from ..accounting import Tally
 from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
-from ..options import DEFAULT_DAMPING, CallOptions
+from ..options import DEFAULT_DAMPING, CallOptions, options_of_call
 from .calls import call_kwargs
 from .jax_geometry import JaxGeometry
 from .jax_jit import feedback_init, pmean, psum, psum_scatter
 
 __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "JaxGeometry", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp",
            "unflatten_tree", "allreduce_tree", "TreeSync", "on_gpu"]
+
+_AVG = {"op": "avg"}  # the tree adapters average unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -115,32 +117,28 @@ def _flatten(tree, device: bool | None):
     return flatten_tree_jnp(tree) if device else flatten_tree(tree)
 
 
-def allreduce_tree(tree, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int | None = None,
-                   rounding: str = "nearest", seed: int | None = None, algorithm: str = "auto",
-                   slice_elems: int | None = None, timeout: float | None = None, mx_scale: str = "ceil",
-                   allow_native: bool = True, geometry=None, device: bool | None = None):
+def allreduce_tree(tree, *, comm: Any = None, geometry=None, device: bool | None = None,
+                   options: CallOptions | None = None, **opts: Any):
     """Collective: the pytree reduced over all ranks (``op`` "avg" or "sum"), one flat
-    ``gift_allreduce`` of the leaves packed as float32. fmt, block (None: the format's own),
-    rounding, seed (stochastic rounding: the call's seed, used as given), algorithm, slice_elems,
-    timeout, mx_scale, allow_native: the call options of ``giftcomm.allreduce`` (validated before anything moves: a bad
-    one raises ValueError/TypeError naming allreduce_tree). geometry: None or a Geometry over
+    ``gift_allreduce`` of the leaves packed as float32. options / ``**opts``: the call options of
+    ``giftcomm.allreduce`` (keywords, or one CallOptions as ``options=``; docs/api.md; op
+    defaults to "avg"; seed, under stochastic rounding, is used as given), validated before
+    anything moves: a bad one raises ValueError/TypeError naming allreduce_tree. geometry: None or a Geometry over
     ``tree_spec(tree).layout``. device: pack with ``jnp`` and hand giftcomm the jax array (None:
     when a leaf is on a GPU; then ``comm`` None or an mpi4py communicator means NCCL, or pass a
     device Transport). Bit-identical on every rank. Not for use inside ``jax.jit``."""
-    opts = CallOptions.of("allreduce_tree", op=op, fmt=fmt, block=block, rounding=rounding, seed=seed,
-                           algorithm=algorithm, slice_elems=slice_elems, timeout=timeout, mx_scale=mx_scale,
-                           allow_native=allow_native)
+    o = options_of_call("allreduce_tree", options, opts, _AVG)
     flat, spec = _flatten(tree, device)
-    out = api.gift_allreduce(flat, geometry, comm=comm, **opts.as_kwargs())
+    out = api.gift_allreduce(flat, geometry, comm=comm, options=o)
     return unflatten_tree(out, spec)
 
 
 class TreeSync:
     """Reduce gradient pytrees step after step with GIFT geometry from the reduced gradients.
 
-    fmt, block (None: the format's own), op, rounding, seed, algorithm, slice_elems, timeout,
-    mx_scale, allow_native: the call options of ``giftcomm.allreduce`` (validated here;
-    ``sync.options`` is the record); with
+    options / ``**opts``: the call options of ``giftcomm.allreduce`` (keywords, or one CallOptions
+    as ``options=``; docs/api.md; op defaults to "avg"; validated here; ``sync.options`` is the
+    record); with
     ``rounding="stochastic"`` call ``k`` (0, 1, ...) is rounded with the seed
     ``giftcomm.adapters.calls.step_seed(seed, k, 0)``. The ``GradientFactorEstimator`` is fed
     the reduced flat buffer (identical on every rank) every ``estimate_every`` calls; every
@@ -150,14 +148,10 @@ class TreeSync:
     and geometry builds.
     """
 
-    def __init__(self, *, comm: Any = None, op: str = "avg", fmt: str = "e4m3", block: int | None = None,
-                 rounding: str = "nearest", seed: int | None = None, algorithm: str = "auto",
-                 slice_elems: int | None = None, timeout: float | None = None, mx_scale: str = "ceil",
-                 allow_native: bool = True, estimate_every: int = 1, refresh_every: int = 50, policy: SelectivePolicy | None = None,
-                 damping: float = DEFAULT_DAMPING, decay: float = 0.95, device: bool | None = None) -> None:
-        self.options: CallOptions = CallOptions.of("TreeSync", op=op, fmt=fmt, block=block, rounding=rounding,
-                                                    seed=seed, algorithm=algorithm, slice_elems=slice_elems,
-                                                    timeout=timeout, mx_scale=mx_scale, allow_native=allow_native)
+    def __init__(self, *, comm: Any = None, estimate_every: int = 1, refresh_every: int = 50,
+                 policy: SelectivePolicy | None = None, damping: float = DEFAULT_DAMPING, decay: float = 0.95,
+                 device: bool | None = None, options: CallOptions | None = None, **opts: Any) -> None:
+        self.options: CallOptions = options_of_call("TreeSync", options, opts, _AVG)
         for name, value in (("estimate_every", estimate_every), ("refresh_every", refresh_every)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"TreeSync: {name} must be an int >= 1, got {value!r}")

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..formats import message_nbytes
-from ..options import CallOptions
+from ..options import CallOptions, options_of_call
 from ..partition import shared_chunk_bounds
 from ..reference.rounding import call_key
 from . import jax_codec
@@ -93,11 +93,11 @@ def _split_seed(owner: str, options: dict[str, Any]) -> tuple[dict[str, Any], An
 
 
 def _options(owner: str, op: str, options: dict[str, Any]) -> tuple[CallOptions, Any]:
-    """(the validated CallOptions, an array seed or None)."""
-    if "op" in options:
-        raise TypeError(f"{owner}: op is given by the function (psum: sum, pmean: avg), not as an option")
+    """(the validated CallOptions, an array seed or None): ``options=`` a CallOptions and/or the
+    option keywords; op is the function's (psum sums, pmean averages, another op is a ValueError)."""
+    record = options.pop("options", None)
     options, traced_seed = _split_seed(owner, options)
-    opts = CallOptions.of(owner, op=op, **options)
+    opts = options_of_call(owner, record, options, {"op": op}, fixed=("op",))
     algorithm = "ring" if opts.algorithm == "auto" else opts.algorithm
     if algorithm not in JIT_ALGORITHMS:
         raise ValueError(f"{owner}: algorithm must be one of auto, {', '.join(JIT_ALGORITHMS)} inside jit; "
@@ -321,8 +321,9 @@ def psum(x: Any, axis_name: Any, *, feedback: Any = None, geometry: Any = None, 
     """``lax.psum(x, axis_name)`` through giftcomm's wire: the sum over the devices of the mesh
     axis (or tuple of axes) ``axis_name`` of every leaf of the pytree ``x`` (float16, bfloat16
     or float32 leaves; returned in their shapes and dtypes, identical on every device).
-    ``options``: giftcomm.options.CallOptions fields (fmt="e4m3", block, rounding, seed,
-    mx_scale, algorithm "auto"/"ring"/"direct"); ``seed`` may also be an integer array (traced:
+    ``options``: the call options (docs/api.md) as keywords or one CallOptions as ``options=``
+    (fmt="e4m3", block, rounding, seed, mx_scale, algorithm "auto"/"ring"/"direct"; op is the
+    function's; slice_elems and timeout stay None); ``seed`` may also be an integer array (traced:
     e.g. the step number, the same on every device), a scalar below 2**32 or uint32[2] words
     (low, high) of a 64-bit seed, rounding exactly as that int seed does.
     feedback: None, or the error-feedback state (:func:`feedback_init`; a pytree of float32

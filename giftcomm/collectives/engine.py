@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import _xp
 from ..errors import CommClosed
-from ..options import CallOptions
+from ..options import CallOptions, options_of_call
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
 from ..transport.channel import PLAIN_WORD
@@ -42,7 +42,7 @@ from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "call_options", "Job", "Kind", "ALLREDUCE",
+__all__ = ["GeometryLike", "held", "last_algorithm", "Entry", "PLAIN", "call_options", "Job", "Kind", "ALLREDUCE",
            "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "scatter_kind", "ALLGATHER",
            "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
@@ -116,27 +116,39 @@ _OPTIONS: dict[tuple, CallOptions] = {}
 _OPTIONS_MAX = 256
 
 
-def call_options(fmt: Any, block: Any, rounding: Any, seed: Any, algorithm: Any, slice_elems: Any, timeout: Any,
-                 op: Any, mx_scale: Any = "ceil", allow_native: Any = True) -> CallOptions | Exception:
-    """``CallOptions.of`` of a call's keywords, or the exception it raised (the agreement step
-    raises it on every rank). Remembered per distinct keyword values and types (a training loop
-    repeats the same ones), so a repeated call validates nothing twice."""
-    # the numbers' types too: block=True or 1.0 must not find block=1's record
-    if block is None and seed is None and slice_elems is None and timeout is None and allow_native is True:
-        key: tuple | None = (fmt, rounding, algorithm, op, mx_scale)  # the usual call, a shorter key (~0.1 us)
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """How one public entry point takes its options (giftcomm.options.options_of_call): the
+    owner its errors name, its own defaults, the names it decides itself. Compared by identity
+    (a key of the options cache)."""
+
+    owner: str = ""
+    defaults: Mapping[str, Any] | None = None
+    fixed: tuple[str, ...] = ()
+
+
+PLAIN = Entry()
+"""allreduce and gift_allreduce: CallOptions' defaults, nothing fixed."""
+
+
+def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = PLAIN) -> CallOptions | Exception:
+    """``options_of_call`` of a call's ``options`` record and option keywords ``given``, or the
+    exception it raised (the agreement step raises it on every rank). Keywords alone are
+    remembered per entry point and distinct keyword values and types (a training loop repeats
+    the same ones), so a repeated call validates nothing twice; a validated record is taken as
+    it is."""
+    if options is None:
+        try:  # the values' types too: block=True or 1.0 must not find block=1's record
+            key: tuple | None = (entry, tuple(given.items()), tuple(map(type, given.values())))
+            opts = _OPTIONS.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable value: validate (and fail) without remembering
+            opts, key = None, None
+        if opts is not None:
+            return opts
     else:
-        key = (fmt, block, rounding, seed, algorithm, slice_elems, timeout, op, mx_scale, allow_native,
-               type(block), type(seed), type(slice_elems), type(timeout), type(allow_native))
+        key = None
     try:
-        opts = _OPTIONS.get(key)  # type: ignore[arg-type]
-    except TypeError:  # an unhashable value: validate (and fail) without remembering
-        opts, key = None, None
-    if opts is not None:
-        return opts
-    try:
-        opts = CallOptions.of(fmt=fmt, block=block, rounding=rounding, seed=seed, algorithm=algorithm,
-                              slice_elems=slice_elems, timeout=timeout, op=op, mx_scale=mx_scale,
-                              allow_native=allow_native)
+        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
     if key is not None:

@@ -59,7 +59,7 @@ from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_forma
 from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
 from ...geometry.paper import FactorEMA, refresh_geometries
-from ...options import DEFAULT_DAMPING, CallOptions
+from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from ..calls import call_kwargs, log_path
 from .blas import blas_limit, warn_oversubscription
@@ -70,6 +70,7 @@ __all__ = ["GiftState", "GiftStats", "gift_hook", "logger"]
 logger = logging.getLogger("giftcomm.adapters")
 
 _GEOMETRIES = ("none", "reduced", "kfac", "paper")
+_HOOK_OPTIONS = {"op": "avg"}  # the hook averages, as DDP does
 _CAPTURED = ("kfac", "paper")  # the geometries built from factors captured from the model
 
 
@@ -224,12 +225,11 @@ class GiftState:
     """Settings of the giftcomm DDP hook (plus, apart, its internal runtime).
 
     process_group: the DDP process group (None: the default group, looked up at the first bucket).
-    fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call options of
-    ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO on "giftcomm.adapters" once
-    per bucket size; :class:`~giftcomm.options.CallOptions`; ``block=None`` is the format's
-    own: 16 for nvfp4, 32 for the MX formats, 256 otherwise), used for every bucket; the hook
-    always averages (op "avg"). With ``rounding="stochastic"`` bucket ``i`` of iteration ``it``
-    is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
+    options / ``**opts``: the call options of ``giftcomm.allreduce`` (keywords, or one
+    :class:`~giftcomm.options.CallOptions` as ``options=``; docs/api.md; auto per bucket, its
+    path logged at INFO on "giftcomm.adapters" once per bucket size), used for every bucket; the
+    hook always averages (op "avg": another op is a ValueError). With ``rounding="stochastic"``
+    bucket ``i`` of iteration ``it`` is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
     rank, a fresh stream per bucket and step. ``state.options`` is the validated record.
     start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
     geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
@@ -270,18 +270,14 @@ class GiftState:
     unchanged.
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, fmt: str = "e4m3",
-                 block: Optional[int] = None, rounding: str = "nearest", seed: Optional[int] = None,
-                 algorithm: str = "auto", slice_elems: Optional[int] = None, timeout: Optional[float] = None,
-                 start_gift_iter: int = 0, geometry: str = "none",
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, start_gift_iter: int = 0, geometry: str = "none",
                  estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
-                 error_feedback: bool = False, allow_native: bool = True, paper: Any = None) -> None:
-        self.options: CallOptions = CallOptions.of("GiftState", fmt=fmt, block=block, rounding=rounding, seed=seed,
-                                                    algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
-                                                    op="avg", allow_native=allow_native)
+                 error_feedback: bool = False, paper: Any = None, options: Optional[CallOptions] = None,
+                 **opts: Any) -> None:
+        self.options: CallOptions = options_of_call("GiftState", options, opts, _HOOK_OPTIONS, fixed=("op",))
         self._paths_told: set = set()  # bucket sizes whose path was logged (calls.log_path)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"GiftState: error_feedback must be a bool, got {error_feedback!r}")

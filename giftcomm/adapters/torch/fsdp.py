@@ -35,6 +35,7 @@ after it, not instead of it), and replacing it would need patching torch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -49,7 +50,7 @@ from ...collectives.algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.paper import FactorEMA, PaperOptions
 from ...geometry.sharded import ShardedGeometry
-from ...options import DEFAULT_DAMPING, CallOptions
+from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport import Transport
 from ..calls import log_path
 from .kfac import KfacCapture
@@ -115,9 +116,9 @@ def on_current_stream(t: torch.Tensor) -> Iterator[None]:
 class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]
     """FSDP2's ``ReduceScatter`` comm through giftcomm (module doc).
 
-    Options: fmt, block, rounding, seed, algorithm, slice_elems, timeout, allow_native as
-    :class:`giftcomm.options.CallOptions` (algorithm "ring", "direct", "native" or "auto": auto per
-    call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
+    options / ``**opts``: the call options (keywords, or one :class:`giftcomm.options.CallOptions`
+    as ``options=``; docs/api.md; op is FSDP's, per call, so the option stays "sum"; algorithm
+    one of reduce_scatter's: auto per call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
     uses seed ``(seed + c) * 2**16 + index``).
     warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "paper" (the GIFT
     paper's preset, giftcomm.geometry.paper, from the captured input covariances averaged over the
@@ -135,15 +136,13 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
     residual (a per-rank checkpoint).
     """
 
-    def __init__(self, *, fmt: str = "e4m3", block: int | None = None, rounding: str = "nearest",
-                 seed: int | None = None, algorithm: str = "auto", slice_elems: int | None = None,
-                 timeout: float | None = None, warmup: int = 0, geometry: Any = None, capture: Any = None,
+    def __init__(self, *, warmup: int = 0, geometry: Any = None, capture: Any = None,
                  refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
-                 error_feedback: bool = False, allow_native: bool = True, paper: Any = None) -> None:
-        self.options = CallOptions.of("GiftReduceScatter", fmt=fmt, block=block, rounding=rounding,
-                                      seed=0 if rounding == "stochastic" and seed is None else seed,
-                                      algorithm=algorithm, slice_elems=slice_elems, timeout=timeout,
-                                      allow_native=allow_native)
+                 error_feedback: bool = False, paper: Any = None, options: CallOptions | None = None,
+                 **opts: Any) -> None:
+        self.options = options_of_call("GiftReduceScatter", options, opts, fixed=("op",))
+        if self.options.rounding == "stochastic" and self.options.seed is None:
+            self.options = self.options.replace(seed=0)
         self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
         self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):
@@ -156,7 +155,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         self._geo_generation = 0
         if self.options.algorithm not in SCATTER_CHOICES:
             raise ValueError(f"GiftReduceScatter: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
-                             f"(reduce-scatter algorithms), got {algorithm!r}")
+                             f"(reduce-scatter algorithms), got {self.options.algorithm!r}")
         for name, value, least in (("warmup", warmup, 0), ("refresh_every", refresh_every, 1), ("index", index, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"GiftReduceScatter: {name} must be an int >= {least}, got {value!r}")
@@ -442,12 +441,17 @@ class GiftReduceScatters(list):
         return total
 
 
+_COMM_SETTINGS = (*(n for n, p in inspect.signature(GiftReduceScatter).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY and n not in ("options", "index")), "capture_every", "capture_tokens")
+"""register_reduce_scatter's keywords that are no call options: each comm's settings, the capture's."""
+
+
 def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduceScatters:
     """Install a :class:`GiftReduceScatter` on every FSDP2 module of ``model`` (one each, bound to
     that module's parameters) and return them in ``model.modules()`` order.
 
-    options: those of GiftReduceScatter (fmt, block, rounding, seed, algorithm, slice_elems,
-    timeout, allow_native, warmup, geometry, capture, refresh_every, damping). With ``geometry="kfac"``,
+    options: those of GiftReduceScatter (its settings warmup, geometry, capture, refresh_every,
+    damping, paper, error_feedback, and the call options, as keywords or ``options=``). With ``geometry="kfac"``,
     ``capture=model`` makes one KfacCapture shared by all comms, stepped by a forward pre-hook
     on ``model`` (capture every ``capture_every`` forwards, ``capture_tokens`` rows per layer).
     Call on every rank, after ``fully_shard``. Raises on every rank alike, before any data
@@ -455,6 +459,10 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     ValueError for bad options, a module with several parameter groups, or a geometry that does
     not match a module's parameters.
     """
+    record = options.pop("options", None)
+    settings = {k: options.pop(k) for k in list(options) if k in _COMM_SETTINGS}
+    record = options_of_call("register_reduce_scatter", record, options, fixed=("op",))  # the rest: call options
+    options = settings
     modules = fsdp_modules(model)  # RuntimeError on torch without the FSDP2 comm API
     if not modules:
         raise RuntimeError("register_reduce_scatter: the model has no FSDP2 module (apply fully_shard first)")
@@ -488,7 +496,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
             raise ValueError(f"register_reduce_scatter: FSDP module {type(module).__name__} has {len(groups)} "
                              "parameter groups (per-parameter meshes); one comm cannot serve several")
         group = groups[0]
-        comm = GiftReduceScatter(index=i, **options)
+        comm = GiftReduceScatter(index=i, options=record, **options)
         comm._host, comm._device = host, device
         fsdp_params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         shapes = [tuple(fp._orig_size) for fp in fsdp_params]

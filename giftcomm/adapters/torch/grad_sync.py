@@ -28,7 +28,7 @@ import numpy as np
 from ... import api
 from ...accounting import Tally
 from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
-from ...options import CallOptions
+from ...options import CallOptions, options_of_call
 from ...transport import resolve
 from ..calls import call_kwargs, log_path
 from .buckets import GradBucket, make_buckets
@@ -92,14 +92,14 @@ class GradSync:
     """Allreduce a model's gradients bucket by bucket with giftcomm.
 
     model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm:
-    mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). fmt, block (None: the
-    format's own), op, rounding, seed, algorithm, slice_elems, timeout, allow_native: the call
-    options of ``giftcomm.allreduce`` (auto per bucket, its path logged at INFO once per bucket
-    size; :class:`~giftcomm.options.CallOptions`, validated here: a bad one
-    raises ValueError/TypeError naming GradSync; op="avg" averages like DDP); ``sync.options`` is
-    the record. bucket_mb: bucket size in MiB. With ``rounding="stochastic"``, ``sync(step)``
-    rounds bucket i with the seed ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step
-    defaults to the number of earlier sync calls, the same on every rank that calls sync in step).
+    mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). options / ``**opts``: the
+    call options of ``giftcomm.allreduce`` (keywords, or one :class:`~giftcomm.options.CallOptions`
+    as ``options=``; docs/api.md; op defaults to "avg", averaging like DDP; auto per bucket, its
+    path logged at INFO once per bucket size), validated here: a bad one raises
+    ValueError/TypeError naming GradSync; ``sync.options`` is the record. bucket_mb: bucket size
+    in MiB. With ``rounding="stochastic"``, ``sync(step)`` rounds bucket i with the seed
+    ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step defaults to the number of earlier
+    sync calls, the same on every rank that calls sync in step).
 
     error_feedback: keep, per bucket, what this rank's own encoding lost and add it to the
     bucket's next gradient (:mod:`giftcomm.feedback`, docs/method.md "Error feedback"; a
@@ -129,15 +129,11 @@ class GradSync:
     feedback (the residual is the wire's own-encoding error with its per-tensor scale).
     """
 
-    def __init__(self, model, *, comm: Any = None, fmt: str = "e4m3", block: int | None = None,
-                 op: str = "avg", bucket_mb: float = 25.0, algorithm: str = "auto",
-                 slice_elems: int | None = None, rounding: str = "nearest", seed: int | None = None,
-                 timeout: float | None = None, error_feedback: bool = False, allow_native: bool = True,
+    def __init__(self, model, *, comm: Any = None, bucket_mb: float = 25.0, error_feedback: bool = False,
                  feedback: str | None = None, baseline: str | None = None, geometry: str | None = None,
-                 paper: Any = None, capture_tokens: int | None = None) -> None:
-        self.options: CallOptions = CallOptions.of("GradSync", fmt=fmt, block=block, op=op, algorithm=algorithm,
-                                                    slice_elems=slice_elems, rounding=rounding, seed=seed,
-                                                    timeout=timeout, allow_native=allow_native)
+                 paper: Any = None, capture_tokens: int | None = None, options: CallOptions | None = None,
+                 **opts: Any) -> None:
+        self.options: CallOptions = options_of_call("GradSync", options, opts, {"op": "avg"})
         self._paths_told: set[int] = set()  # bucket sizes whose path was logged (calls.log_path)
         self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):

@@ -29,7 +29,7 @@ from ...accounting import Tally
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry import Geometry, Layout
 from ...geometry.sharded import inverse_flat_shard
-from ...options import CallOptions
+from ...options import CallOptions, options_of_call
 from ...transport import resolve
 from .buckets import named_trainable
 from .paper_refresh import PaperRefresh, paper_options
@@ -42,7 +42,8 @@ class ShardedGradSync:
 
     model: an nn.Module or (name, parameter) pairs, all of one float dtype and device (CPU, or
     CUDA with a device transport). comm: mpi4py communicator, giftcomm Transport or None (as
-    for the collectives). Options as CallOptions (default op "avg", like DDP). With
+    for the collectives). options / ``**opts``: the call options (keywords, or one CallOptions as
+    ``options=``; docs/api.md; op defaults to "avg", like DDP). With
     ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
     error_feedback=True: keep what this rank's own encoding lost and add it to the next
@@ -67,8 +68,8 @@ class ShardedGradSync:
     """
 
     def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, geometry: str | None = None,
-                 paper: Any = None, capture_tokens: int | None = None, **options: Any) -> None:
-        options.setdefault("op", "avg")
+                 paper: Any = None, capture_tokens: int | None = None, options: CallOptions | None = None,
+                 **opts: Any) -> None:
         if geometry not in (None, "paper"):
             raise ValueError(f"ShardedGradSync: geometry must be None or 'paper', got {geometry!r}")
         if geometry is None and (paper is not None or capture_tokens is not None):
@@ -78,7 +79,7 @@ class ShardedGradSync:
             raise NotImplementedError('ShardedGradSync: error feedback with geometry="paper" is not implemented '
                                       "(the residual would live in the map's coordinates across the reduce-scatter); "
                                       "use GradSync (allreduce) for the paper's error feedback, or error_feedback=False")
-        self.options = CallOptions.of("ShardedGradSync", **options)
+        self.options = options_of_call("ShardedGradSync", options, opts, {"op": "avg"})
         if not isinstance(error_feedback, bool):
             raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
