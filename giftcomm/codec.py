@@ -74,25 +74,26 @@ def native_formats() -> frozenset[str]:
     if _native is None:
         return frozenset()
     compiled = _native._formats()
-    return frozenset(name for name, f in FORMATS.items() if compiled.get(name) == format_facts(f))
+    return frozenset(name for name, f in FORMATS.items() if f.native and compiled.get(name) == format_facts(f))
 
 
 def native_supports(f: Format) -> bool:
-    """Whether the native kernels run format ``f`` (any scale rule); when not, the host kernels
-    run it on the reference, logging that once per format."""
+    """Whether the native kernels run format ``f`` (any scale rule): a row declared native
+    (Format.native) whose facts this build compiled; when not, the host kernels run it on the
+    reference, logging that once per format."""
     hit = _native_support.get(id(f))
     if hit is not None:
         return hit[1]
     from .formats_header import format_facts
 
-    ok = _native is not None and _native._formats().get(f.name) == format_facts(f)
+    ok = f.native and _native is not None and _native._formats().get(f.name) == format_facts(f)
     if len(_native_support) < 1024:  # bounded: Format objects made outside the table are few
         _native_support[id(f)] = (f, ok)
     if not ok and _native is not None and f.name not in _native_logged:
         _native_logged.add(f.name)
         logging.getLogger("giftcomm").warning(
-            "giftcomm: format %s is not native in this build of giftcomm._codec_native; running it on the "
-            "NumPy reference codec (slow)", f.name)
+            "giftcomm: format %s is not native %s; running it on the NumPy reference codec (slow)", f.name,
+            "in this build of giftcomm._codec_native" if f.native else "(a reference-only row: Format.native is False)")
     return ok
 
 

@@ -68,10 +68,17 @@ class Format:
     scale_rule: the shared-exponent rule of an E8M0-scaled format (SCALE_RULES: "ceil", the
     default, or "floor"); "" for every other format. The rows of FORMATS carry the default;
     :meth:`with_scale_rule` gives the other variant.
+    native: whether the C kernels (native/) and the CUDA kernels (giftcomm/cuda/kernels)
+    implement this row. True for every row of FORMATS today; False declares a *reference-only*
+    row (a format landing Python-first): it runs everywhere (plain calls, plans, the simulation,
+    error feedback, the adapters) on giftcomm.reference, host arrays directly and CuPy arrays
+    through host copies, and the generated dispatch lists of ``native/gc_formats.h`` leave it out.
 
     The C and CUDA kernels read these facts from ``native/gc_formats.h``, generated from this
-    table (:func:`c_header`; ``python -m giftcomm.formats_header``); a row the compiled kernels
-    do not implement runs on giftcomm.reference (giftcomm.codec.native_formats).
+    table (:func:`giftcomm.formats_header.c_header`; ``python -m giftcomm.formats_header``), and
+    dispatch over its generated row lists (``GC_NATIVE_ROWS``, ``GC_F32_ROWS``,
+    ``GC_E8M0_ROWS``); a native row the compiled build lacks (a stale build) also runs on the
+    reference (giftcomm.codec.native_formats).
     """
 
     name: str
@@ -85,6 +92,7 @@ class Format:
     scale_kind: str = ""
     emax: int = 0
     scale_rule: str = ""
+    native: bool = True
 
     @functools.cached_property
     def variant_code(self) -> int:

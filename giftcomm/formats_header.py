@@ -20,8 +20,12 @@ from .formats import FORMATS, SCALE_RULE_SHIFT, SCALE_RULES, Format
 
 __all__ = ["c_header", "format_facts", "ELEMENT_KINDS", "HEADER_PATH"]
 
-#: the element kinds of the scaled formats, by wire dtype: the C and CUDA kernels' ``ek``
+#: the element kinds the C and CUDA kernels implement, by wire dtype: their ``ek``. A native row
+#: (Format.native) needs its element here; a reference-only row with another element has kind -1.
 ELEMENT_KINDS: dict[str, int] = {"float8_e4m3fn": 0, "float8_e5m2": 1, "float4_e2m1fn": 2}
+#: the generated row lists by family (scale kind): what the kernels' dispatch expands
+_ROW_LISTS = {"F32": ("f32", "FP8 elements, float32 block scales"),
+              "E8M0": ("e8m0", "MX: E8M0 scale per 32 values")}
 _SCALE_KIND_NAMES = {"": "NONE", "f32": "F32", "e8m0": "E8M0", "nvfp4": "NVFP4"}
 HEADER_PATH = "native/gc_formats.h"
 """Where the generated header lives, relative to the repository root (the CUDA loader serves the
@@ -33,7 +37,12 @@ def _f32_bits(v: float) -> int:
 
 
 def _elem_kind(f: Format) -> int:
-    return ELEMENT_KINDS[f.wire_dtype.name] if f.scaled else -1
+    return ELEMENT_KINDS.get(f.wire_dtype.name, -1) if f.scaled else -1
+
+
+def _rows_macro(name: str, rows: list[Format]) -> str:
+    """``#define GC_<name>_ROWS(X) X(NAME, name) ...``: an X-macro over ``rows``."""
+    return f"#define GC_{name}_ROWS(X) " + " ".join(f"X({f.name.upper()}, {f.name})" for f in rows)
 
 
 def format_facts(f: Format) -> str:
@@ -58,6 +67,11 @@ def c_header() -> str:
     X-macro, and (outside CUDA) a lookup table by code. Deterministic: the check in
     tests/test_format_table.py regenerates it and compares."""
     rows = sorted(FORMATS.values(), key=lambda f: f.code)
+    native = [f for f in rows if f.native]
+    for f in native:
+        if f.scaled and _elem_kind(f) < 0:
+            raise ValueError(f"format {f.name} is declared native but the kernels have no element kind for "
+                             f"{f.wire_dtype.name} (ELEMENT_KINDS); declare it native=False (reference only)")
     elems = sorted(ELEMENT_KINDS.items(), key=lambda kv: kv[1])
     fins = [ml_dtypes.finfo(np.dtype(getattr(ml_dtypes, name))) for name, _ in elems]
     nan_codes: dict[int, int] = {}
@@ -111,6 +125,11 @@ def c_header() -> str:
               f"#define {n}_NAN_CODE {f.nan_code:#04x}u",
               f"#define {n}_EMAX {f.emax}",
               f'#define {n}_FACTS "{format_facts(f)}"']
+    L += ["", "/* the rows the C and CUDA kernels implement (Format.native), all and by family, in code order:",
+          " * X(NAME, name) per row; the kernels' dispatch switches and CUDA entry points expand these */",
+          _rows_macro("NATIVE", native)]
+    for macro, (kind, words) in _ROW_LISTS.items():
+        L += [f"/* {words} */", _rows_macro(macro, [f for f in native if f.scale_kind == kind])]
     L += ["", "/* the same facts by code (c: any int expression; an unknown code gives 0 / -1) */"]
     for macro, fact in (("SCALE", "SCALE"), ("ELEM", "ELEM"), ("VALUE_BITS", "VALUE_BITS"), ("ITEMSIZE", "ITEMSIZE"),
                         ("FIXED_BLOCK", "FIXED_BLOCK")):

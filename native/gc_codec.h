@@ -27,13 +27,13 @@
  * (GC_VARIANT_RULE: GC_RULE_CEIL or GC_RULE_FLOOR). */
 #include "gc_formats.h"
 
-/* The formats these kernels implement; gc_module.c reports them (giftcomm.codec runs every other
- * row of the table on the NumPy reference). */
+/* The formats these kernels implement: the table's native rows (GC_NATIVE_ROWS); gc_module.c
+ * reports them (giftcomm.codec runs every other row of the table on the NumPy reference). */
+#define GC_CASE_OF(N, L) case GC_##N:
 static inline int gc_implemented(int code)
 {
     switch (code) {
-    case GC_E4M3: case GC_E5M2: case GC_BF16: case GC_FP16: case GC_FP32:
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+    GC_NATIVE_ROWS(GC_CASE_OF)
         return 1;
     default:
         return 0;

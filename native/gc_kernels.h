@@ -293,15 +293,17 @@ GC_INLINE void K(acc32)(const uint8_t *msg, size_t n, float *acc)
         acc[i] = gc_addf(acc[i], gc_load_f32(msg + 4 * i));
 }
 
-/* ---- entry points: dispatch on the variant code v (validated by the caller: gc_module.c) ---- */
+/* ---- entry points: dispatch on the variant code v (validated by the caller: gc_module.c); the
+ * FP8 rows with float32 scales (GC_F32_ROWS) and the MX rows (GC_E8M0_ROWS) come from the
+ * generated table, gc_formats.h ---- */
 
 static void K(encode)(int v, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
 {
     int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(encode8)(x, n, msg, block, GC_E4M3_ELEM, rng); break;
-    case GC_E5M2: K(encode8)(x, n, msg, block, GC_E5M2_ELEM, rng); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+#define GC_ENC8(N, L) case GC_##N: K(encode8)(x, n, msg, block, GC_##N##_ELEM, rng); break;
+    GC_F32_ROWS(GC_ENC8)
+    case GC_NVFP4: GC_E8M0_ROWS(GC_CASE_OF)
         K(encode_mx)(fmt, GC_VARIANT_RULE(v), x, n, msg, rng);
         break;
     case GC_BF16: K(encode16)(x, n, msg, 0); break;
@@ -315,9 +317,9 @@ static void K(decode)(int v, const uint8_t *msg, size_t n, float *out, size_t bl
 {
     int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(decode8)(msg, n, out, block, GC_E4M3_ELEM); break;
-    case GC_E5M2: K(decode8)(msg, n, out, block, GC_E5M2_ELEM); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2: K(decode_mx)(fmt, msg, n, out, 0); break;
+#define GC_DEC8(N, L) case GC_##N: K(decode8)(msg, n, out, block, GC_##N##_ELEM); break;
+    GC_F32_ROWS(GC_DEC8)
+    case GC_NVFP4: GC_E8M0_ROWS(GC_CASE_OF) K(decode_mx)(fmt, msg, n, out, 0); break;
     case GC_BF16: K(decode16)(msg, n, out, 0); break;
     case GC_FP16: K(decode16)(msg, n, out, 1); break;
     case GC_FP32: memmove(out, msg, 4 * n); break;
@@ -330,9 +332,9 @@ static void K(decode_add_encode)(int v, const uint8_t *msg_in, const float *loca
 {
     int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, GC_E4M3_ELEM, rng); break;
-    case GC_E5M2: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, GC_E5M2_ELEM, rng); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2:
+#define GC_DAE8(N, L) case GC_##N: K(dae8)(msg_in, local, n, msg_out, sum_out, block, tmp, GC_##N##_ELEM, rng); break;
+    GC_F32_ROWS(GC_DAE8)
+    case GC_NVFP4: GC_E8M0_ROWS(GC_CASE_OF)
         K(dae_mx)(fmt, GC_VARIANT_RULE(v), msg_in, local, n, msg_out, sum_out, rng);
         break;
     case GC_BF16: K(dae16)(msg_in, local, n, msg_out, sum_out, 0); break;
@@ -346,9 +348,9 @@ static void K(decode_accumulate)(int v, const uint8_t *msg, size_t n, float *acc
 {
     int fmt = GC_VARIANT_FORMAT(v);
     switch (fmt) {
-    case GC_E4M3: K(acc8)(msg, n, acc, block, GC_E4M3_ELEM); break;
-    case GC_E5M2: K(acc8)(msg, n, acc, block, GC_E5M2_ELEM); break;
-    case GC_NVFP4: case GC_MXFP4: case GC_MXFP8: case GC_MXFP8_E5M2: K(decode_mx)(fmt, msg, n, acc, 1); break;
+#define GC_ACC8(N, L) case GC_##N: K(acc8)(msg, n, acc, block, GC_##N##_ELEM); break;
+    GC_F32_ROWS(GC_ACC8)
+    case GC_NVFP4: GC_E8M0_ROWS(GC_CASE_OF) K(decode_mx)(fmt, msg, n, acc, 1); break;
     case GC_BF16: K(acc16)(msg, n, acc, 0); break;
     case GC_FP16: K(acc16)(msg, n, acc, 1); break;
     case GC_FP32: K(acc32)(msg, n, acc); break;
@@ -361,6 +363,10 @@ const gc_kernels GC_CAT(gc_kernels, GC_SUFFIX) = {
 };
 
 #undef K
+#undef GC_ENC8
+#undef GC_DEC8
+#undef GC_DAE8
+#undef GC_ACC8
 #undef GC_CAT
 #undef GC_CAT2
 #undef GC_LUT8_DECODE

@@ -1244,9 +1244,9 @@ GC_INLINE void K(enc_chunk)(int fmt, int rule, const float *x, size_t len, uint8
 #endif
     switch (fmt) {
     case GC_NVFP4: K(nv_chunk)(x, len, pay, sc, gs, idx0, rng); break;
-    case GC_MXFP4: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP4_ELEM, rule); break;
-    case GC_MXFP8: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP8_ELEM, rule); break;
-    case GC_MXFP8_E5M2: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_MXFP8_E5M2_ELEM, rule); break;
+#define GC_MX_ENC(N, L) case GC_##N: K(mx_chunk)(x, len, pay, sc, idx0, rng, GC_##N##_ELEM, rule); break;
+    GC_E8M0_ROWS(GC_MX_ENC)
+#undef GC_MX_ENC
     default: break;
     }
 }
@@ -1266,9 +1266,9 @@ GC_INLINE void K(dec_chunk)(int fmt, const uint8_t *pay, const uint8_t *sc, cons
 #endif
     switch (fmt) {
     case GC_NVFP4: K(nv_dec_chunk)(pay, sc, gs, len, out, acc); break;
-    case GC_MXFP4: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP4_ELEM, acc); break;
-    case GC_MXFP8: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP8_ELEM, acc); break;
-    case GC_MXFP8_E5M2: K(mx_dec_chunk)(pay, sc, len, out, GC_MXFP8_E5M2_ELEM, acc); break;
+#define GC_MX_DEC(N, L) case GC_##N: K(mx_dec_chunk)(pay, sc, len, out, GC_##N##_ELEM, acc); break;
+    GC_E8M0_ROWS(GC_MX_DEC)
+#undef GC_MX_DEC
     default: break;
     }
 }

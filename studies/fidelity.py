@@ -882,11 +882,11 @@ def _synthetic_spectrum(rng, d: int, cond: float, cache: dict):
 def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed: int = 0) -> list[dict]:
     """Per model: layout of what is timed, factor spectra, repeat count (blocks), total values.
 
-    llama-300m / llama-600m: one transformer block (giftcomm.geometry.cost.block_shapes),
+    llama-300m / llama-600m: one transformer block (giftcomm.perf.geometry_cost.block_shapes),
     synthetic power-law spectra of condition number ``cond``, x blocks. llama-small: the whole
     workload model, with the captured EMA factors from ``data`` when given (else synthetic)."""
     from giftcomm.geometry import Spectrum
-    from giftcomm.geometry.cost import MODELS, block_shapes
+    from giftcomm.perf.geometry_cost import MODELS, block_shapes
 
     rng = np.random.default_rng(seed)
     cache: dict = {}

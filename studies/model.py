@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -234,11 +233,11 @@ GPU_ASSUMPTIONS = {
 
 
 def model_params(model: str) -> dict[str, int]:
-    """Parameter counts of the two model classes (shapes of giftcomm.geometry.cost.MODELS).
+    """Parameter counts of the two model classes (shapes of giftcomm.perf.geometry_cost.MODELS).
 
     Returns {"matrices": transformed linear-layer elements, "embedding": vocab x hidden (tied),
     "total": all gradient values communicated}. Norm weights are ignored (< 0.1%)."""
-    from giftcomm.geometry.cost import MODELS
+    from giftcomm.perf.geometry_cost import MODELS
 
     m = MODELS[model]
     h, i, blocks = m["hidden"], m["intermediate"], m["blocks"]
@@ -247,30 +246,30 @@ def model_params(model: str) -> dict[str, int]:
     return {"matrices": matrices, "embedding": emb, "total": matrices + emb}
 
 
-def _geometry_cost_gflop(model: str, k: int, path: Path) -> float | None:
-    """GFLOP per model of forward+inverse (low rank k) from perf/results/geometry-cost.md, if there."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    m = re.search(rf"\|\s*{re.escape(model)}\s*\|\s*low-rank\s*\|\s*{k}\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|", text)
-    return float(m.group(1)) if m else None
+#: GFLOP per model of the GIFT transform (forward + inverse, low rank k = 64 on both sides of every
+#: matrix), as measured: the "GFLOP per model" column of perf/results/geometry-cost.md
+#: (``python -m giftcomm.perf geometry-cost transforms``). The default of gift_transform_seconds.
+MEASURED_TRANSFORM_GFLOP: dict[tuple[str, int], float] = {("llama-300m", 64): 318.0, ("llama-600m", 64): 584.0}
+_MEASURED_SOURCE = "perf/results/geometry-cost.md"
 
 
-def gift_transform_seconds(model: str, cost_file: Path = Path("perf/results/geometry-cost.md"),
+def gift_transform_seconds(model: str, gflop: float | None = None,
                            a: dict = GPU_ASSUMPTIONS) -> tuple[float, str]:
     """Seconds per step of the GIFT transform (forward of the local gradient + inverse of the sum)
-    on one GPU, by a roofline: max(flops / gemm rate, bytes / HBM bandwidth). Flops: the measured
-    table's "GFLOP per model" when the file has it, else the flop formula of LowRankSide
-    (4 d k + 2 d + k per column per application). Bytes: each of the 4 side applications (2 sides,
-    forward and inverse) reads the fp32 matrix twice and writes it once (12 B per element).
-    Returns (seconds, how the flops were obtained)."""
+    on one GPU, by a roofline: max(flops / gemm rate, bytes / HBM bandwidth). Flops: ``gflop``
+    (GFLOP per model and step) when given, else the measured MEASURED_TRANSFORM_GFLOP for this
+    model and rank, else the flop formula of LowRankSide (4 d k + 2 d + k per column per
+    application). Bytes: each of the 4 side applications (2 sides, forward and inverse) reads the
+    fp32 matrix twice and writes it once (12 B per element). Returns (seconds, how the flops were
+    obtained)."""
     k = a["transform_rank"]
     mats = model_params(model)["matrices"]
-    gflop = _geometry_cost_gflop(model, k, cost_file)
-    source = f"{cost_file} (GFLOP per model, low-rank k={k})"
+    source = f"the caller (low-rank k={k})"
     if gflop is None:
-        from giftcomm.geometry.cost import MODELS, block_shapes
+        gflop = MEASURED_TRANSFORM_GFLOP.get((model, k))
+        source = f"{_MEASURED_SOURCE} (GFLOP per model, low-rank k={k})"
+    if gflop is None:
+        from giftcomm.perf.geometry_cost import MODELS, block_shapes
 
         fl = 0.0
         for _, (mo, mi), count in block_shapes(model):
@@ -312,13 +311,15 @@ class ProjectionRow:
 def project_rows(models=("llama-300m", "llama-600m"), gpus=(8, 16, 32, 64, 128, 256, 512, 1024),
                  rates=(25, 100, 200, 400), algos=("ring", "hierarchical"),
                  fmts=("fp32", "bf16", "e4m3", "gift"), a: dict = GPU_ASSUMPTIONS,
-                 cost_file: Path = Path("perf/results/geometry-cost.md")) -> list[ProjectionRow]:
-    """Every combination; gradients communicated as one buffer of all parameters per step."""
+                 transform_gflop: dict[str, float] | None = None) -> list[ProjectionRow]:
+    """Every combination; gradients communicated as one buffer of all parameters per step.
+    transform_gflop: GFLOP per step of the GIFT transform by model (gift_transform_seconds's
+    ``gflop``; None or a missing model: the measured default, MEASURED_TRANSFORM_GFLOP)."""
     rows = []
     L = a["gpus_per_node"]
     for model in models:
         n = model_params(model)["total"]
-        t_gift, _ = gift_transform_seconds(model, cost_file, a)
+        t_gift, _ = gift_transform_seconds(model, (transform_gflop or {}).get(model), a)
         for rate in rates:
             cal = gpu_calibration(rate, a)
             for p in gpus:
@@ -420,8 +421,8 @@ def plot_projection(rows: list[ProjectionRow], path: Path) -> None:
 def cmd_project(args) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     gpus = [int(g) for g in args.gpus.split(",")]
-    cost_file = Path(args.geometry_cost)
-    rows = project_rows(gpus=tuple(gpus), rates=tuple(rates), cost_file=cost_file)
+    gflop = {m: float(v) for m, v in (kv.split("=") for kv in args.transform_gflop.split(",") if kv)}
+    rows = project_rows(gpus=tuple(gpus), rates=tuple(rates), transform_gflop=gflop)
     a = GPU_ASSUMPTIONS
     lines = ["# Projected gradient-communication time per step", "",
              "```", "python -m studies model project " + " ".join(args.argv or []), "```", "",
@@ -437,7 +438,7 @@ def cmd_project(args) -> int:
               "the time is the exposed communication if nothing overlaps it."]
     for model in ("llama-300m", "llama-600m"):
         pc = model_params(model)
-        tg, how = gift_transform_seconds(model, cost_file, a)
+        tg, how = gift_transform_seconds(model, gflop.get(model), a)
         lines.append(f"- {model}: {pc['total'] / 1e6:.0f}M gradient values ({pc['matrices'] / 1e6:.0f}M in "
                      f"transformed linear layers + {pc['embedding'] / 1e6:.1f}M tied embedding); GIFT transform "
                      f"{tg * 1e3:.1f} ms per step ({how})")
@@ -480,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("project", help="projections for Llama-300M/600M on GPU clusters")
     p.add_argument("--gpus", default="8,16,32,64,128,256,512,1024")
     p.add_argument("--rates", default="25,100,200,400", help="Gbit/s per GPU")
-    p.add_argument("--geometry-cost", default="perf/results/geometry-cost.md")
+    p.add_argument("--transform-gflop", default="", metavar="MODEL=GFLOP,...",
+                   help="GFLOP per step of the GIFT transform by model (default: the measured "
+                        "MEASURED_TRANSFORM_GFLOP, from perf/results/geometry-cost.md)")
     p.add_argument("--out", default="perf/results/model-projection.md")
     p.add_argument("--png", default=None, help="plot (default: --out with .png)")
     return ap

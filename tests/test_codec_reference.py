@@ -149,7 +149,7 @@ def test_message_sizes_and_bytes_per_value():
 
 def test_bad_format_and_block_raise_value_error():
     with pytest.raises(ValueError, match="unknown format"):
-        get_format("e3m4")
+        get_format("e4m3_no_such_row")
     with pytest.raises(ValueError, match="block"):
         message_nbytes(10, "e4m3", 0)
     with pytest.raises(ValueError, match="bytes"):

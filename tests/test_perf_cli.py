@@ -92,3 +92,21 @@ def test_topology_of_a_loopback_group_and_of_runs_of_ranks():
     assert (topo.nodes, topo.local_size) == (3, 2)
     _, topo = topology(Fake(), local_size=4)  # uneven: 4 + 2
     assert (topo.nodes, topo.local_size) == (2, 0)
+
+
+def test_geometry_cost_is_a_perf_command_and_no_library_module_imports_it(capsys):
+    """The geometry cost benchmark lives with the other measurements (giftcomm.perf), run as
+    ``python -m giftcomm.perf geometry-cost``; the library's core does not import it."""
+    import re
+    from pathlib import Path
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["geometry-cost", "-h"])
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    assert "geometry-cost" in out and "transforms" in out and "sync" in out
+    assert "geometry-cost" in cli._usage()
+    root = Path(giftcomm.__file__).parent
+    importers = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.parent.name != "perf"
+                 and re.search(r"geometry_cost|perf\.geometry_cost|geometry\.cost\b", p.read_text())]
+    assert importers == []

@@ -265,3 +265,22 @@ def test_model_validate_prints_the_native_baselines_beside_auto(tmp_path):
         assert cells[2] in ("oneshot", "ring", "native")  # auto's pick was timed
         assert cells[5].split(" ms")[0].rsplit(" ", 1)[0] in ("MPI fp32", "MPI bf16", "bf16 ring")
         assert float(cells[6]) > 0
+
+
+def test_gift_transform_time_takes_its_flops_as_a_parameter():
+    """The projection reads no results file: the transform's GFLOP per step is a parameter whose
+    default is the measured table (model.MEASURED_TRANSFORM_GFLOP)."""
+    a = model.GPU_ASSUMPTIONS
+    t, how = model.gift_transform_seconds("llama-300m")
+    assert how.startswith("318 GFLOP from perf/results/geometry-cost.md")
+    assert model.gift_transform_seconds("llama-300m", model.MEASURED_TRANSFORM_GFLOP[("llama-300m", 64)])[0] == t
+    big = 50 * model.MEASURED_TRANSFORM_GFLOP[("llama-300m", 64)]  # compute-bound: the flops decide
+    t2, how2 = model.gift_transform_seconds("llama-300m", big)
+    assert t2 == pytest.approx(big * 1e9 / (a["gemm_TFLOPs"] * 1e12)) and "from the caller" in how2
+    # a rank with no measurement: LowRankSide's flop formula
+    t3, how3 = model.gift_transform_seconds("llama-300m", None, dict(a, transform_rank=8))
+    assert "LowRankSide flop formula, k=8" in how3 and t3 > 0
+    rows = model.project_rows(models=("llama-300m",), gpus=(8,), rates=(100,), algos=("ring",), fmts=("gift",),
+                              transform_gflop={"llama-300m": big})
+    base = model.project_rows(models=("llama-300m",), gpus=(8,), rates=(100,), algos=("ring",), fmts=("e4m3",))
+    assert rows[0].seconds == pytest.approx(base[0].seconds + t2)

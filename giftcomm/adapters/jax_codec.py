@@ -40,14 +40,12 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
-from ..reference.codec import NVFP4_TINY
+from ..reference.codec import NVFP4_TINY, element_facts
 from ..reference.rounding import mix64
 
 __all__ = ["divisor", "encode", "decode", "decode_add_encode", "philox_bits", "key_words", "mix64_words",
            "call_key_words", "PASS_DTYPES"]
 
-#: element formats: (mantissa bits, exponent of the smallest normal, total bits), as the reference
-_ELEM = {"float8_e4m3fn": (3, -6, 8), "float8_e5m2": (2, -14, 8), "float4_e2m1fn": (1, 0, 4)}
 #: the jnp dtype of each pass-through format
 PASS_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
@@ -152,7 +150,7 @@ def philox_bits(key: Any, offset: Any, n: int) -> jax.Array:
 
 def _round_elements(y: jax.Array, elem: str, rbits: jax.Array | None) -> jax.Array:
     """uint8 codes of clipped finite float32 ``y`` (reference ``round_elements``, in int32/uint32)."""
-    mant, emin, bits = _ELEM[elem]
+    mant, emin, bits = element_facts(np.dtype(elem))  # (mantissa bits, smallest normal exponent, bits)
     u = jax.lax.bitcast_convert_type(y.astype(jnp.float32), _U32)
     a = (u & _U32(0x7FFFFFFF)).astype(jnp.int32)
     ef = a >> 23

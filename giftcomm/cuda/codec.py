@@ -39,21 +39,22 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
+from ..formats import FORMATS, SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
 
 __all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports", "add_inplace", "add", "convert"]
 
-CUDA_FORMATS = frozenset({"e4m3", "e5m2", "bf16", "fp16", "fp32", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"})
-"""The formats kernels/gc_codec.cu has kernels for (its GC_*_ENTRIES / GC_PT_ENTRY lines and
-gc_pt_fp32; tests/test_format_table.py checks the two agree). Any other row of the format table
-runs on the reference through host copies (giftcomm.codec.CudaOrFallbackKernels)."""
+CUDA_FORMATS = frozenset(name for name, f in FORMATS.items() if f.native)
+"""The formats kernels/gc_codec.cu has kernels for: the table's native rows (Format.native; its
+entry points expand the generated row lists GC_F32_ROWS and GC_E8M0_ROWS, plus nvfp4 and the
+pass-through rows; tests/test_format_table.py checks the compiled entry names). Any other row of
+the format table runs on the reference through host copies (giftcomm.codec.CudaOrFallbackKernels)."""
 
 
 def supports(f: Format) -> bool:
-    """Whether the CUDA kernels implement format ``f`` (its facts come from the table itself:
-    the loader generates gc_formats.h from giftcomm.formats at load time)."""
-    return f.name in CUDA_FORMATS
+    """Whether the CUDA kernels implement format ``f``: a native row of the table (its facts come
+    from the table itself: the loader generates gc_formats.h from giftcomm.formats at load time)."""
+    return f.native and f.name in FORMATS
 
 _THREADS = 256
 _MAX_GRID = 1 << 20

@@ -33,13 +33,16 @@ from typing import Any
 
 import numpy as np
 
+from ..formats import FORMATS as _TABLE
 from ..formats import Format, num_blocks, scales_offset
 from . import _loader
 from .fused_model import FusedLayout
 
 __all__ = ["FusedPlan", "WireTable", "wire_table", "FORMATS", "MAX_BLOCK"]
 
-FORMATS = ("e4m3", "e5m2")
+#: the formats gc_fused.cu has kernels for: the native FP8 rows with float32 scales (its entries
+#: expand GC_F32_ROWS of the generated gc_formats.h)
+FORMATS = tuple(f.name for f in _TABLE.values() if f.native and f.scale_kind == "f32")
 MAX_BLOCK = 256
 _THREADS = 256
 _NULL = np.uint64(0)

@@ -4,6 +4,8 @@ that ship with giftcomm, one subcommand each, like mpi4py.bench.
 allreduce  nccl-tests all_reduce_perf-style sweep with fidelity columns (run under mpiexec)
 codec      codec kernel throughput: native vs NumPy reference vs a memory copy
 calibrate  measure the cost model's constants (run under mpiexec, >= 2 ranks)
+device     GPU codec / transform / gift_allreduce vs the copy roofline (one CUDA GPU)
+geometry-cost  the GIFT geometry's cost: forward + inverse time per segment, K-FAC sync modes
 
 ``python -m giftcomm.perf <command> -h`` lists a command's options. The studies (training,
 fidelity, error growth, the cost-model validation and projection, the netbed, plots) live in the
@@ -19,6 +21,7 @@ COMMANDS = {
     "codec": ("giftcomm.perf.codec_bench", "codec kernel throughput"),
     "calibrate": ("giftcomm.perf.calibrate", "measure the cost model's constants"),
     "device": ("giftcomm.perf.device_bench", "GPU codec / transform / gift_allreduce vs the copy roofline (one CUDA GPU)"),
+    "geometry-cost": ("giftcomm.perf.geometry_cost", "GIFT geometry cost: transform time per segment, sync modes"),
 }
 # Commands that moved to the studies/ tree of a source checkout (python -m studies <command>).
 MOVED = ("netbed", "model", "errors", "fidelity", "train", "plot", "gradients")

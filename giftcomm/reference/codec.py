@@ -77,6 +77,8 @@ even; fp16 overflows to Inf like any IEEE cast), decode is the exact cast back t
 """
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -97,7 +99,7 @@ from ..formats import (
 )
 
 __all__ = ["encode", "decode", "decode_add_encode", "block_scales", "e8m0_codes", "split_message", "philox4x32",
-           "philox_bits", "round_elements"]
+           "philox_bits", "round_elements", "element_facts"]
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -106,8 +108,15 @@ _M32 = np.uint64(0xFFFFFFFF)
 #: nvfp4: groups whose largest finite block amax is below this are encoded as zeros
 NVFP4_TINY = np.float32(2.0**-100)
 
-#: element formats: (mantissa bits, exponent of the smallest normal, total bits)
-_ELEM = {"float8_e4m3fn": (3, -6, 8), "float8_e5m2": (2, -14, 8), "float4_e2m1fn": (1, 0, 4)}
+
+
+@functools.lru_cache(maxsize=None)
+def element_facts(elem: np.dtype) -> tuple[int, int, int]:
+    """(mantissa bits, exponent of the smallest normal, total bits) of an element dtype (an
+    ml_dtypes float type: float8_e4m3fn (3, -6, 8), float8_e5m2 (2, -14, 8), float4_e2m1fn
+    (1, 0, 4), ...), from ``ml_dtypes.finfo``: any element a format row names works."""
+    fi = ml_dtypes.finfo(np.dtype(elem))
+    return int(fi.nmant), int(fi.minexp), int(fi.bits)
 
 
 # ------------------------------------------------------------------------- Philox4x32-10
@@ -146,7 +155,7 @@ def round_elements(y: np.ndarray, elem: np.dtype, rbits: np.ndarray | None = Non
     the element format's ±max (finite): nearest-even when ``rbits`` is None, else stochastic with
     the uint32 random bits ``rbits`` (module docstring). This integer formulation is what the C
     and CUDA kernels compute; for nearest it equals ml_dtypes' cast (tests/test_formats_mx.py)."""
-    mant, emin, bits = _ELEM[np.dtype(elem).name]
+    mant, emin, bits = element_facts(np.dtype(elem))
     u = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
     a = (u & np.uint32(0x7FFFFFFF)).astype(np.int64)
     ef = a >> 23

@@ -554,12 +554,11 @@ GC_DEV void gc_pt_kernel(int op, const float* __restrict__ x, const gc_u16* __re
                                  key, offset);                                                                       \
     }
 
-GC_BLOCK_SCALED_ENTRIES(gc_e4m3, e4m3)
-GC_BLOCK_SCALED_ENTRIES(gc_e5m2, e5m2)
-GC_DAE_ENTRIES(gc_e4m3, e4m3, _, false)
-GC_DAE_ENTRIES(gc_e4m3, e4m3, _sr_, true)
-GC_DAE_ENTRIES(gc_e5m2, e5m2, _, false)
-GC_DAE_ENTRIES(gc_e5m2, e5m2, _sr_, true)
+// one set per FP8 row with float32 scales (GC_F32_ROWS of gc_formats.h; element type gc_<name>)
+#define GC_F32_ROW_ENTRIES(N, L) GC_BLOCK_SCALED_ENTRIES(gc_##L, L)
+#define GC_F32_ROW_DAE_ENTRIES(N, L) GC_DAE_ENTRIES(gc_##L, L, _, false) GC_DAE_ENTRIES(gc_##L, L, _sr_, true)
+GC_F32_ROWS(GC_F32_ROW_ENTRIES)
+GC_F32_ROWS(GC_F32_ROW_DAE_ENTRIES)
 
 #define GC_PT_ENTRY(P, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) gc_pt_##NAME(int op, const float* __restrict__ x,             \
@@ -645,8 +644,8 @@ extern "C" __global__ void __launch_bounds__(256) gc_div_f32(float* __restrict__
         gc_big_store_kernel<F, true>(x, amax_bits, pout, sout, count, block, nb, splits, pad, key, offset);           \
     }
 
-GC_SR_ENC_ENTRIES(gc_e4m3, e4m3)
-GC_SR_ENC_ENTRIES(gc_e5m2, e5m2)
+#define GC_F32_ROW_SR_ENC_ENTRIES(N, L) GC_SR_ENC_ENTRIES(gc_##L, L)
+GC_F32_ROWS(GC_F32_ROW_SR_ENC_ENTRIES)
 
 // ---------------------------------------------------------------- MX formats and nvfp4
 // Message parts: payload (codes; 4-bit formats packed, value 2j in the low nibble of byte j),
@@ -930,9 +929,9 @@ GC_DEV void gc_mx_dec_kernel(gc_mx_msg in, float* __restrict__ out, long long co
     }
 
 GC_MX_ENTRIES(GC_NVFP4_ELEM, 1, nvfp4)
-GC_MX_ENTRIES(GC_MXFP4_ELEM, 0, mxfp4)
-GC_MX_ENTRIES(GC_MXFP8_ELEM, 0, mxfp8)
-GC_MX_ENTRIES(GC_MXFP8_E5M2_ELEM, 0, mxfp8_e5m2)
+// one set per MX row (GC_E8M0_ROWS of gc_formats.h)
+#define GC_E8M0_ROW_ENTRIES(N, L) GC_MX_ENTRIES(GC_##N##_ELEM, 0, L)
+GC_E8M0_ROWS(GC_E8M0_ROW_ENTRIES)
 
 // ---------------------------------------------------------------- float32 <-> float64 casts
 // y = x converted (float32 -> float64 exactly; float64 -> float32 rounded to nearest even), for

@@ -129,8 +129,9 @@ extern "C" __global__ void __launch_bounds__(256) gc_fz_proj_q_f32(const float* 
         const long long* __restrict__ mtab, int nm, int block, GC_FZ_PROJ_ARGS) {                                      \
         gc_fz_proj_q(gc_fz_wire<F>{buf, mtab, nm, block}, starts, u, out, B, m, n, k);                                  \
     }
-GC_FZ_WIRE_PROJ(gc_e4m3, e4m3)
-GC_FZ_WIRE_PROJ(gc_e5m2, e5m2)
+// one set per FP8 row with float32 scales (GC_F32_ROWS of gc_formats.h; element type gc_<name>)
+#define GC_FZ_ROW_WIRE_PROJ(N, L) GC_FZ_WIRE_PROJ(gc_##L, L)
+GC_F32_ROWS(GC_FZ_ROW_WIRE_PROJ)
 
 // ---------------------------------------------------------------- pass S: the small factors
 // Items [0, B kL kR): Wd[b,s,r] = dldr[b,s,r] * (sum_i ul[b,i,s] P[b,i,r], i in order);
@@ -317,5 +318,5 @@ extern "C" __global__ void __launch_bounds__(256) gc_fz_apply_f32(const float* _
         gc_fz_apply(gc_fz_wire<F>{buf, mtab, nm, block}, out, 0, count, div, has_div,                                 \
                     gc_fz_table{pstart, rec, pcc, pool, np});                                                          \
     }
-GC_FZ_CODEC_ENTRIES(gc_e4m3, e4m3)
-GC_FZ_CODEC_ENTRIES(gc_e5m2, e5m2)
+#define GC_FZ_ROW_CODEC_ENTRIES(N, L) GC_FZ_CODEC_ENTRIES(gc_##L, L)
+GC_F32_ROWS(GC_FZ_ROW_CODEC_ENTRIES)

@@ -210,20 +210,23 @@ int gc_emu_mx_dae(int fmt, const gc_u8* min, const float* local, long long n, gc
 }
 
 // stochastic e4m3 / e5m2: encode, and decode-add-encode
+// The FP8 rows with float32 scales: GC_F32_ROWS of gc_formats.h (element type gc_<name>), one
+// `if (fmt == GC_<NAME>) ...; else` branch per row.
 int gc_emu_sr8_encode(int fmt, const float* x, long long n, int block, gc_u8* msg, gc_u64 key, gc_u64 off) {
-    if (fmt == GC_E4M3) sr8_t<gc_e4m3>(x, n, block, msg, key, off);
-    else if (fmt == GC_E5M2) sr8_t<gc_e5m2>(x, n, block, msg, key, off);
-    else return -1;
+#define GC_EMU_SR8(N, L) if (fmt == GC_##N) sr8_t<gc_##L>(x, n, block, msg, key, off); else
+    GC_F32_ROWS(GC_EMU_SR8) return -1;
     return 0;
 }
 
 int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, int block, gc_u8* mout, float* sum_out,
                    gc_u64 key, gc_u64 off) {
-    if (fmt != GC_E4M3 && fmt != GC_E5M2) return -1;
+#define GC_EMU_IS8(N, L) fmt != GC_##N &&
+    if (GC_F32_ROWS(GC_EMU_IS8) true) return -1;
     const float* sin = reinterpret_cast<const float*>(min + align4(n));
     float* tmp = new float[n > 0 ? n : 1];
     for (long long i = 0; i < n; ++i) {
-        const float d = fmt == GC_E4M3 ? gc_e4m3::to_f32(min[i]) : gc_e5m2::to_f32(min[i]);
+#define GC_EMU_VAL8(N, L) fmt == GC_##N ? gc_##L::to_f32(min[i]) :
+        const float d = GC_F32_ROWS(GC_EMU_VAL8) 0.0f;
         tmp[i] = gc_add(gc_mul(d, sin[i / block]), local[i]);
     }
     if (sum_out)
@@ -235,9 +238,8 @@ int gc_emu_sr8_dae(int fmt, const gc_u8* min, const float* local, long long n, i
 
 // e4m3, e5m2 and the pass-through formats (codes: gc_formats.h). Return 0, or -1 for another code.
 int gc_emu_encode(int fmt, const float* x, long long n, int block, gc_u8* msg) {
-    if (fmt == GC_E4M3) encode_t<gc_e4m3>(x, n, block, msg);
-    else if (fmt == GC_E5M2) encode_t<gc_e5m2>(x, n, block, msg);
-    else if (fmt == GC_BF16) pt_t<gc_bf16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
+#define GC_EMU_ENC8(N, L) if (fmt == GC_##N) encode_t<gc_##L>(x, n, block, msg); else
+    GC_F32_ROWS(GC_EMU_ENC8) if (fmt == GC_BF16) pt_t<gc_bf16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
     else if (fmt == GC_FP16) pt_t<gc_fp16>(0, x, 0, reinterpret_cast<gc_u16*>(msg), 0, n);
     else if (fmt == GC_FP32) pt_f32(0, x, 0, reinterpret_cast<float*>(msg), 0, n);
     else return -1;
@@ -245,9 +247,8 @@ int gc_emu_encode(int fmt, const float* x, long long n, int block, gc_u8* msg) {
 }
 
 int gc_emu_decode(int fmt, const gc_u8* msg, long long n, int block, float* out, int acc) {
-    if (fmt == GC_E4M3) decode_t<gc_e4m3>(msg, n, block, out, acc);
-    else if (fmt == GC_E5M2) decode_t<gc_e5m2>(msg, n, block, out, acc);
-    else if (fmt == GC_BF16) pt_t<gc_bf16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
+#define GC_EMU_DEC8(N, L) if (fmt == GC_##N) decode_t<gc_##L>(msg, n, block, out, acc); else
+    GC_F32_ROWS(GC_EMU_DEC8) if (fmt == GC_BF16) pt_t<gc_bf16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
     else if (fmt == GC_FP16) pt_t<gc_fp16>(acc ? 2 : 1, 0, reinterpret_cast<const gc_u16*>(msg), 0, out, n);
     else if (fmt == GC_FP32) pt_f32(acc ? 2 : 1, 0, reinterpret_cast<const float*>(msg), 0, out, n);
     else return -1;
@@ -255,9 +256,8 @@ int gc_emu_decode(int fmt, const gc_u8* msg, long long n, int block, float* out,
 }
 
 int gc_emu_dae(int fmt, const gc_u8* min, const float* local, long long n, int block, gc_u8* mout, float* sum_out) {
-    if (fmt == GC_E4M3) dae_t<gc_e4m3>(min, local, n, block, mout, sum_out);
-    else if (fmt == GC_E5M2) dae_t<gc_e5m2>(min, local, n, block, mout, sum_out);
-    else if (fmt == GC_BF16) pt_t<gc_bf16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
+#define GC_EMU_DAE8(N, L) if (fmt == GC_##N) dae_t<gc_##L>(min, local, n, block, mout, sum_out); else
+    GC_F32_ROWS(GC_EMU_DAE8) if (fmt == GC_BF16) pt_t<gc_bf16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
     else if (fmt == GC_FP16) pt_t<gc_fp16>(3, local, reinterpret_cast<const gc_u16*>(min), reinterpret_cast<gc_u16*>(mout), sum_out, n);
     else if (fmt == GC_FP32) pt_f32(3, local, reinterpret_cast<const float*>(min), reinterpret_cast<float*>(mout), sum_out, n);
     else return -1;
@@ -267,9 +267,8 @@ int gc_emu_dae(int fmt, const gc_u8* min, const float* local, long long n, int b
 // The portable float32 -> FP8 conversion alone, on values already within [-max, max].
 int gc_emu_fp8_cast(int fmt, const float* v, long long n, gc_u8* out) {
     for (long long i = 0; i < n; ++i) {
-        if (fmt == GC_E4M3) out[i] = gc_e4m3::from_f32(v[i]);
-        else if (fmt == GC_E5M2) out[i] = gc_e5m2::from_f32(v[i]);
-        else return -1;
+#define GC_EMU_CAST8(N, L) if (fmt == GC_##N) out[i] = gc_##L::from_f32(v[i]); else
+        GC_F32_ROWS(GC_EMU_CAST8) return -1;
     }
     return 0;
 }

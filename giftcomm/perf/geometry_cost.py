@@ -9,8 +9,8 @@ Shapes (one transformer block, no GQA, SwiGLU MLP; ``out x in`` as in PyTorch's 
 
 Usage::
 
-    python -m giftcomm.geometry.cost transforms [--models llama-300m llama-600m] [--ranks 16 32 64 128]
-    mpiexec -n 2 python -m giftcomm.geometry.cost sync [--model llama-300m]
+    python -m giftcomm.perf geometry-cost transforms [--models llama-300m llama-600m] [--ranks 16 32 64 128]
+    mpiexec -n 2 python -m giftcomm.perf geometry-cost sync [--model llama-300m]
 
 Factors are synthetic (random orthonormal eigenbasis, log-spaced eigenvalues): the time does
 not depend on their values. Times are the median of ``repeats`` runs after one warm-up.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..perf.timing import time_calls
-from .geometry import Geometry
-from .layout import Layout
-from .spectral import Spectrum
+from ..geometry.geometry import Geometry
+from ..geometry.layout import Layout
+from ..geometry.spectral import Spectrum
+from .timing import time_calls
 
 __all__ = ["MODELS", "CostRow", "measure_transform_cost", "format_cost_table", "measure_sync", "block_shapes"]
 
@@ -119,7 +119,7 @@ def measure_sync(comm, model: str = "llama-300m", repeats: int = 2, seed: int = 
     Returns mode -> list of SyncReport (from the slowest rank: max of seconds over ranks)."""
     from mpi4py import MPI
 
-    from .estimators import KfacEstimator
+    from ..geometry.estimators import KfacEstimator
 
     rng = np.random.default_rng([seed, comm.Get_rank()])
     entries = []
@@ -148,7 +148,7 @@ def _machine() -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m giftcomm.geometry.cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m giftcomm.perf geometry-cost", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("transforms", help="forward+inverse time per segment")
     t.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
