@@ -225,3 +225,13 @@ def _raise_first(results):
     err = _raised(results)
     if err is not None:
         raise err
+
+
+def test_remembered_keywords_keep_their_types():
+    """The plain calls remember validated keyword sets; block=True must not find block=1's."""
+    from giftcomm.collectives import engine
+
+    assert isinstance(engine.call_options({"block": 1}), CallOptions)
+    assert isinstance(engine.call_options({"block": True}), ValueError)
+    assert engine.call_options({"fmt": "e5m2"}) is engine.call_options({"fmt": "e5m2"})  # remembered
+    assert engine.call_options({"block": 64.0}) is not engine.call_options({"block": 64})

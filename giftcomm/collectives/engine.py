@@ -112,7 +112,9 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     return t.last_run
 
 
-_OPTIONS: dict[tuple, CallOptions] = {}
+_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
+"""The validated options of recent keyword sets: (record, the values' types, None when all are
+strings)."""
 _OPTIONS_MAX = 256
 
 
@@ -137,16 +139,28 @@ def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = P
     remembered per entry point and distinct keyword values and types (a training loop repeats
     the same ones), so a repeated call validates nothing twice; a validated record is taken as
     it is."""
-    key: tuple | None = None
+    key: Any = None
     if options is None:
-        try:  # the values' types too: block=True or 1.0 must not find block=1's record
-            k = (entry, tuple(given.items()), tuple(map(type, given.values())))
-            opts = _OPTIONS.get(k)
+        try:
+            k = (entry, tuple(given.items())) if given else entry
+            hit = _OPTIONS.get(k)
             key = k
         except TypeError:  # an unhashable value: validate (and fail) without remembering
-            opts = None
-        if opts is not None:
-            return opts
+            hit = None
+        # the values' types count where they are not all strings: block=True or 1.0 must not
+        # find block=1's record
+        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
+            return hit[0]
+    try:
+        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        return exc
+    if key is not None:
+        if len(_OPTIONS) >= _OPTIONS_MAX:
+            _OPTIONS.clear()
+        types = tuple(map(type, given.values()))
+        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
+    return opts
     try:
         opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
