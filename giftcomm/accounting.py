@@ -35,8 +35,8 @@ import logging
 import weakref
 from typing import Any
 
+from .algorithms import BY_NAME, row
 from .formats import get_format, message_nbytes
-from .partition import shared_chunk_bounds
 
 __all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
 
@@ -84,30 +84,14 @@ def _record(t: Any) -> _Record:
 
 def sent_bytes(algorithm: str, n: int, p: int, rank: int, fmt: str, block: int) -> int:
     """Bytes of the messages ``algorithm`` sends from ``rank`` of ``p`` for ``n`` values of
-    ``fmt`` / ``block`` (see the module docstring; 0 on one rank). ring, direct, oneshot and
-    doubling: exactly what their message path sends (tests/test_stats_fallback.py counts it);
+    ``fmt`` / ``block`` (see the module docstring; 0 on one rank): the algorithm table's row
+    says (giftcomm.algorithms, ``Algorithm.sent_bytes``). ring, direct, oneshot and doubling:
+    exactly what their message path sends (tests/test_stats_fallback.py counts it);
     hierarchical rows: counted as the ring over all ranks (an estimate: they send float32 inside
-    nodes and the compressed format across)."""
+    nodes and the compressed format across). ValueError for an unknown algorithm."""
     if p <= 1 or n == 0:
         return 0
-    if algorithm == "native":
-        f = get_format(fmt)
-        return (2 * (p - 1) * n * (4 if f.scaled else f.itemsize)) // p
-    if algorithm in ("ring", "direct", "hierarchical", "hierarchical_direct"):
-        # reduce-scatter: every chunk but the one this rank owns; the ring allgather: every chunk
-        # but the next rank's (its own first, then what it received, up to that one)
-        b = shared_chunk_bounds(n, p, block)
-        m = [message_nbytes(int(b[c + 1] - b[c]), fmt, block) for c in range(p)]
-        return 2 * sum(m) - m[rank] - m[(rank + 1) % p]
-    if algorithm == "oneshot":
-        return (p - 1) * (-(-message_nbytes(n, fmt, block) // 8) * 8)  # each message 8-byte aligned
-    if algorithm == "doubling":
-        # ranks >= P2 (the largest power of two <= P) fold their vector in, one message; the others
-        # exchange log2(P2) times, and send the result to their folded rank when they have one
-        p2 = 1 << (p.bit_length() - 1)
-        count = 1 if rank >= p2 else p2.bit_length() - 1 + (rank + p2 < p)
-        return count * message_nbytes(n, fmt, block)
-    raise ValueError(f"unknown algorithm {algorithm!r}")
+    return row(algorithm).sent_bytes(n, p, rank, fmt, block)
 
 
 def scatter_sent_bytes(bounds: tuple[int, ...] | list[int], rank: int, fmt: str, block: int) -> int:
@@ -124,7 +108,7 @@ def scatter_sent_bytes(bounds: tuple[int, ...] | list[int], rank: int, fmt: str,
 
 def slot_of(t: Any, fmt: str, algorithm: str, n: int, block: int, reason: str | None) -> Slot:
     """The slot a call of ``n`` values of ``fmt`` running ``algorithm`` on ``t`` counts in."""
-    native = algorithm == "native" and get_format(fmt).scaled
+    native = algorithm in BY_NAME and BY_NAME[algorithm].native and get_format(fmt).scaled
     key = (fmt, algorithm, n, block, reason)
     rec = _record(t)
     slot = rec.slots.get(key)

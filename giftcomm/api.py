@@ -8,7 +8,7 @@ framework. This module is the face: it resolves the communicator, gathers the ke
 
 1. validates and agrees on every rank in one small collective: bad input on any rank raises
    the same exception on every rank;
-2. runs the chosen algorithm (a row of giftcomm.collectives.algorithms) over the transport,
+2. runs the chosen algorithm (a row of giftcomm.algorithms) over the transport,
    with the codec kernels of the array's backend (native C or NumPy on the host, CUDA on the
    device); the transport's schedule (pipelined or grouped) decides how each hop's messages are
    posted;
@@ -22,8 +22,8 @@ import numpy as np
 
 from . import plan_cache
 from ._xp import is_device_array
+from .algorithms import CHOICES
 from .collectives import engine
-from .collectives.algorithms import CHOICES
 from .collectives.engine import Entry, GeometryLike, call_options
 from .options import CallOptions
 from .transport import resolve
@@ -31,7 +31,7 @@ from .transport import resolve
 __all__ = ["last_algorithm", "allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]
 
 ALGORITHMS = CHOICES
-"""The ``algorithm=`` values of allreduce and gift_allreduce (giftcomm.collectives.algorithms)."""
+"""The ``algorithm=`` values of allreduce and gift_allreduce (giftcomm.algorithms)."""
 
 
 _SCATTER = Entry(defaults={"algorithm": "ring"})
@@ -104,7 +104,7 @@ def allreduce(
     timeout, op, mx_scale, allow_native) as keywords, or whole as one
     :class:`~giftcomm.options.CallOptions` (``options=``; keywords given beside it replace its
     fields): docs/api.md, "Call options", says what each means. algorithm: a row of
-    giftcomm.collectives.algorithms ("oneshot" for small messages; "native" the transport's own
+    giftcomm.algorithms ("oneshot" for small messages; "native" the transport's own
     allreduce, uncompressed) or "auto" (the cost model's choice; "native" only where predicted
     faster than every compressed algorithm, never with ``allow_native=False``).
     local_size: ranks per node for the hierarchical algorithms (default: from the transport).
@@ -142,7 +142,7 @@ def reduce_scatter(
     (docs/wire-format.md). Either way the shard is the owner's high-precision sum, not
     re-quantized, bit-identical to ``giftcomm.reference.simulate_reduce_scatter`` with the same
     layout. The options as for :func:`allreduce`; algorithm: one of
-    giftcomm.collectives.algorithms.SCATTER_CHOICES ("ring" unless given as a keyword; "native"
+    giftcomm.algorithms.SCATTER_CHOICES ("ring" unless given as a keyword; "native"
     is this rank's shard of the transport's own allreduce).
     """
     t = resolve(comm, device=is_device_array(x))

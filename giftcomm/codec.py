@@ -35,10 +35,19 @@ from ._xp import array_module, data_pointer
 from .formats import FORMATS, Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
 from .reference import codec as _ref
 
-try:  # the extension is optional: a missing compiler must not break the package
-    from . import _codec_native as _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - exercised only on a broken install
-    _native = None
+
+def _load_native() -> Any:
+    """The C extension (types: giftcomm/_codec_native.pyi), or None: it is optional, a missing
+    compiler must not break the package. Typed Any: NativeKernels calls it only where
+    native_supports says it is there."""
+    try:
+        from . import _codec_native
+    except ImportError:  # pragma: no cover - exercised only on a broken install
+        return None
+    return _codec_native
+
+
+_native = _load_native()
 
 __all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "native_formats",
            "native_supports", "message_nbytes", "Kernels", "kernels_for", "native_variant", "native_variants",

@@ -10,7 +10,7 @@ fields, values that are not finite numbers within :data:`BOUNDS` -- gives one wa
 file and the reason, and the built-in defaults are used (never an exception: the file is read
 while planning every ``algorithm="auto"`` call, on every rank).
 
-The formulas are the algorithm table's (giftcomm.collectives.algorithms; docs/scaling.md writes
+The formulas are the algorithm table's (giftcomm.algorithms; docs/scaling.md writes
 them out): per pipelined phase, time = latency terms + max(wire time, codec time), plus
 (1 - overlap) times the smaller of the two. The calibration and topology records live in
 giftcomm.machine and are re-exported here.
@@ -28,8 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import config
-from .collectives import algorithms
+from . import algorithms, config
 from .machine import BOUNDS, BUILT_IN, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",

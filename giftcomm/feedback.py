@@ -17,7 +17,8 @@ decode per step and no communication:
   folded-in rank's, stage 0); later rounds carry partial sums: not compensated;
 - ``hierarchical``: nodes reduce in fp32 first: nothing of a rank's own is encoded alone.
 
-:func:`own_pieces` is that table; docs/method.md ("Error feedback") says the same.
+:func:`own_pieces` reads it from the algorithm table (giftcomm.algorithms, each row's
+``own_pieces``); docs/method.md ("Error feedback") says the same.
 
 With a geometry (GIFT) quantization happens in the transformed coordinates ``y = T(g)``; the
 residual is mapped back with the geometry's inverse (linear, the same on every rank) and kept in
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ._xp import array_module
+from .algorithms import row
 from .collectives.wire import Wire
 from .formats import Format, get_format
 from .partition import shared_chunk_bounds
@@ -106,31 +108,17 @@ def own_pieces(algorithm: str, n: int, p: int, rank: int, block: int,
     keyed with. bounds: the call's chunk bounds (a reduce-scatter's agreed ones); None: an
     allreduce's, ``shared_chunk_bounds(n, p, block)``.
 
-    oneshot (and P = 1): everything. direct / reduce-scatter direct: every chunk but its own.
-    ring: chunk ``rank - 1`` (hop 0; later hops carry partial sums). doubling: everything when
-    P is a power of two (round 0, stage 1) or the rank folds in (stage 0); nothing for a rank
-    that first adds a folded rank's values. hierarchical, hierarchical_direct: nothing (the node
+    The algorithm table's row says (giftcomm.algorithms, ``Algorithm.own_pieces``): oneshot
+    (and P = 1): everything. direct / reduce-scatter direct: every chunk but its own. ring:
+    chunk ``rank - 1`` (hop 0; later hops carry partial sums). doubling: everything when P is a
+    power of two (round 0, stage 1) or the rank folds in (stage 0); nothing for a rank that
+    first adds a folded rank's values. hierarchical, hierarchical_direct: nothing (the node
     sums in fp32 before anything is encoded). native: nothing (the transport's own allreduce
-    encodes nothing; with a 16-bit pass-through format its rounding is not compensated)."""
+    encodes nothing; with a 16-bit pass-through format its rounding is not compensated).
+    ValueError for an unknown algorithm."""
     if bounds is None:
         bounds = shared_chunk_bounds(n, p, block)
-    chunk = lambda c: (int(bounds[c]), int(bounds[c + 1]))  # noqa: E731
-    if algorithm == "native":
-        return [], 0
-    if algorithm == "oneshot" or p == 1:
-        return [(0, n)], (1 if algorithm == "doubling" else 0)
-    if algorithm == "direct":
-        return [chunk(c) for c in range(p) if c != rank], 0
-    if algorithm == "ring":
-        return [chunk((rank - 1) % p)], 0
-    if algorithm == "doubling":
-        p2 = 1 << (p.bit_length() - 1)
-        if rank >= p2:
-            return [(0, n)], 0
-        return ([], 0) if rank + p2 < p else ([(0, n)], 1)
-    if algorithm in ("hierarchical", "hierarchical_direct"):
-        return [], 0
-    raise ValueError(f"own_pieces: unknown algorithm {algorithm!r}")
+    return row(algorithm).own_pieces(n, p, rank, lambda c: (int(bounds[c]), int(bounds[c + 1])))
 
 
 def reordered(residual: Any, old: Any, new: Any) -> Any:

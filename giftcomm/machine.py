@@ -3,7 +3,7 @@
 layout (:class:`Topology`), plus the two helpers every algorithm's cost formula shares.
 
 giftcomm.costmodel reads and writes the calibration file and predicts with the algorithm table
-(giftcomm.collectives.algorithms), whose formulas take these records.
+(giftcomm.algorithms), whose formulas take these records.
 """
 from __future__ import annotations
 

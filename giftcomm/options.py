@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .collectives.algorithms import CHOICES as ALGORITHM_CHOICES
-from .collectives.algorithms import NATIVE
+from . import algorithms
 from .formats import SCALE_RULES, Format, check_key, check_rounding, get_format, resolve_block
 
 __all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES", "options_of_call"]
@@ -105,11 +104,12 @@ class CallOptions:
         seed = None if self.seed is None else check_key(self.seed, "seed")
         if self.op not in OPS:
             raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
-        if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHM_CHOICES:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHM_CHOICES)}; got {self.algorithm!r}")
+        choices = algorithms.CHOICES  # read now: a registered row counts
+        if not isinstance(self.algorithm, str) or self.algorithm not in choices:
+            raise ValueError(f"algorithm must be one of {', '.join(choices)}; got {self.algorithm!r}")
         if not isinstance(self.allow_native, (bool, np.bool_)):
             raise ValueError(f"allow_native must be True or False, got {self.allow_native!r}")
-        if self.algorithm == NATIVE and not self.allow_native:
+        if self.algorithm in algorithms.BY_NAME and algorithms.BY_NAME[self.algorithm].native and not self.allow_native:
             raise ValueError("algorithm='native' contradicts allow_native=False")
         slice_elems = _positive_int_or_none(self.slice_elems, "slice_elems")
         timeout = self.timeout

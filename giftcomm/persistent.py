@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from . import _xp
+from .algorithms import Algorithm
 from .codec import native_available, native_supports
 from .collectives import engine, native, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, meet_plans, raise_failures
-from .collectives.algorithms import Algorithm
 from .collectives.plan import Call
 from .errors import CommAborted, CommClosed, CommError
 from .formats import check_key

@@ -2,7 +2,7 @@
 
 ``rng``: a fresh random generator per test, its seed printed so a failure can be replayed.
 FORMAT_NAMES, ALGORITHM_NAMES, ALGORITHM_CHOICES, SCATTER_ALGORITHMS: read from the format table
-(giftcomm.formats.FORMATS) and the algorithm table (giftcomm.collectives.algorithms), so a new row
+(giftcomm.formats.FORMATS) and the algorithm table (giftcomm.algorithms), so a new row
 is tested everywhere the day it lands; no test file writes these lists by hand. ``covering``
 builds a covering design over them (every format x every algorithm once, other axes rotating).
 Which module is the home of which invariant of DESIGN.md: tests/README.md.
@@ -28,7 +28,7 @@ def rng(request) -> np.random.Generator:
 
 
 # ------------------------------------------------------------------ the tables, as test axes
-from giftcomm.collectives.algorithms import BY_NAME, CHOICES, NAMES, SCATTER_CHOICES  # noqa: E402
+from giftcomm.algorithms import BY_NAME, CHOICES, NAMES, SCATTER_CHOICES  # noqa: E402
 from giftcomm.formats import FORMATS  # noqa: E402
 
 #: every wire format of the table, in table order

@@ -1,4 +1,4 @@
-"""The algorithm table (giftcomm.collectives.algorithms) is the one list of algorithms: the
+"""The algorithm table (giftcomm.algorithms) is the one list of algorithms: the
 runners, the reduce-scatters, the reference simulations, the accepted ``algorithm=`` values and
 the cost model all name exactly its rows, and every row's formulas evaluate."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import costmodel
-from giftcomm.collectives import algorithms, engine
-from giftcomm.collectives.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
+from giftcomm import algorithms, costmodel
+from giftcomm.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
+from giftcomm.collectives import engine
 from giftcomm.costmodel import Calibration, Topology
 from giftcomm.options import CallOptions
 from giftcomm.reference import simulate

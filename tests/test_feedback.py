@@ -189,7 +189,7 @@ def test_grad_sync_feedback_converges_to_the_true_mean_and_checkpoints():
 
 def test_grad_sync_records_what_auto_ran():
     res = _grad_sync_run(1, True, algorithm="auto")
-    from giftcomm.collectives.algorithms import NAMES
+    from giftcomm.algorithms import NAMES
 
     assert res[0][2][0] in NAMES and res[0][2] == res[1][2]
 

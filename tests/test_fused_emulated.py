@@ -263,7 +263,7 @@ def _sim_bound(geo, xs, fmt, algorithm, p, nodes, op):
     algorithm's Q quantizations adds at most one FP8 step of its scale block (s amax, s = 2^-3
     e4m3, 2^-2 e5m2) on top of the difference it is given; the inverse maps the difference with
     |S^-1| and adds its own rounding (both inverses)."""
-    from giftcomm.collectives.algorithms import BY_NAME
+    from giftcomm.algorithms import BY_NAME
     from giftcomm.machine import Topology
 
     q = BY_NAME[algorithm].quantizations(Topology(p, nodes, p // nodes))

@@ -14,7 +14,7 @@ import pytest
 from conftest import FORMAT_NAMES, assert_same_error, covering, outcomes, same
 
 import giftcomm as gc
-from giftcomm.collectives.algorithms import TABLE
+from giftcomm.algorithms import TABLE
 from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times, choose, forget_calibration
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.transport.base import tree_sum

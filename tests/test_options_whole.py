@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,7 +210,8 @@ def test_a_record_and_keywords_agree_with_plain_keywords(rng):
 
 def test_options_of_call_rejects_a_record_of_another_type():
     with pytest.raises(TypeError, match="X: options must be a giftcomm.options.CallOptions"):
-        options_of_call("X", {"fmt": "e4m3"})  # type: ignore[arg-type]
+        not_a_record: Any = {"fmt": "e4m3"}
+        options_of_call("X", not_a_record)
 
 
 def test_an_unvalidated_record_is_validated():
@@ -223,3 +225,13 @@ def _raise_first(results):
     err = _raised(results)
     if err is not None:
         raise err
+
+
+def test_remembered_keywords_keep_their_types():
+    """The plain calls remember validated keyword sets; block=True must not find block=1's."""
+    from giftcomm.collectives import engine
+
+    assert isinstance(engine.call_options({"block": 1}), CallOptions)
+    assert isinstance(engine.call_options({"block": True}), ValueError)
+    assert engine.call_options({"fmt": "e5m2"}) is engine.call_options({"fmt": "e5m2"})  # remembered
+    assert engine.call_options({"block": 64.0}) is not engine.call_options({"block": 64})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from giftcomm import costmodel
-from giftcomm.collectives.algorithms import TABLE
+from giftcomm.algorithms import TABLE
 from giftcomm.costmodel import Calibration, LinkCost, Topology, load_calibration, predict
 from giftcomm.perf import calibrate
 from studies import errors, model

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from giftcomm.collectives.algorithms import NAMES as ALGORITHM_NAMES
+from giftcomm.algorithms import NAMES as ALGORITHM_NAMES
 from studies.train import COLUMNS, load_runs, parse_mode, stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

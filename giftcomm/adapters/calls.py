@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..algorithms import BY_NAME, NATIVE
 from ..options import CallOptions
 from ..reference.rounding import mix64
 
@@ -68,18 +69,18 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
         return
     seen.add(n)
     took = last[0]
-    what = "the transport's own allreduce, uncompressed" if took == "native" else f"giftcomm's {opts.fmt} wire"
+    what = "the transport's own allreduce, uncompressed" if BY_NAME[took].native else f"giftcomm's {opts.fmt} wire"
     if opts.algorithm != "auto":
         why = f"algorithm={opts.algorithm!r} asks for it"
     else:
         cal = load_calibration()
         times = candidate_times(n, planning.topology(t, None)[1], opts.fmt, opts.resolved_block, cal,
                                 native=opts.allow_native)
-        own = {a: s for a, s in times.items() if a != "native"}
+        own = {a: s for a, s in times.items() if not BY_NAME[a].native}
         best = min(own, key=lambda a: own[a])
-        native = (f"native {times['native'] * 1e3:.3g} ms" if "native" in times
+        native = (f"native {times[NATIVE] * 1e3:.3g} ms" if NATIVE in times
                   else "native not considered (allow_native=False)")
-        ran = f"{took} {times[took] * 1e3:.3g} ms, " if took in times and took != "native" else ""
+        ran = f"{took} {times[took] * 1e3:.3g} ms, " if took in own else ""
         why = (f"predicted: {ran}{native}, fastest compressed {best} {own[best] * 1e3:.3g} ms "
                f"(calibration: {cal.source})")
     logger.info("giftcomm %s: buffers of %d values take %s (%s); %s", owner, n, took, what, why)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import _xp
+from ..algorithms import BUILT_IN, BY_NAME, Algorithm
 from ..errors import CommClosed
 from ..options import CallOptions, options_of_call
 from ..partition import accumulation_dtype, shared_chunk_bounds
@@ -37,7 +38,6 @@ from . import direct, doubling, gift, hierarchical, native, oneshot, ring, share
 from . import layout as scatter_layout
 from . import plan as planning
 from .agree import agree, confirm, meet_plans
-from .algorithms import BY_NAME, SCATTER_CHOICES, Algorithm
 from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
 from .wire import Wire
 from .workspace import workspace_of
@@ -112,7 +112,9 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     return t.last_run
 
 
-_OPTIONS: dict[tuple, CallOptions] = {}
+_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
+"""The validated options of recent keyword sets: (record, the values' types, None when all are
+strings)."""
 _OPTIONS_MAX = 256
 
 
@@ -137,16 +139,28 @@ def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = P
     remembered per entry point and distinct keyword values and types (a training loop repeats
     the same ones), so a repeated call validates nothing twice; a validated record is taken as
     it is."""
+    key: Any = None
     if options is None:
-        try:  # the values' types too: block=True or 1.0 must not find block=1's record
-            key: tuple | None = (entry, tuple(given.items()), tuple(map(type, given.values())))
-            opts = _OPTIONS.get(key)  # type: ignore[arg-type]
+        try:
+            k = (entry, tuple(given.items())) if given else entry
+            hit = _OPTIONS.get(k)
+            key = k
         except TypeError:  # an unhashable value: validate (and fail) without remembering
-            opts, key = None, None
-        if opts is not None:
-            return opts
-    else:
-        key = None
+            hit = None
+        # the values' types count where they are not all strings: block=True or 1.0 must not
+        # find block=1's record
+        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
+            return hit[0]
+    try:
+        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        return exc
+    if key is not None:
+        if len(_OPTIONS) >= _OPTIONS_MAX:
+            _OPTIONS.clear()
+        types = tuple(map(type, given.values()))
+        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
+    return opts
     try:
         opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
@@ -305,7 +319,17 @@ RUNNERS: dict[str, Runner] = {
     "oneshot": _oneshot,
     "native": _native,
 }
-"""The allreduce runner of every row of the algorithm table (giftcomm.collectives.algorithms)."""
+"""The allreduce runner of every built-in row of the algorithm table (giftcomm.algorithms)."""
+
+
+def runner_of(algorithm: Algorithm) -> Runner:
+    """The allreduce runner of a row: its own (a registered row's), else :data:`RUNNERS`'."""
+    return algorithm.runner or RUNNERS[algorithm.name]
+
+
+def scatter_of(name: str) -> Callable[..., tuple[Any, Any]]:
+    """The reduce-scatter of the row ``name`` (one with ``scatter``): its own, else :data:`SCATTERS`'."""
+    return BY_NAME[name].scatter_runner or SCATTERS[name]
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -400,7 +424,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if n == 0:
         return planning.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
     into = planning.direct_out(call)
-    total = RUNNERS[algorithm.name](t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
+    total = runner_of(algorithm)(t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
@@ -420,7 +444,7 @@ def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
     if not gift.has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
         # a failure on some ranks (the plans' upload: device memory) is raised on every rank
         confirm(t, "giftcomm.gift_allreduce: fused transform", lambda: gift.state_of(t, job.geometry, call.xp))
-    total = gift.allreduce(t, job.geometry, name, RUNNERS[name], SCATTERS, flat, call.wire(t.rank), job.nodes, job.slice_n,
+    total = gift.allreduce(t, job.geometry, name, runner_of(job.algorithm), scatter_of, flat, call.wire(t.rank), job.nodes, job.slice_n,
                            call.op, into)
     if into is not None and total is into:
         return out
@@ -440,7 +464,7 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
     call = job.call
     job.bounds = bounds = scatter_layout.plan_layout(call, t.size, layout)
     planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, SCATTER_CHOICES,
+    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, True,
                                         native=job.opts.allow_native)
     return call.sig
 
@@ -459,7 +483,7 @@ def _scatter_run(t: Transport, job: Job, out: Any) -> Any:
     shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
     if flat.size == 0:
         return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
-    total, _ = SCATTERS[job.algorithm.name](t, flat, bounds, call.wire(t.rank), acc_t, job.slice_n)
+    total, _ = scatter_of(job.algorithm.name)(t, flat, bounds, call.wire(t.rank), acc_t, job.slice_n)
     return planning.finish(total, call, t.size, shard_shape, out)
 
 
@@ -508,4 +532,4 @@ def _gather_run(t: Transport, job: Job, out: Any) -> Any:
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,
                  _gather_run)
 
-assert set(RUNNERS) == set(BY_NAME), "every row of the algorithm table needs a runner"
+assert set(RUNNERS) == BUILT_IN, "every built-in row of the algorithm table needs a runner"

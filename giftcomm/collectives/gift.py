@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
+from ..algorithms import BY_NAME, TABLE
 from ..formats import Format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
@@ -65,10 +66,10 @@ from .workspace import workspace_of
 
 __all__ = ["takes", "fused_encode", "FUSED_ROWS", "NODE_FUSED_ROWS", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
 
-FUSED_ROWS = ("ring", "direct", "oneshot", "doubling")
+FUSED_ROWS = tuple(a.name for a in TABLE if a.fused in ("scatter", "rounds", "exchange"))
 """The algorithms whose forward transform runs inside their FP8 encodes (e4m3 / e5m2, nearest,
-block <= 256)."""
-NODE_FUSED_ROWS = ("hierarchical", "hierarchical_direct")
+block <= 256): the rows of the algorithm table with such a ``fused`` route."""
+NODE_FUSED_ROWS = tuple(a.name for a in TABLE if a.fused == "nodes")
 """The algorithms whose forward transform runs inside their node-local fp32 ring (any format)."""
 MAX_STATES = 4
 """Geometries whose device state a transport keeps (a training loop refreshes its geometry now
@@ -90,9 +91,10 @@ def fused_encode(algorithm: str, fmt: Format, block: int, seed: int | None) -> b
     """Whether the forward transform runs inside the encodes for this call (else Y is written)."""
     from ..cuda.fused import FORMATS, MAX_BLOCK
 
-    if algorithm in NODE_FUSED_ROWS:
+    route = BY_NAME[algorithm].fused
+    if route == "nodes":
         return True
-    return algorithm in FUSED_ROWS and fmt.name in FORMATS and block <= MAX_BLOCK and seed is None
+    return route is not None and fmt.name in FORMATS and block <= MAX_BLOCK and seed is None
 
 
 class FusedGift:
@@ -186,13 +188,13 @@ def _float32(t: Transport, flat: Any, xp: Any) -> Any:
     return buf
 
 
-def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatters: Any, flat: Any, wire: Wire,
+def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatter_of: Any, flat: Any, wire: Wire,
               nodes: Any, slice_n: int, op: str, into: Any) -> Any:
     """The whole device gift_allreduce of the flat vector ``flat`` (n > 0): the float32 result,
     inverse-transformed and (op="avg") divided by P, in ``into`` (a float32 (n,) view of the
     caller's ``out``) when given, else a new array. ``runner``: the algorithm's engine runner
-    (the unfused route's data movement); ``scatters``: the engine's reduce-scatters by row name
-    (giftcomm.collectives.engine.SCATTERS)."""
+    (the unfused route's data movement); ``scatter_of(name)``: the reduce-scatter of a row
+    (giftcomm.collectives.engine.scatter_of)."""
     xp, n = wire.xp, flat.size
     st = state_of(t, geometry, xp)
     ws = workspace_of(t, xp)
@@ -205,18 +207,20 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatters
         total = runner(t, y, wire, f32, nodes, slice_n, ws.get("gift_sum", 4 * n).view(np.float32))
         return st.inv.apply(_xp.astype(total, f32, copy=False), dest, divisor)
     st.fwd.project(x)  # pass A and S: the projections every fused encode reads
-    if algorithm in NODE_FUSED_ROWS:
+    row = BY_NAME[algorithm]
+    if row.fused == "nodes":
+        assert row.cross is not None
         local_n = int(np.diff(shared_chunk_bounds(n, check_uniform(nodes), wire.block)).max())
         scratch = ws.get("gift_own", 4 * local_n).view(np.float32)
         total = hierarchical.allreduce(t, x, nodes, wire, f32, slice_n,
-                                       scatter=scatters["ring" if algorithm == "hierarchical" else "direct"],
+                                       scatter=scatter_of(row.cross),
                                        local_own=lambda local_wire: FusedOwn(st.fwd, x, local_wire, scratch))
         return st.inv.apply(total, dest, divisor)
-    if algorithm == "doubling":
+    if row.fused == "rounds":
         own = FusedOwn(st.fwd, x, wire, ws.get("gift_own", 0).view(np.float32))  # no owner values
         total = doubling.allreduce(t, x, wire, f32, out=ws.get("gift_sum", 4 * n).view(np.float32), own=own)
         return st.inv.apply(total, dest, divisor)
-    if algorithm == "oneshot":
+    if row.fused == "exchange":
         fmt, block = wire.fmt, wire.block
         got = oneshot.exchange(t, x, wire, encode=lambda msg: st.fwd.encode(x, 0, n, fmt, block, msg))
         total = oneshot.reduce([got.message(q) for q in range(t.size)], n, wire, f32,
@@ -228,7 +232,7 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatters
     scratch = ws.get("gift_own", 4 * max(max(s.elems[k + 1] - s.elems[k] for k in range(s.nslices))
                                          for s in lay.slices)).view(np.float32)
     own = FusedOwn(st.fwd, x, wire, scratch)
-    _, mine = scatters[algorithm](t, x, bounds, wire, f32, slice_n, keep_sum=False,
+    _, mine = scatter_of(algorithm)(t, x, bounds, wire, f32, slice_n, keep_sum=False,
                                   own_out=ring.gather_slot(t, wire, lay), own=own)
     gathered = ring.allgather(t, mine, counts, wire, slice_n, decode=False)
     table = st.gathered_table(bounds, wire.fmt, wire.block, slice_n)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..algorithms import BY_CODE, Algorithm
 from ..partition import LAYOUTS, shard_bounds
-from .algorithms import BY_CODE, Algorithm
 from .plan import MATCH, Call
 
 __all__ = ["LAYOUTS", "SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm", "unknown_layout"]

@@ -5,7 +5,7 @@ The engine (giftcomm.collectives.engine) builds a :class:`Call` on each rank fro
 :class:`~giftcomm.options.CallOptions` inside the agreement step (giftcomm.collectives.agree),
 so that a bad argument on any rank raises the same exception on every rank; then it hands the
 call's :class:`~giftcomm.collectives.wire.Wire`, flat values and chosen algorithm (a row of
-giftcomm.collectives.algorithms) to the algorithm's runner. Any array giftcomm takes — NumPy, CuPy, torch (CPU or
+giftcomm.algorithms) to the algorithm's runner. Any array giftcomm takes — NumPy, CuPy, torch (CPU or
 CUDA), JAX, any DLPack producer — goes through the same steps (giftcomm._xp imports it
 zero-copy); the result goes back in the caller's framework.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import _xp
+from .. import _xp, algorithms
+from ..algorithms import AUTO, BY_CODE, BY_NAME, CODES, Algorithm
 from ..costmodel import Topology, auto_algorithm
 from ..formats import Format
 from ..options import CallOptions
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
 from .agree import DTYPE_CODES, OP_CODES
-from .algorithms import AUTO, BY_CODE, BY_NAME, CHOICES, CODES, Algorithm
 from .hierarchical import check_uniform, contiguous_nodes
 from .ring import auto_slice_elems
 from .wire import Wire
@@ -171,18 +171,19 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 
 
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
-                   allowed: tuple[str, ...] = CHOICES, native: bool = True) -> np.ndarray:
+                   scatter: bool = False, native: bool = True) -> np.ndarray:
     """Validate ``algorithm``/``local_size``, record the choice (auto:
     giftcomm.costmodel.auto_algorithm of the call's size, format and block on the node layout,
-    among the reduce-scatter rows when ``allowed`` is not every row; ``native``: the call's
-    allow_native) in the signature; returns the node layout."""
+    among the reduce-scatter rows with ``scatter``; ``native``: the call's allow_native) in the
+    signature; returns the node layout."""
+    allowed = algorithms.SCATTER_CHOICES if scatter else algorithms.CHOICES  # read now: registered rows count
     if algorithm not in allowed:
         raise ValueError(f"algorithm must be one of {', '.join(allowed)}; got {algorithm!r}")
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
         chosen = auto_algorithm(call.arr.size, topo, call.fmt.name, call.block, allow_native=native,
-                                scatter=allowed is not CHOICES)
+                                scatter=scatter)
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes
     call.sig.update(algorithm=CODES[algorithm], local_size=local_size or 0, chosen=CODES[chosen])

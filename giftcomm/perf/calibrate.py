@@ -52,8 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec, config
-from ..collectives import algorithms
+from .. import algorithms, codec, config
 from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
 from ..machine import BOUNDS
 from .common import time_calls, topology

@@ -61,8 +61,8 @@ import numpy as np
 
 import giftcomm
 from giftcomm import codec, config
+from giftcomm.algorithms import native_bytes
 from giftcomm.api import ALGORITHMS
-from giftcomm.collectives.algorithms import native_bytes
 from giftcomm.costmodel import auto_algorithm
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..collectives.algorithms import AUTO, BY_NAME, CHOICES, SCATTER_CHOICES
+from .. import algorithms
+from ..algorithms import AUTO, BUILT_IN, BY_NAME
 from ..costmodel import Topology, auto_algorithm
 from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
@@ -235,9 +236,10 @@ def simulate_reduce_scatter(
     if algorithm == AUTO:  # the live call's choice (allow_native: its option)
         algorithm = resolve_algorithm(AUTO, flat[0].size, len(flat), None, w.fmt.name, w.block, allow_native,
                                       kind="reduce_scatter")
-    if algorithm not in SCATTER_SIMULATIONS:
-        raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(SCATTER_SIMULATIONS)}, got {algorithm!r}")
-    sums, _ = SCATTER_SIMULATIONS[algorithm](flat, w, layout)
+    if algorithm not in algorithms.SCATTER_CHOICES[1:]:
+        raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(algorithms.SCATTER_CHOICES[1:])}, "
+                         f"got {algorithm!r}")
+    sums, _ = (BY_NAME[algorithm].scatter_simulation or SCATTER_SIMULATIONS[algorithm])(flat, w, layout)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
@@ -254,7 +256,7 @@ def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fm
     "allreduce" (also gift_allreduce and giftcomm.plan_allreduce) or "reduce_scatter" (chooses
     among its rows). The live call's choice is reported by
     ``giftcomm.collectives.engine.last_algorithm(transport)``."""
-    allowed = CHOICES if kind == "allreduce" else SCATTER_CHOICES
+    allowed = algorithms.CHOICES if kind == "allreduce" else algorithms.SCATTER_CHOICES
     if kind not in ("allreduce", "reduce_scatter"):
         raise ValueError(f"kind must be 'allreduce' or 'reduce_scatter', got {kind!r}")
     if algorithm not in allowed:
@@ -310,7 +312,7 @@ def simulate_allreduce(
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
     else:
-        result = SIMULATIONS[algorithm](flat, w, local_size or p, local_fmt)
+        result = (BY_NAME[algorithm].simulation or SIMULATIONS[algorithm])(flat, w, local_size or p, local_fmt)
     out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
@@ -365,5 +367,5 @@ SIMULATIONS: dict[str, Simulation] = {
     "oneshot": lambda flat, w, local_size, local_fmt: _oneshot_sum(flat, w),
     "native": lambda flat, w, local_size, local_fmt: _native_sum(flat, w),
 }
-"""The reference simulation of every row of the algorithm table (giftcomm.collectives.algorithms)."""
-assert set(SIMULATIONS) == set(BY_NAME) and set(SCATTER_SIMULATIONS) == set(SCATTER_CHOICES[1:])
+"""The reference simulation of every row of the algorithm table (giftcomm.algorithms)."""
+assert set(SIMULATIONS) == BUILT_IN and set(SCATTER_SIMULATIONS) == {a for a in BUILT_IN if BY_NAME[a].scatter}

@@ -40,7 +40,7 @@ def plain_words(words: np.ndarray) -> np.ndarray:
 def native_channel() -> Any:
     """The native Channel type, or None when this build or platform has none."""
     try:
-        from .. import _codec_native  # type: ignore[attr-defined]
+        from .. import _codec_native
     except ImportError:
         return None
     return getattr(_codec_native, "Channel", None)
@@ -48,7 +48,7 @@ def native_channel() -> Any:
 
 def payload_offset() -> int:
     """Bytes from the start of a slot to its message (the sequence word and header come first)."""
-    from .. import _codec_native  # type: ignore[attr-defined]
+    from .. import _codec_native
 
     return int(_codec_native.CHANNEL_PAYLOAD_OFFSET)
 

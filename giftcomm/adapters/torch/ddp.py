@@ -37,7 +37,6 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
 5. After the last bucket of an iteration, ``state.iter`` advances.
 """
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
-import contextlib
 import copy
 import logging
 import os
@@ -64,6 +63,7 @@ from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from ..calls import call_kwargs, log_path
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
+from .streams import on_stream
 
 __all__ = ["GiftState", "GiftStats", "gift_hook", "logger"]
 
@@ -690,27 +690,6 @@ def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, 
 
 
 # ---------------------------------------------------------------------------- device route
-@contextlib.contextmanager
-def _on_side_stream(state: GiftState, buf: torch.Tensor):
-    """For a CUDA bucket: a side stream of the bucket's device that waits for the current one,
-    made current for torch and for CuPy (``ExternalStream``); nothing for host buffers (the
-    device route driven on the CPU by a grouped test transport)."""
-    if buf.device.type != "cuda":
-        yield None
-        return
-    import cupy
-
-    dev = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
-    rt = state.runtime
-    side = rt.streams.get(dev)
-    if side is None:
-        side = rt.streams[dev] = torch.cuda.Stream(device=dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.device(dev), torch.cuda.stream(side), cupy.cuda.Device(dev), \
-            cupy.cuda.ExternalStream(side.cuda_stream, dev):
-        yield side
-
-
 def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, layout,
                    signature: tuple = ()) -> torch.futures.Future:
     """The device route, on the calling thread: enqueue the reduction in stream order and return
@@ -720,7 +699,9 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     fut: torch.futures.Future = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
     try:
         t0 = time.perf_counter()
-        with _on_side_stream(state, buf) as side:
+        # a side stream of the bucket's device that waits for the current one (nothing for host
+        # buffers: the device route driven on the CPU by a grouped test transport)
+        with on_stream(buf, state.runtime.streams) as side:
             _reduce_bucket(state, index, it, buf, geo, transport, signature)
             snap = None
             if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:

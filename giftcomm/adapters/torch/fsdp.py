@@ -34,10 +34,8 @@ after it, not instead of it), and replacing it would need patching torch.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,7 +44,7 @@ import torch.distributed as dist
 
 from ... import api
 from ...accounting import Tally
-from ...collectives.algorithms import SCATTER_CHOICES
+from ...algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry.paper import FactorEMA, PaperOptions
 from ...geometry.sharded import ShardedGeometry
@@ -54,6 +52,7 @@ from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport import Transport
 from ..calls import log_path
 from .kfac import KfacCapture
+from .streams import on_stream
 
 try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterProtocol
@@ -98,19 +97,8 @@ def members_transport(group: dist.ProcessGroup) -> Transport:
     return t
 
 
-@contextlib.contextmanager
-def on_current_stream(t: torch.Tensor) -> Iterator[None]:
-    """For a CUDA tensor: CuPy on torch's current stream (FSDP's reduce-scatter stream in the
-    call, the caller's stream for the giftcomm process group), so giftcomm's kernels and NCCL run
-    in the caller's order; nothing for a CPU tensor."""
-    if t.device.type != "cuda":
-        yield
-        return
-    import cupy
-
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
-        yield
+on_current_stream = on_stream
+"""CuPy on torch's current stream of a CUDA tensor's device (giftcomm.adapters.torch.streams)."""
 
 
 class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]

@@ -17,9 +17,8 @@ bfloat16. Each bucket may have its own geometry (``set_geometries``).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from ...transport import resolve
 from ..calls import call_kwargs, log_path
 from .buckets import GradBucket, make_buckets
 from .paper_refresh import PaperRefresh, paper_options
+from .streams import on_stream
 
 __all__ = ["GradSync", "SyncTimes"]
 
@@ -47,21 +47,6 @@ class SyncTimes:
     transform: float = 0.0
     comm: float = 0.0
     total: float = 0.0
-
-
-@contextlib.contextmanager
-def _torch_stream(t) -> Iterator[None]:
-    """CuPy on torch's current stream of ``t``'s device for a CUDA tensor (giftcomm's kernels and
-    NCCL then run in order with the model's work); nothing for a CPU tensor."""
-    if t.device.type != "cuda":
-        yield
-        return
-    import cupy
-    import torch
-
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
-        yield
 
 
 class _TimedGeometry:
@@ -221,7 +206,7 @@ class GradSync:
                 if tg is not None:
                     times.transform += tg.seconds
                 continue
-            with _torch_stream(b.tensor):
+            with on_stream(b.tensor):
                 def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
                     api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
                     self._tally.add(self.comm, device=b.tensor.device.type == "cuda")

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api
+from ...algorithms import SCATTER_CHOICES
 from ...options import CallOptions
 from ...transport import Transport
 from .fsdp import members_transport, on_current_stream
@@ -327,7 +328,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         single = len(outs) == 1
         o = self.options
         with on_current_stream(src):
-            algorithm = o.algorithm if o.algorithm in ("ring", "direct", "native", "auto") else "auto"
+            algorithm = o.algorithm if o.algorithm in SCATTER_CHOICES else "auto"
             shard = api.reduce_scatter(src, op=op, out=outs[0] if single else None, layout="equal",
                                        algorithm=algorithm, allow_native=o.allow_native, **self._kw(src))
             off = 0

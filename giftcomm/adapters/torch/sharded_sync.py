@@ -16,7 +16,7 @@ The buffer holds the trainable parameters' gradients back to back in ``named_par
 order, zero-padded to a multiple of P; rank r owns elements ``[r*n/P, (r+1)*n/P)``
 (``giftcomm.reduce_scatter(layout="equal")``), like ZeRO's partitions and Megatron's
 distributed-optimizer buffer. Options: those of :class:`giftcomm.options.CallOptions` (fmt,
-block, rounding, seed, algorithm "ring" / "direct" / "auto", slice_elems, timeout, op).
+block, rounding, seed, algorithm: one of reduce_scatter's, slice_elems, timeout, op).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 
 from ... import api
 from ...accounting import Tally
+from ...algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
 from ...geometry import Geometry, Layout
 from ...geometry.sharded import inverse_flat_shard
@@ -86,9 +87,9 @@ class ShardedGradSync:
             check_feedback_format(self.options.format, "ShardedGradSync")
         self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
         self.algorithm_used: str | None = None
-        if self.options.algorithm not in ("auto", "ring", "direct"):
-            raise ValueError(f"ShardedGradSync: algorithm must be 'auto', 'ring' or 'direct', got "
-                             f"{self.options.algorithm!r}")
+        if self.options.algorithm not in SCATTER_CHOICES:
+            raise ValueError(f"ShardedGradSync: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
+                             f"(reduce-scatter algorithms), got {self.options.algorithm!r}")
         self.params = named_trainable(model)
         if not self.params:
             raise ValueError("ShardedGradSync: the model has no trainable parameters")

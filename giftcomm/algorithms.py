@@ -4,14 +4,23 @@ A row holds the algorithm's name and fixed code (what travels in the agreed sign
 ``algorithm="auto"`` may choose it, whether it is a reduce-scatter followed by the ring allgather
 (so ``reduce_scatter`` can run its first half), whether it needs nodes of equal size, whether it
 moves every rank's whole message in one exchange (a persistent plan then carries its check words
-inside that exchange), and its cost and error-growth formulas (docs/scaling.md writes them out).
-Everything else reads the table: the cost model's ``predict``/``error_growth``/``choose``
-(giftcomm.costmodel), argument checking and the agreed codes (giftcomm.collectives.plan), the
-runners (giftcomm.collectives.engine.RUNNERS) and the reference simulations
-(giftcomm.reference.simulate.SIMULATIONS), both keyed by :attr:`Algorithm.name`; a test checks
-that the three name the same set.
+inside that exchange), its cost and error-growth formulas (docs/scaling.md writes them out),
+which of a rank's own values it encodes alone (error feedback), the bytes each rank sends (the
+stats), the row a hierarchical row runs across nodes and its route for the fused device
+transform. Everything else reads the table and compares no algorithm names: the cost model's
+``predict``/``error_growth``/``choose`` (giftcomm.costmodel), argument checking and the agreed
+codes (giftcomm.collectives.plan), error feedback (giftcomm.feedback), the stats
+(giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
+ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
-Adding an algorithm: its module under giftcomm/collectives/, a row here, its runner in
+The built-in rows' data movement lives in the floors above, keyed by name: the runners
+(giftcomm.collectives.engine.RUNNERS, SCATTERS) and the reference simulations
+(giftcomm.reference.simulate.SIMULATIONS, SCATTER_SIMULATIONS); a test checks that they name
+the built-in rows. A row added with :func:`register` carries its own (``runner``,
+``simulation``, ...), so an experiment or a test adds an algorithm in one file
+(tests/test_algorithm_row.py does).
+
+Adding a built-in algorithm: its module under giftcomm/collectives/, a row here, its runner in
 engine.RUNNERS, its simulation in reference/simulate.SIMULATIONS (and docs/scaling.md).
 
 One row is not giftcomm's own: ``native`` runs the transport's allreduce (MPI_Allreduce,
@@ -24,18 +33,30 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
-from ..formats import bytes_per_value, get_format
-from ..machine import Calibration, LinkCost, Topology, nic_share, overlapped
+from .formats import bytes_per_value, get_format, message_nbytes
+from .machine import Calibration, LinkCost, Topology, nic_share, overlapped
+from .partition import shared_chunk_bounds
 
-__all__ = ["Algorithm", "TABLE", "NAMES", "CHOICES", "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE",
-           "CODES", "NATIVE", "row", "native_bytes"]
+__all__ = ["Algorithm", "FUSED_ROUTES", "BUILT_IN", "register", "unregister", "TABLE", "NAMES", "CHOICES",
+           "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE", "CODES", "NATIVE", "row", "native_bytes"]
 
 AUTO = "auto"
 """The ``algorithm=`` value that lets the cost model choose (giftcomm.costmodel.choose)."""
 AUTO_CODE = 0
 
 Time = Callable[[int, Topology, str, int, Calibration], float]
+Chunk = Callable[[int], tuple[int, int]]
+Pieces = Callable[[int, int, int, Chunk], tuple[list[tuple[int, int]], int]]
+Sent = Callable[[int, int, int, str, int], int]
+
+FUSED_ROUTES = ("scatter", "nodes", "rounds", "exchange")
+"""How a row runs gift_allreduce's fused device transform (giftcomm.collectives.gift): "scatter"
+(its reduce-scatter with the forward inside the encodes, then the ring allgather), "nodes" (the
+forward inside the node-local fp32 ring, then ``cross`` across nodes), "rounds" (recursive
+doubling's exchange rounds, the forward inside the first encode), "exchange" (one exchange of
+every rank's whole vector, encoded once with the forward inside)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,20 @@ class Algorithm:
     channel (giftcomm.transport.channel), for rows whose data then moves differently (None: as
     ``time``). native: the transport's own collective, not giftcomm's wire (``auto`` takes it
     only where predicted faster than every other row, and only when the call allows it).
+    own_pieces(n, p, rank, chunk): (pieces, stage) -- the element ranges [lo, hi) of its own
+    (n,) values that ``rank`` encodes alone, unsummed, in a call over ``p`` ranks, and the wire
+    stage they are keyed with (error feedback, giftcomm.feedback.own_pieces); ``chunk(c)`` is
+    chunk c's [lo, hi) of the call's bounds. sent_bytes(n, p, rank, fmt, block): bytes of the
+    messages ``rank`` sends on ``p`` > 1 ranks (giftcomm.accounting). cross: the row whose
+    reduce-scatter a hierarchical row runs across nodes (None otherwise). fused: its route for
+    gift_allreduce's fused device transform (:data:`FUSED_ROUTES`; None: none, the transform runs
+    apart). runner, scatter_runner, simulation, scatter_simulation: its data movement -- the
+    allreduce runner ``(t, flat, wire, acc_t, nodes, slice_n, out) -> total``, the reduce-scatter
+    ``(t, flat, bounds, wire, acc_t, slice_n) -> (total, shard)`` (rows with ``scatter``), the
+    reference simulations ``(flat, wire, local_size, local_fmt) -> sum`` and ``(flat, wire,
+    layout) -> (sums, bounds)``; None for the built-in rows, whose code lives in the floors above
+    (giftcomm.collectives.engine.RUNNERS / SCATTERS, giftcomm.reference.simulate.SIMULATIONS /
+    SCATTER_SIMULATIONS, by name); a row added with :func:`register` brings its own.
     """
 
     name: str
@@ -70,8 +105,16 @@ class Algorithm:
     growth: Callable[[Topology], float]
     quantizations: Callable[[Topology], int]
     steps: Callable[[int], int] | None
+    own_pieces: Pieces
+    sent_bytes: Sent
     channel_time: Time | None = None
     native: bool = False
+    cross: str | None = None
+    fused: str | None = None
+    runner: Callable[..., Any] | None = None
+    scatter_runner: Callable[..., Any] | None = None
+    simulation: Callable[..., Any] | None = None
+    scatter_simulation: Callable[..., Any] | None = None
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
@@ -177,6 +220,69 @@ def _hierarchical_time(inner: str) -> Time:
     return time
 
 
+def _ring_pieces(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Chunk ``rank - 1`` (hop 0; later hops carry partial sums)."""
+    return [chunk((rank - 1) % p)], 0
+
+
+def _direct_pieces(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Every chunk but its own (its owner sums that one in full precision); on one rank the lot."""
+    return ([chunk(c) for c in range(p) if c != rank] if p > 1 else [(0, n)]), 0
+
+
+def _doubling_pieces(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Everything when P is a power of two (round 0, stage 1) or the rank folds in (stage 0);
+    nothing for a rank that first adds a folded rank's values."""
+    p2 = _largest_power_of_two(p)
+    if rank >= p2:
+        return [(0, n)], 0
+    return ([], 0) if rank + p2 < p else ([(0, n)], 1)
+
+
+def _everything(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Its whole vector, encoded once."""
+    return [(0, n)], 0
+
+
+def _node_pieces(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Nothing (the node sums in fp32 before anything is encoded); on one rank the lot."""
+    return ([(0, n)] if p == 1 else []), 0
+
+
+def _nothing(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, int]], int]:
+    """Nothing: the transport's own allreduce encodes nothing (with a 16-bit pass-through format
+    its rounding is not compensated)."""
+    return [], 0
+
+
+def _ring_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+    """The reduce-scatter sends every chunk but the one this rank owns; the ring allgather every
+    chunk but the next rank's (its own first, then what it received, up to that one). The
+    hierarchical rows are counted so too (an estimate: they send float32 inside nodes and the
+    compressed format across)."""
+    b = shared_chunk_bounds(n, p, block)
+    m = [message_nbytes(int(b[c + 1] - b[c]), fmt, block) for c in range(p)]
+    return 2 * sum(m) - m[rank] - m[(rank + 1) % p]
+
+
+def _doubling_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+    """Ranks >= P2 (the largest power of two <= P) fold their vector in, one message; the others
+    exchange log2(P2) times, and send the result to their folded rank when they have one."""
+    p2 = _largest_power_of_two(p)
+    count = 1 if rank >= p2 else p2.bit_length() - 1 + (rank + p2 < p)
+    return count * message_nbytes(n, fmt, block)
+
+
+def _oneshot_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+    """P - 1 messages of the whole vector, each 8-byte aligned."""
+    return (p - 1) * (-(-message_nbytes(n, fmt, block) // 8) * 8)
+
+
+def _native_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+    """The transport's reduce-scatter and allgather halves of the values it sums."""
+    return (2 * (p - 1) * n * native_bytes(fmt)) // p
+
+
 def _nodes(topo: Topology) -> int:
     return topo.nodes if topo.nodes >= 1 else topo.ranks
 
@@ -188,34 +294,39 @@ def _nodes(topo: Topology) -> int:
 TABLE: tuple[Algorithm, ...] = (
     # hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,
-              growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps),
+              growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps,
+              own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter"),
     # P-1 single contributions, then the sum: 2 - 1/P
     Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
-              growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps),
+              growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps,
+              own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter"),
     # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
     # (P2: the largest power of two <= P), plus the folded ranks and the final message
     Algorithm("doubling", 3, auto=True, scatter=False, needs_nodes=False, one_exchange=False, time=_doubling_time,
               growth=lambda topo: (math.log2(_largest_power_of_two(topo.ranks)) + 1
                                    + (topo.ranks - _largest_power_of_two(topo.ranks)) / topo.ranks),
               quantizations=lambda topo: int(math.log2(_largest_power_of_two(topo.ranks))) + 2,
-              steps=_doubling_steps),
+              steps=_doubling_steps, own_pieces=_doubling_pieces, sent_bytes=_doubling_sent, fused="rounds"),
     # fp32 inside nodes, the ring across N nodes: (N + 1) / 2
     Algorithm("hierarchical", 4, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("ring"), growth=lambda topo: (_nodes(topo) + 1) / 2,
-              quantizations=lambda topo: topo.nodes, steps=None),
+              quantizations=lambda topo: topo.nodes, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
+              cross="ring", fused="nodes"),
     # fp32 inside nodes, direct across N nodes: 2 - 1/N
     Algorithm("hierarchical_direct", 5, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
-              quantizations=lambda topo: 2, steps=None),
+              quantizations=lambda topo: 2, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
+              cross="direct", fused="nodes"),
     # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
     Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
-              channel_time=_oneshot_channel_time),
+              own_pieces=_everything, sent_bytes=_oneshot_sent, channel_time=_oneshot_channel_time, fused="exchange"),
     # the transport's own allreduce: nothing quantized (a scaled format sums float32 values); a
     # pass-through format rounds each rank's values once, and the transport rounds its partial
     # sums to that format (docs/scaling.md), counted as one quantization
     Algorithm("native", 7, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_native_time,
-              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, native=True),
+              growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, own_pieces=_nothing,
+              sent_bytes=_native_sent, native=True),
 )
 
 NAMES: tuple[str, ...] = tuple(a.name for a in TABLE)
@@ -232,9 +343,58 @@ assert len(BY_NAME) == len(BY_CODE) == len(TABLE) and AUTO_CODE not in BY_CODE a
 NATIVE = "native"
 """The row that runs the transport's own allreduce."""
 assert BY_NAME[NATIVE].native and sum(a.native for a in TABLE) == 1
+assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter) for a in TABLE)
 
 CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}}
 """The signature code of every ``algorithm=`` value."""
+
+
+BUILT_IN: frozenset[str] = frozenset(NAMES)
+"""The rows giftcomm ships (their data movement is code of the floors above)."""
+
+
+def register(algorithm: Algorithm) -> None:
+    """Add a row to the table (an experiment, a test), in force for every entry point until
+    :func:`unregister`: the collectives, plans, error feedback, the stats, the cost model (with
+    ``auto=False`` ``auto`` never picks it) and the simulations read it from here. It brings its
+    data movement (``runner``, ``simulation``; ``scatter_runner`` and ``scatter_simulation``
+    with ``scatter``). ValueError for a name or code in use, or a missing piece. The module's
+    tuples (NAMES, CHOICES, SCATTER_CHOICES, TABLE) are rebound: read them as
+    ``giftcomm.algorithms.CHOICES``, not copied at import."""
+    global TABLE
+    a = algorithm
+    if a.name in BY_NAME or a.name == AUTO or a.code in BY_CODE or a.code == AUTO_CODE:
+        raise ValueError(f"register: the name {a.name!r} or code {a.code} is taken")
+    missing = [f for f in ("runner", "simulation") + (("scatter_runner", "scatter_simulation") if a.scatter else ())
+               if getattr(a, f) is None]
+    if missing or a.native or a.fused not in (None, *FUSED_ROUTES) or (a.cross is not None and not row(a.cross).scatter):
+        raise ValueError(f"register: row {a.name!r} needs {', '.join(missing) or 'a valid fused route and cross'} "
+                         "(and is not the native row)")
+    TABLE = (*TABLE, a)
+    _index()
+
+
+def unregister(name: str) -> None:
+    """Drop a row added with :func:`register` (ValueError for a built-in or unknown one)."""
+    global TABLE
+    if name in BUILT_IN or name not in BY_NAME:
+        raise ValueError(f"unregister: {name!r} is not a registered row")
+    TABLE = tuple(a for a in TABLE if a.name != name)
+    _index()
+
+
+def _index() -> None:
+    """Rebuild the lookups from TABLE (the dicts in place: modules hold them)."""
+    global NAMES, CHOICES, SCATTER_CHOICES
+    NAMES = tuple(a.name for a in TABLE)
+    CHOICES = (AUTO, *NAMES)
+    SCATTER_CHOICES = (AUTO, *(a.name for a in TABLE if a.scatter))
+    BY_NAME.clear()
+    BY_NAME.update((a.name, a) for a in TABLE)
+    BY_CODE.clear()
+    BY_CODE.update((a.code, a) for a in TABLE)
+    CODES.clear()
+    CODES.update({AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}})
 
 
 def row(name: str) -> Algorithm:

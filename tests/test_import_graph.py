@@ -1,0 +1,135 @@
+"""The import graph between giftcomm's top-level parts has no loops.
+
+A part is a top-level subpackage (giftcomm/collectives/, giftcomm/transport/, ...) or a top-level
+module (giftcomm/formats.py, giftcomm/algorithms.py, ...). Part A imports part B when a module of
+A imports a module of B at module level (imports inside functions are deliberate late bindings
+and are not counted; neither are ``if TYPE_CHECKING:`` blocks). The parts then form floors:
+the ground floor (formats, algorithms, partition, machine, ...) imports nothing above it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "giftcomm"
+ALLOWED: set[tuple[str, str]] = set()
+"""Loops tolerated for now, as (part, part) pairs: none."""
+
+
+def _part(module: str) -> str | None:
+    """The top-level part of a giftcomm module name ('giftcomm.collectives.ring' -> 'collectives'),
+    None for the package itself or a name outside giftcomm."""
+    parts = module.split(".")
+    if parts[0] != "giftcomm" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _module_level_imports(tree: ast.Module):
+    """The import statements run at import time: the module body and its try/if/with blocks,
+    except ``if TYPE_CHECKING:``."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            if "TYPE_CHECKING" not in test:
+                todo += node.body
+            todo += node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+        elif isinstance(node, ast.With):
+            todo += node.body
+
+
+def _exists(module: str) -> bool:
+    path = PKG.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").exists() or path.with_suffix(".pyi").exists() or (path / "__init__.py").exists()
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """{part: {part it imports: ["module -> module", ...]}}."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        is_pkg = rel.name == "__init__"
+        module = ".".join(rel.parts[:-1] if is_pkg else rel.parts)
+        here = _part(module)
+        if here is None:
+            continue
+        for node in _module_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = module.split(".") if is_pkg else module.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                # "from . import ring" imports the module giftcomm.<pkg>.ring
+                targets = [target] + [f"{target}.{a.name}" for a in node.names if _exists(f"{target}.{a.name}")]
+            for target in targets:
+                there = _part(target)
+                if there is not None and there != here and _exists(target):
+                    edges.setdefault(here, {}).setdefault(there, []).append(f"{module} -> {target}")
+    return edges
+
+
+def loops(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected groups of more than one part (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(set(edges) | {w for out in edges.values() for w in out}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_known_edges():
+    """The walk finds imports (so an empty loop list means something)."""
+    edges = import_graph()
+    assert "formats" in edges.get("algorithms", {})
+    assert "algorithms" in edges.get("collectives", {})
+    assert "collectives" in edges.get("api", {})
+
+
+def test_no_loops_between_top_level_parts():
+    edges = import_graph()
+    bad = []
+    for group in loops(edges):
+        pairs = {(a, b) for a in group for b in group if b in edges.get(a, {})}
+        if not pairs <= ALLOWED:
+            bad.append({f"{a} -> {b}": edges[a][b][:2] for a, b in sorted(pairs - ALLOWED)})
+    assert not bad, f"import loops between giftcomm's top-level parts: {bad}"
+
+
+def test_a_loop_is_found():
+    assert loops({"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}, "d": {"a": ["w"]}}) == [["a", "b", "c"]]
