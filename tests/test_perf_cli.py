@@ -3,8 +3,11 @@ shares (giftcomm.perf.common, giftcomm.perf.sizes)."""
 from __future__ import annotations
 
 import io
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +113,63 @@ def test_geometry_cost_is_a_perf_command_and_no_library_module_imports_it(capsys
     importers = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.parent.name != "perf"
                  and re.search(r"geometry_cost|perf\.geometry_cost|geometry\.cost\b", p.read_text())]
     assert importers == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM = r" +[0-9]+\.[0-9]+"
+
+
+def _side_by_side(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "giftcomm.perf", "side-by-side", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_side_by_side_times_this_tree_against_itself_under_mpiexec():
+    """Both trees this checkout, P = 2, a tiny size: every contender's line with the two medians and
+    new/old, the compared call's with the same runs' best baseline, and the trees' order alternating."""
+    res = _side_by_side("allreduce", "--trees", str(ROOT), str(ROOT), "--ranks", "2", "--rounds", "2",
+                        "--sizes", "1K", "--calls", "3", "--inner-rounds", "2", "--warmup", "1")
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = res.stdout
+    assert re.search(rf"^P=2 +1K  giftcomm e4m3 +old{NUM} us new{NUM} us  new/old{NUM}x  best baseline/this "
+                     rf"old{NUM}x new{NUM}x", out, re.M), out
+    for label in ("MPI fp32", "giftcomm bf16"):
+        assert re.search(rf"^P=2 +1K  {label} +old{NUM} us new{NUM} us  new/old{NUM}x$", out, re.M), out
+    assert "round 1/2 done (old then new)" in out and "round 2/2 done (new then old)" in out
+    assert "did not run" not in out
+
+
+def test_side_by_side_ddp_mode_runs_one_tree():
+    pytest.importorskip("torch")
+    res = _side_by_side("ddp", "--ranks", "2", "--rounds", "1", "--width", "32", "--depth", "1", "--batch", "4",
+                        "--calls", "1", "--inner-rounds", "1", "--warmup", "1")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert re.search(rf"^P=2  step  giftcomm hook e4m3 auto +{NUM[2:]} ms  best baseline/this{NUM}x", res.stdout,
+                     re.M), res.stdout
+    assert re.search(rf"^P=2  step  DDP default \(gloo\) +{NUM[2:]} ms$", res.stdout, re.M), res.stdout
+
+
+def test_side_by_side_report_takes_medians_and_ratios(capsys):
+    """new/old of the medians over rounds; best baseline/this per tree; a contender left out is
+    n/a and named with its reason."""
+    from giftcomm.perf.side_by_side import report
+
+    def result(a: float, b: float | None, c: float, note: dict[str, str] | None = None) -> dict:
+        return {"rows": {"1024": {"x": a, "base1": b, "base2": c}}, "notes": note or {}, "ran": {"1024": "ring"}}
+
+    got = {"old": [result(4e-6, 2e-6, 8e-6), result(6e-6, 3e-6, 9e-6), result(5e-6, 2.5e-6, 7e-6)],
+           "new": [result(2e-6, None, 4e-6, {"base1": "ValueError: nope"})] * 3}
+    report(2, ["old", "new"], got, [("1024", "1K")], ["x", "base1", "base2"], "us", 1e6)
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"P=2 +1K  x +old +5\.00 us new +2\.00 us  new/old  0\.40x  best baseline/this old  0\.50x "
+                        r"new  2\.00x  ran ring ring", out[0]), out
+    assert re.search(r"base1 +old +2\.50 us new +n/a us  new/old   n/a$", out[1]), out
+    assert out[-1] == "# P=2 new: base1 did not run: ValueError: nope"
+
+
+def test_side_by_side_refuses_a_folder_without_giftcomm(tmp_path):
+    from giftcomm.perf.side_by_side import main
+
+    with pytest.raises(SystemExit, match="holds no giftcomm package"):
+        main(["allreduce", "--trees", str(tmp_path), str(ROOT)])

@@ -118,12 +118,11 @@ def test_an_unknown_statistic_is_refused():
 
 
 @pytest.mark.parametrize("script, args, pattern", [
-    ("perf/side_by_side.py", ["LABEL", "1K"], r"LABEL P=1   1K: giftcomm e4m3 +[0-9.]+ us   MPI fp32 +[0-9.]+ us"),
     ("perf/small_calls.py", ["--sizes", "1K", "--calls", "5"], r"^ +1024 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x +[0-9.]+x  \w+"),
 ])
 def test_side_by_side_scripts_run_one_rank(script, args, pattern, tmp_path):
-    """The scripts print their one line per size with the helper (side_by_side loads it by path,
-    so it also times an older giftcomm tree that lacks it)."""
+    """The script prints its one line per size with the helper (the two-tree comparisons are
+    ``python -m giftcomm.perf side-by-side``: tests/test_perf_cli.py)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / script), *args], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)

@@ -6,6 +6,7 @@ codec      codec kernel throughput: native vs NumPy reference vs a memory copy
 calibrate  measure the cost model's constants (run under mpiexec, >= 2 ranks)
 device     GPU codec / transform / gift_allreduce vs the copy roofline (one CUDA GPU)
 geometry-cost  the GIFT geometry's cost: forward + inverse time per segment, K-FAC sync modes
+side-by-side   one measurement on two source trees (old, new) in one run, with same-run baselines
 
 ``python -m giftcomm.perf <command> -h`` lists a command's options. The studies (training,
 fidelity, error growth, the cost-model validation and projection, the netbed, plots) live in the
@@ -22,6 +23,7 @@ COMMANDS = {
     "calibrate": ("giftcomm.perf.calibrate", "measure the cost model's constants"),
     "device": ("giftcomm.perf.device_bench", "GPU codec / transform / gift_allreduce vs the copy roofline (one CUDA GPU)"),
     "geometry-cost": ("giftcomm.perf.geometry_cost", "GIFT geometry cost: transform time per segment, sync modes"),
+    "side-by-side": ("giftcomm.perf.side_by_side", "two source trees in one run (allreduce, per-call, auto, ddp)"),
 }
 # Commands that moved to the studies/ tree of a source checkout (python -m studies <command>).
 MOVED = ("netbed", "model", "errors", "fidelity", "train", "plot", "gradients")

@@ -14,8 +14,9 @@ calls alike). With only ``barrier`` (any callable) each rank keeps its own times
 host's ``time.perf_counter`` around ``run()``. A device timer (CUDA events, or the host clock up
 to a device synchronize) is such a function (giftcomm.perf.device_bench).
 
-This module imports nothing from giftcomm, so scripts that time an older giftcomm tree side by
-side (perf/side_by_side.py) can load it from their own checkout by path.
+This module imports nothing from giftcomm, so the worker that times an older giftcomm tree side
+by side (giftcomm/perf/side_by_side_worker.py, ``python -m giftcomm.perf side-by-side``) loads
+it from its own checkout by path.
 """
 from __future__ import annotations
 
