@@ -320,6 +320,22 @@ class TransformedFeedback:
         values += back.astype(values.dtype, copy=False)
         return values
 
+    def compensate_mapped(self, key: Hashable, mapped: Any, geometry: Any = None, signature: Any = None) -> Any:
+        """``mapped += e`` in place, ``mapped`` (1-D float32) already in ``geometry``'s coordinates
+        (the caller ran ``T.forward``) and ``e`` the key's residual carried into them
+        (:meth:`residual`: re-expressed at a refresh); no inverse map. Returns ``mapped``. A
+        residual of another size or signature is dropped, as in :meth:`compensate`."""
+        e = self.residuals.get(key)
+        if e is None:
+            return mapped
+        if e.size != mapped.size or self.signatures.get(key) != signature:
+            self.residuals.pop(key, None)
+            self.geometries.pop(key, None)
+            self.signatures.pop(key, None)
+            return mapped
+        mapped += self.residual(key, geometry).astype(mapped.dtype, copy=False)
+        return mapped
+
     def record(self, key: Hashable, sent: Any, fmt: Format, block: int, seed: int | None, rank: int,
                geometry: Any = None, pieces: Sequence[tuple[int, int]] | None = None, stage: int = 0,
                signature: Any = None) -> None:

@@ -302,8 +302,8 @@ def test_sharded_grad_sync_paper_matches_the_reference(rng, p):
 def test_sharded_grad_sync_paper_bad_input(rng):
     from giftcomm.adapters.torch import ShardedGradSync
 
-    with pytest.raises(NotImplementedError, match="error feedback"):
-        ShardedGradSync(make_model(0), comm=None, geometry="paper", error_feedback=True)
+    with pytest.raises(ValueError, match="needs a block-scaled format"):
+        ShardedGradSync(make_model(0), comm=None, geometry="paper", error_feedback=True, fmt="bf16")
     with pytest.raises(ValueError, match="geometry must be None or 'paper'"):
         ShardedGradSync(make_model(0), comm=None, geometry="kfac")
     seed = int(rng.integers(2**31))
@@ -318,6 +318,122 @@ def test_sharded_grad_sync_paper_bad_input(rng):
         return sync.sync()
 
     assert_same_error(outcomes(2, missing), RuntimeError, "disagree on the factor refresh")
+
+
+def _own_error_direct(y, rank, p):
+    """NumPy statement of what rank ``rank`` loses in direct's equal reduce-scatter: every chunk
+    ``[c*k, (c+1)*k)`` but its own encoded alone (e4m3, block 256, nearest; the reference codec),
+    its own chunk summed exactly."""
+    from giftcomm.reference.codec import decode, encode
+
+    k = y.size // p
+    err = np.zeros_like(y)
+    for c in range(p):
+        if c != rank:
+            part = y[c * k:(c + 1) * k]
+            err[c * k:(c + 1) * k] = part - decode(encode(part, "e4m3"), part.size, "e4m3")
+    return err
+
+
+@pytest.mark.parametrize("p, reexpress", [(2, True), (3, True), (2, False)])
+def test_sharded_grad_sync_paper_error_feedback_matches_numpy(rng, p, reexpress):
+    """ShardedGradSync(geometry="paper", error_feedback=True, algorithm="direct") against a NumPy
+    statement: per rank y = T(g) + e (e carried into T's coordinates: T_new(T_old^-1(e)) at a
+    refresh, or kept as it is with reexpress=False), the shards = T^-1(reduce-scatter of the ys),
+    then e = y's own-encoding error. A refresh at sync 2 of 4; the statement that does the other
+    thing with e at the refresh disagrees (the test can fail), and the residual left at the end is
+    the statement's."""
+    from giftcomm.adapters.torch import ShardedGradSync
+    from giftcomm.reference import simulate_reduce_scatter
+
+    seed, steps = int(rng.integers(2**31)), 4
+
+    def body(t):
+        model = make_model(seed)
+        sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="direct", allow_native=False,
+                               error_feedback=True, paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        out = []
+        for x in batches(seed, t.rank, steps):
+            sync.zero_grad()
+            model(x).pow(2).mean().backward()
+            local = sync.buffer.numpy().copy()
+            out.append((local, sync.sync().numpy().copy(), sync.geometry_of, sync.algorithm_used))
+            with torch.no_grad():
+                for q in model.parameters():
+                    q -= 0.05 * q.grad
+        return out, sync.feedback.residuals[0].copy(), sync.feedback.refreshes
+
+    res = LoopbackGroup(p).run(body)
+
+    def statement(carry_reexpressed, feedback=True):
+        errs, prev, got_err = [np.zeros_like(res[0][0][0][0]) for _ in range(p)], None, []
+        carried = {}
+        for step in range(steps):
+            geo = res[0][0][step][2]
+            ys = []
+            for r in range(p):
+                e = errs[r]
+                if prev is not None and prev.fingerprint() != geo.fingerprint() and carry_reexpressed:
+                    e = np.asarray(geo.forward(np.asarray(prev.inverse(e), np.float32)), np.float32)
+                    carried[r] = (errs[r], e)
+                y = np.asarray(geo.forward(res[r][0][step][0]), np.float32) + e
+                ys.append(y)
+                errs[r] = _own_error_direct(y, r, p) if feedback else 0 * y
+            want = geo.inverse(np.concatenate(simulate_reduce_scatter(ys, fmt="e4m3", op="avg", layout="equal",
+                                                                      algorithm="direct")))
+            got_err.append(want)
+            prev = geo
+        return got_err, errs, carried
+
+    want, errs, carried = statement(reexpress)
+    plain, _, _ = statement(reexpress, feedback=False)
+    fps = [res[0][0][s][2].fingerprint() for s in range(steps)]
+    assert fps[0] == fps[1] != fps[2] == fps[3] and all(r[0][s][3] == "direct" for r in res for s in range(steps))
+    for step in range(steps):
+        assert len({r[0][step][2].fingerprint() for r in res}) == 1
+        got = np.concatenate([r[0][step][1] for r in res])
+        np.testing.assert_allclose(got, want[step], rtol=1e-5, atol=1e-5 * np.abs(want[step]).max())
+    for step in (1, 3):  # the feedback shows in the result, 100x the tolerance
+        assert np.abs(plain[step] - want[step]).max() > 1e-3 * np.abs(want[step]).max()
+    for e_old, e_new in carried.values():  # the re-expression is no identity (the implementation's own: below)
+        assert np.abs(e_new - e_old).max() > 1e-3 * np.abs(e_old).max()
+    for r in range(p):
+        assert np.abs(errs[r]).max() > 0
+        np.testing.assert_allclose(res[r][1], errs[r], rtol=1e-5, atol=1e-6 * np.abs(errs[r]).max())
+        assert res[r][2] == 1  # one residual carried into a new map
+
+
+@pytest.mark.parametrize("reexpress", [True, False])
+def test_sharded_paper_feedback_reexpression_keeps_the_residual_in_ordinary_coordinates(rng, reexpress):
+    """At a refresh the sharded sync's residual, mapped back with the new map's inverse, equals the
+    old one mapped back with the old map's (float32 rounding), P = 2; reexpress=False keeps the
+    residual's coordinates as they were (the artifact), which moves it in ordinary coordinates."""
+    from giftcomm.adapters.torch import ShardedGradSync
+
+    seed = int(rng.integers(2**31))
+
+    def body(t):
+        model = make_model(seed)
+        sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="direct", error_feedback=True,
+                               allow_native=False, paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        for x in batches(seed, t.rank, 2):
+            sync.zero_grad()
+            model(x).pow(2).mean().backward()
+            sync.sync()
+        old, e_old = sync.geometry_of, sync.feedback.residuals[0].copy()
+        sync.zero_grad()
+        model(batches(seed, t.rank, 3)[2] * 3).pow(2).mean().backward()
+        new = sync.refresh.geometries(sync.comm, {0: sync._padded_layout}, 2)[0]
+        return old, new, e_old, sync.feedback.residual(0, new)
+
+    for old, new, e_old, e_new in LoopbackGroup(2).run(body):
+        assert old.fingerprint() != new.fingerprint() and np.abs(e_old).max() > 0
+        before, after = old.inverse(e_old), new.inverse(e_new)
+        if reexpress:
+            np.testing.assert_allclose(after, before, rtol=0, atol=1e-5 * np.abs(before).max())
+            assert np.abs(e_new - e_old).max() > 1e-3 * np.abs(e_old).max()  # re-expressed, not kept
+        else:
+            assert same(e_new, e_old) and np.abs(after - before).max() > 1e-3 * np.abs(before).max()
 
 
 # ------------------------------------------------------------------ the factor EMA's agreement

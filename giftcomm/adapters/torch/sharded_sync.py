@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ... import api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
-from ...feedback import ErrorFeedback, check_feedback_format
+from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format, own_pieces, own_quantization_error
 from ...geometry import Geometry, Layout
 from ...geometry.sharded import inverse_flat_shard
 from ...options import CallOptions, options_of_call
@@ -49,7 +50,8 @@ class ShardedGradSync:
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
     error_feedback=True: keep what this rank's own encoding lost and add it to the next
     gradient (giftcomm.feedback: exact for "direct", whose every message is this rank's own
-    values; docs/method.md "Error feedback"); block-scaled fmt only. :meth:`state_dict` holds the
+    values; docs/method.md "Error feedback"); block-scaled fmt only; with geometry="paper" in the
+    map's coordinates (below). :meth:`state_dict` holds the
     residual (this rank's own) for a per-rank checkpoint; ``algorithm_used``: what the last
     sync really ran.
 
@@ -62,7 +64,14 @@ class ShardedGradSync:
     (float32), and the inverse maps this rank's shard alone: whole rows here, a row the equal
     split cuts from the pieces the ranks exchange (giftcomm.geometry.sharded.inverse_flat_shard,
     exact: raw float32). ``geometry_of``: the current map over the padded buffer. Host (CPU)
-    parameters only, and without error feedback: both raise NotImplementedError.
+    parameters only (NotImplementedError otherwise). With error_feedback=True the residual lives
+    in the map's coordinates (giftcomm.feedback.TransformedFeedback, as GradSync's default):
+    ``e = y - Q(y)`` for ``y = T(g) + e_prev`` (float32, (padded,)), the pieces of y this rank
+    encodes alone in the reduce-scatter the call ran (exact for "direct": every chunk but its own;
+    ring: hop 0's chunk), added to the next sync's ``T(g)``; at a refresh it is re-expressed,
+    ``e_new = T_new(T_old^-1(e_old))`` (the residual in ordinary coordinates unchanged, to float32
+    rounding), or kept as it is with the settings' ``reexpress=False`` (the artifact's way). On the
+    layers the map leaves Euclidean (identity) it is the ordinary residual.
 
     Attributes: ``buffer`` (padded,) the gradients; ``lo``, ``hi`` this rank's element range;
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
@@ -76,16 +85,14 @@ class ShardedGradSync:
         if geometry is None and (paper is not None or capture_tokens is not None):
             raise ValueError('ShardedGradSync: paper= and capture_tokens= go with geometry="paper" only')
         self.paper = paper_options(paper, "ShardedGradSync") if geometry == "paper" else None
-        if self.paper is not None and error_feedback:
-            raise NotImplementedError('ShardedGradSync: error feedback with geometry="paper" is not implemented '
-                                      "(the residual would live in the map's coordinates across the reduce-scatter); "
-                                      "use GradSync (allreduce) for the paper's error feedback, or error_feedback=False")
         self.options = options_of_call("ShardedGradSync", options, opts, {"op": "avg"})
         if not isinstance(error_feedback, bool):
             raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback:
             check_feedback_format(self.options.format, "ShardedGradSync")
-        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.feedback: ErrorFeedback | TransformedFeedback | None = None
+        if error_feedback:  # the paper's preset: the residual in the map's coordinates (class doc)
+            self.feedback = ErrorFeedback() if self.paper is None else TransformedFeedback(reexpress=self.paper.reexpress)
         self.algorithm_used: str | None = None
         if self.options.algorithm not in SCATTER_CHOICES:
             raise ValueError(f"ShardedGradSync: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
@@ -147,7 +154,7 @@ class ShardedGradSync:
                                seed=call_seed, timeout=o.timeout, layout="equal")
             self._tally.add(self.comm, device=self.buffer.device.type == "cuda")
 
-        if self.feedback is not None:
+        if isinstance(self.feedback, ErrorFeedback):
             # compensated in a copy: the .grad views keep this rank's own gradient
             self.algorithm_used = self.feedback.around(0, self.buffer, reduce, lambda: self.comm, o.format,
                                                        o.resolved_block, call_seed, signature=int(self.numel),
@@ -168,13 +175,25 @@ class ShardedGradSync:
         geo = self.geometry_of
         assert geo is not None
         buf = self.buffer.detach()
-        x = geo.forward((buf if buf.dtype in (torch.float32, torch.float64) else buf.float()).numpy())
+        x = np.ascontiguousarray(geo.forward((buf if buf.dtype in (torch.float32, torch.float64) else buf.float()).numpy()),
+                                 dtype=np.float32)
+        fb = self.feedback
+        if fb is not None:  # T(g) + e, e carried into this map's coordinates (re-expressed at a refresh)
+            assert isinstance(fb, TransformedFeedback)
+            fb.compensate_mapped(0, x, geo, signature=int(self.numel))
         got = api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, algorithm=o.algorithm,
                                  slice_elems=o.slice_elems, rounding=o.rounding, allow_native=o.allow_native,
                                  seed=call_seed, timeout=o.timeout, layout="equal")
         self._tally.add(self.comm)
         last = api.last_algorithm(self.comm)
         self.algorithm_used = None if last is None else last[0]
+        if fb is not None:  # what this rank's own encoding of x lost, in the map's coordinates
+            if last is None:
+                raise RuntimeError("ShardedGradSync: no reduce-scatter recorded on this transport")
+            block = o.resolved_block
+            pieces, stage = own_pieces(last[0], int(x.size), self.size, self.rank, block, last[1])
+            fb.record_error(0, own_quantization_error(x, o.format, block, call_seed, self.rank, pieces, stage), geo,
+                            signature=int(self.numel))
         back = inverse_flat_shard(geo, got, self.lo, self.comm)
         shard.copy_(torch.from_numpy(back))
         return shard
