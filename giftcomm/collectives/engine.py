@@ -1,18 +1,20 @@
 """The engine below the public collectives: one step sequence, a runner per algorithm.
 
 Every call of allreduce, gift_allreduce, reduce_scatter and allgather (giftcomm.api), and every
-persistent plan when it is made (giftcomm.persistent), runs the same steps under the
-transport's lock (:class:`held`):
+persistent plan when it is made (giftcomm.persistent, which builds on this module; nothing here
+calls up into the plans or the plan cache: docs/architecture.md, "Floors of a call"), runs the
+same steps under the transport's lock (giftcomm.collectives.hold.held):
 
 1. **validate and agree** (:func:`agree_call`): on every rank, the options (validated once into a
-   :class:`~giftcomm.options.CallOptions` by :func:`call_options`, before the agreement, so that
+   :class:`~giftcomm.options.CallOptions` by giftcomm.options.call_options, before the agreement, so that
    its timeout governs it), the array, ``out``, the transport and the algorithm (auto: the cost
-   model's choice) are checked into a :class:`Job` inside one small collective
+   model's choice) are checked into a :class:`~giftcomm.collectives.plan.Job` inside one small collective
    (giftcomm.collectives.agree), so bad input on any rank raises the same exception on every rank;
 2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (:data:`RUNNERS`, keyed by the
    algorithm table's names; :data:`SCATTERS` for reduce-scatter) moves the data with the codec
    kernels of the array's backend;
-3. **finish** (:func:`finish`): ``avg``, the caller's dtype, ``out`` or a new array.
+3. **finish** (giftcomm.collectives.plan.finish_reduction): ``avg``, the caller's dtype, ``out`` or a
+   new array.
 
 A :class:`Kind` is what differs between the collectives: its name in error messages, its agreed
 fields, what it checks and plans beyond the shared checks, and how it runs.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,23 +31,20 @@ import numpy as np
 
 from .. import _xp
 from ..algorithms import BUILT_IN, BY_NAME, Algorithm
-from ..errors import CommClosed
-from ..options import CallOptions, options_of_call
+from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
-from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
-from .agree import agree, confirm, meet_plans
-from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
+from .agree import agree, confirm
+from .hold import held
+from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call, Job
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "Entry", "PLAIN", "call_options", "Job", "Kind", "ALLREDUCE",
-           "REDUCE_SCATTER", "REDUCE_SCATTERS",
-           "scatter_kind", "ALLGATHER",
-           "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
+__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS", "scatter_kind",
+           "ALLGATHER", "agree_call", "execute", "run_allreduce", "RUNNERS", "SCATTERS"]
 
 log = logging.getLogger("giftcomm")
 
@@ -63,46 +62,6 @@ class GeometryLike(Protocol):
     def fingerprint(self) -> int: ...
 
 
-class held:
-    """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
-    Threads), with its waits' deadline set to ``timeout`` seconds when given. A transport whose
-    state was closed meanwhile (giftcomm.release) gives a fresh state; one gone for good (its
-    communicator freed, a forked child) raises CommClosed. ``plain``: a plain call (not a plan's),
-    which meets the plans in their channel when the transport has one, so that a plan on one rank
-    and a plain call on another raise "ranks disagree" on both at once."""
-
-    __slots__ = ("_t", "_timeout", "_previous", "_lock", "_plain")
-
-    def __init__(self, t: Transport, timeout: float | None, plain: bool = True) -> None:
-        self._t, self._timeout, self._plain = t, timeout, plain
-        self._previous: float = 0.0
-
-    def __enter__(self) -> None:
-        t = self._t
-        while True:
-            st = t.state
-            st.lock.acquire()
-            if st.closed is None:
-                break
-            st.lock.release()
-            if t._state is st:  # closed for good: the state stays attached
-                raise CommClosed(st.closed)
-        self._lock = st.lock
-        try:
-            if self._timeout is not None:
-                self._previous, t.timeout = t.timeout, self._timeout
-            if self._plain and st.channel is not None:
-                meet_plans(t, st.channel, PLAIN_WORD, planning.caller(), "giftcomm")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timeout is not None:
-            self._t.timeout = self._previous
-        self._lock.release()
-
-
 def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     """(algorithm name, chunk bounds) of the last allreduce, gift_allreduce or reduce_scatter
     agreed on ``t`` (the same on every rank), or None before the first: what the call really
@@ -110,85 +69,6 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
     it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
     return t.last_run
-
-
-_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
-"""The validated options of recent keyword sets: (record, the values' types, None when all are
-strings)."""
-_OPTIONS_MAX = 256
-
-
-@dataclass(frozen=True, eq=False)
-class Entry:
-    """How one public entry point takes its options (giftcomm.options.options_of_call): the
-    owner its errors name, its own defaults, the names it decides itself. Compared by identity
-    (a key of the options cache)."""
-
-    owner: str = ""
-    defaults: Mapping[str, Any] | None = None
-    fixed: tuple[str, ...] = ()
-
-
-PLAIN = Entry()
-"""allreduce and gift_allreduce: CallOptions' defaults, nothing fixed."""
-
-
-def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = PLAIN) -> CallOptions | Exception:
-    """``options_of_call`` of a call's ``options`` record and option keywords ``given``, or the
-    exception it raised (the agreement step raises it on every rank). Keywords alone are
-    remembered per entry point and distinct keyword values and types (a training loop repeats
-    the same ones), so a repeated call validates nothing twice; a validated record is taken as
-    it is."""
-    key: Any = None
-    if options is None:
-        try:
-            k = (entry, tuple(given.items())) if given else entry
-            hit = _OPTIONS.get(k)
-            key = k
-        except TypeError:  # an unhashable value: validate (and fail) without remembering
-            hit = None
-        # the values' types count where they are not all strings: block=True or 1.0 must not
-        # find block=1's record
-        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
-            return hit[0]
-    try:
-        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
-        return exc
-    if key is not None:
-        if len(_OPTIONS) >= _OPTIONS_MAX:
-            _OPTIONS.clear()
-        types = tuple(map(type, given.values()))
-        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
-    return opts
-    try:
-        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
-        return exc
-    if key is not None:
-        if len(_OPTIONS) >= _OPTIONS_MAX:
-            _OPTIONS.clear()
-        _OPTIONS[key] = opts
-    return opts
-
-
-class Job:
-    """One agreed call: the call record, its options, the algorithm every rank runs (None for
-    allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
-    and the chunk bounds (reduce-scatter) or every rank's shard length and their total
-    (allgather). A plain class
-    with class-level defaults: it is made on every call, and only what a kind sets is written."""
-
-    algorithm: Algorithm | None = None
-    nodes: np.ndarray | None = None
-    geometry: Any = None
-    slice_n: int = 0
-    bounds: np.ndarray | None = None
-    counts: np.ndarray | None = None
-    total: int = 0
-
-    def __init__(self, call: Call, opts: CallOptions) -> None:
-        self.call, self.opts = call, opts
 
 
 @dataclass(frozen=True)
@@ -213,18 +93,18 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
                local_size: int | None = None) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
     the agreed :class:`Job`, or the same exception on every rank."""
-    caller = planning.caller()
-
-    def prepare() -> tuple[Job, dict[str, int]]:
+    prepared: tuple[Job, dict[str, int]] | Exception
+    try:  # a failure joins the agreement, so no rank is left waiting
         if isinstance(opts, Exception):
             raise opts
         call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
-        call.sig["caller"] = caller
+        call.sig["caller"] = planning.caller()
         planning.check_transport(t, call)
         job = Job(call, opts)
-        return job, kind.prepare(t, job, out, geometry, local_size)
-
-    job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
+        prepared = job, kind.prepare(t, job, out, geometry, local_size)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        prepared = exc
+    job, table = agree(t, kind.what, prepared, kind.fields, kind.match)
     kind.agreed(t, job, table)
     return job
 
@@ -245,17 +125,6 @@ def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exce
 
 
 # ----------------------------------------------------------------------------- finishing
-
-
-def finish(t: Transport, call: Call, total: Any, into: Any, out: Any, shape: tuple[int, ...]) -> Any:
-    """Step 3 of a reduction: ``avg`` and the caller's dtype and shape, into ``out`` or a new
-    array. ``into``: the float32 view of ``out`` the runner decoded into (None when it could not),
-    so ``total is into`` needs only the division."""
-    if into is not None and total is into:
-        if call.op == "avg":
-            planning.divide(total, t.size)
-        return out
-    return planning.finish(total, call, t.size, shape, out)
 
 
 # ----------------------------------------------------------------------------- runners
@@ -429,7 +298,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
         total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
-    return finish(t, call, total, into, out, shape)
+    return planning.finish_reduction(t.size, call, total, into, out, shape)
 
 
 def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
