@@ -10,9 +10,9 @@ same steps under the transport's lock (giftcomm.collectives.hold.held):
    its timeout governs it), the array, ``out``, the transport and the algorithm (auto: the cost
    model's choice) are checked into a :class:`~giftcomm.collectives.plan.Job` inside one small collective
    (giftcomm.collectives.agree), so bad input on any rank raises the same exception on every rank;
-2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (:data:`RUNNERS`, keyed by the
-   algorithm table's names; :data:`SCATTERS` for reduce-scatter) moves the data with the codec
-   kernels of the array's backend;
+2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (the row's, :func:`runner_of`; its
+   reduce-scatter for reduce_scatter, :func:`scatter_of`) moves the data with the codec kernels
+   of the array's backend (the built-in rows name the runners below: ``run_ring``, ...);
 3. **finish** (giftcomm.collectives.plan.finish_reduction): ``avg``, the caller's dtype, ``out`` or a
    new array.
 
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import _xp
-from ..algorithms import BUILT_IN, BY_NAME, Algorithm
+from ..algorithms import BY_NAME, Algorithm
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
@@ -44,7 +44,8 @@ from .wire import Wire
 from .workspace import workspace_of
 
 __all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS", "scatter_kind",
-           "ALLGATHER", "agree_call", "execute", "run_allreduce", "RUNNERS", "SCATTERS"]
+           "ALLGATHER", "agree_call", "execute", "run_allreduce", "runner_of", "scatter_of", "run_ring", "run_direct",
+           "run_doubling", "run_hierarchical", "run_hierarchical_direct", "run_oneshot", "run_native"]
 
 log = logging.getLogger("giftcomm")
 
@@ -134,18 +135,13 @@ Runner = Callable[[Transport, Any, Wire, Any, Any, int, Any], Any]
 ranks (float32, or float64 for float64 input; ``out``, a float32 (n,) array, when it could decode
 into it)."""
 
-SCATTERS: dict[str, Callable[..., tuple[Any, Any]]] = {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter,
-                                                       "native": native.reduce_scatter}
-"""The reduce-scatter of every row with ``scatter`` (reduce_scatter runs it; so does the
-allreduce of that name, before the ring allgather, for giftcomm's own rows)."""
-
-
 def _scatter_gather(name: str) -> Runner:
-    """Reduce-scatter ``name`` then the ring allgather; through the transport's shared window on
-    host memory over shared-memory transports (when there is room for it: else messages)."""
-    scatter = SCATTERS[name]
+    """Reduce-scatter of the row ``name`` then the ring allgather; through the transport's shared
+    window on host memory over shared-memory transports (when there is room for it: else
+    messages)."""
 
     def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+        scatter = scatter_of(name)
         bounds = shared_chunk_bounds(flat.size, t.size, wire.block)
         if t.shared_memory and t.memory != DEVICE and wire.xp is np:
             total = shared.allreduce(t, flat, bounds, wire, acc_t, slice_n, direct=scatter is direct.reduce_scatter,
@@ -157,48 +153,53 @@ def _scatter_gather(name: str) -> Runner:
     return run
 
 
-def _doubling(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_doubling(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``doubling`` row's runner."""
     return doubling.allreduce(t, flat, wire, acc_t, out=out)
 
 
-def _oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``oneshot`` row's runner."""
     return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
 
 
-def _native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``native`` row's runner."""
     return native.allreduce(t, flat, wire, acc_t, out)
 
 
-def _hierarchical(cross: str) -> Runner:
-    """fp32 inside nodes, reduce-scatter ``cross`` (and the ring allgather) across them."""
-    scatter = SCATTERS[cross]
+def _hierarchical(name: str) -> Runner:
+    """fp32 inside nodes, the reduce-scatter of the row ``name``'s ``cross`` (and the ring
+    allgather) across them."""
 
     def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
-        return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_n, scatter=scatter)
+        cross = BY_NAME[name].cross
+        assert cross is not None
+        return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_n, scatter=scatter_of(cross))
 
     return run
 
 
-RUNNERS: dict[str, Runner] = {
-    "ring": _scatter_gather("ring"),
-    "direct": _scatter_gather("direct"),
-    "doubling": _doubling,
-    "hierarchical": _hierarchical("ring"),
-    "hierarchical_direct": _hierarchical("direct"),
-    "oneshot": _oneshot,
-    "native": _native,
-}
-"""The allreduce runner of every built-in row of the algorithm table (giftcomm.algorithms)."""
+run_ring = _scatter_gather("ring")
+"""The ``ring`` row's runner (the rows name their runners: giftcomm.algorithms)."""
+run_direct = _scatter_gather("direct")
+"""The ``direct`` row's runner."""
+run_hierarchical = _hierarchical("hierarchical")
+"""The ``hierarchical`` row's runner (its ``cross``: ring)."""
+run_hierarchical_direct = _hierarchical("hierarchical_direct")
+"""The ``hierarchical_direct`` row's runner (its ``cross``: direct)."""
 
 
 def runner_of(algorithm: Algorithm) -> Runner:
-    """The allreduce runner of a row: its own (a registered row's), else :data:`RUNNERS`'."""
-    return algorithm.runner or RUNNERS[algorithm.name]
+    """The allreduce runner of a row (giftcomm.algorithms.Algorithm.part)."""
+    return algorithm.part("runner")
 
 
 def scatter_of(name: str) -> Callable[..., tuple[Any, Any]]:
-    """The reduce-scatter of the row ``name`` (one with ``scatter``): its own, else :data:`SCATTERS`'."""
-    return BY_NAME[name].scatter_runner or SCATTERS[name]
+    """The reduce-scatter of the row ``name`` (one with ``scatter``): ``(t, flat, bounds, wire,
+    acc_t, slice_n) -> (total, shard)``. reduce_scatter runs it; so does the allreduce of that
+    name, before the ring allgather, for giftcomm's own rows."""
+    return BY_NAME[name].part("scatter_runner")
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -400,5 +401,3 @@ def _gather_run(t: Transport, job: Job, out: Any) -> Any:
 
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,
                  _gather_run)
-
-assert set(RUNNERS) == BUILT_IN, "every built-in row of the algorithm table needs a runner"
