@@ -13,15 +13,20 @@ codes (giftcomm.collectives.plan), error feedback (giftcomm.feedback), the stats
 (giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
 ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
-The built-in rows' data movement lives in the floors above, keyed by name: the runners
-(giftcomm.collectives.engine.RUNNERS, SCATTERS) and the reference simulations
-(giftcomm.reference.simulate.SIMULATIONS, SCATTER_SIMULATIONS); a test checks that they name
-the built-in rows. A row added with :func:`register` carries its own (``runner``,
-``simulation``, ...), so an experiment or a test adds an algorithm in one file
+Every row carries its data movement too (``runner``, ``scatter_runner``, ``simulation``,
+``scatter_simulation``): a built-in row names its code in the floors above as a
+``"module:function"`` reference (:meth:`Algorithm.part` imports it on first use, so this module
+imports nothing above it), a row added with :func:`register` may carry the functions
+themselves, so an experiment or a test adds an algorithm in one file
 (tests/test_algorithm_row.py does).
 
-Adding a built-in algorithm: its module under giftcomm/collectives/, a row here, its runner in
-engine.RUNNERS, its simulation in reference/simulate.SIMULATIONS (and docs/scaling.md).
+Adding a built-in algorithm: its module under giftcomm/collectives/ (its runner, e.g. in
+giftcomm.collectives.engine), its simulation in giftcomm.reference.simulate, and a row here
+naming both (and docs/scaling.md).
+
+The name lists (:data:`NAMES`, :data:`CHOICES`, :data:`SCATTER_CHOICES`) and :data:`TABLE`
+are live views: a copy taken at import (``from giftcomm.algorithms import CHOICES``,
+``giftcomm.api.ALGORITHMS``) sees the rows registered later.
 
 One row is not giftcomm's own: ``native`` runs the transport's allreduce (MPI_Allreduce,
 torch.distributed's all_reduce, ncclAllReduce) uncompressed (giftcomm.collectives.native).
@@ -30,10 +35,11 @@ never when the call says ``allow_native=False``.
 """
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from .formats import bytes_per_value, get_format, message_nbytes
 from .machine import Calibration, LinkCost, Topology, nic_share, overlapped
@@ -90,9 +96,9 @@ class Algorithm:
     allreduce runner ``(t, flat, wire, acc_t, nodes, slice_n, out) -> total``, the reduce-scatter
     ``(t, flat, bounds, wire, acc_t, slice_n) -> (total, shard)`` (rows with ``scatter``), the
     reference simulations ``(flat, wire, local_size, local_fmt) -> sum`` and ``(flat, wire,
-    layout) -> (sums, bounds)``; None for the built-in rows, whose code lives in the floors above
-    (giftcomm.collectives.engine.RUNNERS / SCATTERS, giftcomm.reference.simulate.SIMULATIONS /
-    SCATTER_SIMULATIONS, by name); a row added with :func:`register` brings its own.
+    layout) -> (sums, bounds)``: each a function or a ``"module:function"`` reference to it (the
+    built-in rows: their code lives in the floors above), read through :meth:`part`; None where
+    the row has none (the scatter pieces of a row without ``scatter``).
     """
 
     name: str
@@ -111,10 +117,71 @@ class Algorithm:
     native: bool = False
     cross: str | None = None
     fused: str | None = None
-    runner: Callable[..., Any] | None = None
-    scatter_runner: Callable[..., Any] | None = None
-    simulation: Callable[..., Any] | None = None
-    scatter_simulation: Callable[..., Any] | None = None
+    runner: Callable[..., Any] | str | None = None
+    scatter_runner: Callable[..., Any] | str | None = None
+    simulation: Callable[..., Any] | str | None = None
+    scatter_simulation: Callable[..., Any] | str | None = None
+
+    def part(self, piece: str) -> Callable[..., Any]:
+        """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation")
+        as a function: a ``"module:function"`` reference is imported on first use and kept.
+        ValueError when the row has none."""
+        ref = getattr(self, piece)
+        if callable(ref):
+            return ref
+        got = _RESOLVED.get(ref)
+        if got is None:
+            if not isinstance(ref, str) or ":" not in ref:
+                raise ValueError(f"algorithm {self.name!r} has no {piece}")
+            module, _, name = ref.partition(":")
+            got = _RESOLVED[ref] = getattr(importlib.import_module(module), name)
+        return got
+
+
+_RESOLVED: dict[str, Callable[..., Any]] = {}
+"""The functions of the rows' ``"module:function"`` references, once imported."""
+
+T = TypeVar("T")
+
+
+class Live(Sequence[T], Generic[T]):
+    """A read-only view of one of the table's tuples, read anew at every use: a copy of the
+    view taken at import sees the rows :func:`register` adds later. Compares equal to a tuple
+    or list of the same items; slices are tuples."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name  # the module global holding the current tuple
+
+    def _now(self) -> tuple[T, ...]:
+        return globals()[self._name]  # type: ignore[no-any-return]
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[T, ...]: ...
+    def __getitem__(self, i: int | slice) -> T | tuple[T, ...]:
+        return self._now()[i]
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._now())
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._now()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Live, tuple, list)):
+            return self._now() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._now())
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
@@ -291,53 +358,69 @@ def _nodes(topo: Topology) -> int:
 # (block scales follow the values) and the sum's variance is P, so the factor is (sum over
 # quantizations of the partial sums' sizes) / P (checked against the simulation in
 # perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.costmodel.error_growth).
-TABLE: tuple[Algorithm, ...] = (
+_TABLE: tuple[Algorithm, ...] = (
     # hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,
               growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps,
-              own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter"),
+              own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter",
+              runner="giftcomm.collectives.engine:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
+              simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring"),
     # P-1 single contributions, then the sum: 2 - 1/P
     Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
               growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps,
-              own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter"),
+              own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter",
+              runner="giftcomm.collectives.engine:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
+              simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct"),
     # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
     # (P2: the largest power of two <= P), plus the folded ranks and the final message
     Algorithm("doubling", 3, auto=True, scatter=False, needs_nodes=False, one_exchange=False, time=_doubling_time,
               growth=lambda topo: (math.log2(_largest_power_of_two(topo.ranks)) + 1
                                    + (topo.ranks - _largest_power_of_two(topo.ranks)) / topo.ranks),
               quantizations=lambda topo: int(math.log2(_largest_power_of_two(topo.ranks))) + 2,
-              steps=_doubling_steps, own_pieces=_doubling_pieces, sent_bytes=_doubling_sent, fused="rounds"),
+              steps=_doubling_steps, own_pieces=_doubling_pieces, sent_bytes=_doubling_sent, fused="rounds",
+              runner="giftcomm.collectives.engine:run_doubling", simulation="giftcomm.reference.simulate:allreduce_doubling"),
     # fp32 inside nodes, the ring across N nodes: (N + 1) / 2
     Algorithm("hierarchical", 4, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("ring"), growth=lambda topo: (_nodes(topo) + 1) / 2,
               quantizations=lambda topo: topo.nodes, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
-              cross="ring", fused="nodes"),
+              cross="ring", fused="nodes",
+              runner="giftcomm.collectives.engine:run_hierarchical", simulation="giftcomm.reference.simulate:allreduce_hierarchical"),
     # fp32 inside nodes, direct across N nodes: 2 - 1/N
     Algorithm("hierarchical_direct", 5, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
               quantizations=lambda topo: 2, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
-              cross="direct", fused="nodes"),
+              cross="direct", fused="nodes",
+              runner="giftcomm.collectives.engine:run_hierarchical_direct",
+              simulation="giftcomm.reference.simulate:allreduce_hierarchical_direct"),
     # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
     Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
-              own_pieces=_everything, sent_bytes=_oneshot_sent, channel_time=_oneshot_channel_time, fused="exchange"),
+              own_pieces=_everything, sent_bytes=_oneshot_sent, channel_time=_oneshot_channel_time, fused="exchange",
+              runner="giftcomm.collectives.engine:run_oneshot", simulation="giftcomm.reference.simulate:allreduce_oneshot"),
     # the transport's own allreduce: nothing quantized (a scaled format sums float32 values); a
     # pass-through format rounds each rank's values once, and the transport rounds its partial
     # sums to that format (docs/scaling.md), counted as one quantization
     Algorithm("native", 7, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_native_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, own_pieces=_nothing,
-              sent_bytes=_native_sent, native=True),
+              sent_bytes=_native_sent, native=True,
+              runner="giftcomm.collectives.engine:run_native", scatter_runner="giftcomm.collectives.native:reduce_scatter",
+              simulation="giftcomm.reference.simulate:allreduce_native", scatter_simulation="giftcomm.reference.simulate:scatter_native"),
 )
 
-NAMES: tuple[str, ...] = tuple(a.name for a in TABLE)
+_NAMES: tuple[str, ...] = tuple(a.name for a in _TABLE)
+_CHOICES: tuple[str, ...] = (AUTO, *_NAMES)
+_SCATTER_CHOICES: tuple[str, ...] = (AUTO, *(a.name for a in _TABLE if a.scatter))
+TABLE: Live[Algorithm] = Live("_TABLE")
+"""Every row, in table order (a live view: registered rows included)."""
+NAMES: Live[str] = Live("_NAMES")
 """Every algorithm's name, in table order (``auto`` breaks ties in this order)."""
-CHOICES: tuple[str, ...] = (AUTO, *NAMES)
+CHOICES: Live[str] = Live("_CHOICES")
 """What ``algorithm=`` of allreduce, gift_allreduce and plans accepts."""
-SCATTER_CHOICES: tuple[str, ...] = (AUTO, *(a.name for a in TABLE if a.scatter))
+SCATTER_CHOICES: Live[str] = Live("_SCATTER_CHOICES")
 """What ``algorithm=`` of reduce_scatter accepts."""
-BY_NAME: dict[str, Algorithm] = {a.name: a for a in TABLE}
-BY_CODE: dict[int, Algorithm] = {a.code: a for a in TABLE}
-assert len(BY_NAME) == len(BY_CODE) == len(TABLE) and AUTO_CODE not in BY_CODE and AUTO not in BY_NAME
+BY_NAME: dict[str, Algorithm] = {a.name: a for a in _TABLE}
+BY_CODE: dict[int, Algorithm] = {a.code: a for a in _TABLE}
+assert len(BY_NAME) == len(BY_CODE) == len(_TABLE) and AUTO_CODE not in BY_CODE and AUTO not in BY_NAME
 
 
 NATIVE = "native"
@@ -345,12 +428,12 @@ NATIVE = "native"
 assert BY_NAME[NATIVE].native and sum(a.native for a in TABLE) == 1
 assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter) for a in TABLE)
 
-CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}}
+CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in _TABLE}}
 """The signature code of every ``algorithm=`` value."""
 
 
-BUILT_IN: frozenset[str] = frozenset(NAMES)
-"""The rows giftcomm ships (their data movement is code of the floors above)."""
+BUILT_IN: frozenset[str] = frozenset(_NAMES)
+"""The rows giftcomm ships (their data movement is code of the floors above, named by reference)."""
 
 
 def register(algorithm: Algorithm) -> None:
@@ -358,10 +441,10 @@ def register(algorithm: Algorithm) -> None:
     :func:`unregister`: the collectives, plans, error feedback, the stats, the cost model (with
     ``auto=False`` ``auto`` never picks it) and the simulations read it from here. It brings its
     data movement (``runner``, ``simulation``; ``scatter_runner`` and ``scatter_simulation``
-    with ``scatter``). ValueError for a name or code in use, or a missing piece. The module's
-    tuples (NAMES, CHOICES, SCATTER_CHOICES, TABLE) are rebound: read them as
-    ``giftcomm.algorithms.CHOICES``, not copied at import."""
-    global TABLE
+    with ``scatter``; functions or ``"module:function"`` references). ValueError for a name or
+    code in use, or a missing piece. NAMES, CHOICES, SCATTER_CHOICES and TABLE (and every copy
+    of them) show it at once."""
+    global _TABLE
     a = algorithm
     if a.name in BY_NAME or a.name == AUTO or a.code in BY_CODE or a.code == AUTO_CODE:
         raise ValueError(f"register: the name {a.name!r} or code {a.code} is taken")
@@ -370,31 +453,32 @@ def register(algorithm: Algorithm) -> None:
     if missing or a.native or a.fused not in (None, *FUSED_ROUTES) or (a.cross is not None and not row(a.cross).scatter):
         raise ValueError(f"register: row {a.name!r} needs {', '.join(missing) or 'a valid fused route and cross'} "
                          "(and is not the native row)")
-    TABLE = (*TABLE, a)
+    _TABLE = (*_TABLE, a)
     _index()
 
 
 def unregister(name: str) -> None:
     """Drop a row added with :func:`register` (ValueError for a built-in or unknown one)."""
-    global TABLE
+    global _TABLE
     if name in BUILT_IN or name not in BY_NAME:
         raise ValueError(f"unregister: {name!r} is not a registered row")
-    TABLE = tuple(a for a in TABLE if a.name != name)
+    _TABLE = tuple(a for a in _TABLE if a.name != name)
     _index()
 
 
 def _index() -> None:
-    """Rebuild the lookups from TABLE (the dicts in place: modules hold them)."""
-    global NAMES, CHOICES, SCATTER_CHOICES
-    NAMES = tuple(a.name for a in TABLE)
-    CHOICES = (AUTO, *NAMES)
-    SCATTER_CHOICES = (AUTO, *(a.name for a in TABLE if a.scatter))
+    """Rebuild the lookups from the rows (the tuples the live views read; the dicts in place:
+    modules hold them)."""
+    global _NAMES, _CHOICES, _SCATTER_CHOICES
+    _NAMES = tuple(a.name for a in _TABLE)
+    _CHOICES = (AUTO, *_NAMES)
+    _SCATTER_CHOICES = (AUTO, *(a.name for a in _TABLE if a.scatter))
     BY_NAME.clear()
-    BY_NAME.update((a.name, a) for a in TABLE)
+    BY_NAME.update((a.name, a) for a in _TABLE)
     BY_CODE.clear()
-    BY_CODE.update((a.code, a) for a in TABLE)
+    BY_CODE.update((a.code, a) for a in _TABLE)
     CODES.clear()
-    CODES.update({AUTO: AUTO_CODE, **{a.name: a.code for a in TABLE}})
+    CODES.update({AUTO: AUTO_CODE, **{a.name: a.code for a in _TABLE}})
 
 
 def row(name: str) -> Algorithm:

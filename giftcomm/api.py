@@ -24,8 +24,8 @@ from . import plan_cache
 from ._xp import is_device_array
 from .algorithms import CHOICES
 from .collectives import engine
-from .collectives.engine import Entry, GeometryLike, call_options
-from .options import CallOptions
+from .collectives.engine import GeometryLike
+from .options import CallOptions, Entry, call_options
 from .transport import resolve
 
 __all__ = ["last_algorithm", "allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]

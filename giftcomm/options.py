@@ -19,7 +19,8 @@ import numpy as np
 from . import algorithms
 from .formats import SCALE_RULES, Format, check_key, check_rounding, get_format, resolve_block
 
-__all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES", "options_of_call"]
+__all__ = ["CallOptions", "DEFAULT_DAMPING", "OPS", "OPTION_NAMES", "options_of_call", "Entry", "PLAIN",
+           "call_options"]
 
 DEFAULT_DAMPING = 0.03
 """The geometries' damping delta, relative to each factor's mean eigenvalue (docs/method.md)."""
@@ -201,3 +202,54 @@ def options_of_call(owner: str, options: CallOptions | None = None, given: Mappi
 
 
 _DEFAULTS = CallOptions()
+
+
+_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
+"""The validated options of recent keyword sets: (record, the values' types, None when all are
+strings)."""
+_OPTIONS_MAX = 256
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """How one public entry point takes its options (giftcomm.options.options_of_call): the
+    owner its errors name, its own defaults, the names it decides itself. Compared by identity
+    (a key of the options cache)."""
+
+    owner: str = ""
+    defaults: Mapping[str, Any] | None = None
+    fixed: tuple[str, ...] = ()
+
+
+PLAIN = Entry()
+"""allreduce and gift_allreduce: CallOptions' defaults, nothing fixed."""
+
+
+def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = PLAIN) -> CallOptions | Exception:
+    """``options_of_call`` of a call's ``options`` record and option keywords ``given``, or the
+    exception it raised (the agreement step raises it on every rank). Keywords alone are
+    remembered per entry point and distinct keyword values and types (a training loop repeats
+    the same ones), so a repeated call validates nothing twice; a validated record is taken as
+    it is."""
+    key: Any = None
+    if options is None:
+        try:
+            k = (entry, tuple(given.items())) if given else entry
+            hit = _OPTIONS.get(k)
+            key = k
+        except TypeError:  # an unhashable value: validate (and fail) without remembering
+            hit = None
+        # the values' types count where they are not all strings: block=True or 1.0 must not
+        # find block=1's record
+        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
+            return hit[0]
+    try:
+        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        return exc
+    if key is not None:
+        if len(_OPTIONS) >= _OPTIONS_MAX:
+            _OPTIONS.clear()
+        types = tuple(map(type, given.values()))
+        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
+    return opts

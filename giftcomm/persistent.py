@@ -28,20 +28,23 @@ from typing import Any
 import numpy as np
 
 from . import _xp
+from . import accounting as _stats
 from .algorithms import Algorithm
 from .codec import native_available, native_supports
 from .collectives import engine, native, oneshot
 from .collectives import plan as planning
 from .collectives.agree import error_code, meet_plans, raise_failures
-from .collectives.plan import Call
+from .collectives.hold import held
+from .collectives.plan import Call, Job
 from .errors import CommAborted, CommClosed, CommError
 from .formats import check_key
-from .options import CallOptions
+from .options import CallOptions, Entry, call_options
 from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
 
-__all__ = ["AllreducePlan", "JobPlan", "plan_allreduce", "plan_of", "job_plan_of", "Missed"]
+__all__ = ["AllreducePlan", "JobPlan", "plan_allreduce", "plan_of", "job_plan_of", "first_allreduce",
+           "first_collective", "Missed"]
 
 
 class Missed(Exception):
@@ -72,7 +75,7 @@ class _ChannelCalls:
         st = None if succ is None else succ._state
         if succ is not None and st is not None and st.channel is not None:
             try:
-                with engine.held(succ, None, plain=False):
+                with held(succ, None, plain=False):
                     if st.channel is not None:
                         meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
             except CommError:
@@ -131,7 +134,7 @@ class AllreducePlan(_ChannelCalls):
     logical dtype name), ``transport``.
     """
 
-    def __init__(self, t: Transport, job: engine.Job, word: int, channel: bool, cached: bool = False) -> None:
+    def __init__(self, t: Transport, job: Job, word: int, channel: bool, cached: bool = False) -> None:
         call, algorithm = job.call, job.algorithm
         assert algorithm is not None
         self._cached = cached  # a plain call's cached plan (giftcomm.plan_cache): its word carries CACHED
@@ -210,7 +213,7 @@ class AllreducePlan(_ChannelCalls):
         channel = None if state is None else state.channel
         if self._owner.closed is not None:
             self._stale()
-        with engine.held(self.transport, timeout, plain=False):
+        with held(self.transport, timeout, plain=False):
             return self._call(x, out, seed, channel)
 
     def _native_call(self, state: Any, channel: PlanChannel, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -282,7 +285,7 @@ class AllreducePlan(_ChannelCalls):
         t = self.transport
         into = planning.direct_out(call) if self._acc == np.float32 else None
         total = oneshot.reduce(messages, self._zeros.size, wire, self._acc, into)
-        return engine.finish(t, call, total, into, out, self.shape)
+        return planning.finish_reduction(t.size, call, total, into, out, self.shape)
 
 class JobPlan(_ChannelCalls):
     """A plain reduce-scatter's or allgather's agreed job, kept for repeated calls with its
@@ -291,7 +294,7 @@ class JobPlan(_ChannelCalls):
     as a plan's call does, flagged as cached: a plain call, or a call of another signature, on any
     rank makes every rank agree afresh) and runs the agreed algorithm, layout and slicing on it."""
 
-    def __init__(self, t: Transport, kind: engine.Kind, job: engine.Job, word: int) -> None:
+    def __init__(self, t: Transport, kind: engine.Kind, job: Job, word: int) -> None:
         self.transport, self._kind, self._job, self._word = t, kind, job, word
         self._owner, self._what, self._cached = t.state, f"{kind.what} (cached plan)", True
         self.last_run = None if job.algorithm is None else (job.algorithm.name, job.bounds)
@@ -303,7 +306,7 @@ class JobPlan(_ChannelCalls):
         t, kind, agreed = self.transport, self._kind, self._job
         if self._owner.closed is not None:
             self._stale()
-        with engine.held(t, opts.timeout, plain=False):
+        with held(t, opts.timeout, plain=False):
             channel = self._owner.channel
             if self._owner.closed is not None or channel is None:
                 self._stale()
@@ -312,7 +315,7 @@ class JobPlan(_ChannelCalls):
             try:
                 call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
                 planning.check_transport(t, call)
-                job = engine.Job(call, opts)
+                job = Job(call, opts)
                 kind.prepare(t, job, out, None, None)  # this rank's checks (out, the layout), nothing agreed
             except Exception as exc:  # joins the check below: every rank raises it
                 error = exc
@@ -324,7 +327,7 @@ class JobPlan(_ChannelCalls):
             return kind.run(t, job, out)
 
 
-def job_plan_of(t: Transport, kind: engine.Kind, job: engine.Job) -> JobPlan | None:
+def job_plan_of(t: Transport, kind: engine.Kind, job: Job) -> JobPlan | None:
     """A :class:`JobPlan` of an agreed reduce-scatter or allgather ``job`` (collective: every rank
     after the same agreement), or None where some rank cannot run calls through the channel."""
     if not t.allgather_int64(np.array([int(able(t, job.call.imp.device))], np.int64))[:, 0].all():
@@ -337,7 +340,51 @@ def job_plan_of(t: Transport, kind: engine.Kind, job: engine.Job) -> JobPlan | N
     return JobPlan(t, kind, job, word | CACHED)
 
 
-_PLAN = engine.Entry("plan_allreduce", fixed=("seed",))
+def first_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, local_size: int | None, explicit: bool,
+                    max_bytes: int, missed: bool) -> tuple[Any, AllreducePlan | None]:
+    """A plain allreduce that also makes its plan for giftcomm.plan_cache (collective): agree
+    (giftcomm.collectives.engine), count it in giftcomm.stats (``explicit``: the caller named the
+    format), make the plan where the call goes through the node-shared channel (host arrays over
+    shared memory, at most ``max_bytes``: alike on every rank), then run the agreed job. Returns
+    (the result, the plan or None). ``missed``: a cached plan's call met plain calls on some rank,
+    so every rank has met in the channel already."""
+    with held(t, opts.timeout, plain=not missed):
+        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+        slot = _stats.agreed(t, job, explicit)
+        plan = None
+        if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= max_bytes:  # alike on every rank
+            plan = plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
+            plan.slot = slot
+            if not plan.through_channel:
+                plan = None
+        result = engine.ALLREDUCE.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result, plan
+
+
+def first_collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions, explicit: bool,
+                     max_bytes: int, missed: bool) -> tuple[Any, JobPlan | None]:
+    """A plain reduce-scatter (``kind``: its layout's) or allgather that also keeps its agreed job
+    as a :class:`JobPlan` for giftcomm.plan_cache (collective), as :func:`first_allreduce` does:
+    (the result, the job's plan or None)."""
+    with held(t, opts.timeout, plain=not missed):
+        job = engine.agree_call(t, kind, x, out, opts)
+        slot = _stats.agreed(t, job, explicit)
+        # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
+        nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
+        made = None
+        if t.shared_memory and t.memory == HOST and nbytes <= max_bytes:
+            made = job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
+            if made is not None:
+                made.slot = slot
+        result = kind.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result, made
+
+
+_PLAN = Entry("plan_allreduce", fixed=("seed",))
 """plan_allreduce's options: the seed is per call."""
 
 
@@ -364,15 +411,15 @@ def plan_allreduce(
     structure to build a map from. Such a plan checks each call with one small gather (no
     node-shared channel fast path). Raises on every rank as :func:`giftcomm.allreduce` does."""
     t = resolve(comm, device=_xp.is_device_array(x))
-    o = engine.call_options(opts, options, _PLAN)
+    o = call_options(opts, options, _PLAN)
     if not isinstance(o, Exception) and o.rounding == "stochastic":
         o = o.replace(seed=0)  # a stand-in: the agreement's signature; each call gives its own
-    with engine.held(t, None if isinstance(o, Exception) else o.timeout):
+    with held(t, None if isinstance(o, Exception) else o.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, o, geometry, local_size)
         return plan_of(t, job)
 
 
-def plan_of(t: Transport, job: engine.Job, cached: bool = False) -> AllreducePlan:
+def plan_of(t: Transport, job: Job, cached: bool = False) -> AllreducePlan:
     """The plan of an agreed allreduce ``job`` without geometry (collective: every rank makes it
     after the same agreement). ``cached``: a plain call's plan (giftcomm.plan_cache), whose
     word carries :data:`~giftcomm.transport.channel.CACHED`."""

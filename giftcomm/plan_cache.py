@@ -13,7 +13,7 @@ Only plans whose calls go through the node-shared plan channel are cached (host 
 node, the native channel built): each cached call's four check words travel in the channel
 with the data, as a plan's do, its word flagged ``CACHED`` (giftcomm.transport.channel). A
 rank that finds no plan meets its peers in the channel before it agrees (as every plain call
-does: ``engine.held``), so a peer inside a cached plan sees a plain call and joins the
+does: ``collectives.hold.held``), so a peer inside a cached plan sees a plain call and joins the
 agreement: the agreement then raises the same "ranks disagree" error on every
 rank when the signatures differ, or runs the call and caches its plan everywhere. A cached plan
 is therefore never run against another signature: its word (the agreed signature and the plan's
@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from . import accounting as _stats
 from . import persistent
 from .collectives import engine
 from .options import CallOptions
-from .transport import HOST, Transport
+from .transport import Transport
 
 __all__ = ["PLAN_CACHE_SIZE", "signature", "allreduce"]
 
@@ -83,18 +82,11 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
             return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
-    with engine.held(t, opts.timeout, plain=not missed):  # after a miss every rank has met in the channel
-        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
-        slot = _stats.agreed(t, job, explicit)
-        if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= CACHED_MAX_BYTES:  # alike on every rank
-            plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
-            plan.slot = slot
-            if key is not None and plan.through_channel:
-                _keep(cache, key, plan)
-        result = engine.ALLREDUCE.run(t, job, out)
-        slot.calls += 1
-        t.last_slot = slot  # what an adapter's accounting.Tally adds
-        return result
+    # after a miss every rank has met in the channel
+    result, plan = persistent.first_allreduce(t, x, out, opts, local_size, explicit, CACHED_MAX_BYTES, missed)
+    if key is not None and plan is not None:
+        _keep(cache, key, plan)
+    return result
 
 
 def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions | Exception,
@@ -122,21 +114,10 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
             return result
         except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
             missed = True
-    with engine.held(t, opts.timeout, plain=not missed):
-        job = engine.agree_call(t, kind, x, out, opts)
-        slot = _stats.agreed(t, job, explicit)
-        # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
-        nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
-        if t.shared_memory and t.memory == HOST and nbytes <= CACHED_MAX_BYTES:
-            made = persistent.job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
-            if made is not None:
-                made.slot = slot
-            if key is not None and made is not None:
-                _keep(cache, key, made)
-        result = kind.run(t, job, out)
-        slot.calls += 1
-        t.last_slot = slot  # what an adapter's accounting.Tally adds
-        return result
+    result, made = persistent.first_collective(t, kind, x, out, opts, explicit, CACHED_MAX_BYTES, missed)
+    if key is not None and made is not None:
+        _keep(cache, key, made)
+    return result
 
 
 def _keep(cache: Any, key: Any, plan: Any) -> None:

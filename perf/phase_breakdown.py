@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from giftcomm import codec
 from giftcomm.collectives import engine
+from giftcomm.options import call_options
 from giftcomm.perf.timing import time_calls
 from giftcomm.transport import mpi as mpi_transport
 from giftcomm.transport.shared_window import SharedWindow
@@ -65,7 +66,7 @@ def main() -> None:
     comm = mpi_transport.MpiTransport(MPI.COMM_WORLD, shared_memory=None if args.shared_memory == "auto" else False)
     x = np.random.default_rng(comm.rank).standard_normal(args.count).astype(np.float32)
     out = np.empty_like(x)
-    opts = engine.call_options({"fmt": args.fmt})
+    opts = call_options({"fmt": args.fmt})
     call = lambda: engine.execute(comm, engine.ALLREDUCE, x, out, opts)  # noqa: E731 - the plain call, never cached
     for _ in range(5):
         call()

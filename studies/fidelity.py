@@ -42,7 +42,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
 from giftcomm.perf.common import add_json, add_out, parent_parser
 from giftcomm.perf.timing import load_average, time_calls
 from giftcomm.reference import simulate_allreduce, simulate_gift_allreduce
+from studies.cases import Case, subset_case
 
 __all__ = [
     "MAX_BLOCK",
@@ -204,47 +205,6 @@ class WhiteningMetric:
 
 
 # ----------------------------------------------------------------------------------- cases
-@dataclass
-class Case:
-    """One study input.
-
-    name: label. layout: the buffer layout. grads: steps x ranks list of flat float32 buffers of
-    ``layout.size`` elements (rank i's local gradient at each step). factors: name -> (A, G) the
-    geometries are built from (known before the step). metric: name -> (A, G) of the whitened
-    norm. info: free-form description (printed).
-    """
-
-    name: str
-    layout: Layout
-    grads: list[list[np.ndarray]]
-    factors: dict
-    metric: dict
-    info: dict = field(default_factory=dict)
-
-    @property
-    def ranks(self) -> int:
-        return len(self.grads[0])
-
-
-def subset_case(case: Case, pattern: str) -> Case:
-    """``case`` restricted to the segments whose name matches the regular expression ``pattern``
-    (``re.search``): their values of every rank's gradient (in layout order), their factors and
-    metric factors. The name gets a note of what was kept."""
-    import re
-
-    rx = re.compile(pattern)
-    keep = [seg for seg in case.layout if rx.search(seg.name)]
-    if not keep:
-        raise ValueError(f"no segment of the case matches {pattern!r}")
-    layout = Layout([(seg.name, tuple(seg.shape)) for seg in keep])
-    grads = [[np.concatenate([x[seg.offset:seg.stop] for seg in keep]) for x in step] for step in case.grads]
-    names = {seg.name for seg in keep}
-    note = (f" [segments /{pattern}/: {len(keep)} of {len(case.layout)} tensors, "
-            f"{layout.size / 1e6:.2f}M of {case.layout.size / 1e6:.2f}M values]")
-    return Case(case.name + note, layout, grads, {k: v for k, v in case.factors.items() if k in names},
-                {k: v for k, v in case.metric.items() if k in names}, dict(case.info, segments=pattern))
-
-
 def kron_factor(rng: np.random.Generator, d: int, cond: float, spectrum: str = "power") -> np.ndarray:
     """A (d, d) SPD float64 factor in a random orthonormal basis with eigenvalues from 1 down to
     ``1/cond``: ``power`` (``j^-alpha``, alpha = log(cond)/log(d)) or ``exp`` (log-spaced)."""
@@ -812,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                     md += ["", f"### {case.name} (shapes {a.shapes}, {a.steps or 3} steps), {alg}", "",
                            format_table(rows, rows[0]["method"] if a.fmt else "e4m3 block256")]
     else:
-        from studies.gradients import load_case
+        from studies.cases import load_case
 
         if not a.data:
             raise SystemExit("real: give --data PATH (capture it with `python -m studies.gradients`)")
@@ -894,7 +854,7 @@ def cost_models(names: Sequence[str], data: str | None, cond: float = 1e4, seed:
     for name in names:
         if name == "llama-small":
             if data:
-                from studies.gradients import load_case
+                from studies.cases import load_case
 
                 case = load_case(data)
                 spectra = {k: (Spectrum.from_matrix(a), Spectrum.from_matrix(g)) for k, (a, g) in case.factors.items()}

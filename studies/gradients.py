@@ -25,7 +25,7 @@ tokens per captured gradient without more training cost.)
 The ``.npz`` holds: names, shapes (JSON), grads, and per Linear weight ``A/<name>``,
 ``G/<name>`` (EMA, float32) and ``MA/<name>``, ``MG/<name>`` (capture batches, float32),
 plus ``info`` (JSON: config, losses, timings). ``load_case(path)`` turns it into a
-``studies.fidelity.Case``.
+``studies.cases.Case``.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ import time
 
 import numpy as np
 
-__all__ = ["capture", "load_case", "main", "DEFAULT_PATH"]
+from studies.cases import DEFAULT_PATH, load_case  # the capture file's reader lives with Case (studies.cases)
 
-DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "giftcomm", "gradients-small.npz")
+__all__ = ["capture", "load_case", "main", "DEFAULT_PATH"]
 
 
 class _KfacHooks:
@@ -228,28 +228,6 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
     if log:
         print(f"saved {out}", file=log, flush=True)
     return out
-
-
-def load_case(path: str):
-    """The captured file as a fidelity ``Case``: layout of every parameter; grads steps x ranks;
-    ``factors`` the EMA KFAC factors (geometry), ``metric`` the capture batches' factors."""
-    from giftcomm.geometry import Layout
-    from studies.fidelity import Case
-
-    z = np.load(path)
-    names = [str(x) for x in z["names"]]
-    shapes = json.loads(str(z["shapes"]))
-    info = json.loads(str(z["info"]))
-    layout = Layout([(nm, tuple(sh)) for nm, sh in zip(names, shapes)])
-    g = z["grads"]
-    grads = [[np.ascontiguousarray(g[s, r]) for r in range(g.shape[1])] for s in range(g.shape[0])]
-    factors = {nm: (z[f"A/{nm}"].astype(np.float64), z[f"G/{nm}"].astype(np.float64)) for nm in names
-               if f"A/{nm}" in z.files}
-    metric = {nm: (z[f"MA/{nm}"].astype(np.float64), z[f"MG/{nm}"].astype(np.float64)) for nm in names
-              if f"MA/{nm}" in z.files}
-    name = (f"real: Llama-{info['config']} ({info['parameters'] / 1e6:.2f}M params) after "
-            f"{info['train_steps']} steps, {g.shape[1]} shards x {info['batch'] // g.shape[1]} seqs")
-    return Case(name, layout, grads, factors, metric, info)
 
 
 def main(argv: list[str] | None = None) -> int:

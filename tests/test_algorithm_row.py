@@ -2,9 +2,10 @@
 reduce_scatter, a persistent plan, error feedback, the stats, the cost model and the reference
 simulation (giftcomm.algorithms.register).
 
-The throwaway row is "direct" under another name and code, carrying its data movement itself
-(giftcomm's built-in rows leave theirs to the floors above): the row's runner is what runs, since
-no other table knows its name."""
+The throwaway row is "direct" under another name and code, carrying its data movement itself as
+functions (giftcomm's built-in rows name theirs as "module:function" references): the row's
+runner is what runs, since no other table knows its name. The choice lists copied at import
+(giftcomm.api.ALGORITHMS, the adapters' SCATTER_CHOICES) see it: they are live views."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +16,15 @@ import pytest
 import giftcomm as gc
 from giftcomm import algorithms, api
 from giftcomm.accounting import sent_bytes
-from giftcomm.collectives import engine
 from giftcomm.costmodel import predict
 from giftcomm.feedback import own_pieces
 from giftcomm.machine import Topology
 from giftcomm.reference import simulate
+
+try:  # imported before the row is registered: their choice lists are copies taken at import
+    from giftcomm.adapters.torch import fsdp, process_group, sharded_sync
+except ImportError:  # no torch: the adapters' lists are not checked
+    fsdp = process_group = sharded_sync = None
 
 NAME = "direct_again"
 
@@ -27,9 +32,9 @@ NAME = "direct_again"
 @pytest.fixture
 def row():
     base = algorithms.BY_NAME["direct"]
-    new = dataclasses.replace(base, name=NAME, code=90, auto=False, runner=engine.RUNNERS["direct"],
-                              scatter_runner=engine.SCATTERS["direct"], simulation=simulate.SIMULATIONS["direct"],
-                              scatter_simulation=simulate.SCATTER_SIMULATIONS["direct"])
+    pieces = {p: base.part(p) for p in ("runner", "scatter_runner", "simulation", "scatter_simulation")}
+    assert all(callable(f) for f in pieces.values())
+    new = dataclasses.replace(base, name=NAME, code=90, auto=False, **pieces)
     algorithms.register(new)
     try:
         yield new
@@ -103,3 +108,21 @@ def test_register_refuses_a_taken_name_or_a_row_without_its_code(row):
         algorithms.register(dataclasses.replace(row, name="other", code=91, runner=None))
     with pytest.raises(ValueError, match="not a registered row"):
         algorithms.unregister("ring")
+
+
+def test_the_choice_lists_copied_at_import_see_the_row(row):
+    assert NAME in api.ALGORITHMS and NAME in gc.api.ALGORITHMS and api.ALGORITHMS == algorithms.CHOICES
+    assert api.ALGORITHMS[-1] == NAME and NAME in algorithms.SCATTER_CHOICES and NAME in algorithms.NAMES
+    assert row in algorithms.TABLE
+    assert simulate.resolve_algorithm(NAME, 100, 2, None, "e4m3", kind="reduce_scatter") == NAME
+    for adapter in (fsdp, process_group, sharded_sync):
+        if adapter is not None:
+            assert NAME in adapter.SCATTER_CHOICES, adapter.__name__
+    if fsdp is not None:
+        assert fsdp.GiftReduceScatter(algorithm=NAME).options.algorithm == NAME  # accepted where it is checked
+
+
+def test_a_row_without_a_piece_says_so():
+    lacking = dataclasses.replace(algorithms.BY_NAME["doubling"], name="other", code=91)
+    with pytest.raises(ValueError, match="has no scatter_runner"):
+        lacking.part("scatter_runner")

@@ -17,12 +17,26 @@ from giftcomm.options import CallOptions
 from giftcomm.reference import simulate
 
 
-def test_runners_scatters_and_simulations_name_the_table():
+@pytest.mark.parametrize("name", NAMES)
+def test_every_row_carries_its_runners_and_simulations(name):
+    """A built-in row names its code by "module:function" (the table imports nothing above it);
+    each resolves to a function of the floor it names, the reduce-scatter pieces exactly for the
+    rows with ``scatter``."""
+    row = BY_NAME[name]
+    pieces = ("runner", "simulation") + (("scatter_runner", "scatter_simulation") if row.scatter else ())
+    for piece in pieces:
+        ref = getattr(row, piece)
+        assert isinstance(ref, str) and ref.startswith(("giftcomm.collectives.", "giftcomm.reference.simulate:"))
+        assert callable(row.part(piece)) and row.part(piece) is row.part(piece)
+    assert row.part("runner") is engine.runner_of(row) and row.part("simulation").__module__ == simulate.__name__
+    if not row.scatter:
+        assert row.scatter_runner is None and row.scatter_simulation is None
+
+
+def test_the_name_lists_are_the_table():
     assert len(NAMES) == len(set(NAMES)) == len(TABLE)
-    assert set(engine.RUNNERS) == set(NAMES) == set(simulate.SIMULATIONS)
-    scatter_rows = {a.name for a in TABLE if a.scatter}
-    assert set(engine.SCATTERS) == scatter_rows == set(simulate.SCATTER_SIMULATIONS) == set(SCATTER_CHOICES) - {AUTO}
-    assert CHOICES == (AUTO, *NAMES) and gc.api.ALGORITHMS == CHOICES
+    assert set(SCATTER_CHOICES) - {AUTO} == {a.name for a in TABLE if a.scatter}
+    assert CHOICES == (AUTO, *NAMES) and gc.api.ALGORITHMS == CHOICES and CHOICES[1:] == tuple(NAMES)
 
 
 def test_codes_are_fixed_distinct_and_cover_every_choice():

@@ -133,3 +133,43 @@ def test_no_loops_between_top_level_parts():
 
 def test_a_loop_is_found():
     assert loops({"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}, "d": {"a": ["w"]}}) == [["a", "b", "c"]]
+
+
+# ----------------------------------------------------------------------------- studies
+
+STUDIES = PKG.parent / "studies"
+
+
+def studies_graph() -> dict[str, dict[str, list[str]]]:
+    """{studies module: {studies module it imports: [line, ...]}}, counting every import statement,
+    the ones inside functions included (the studies import each other lazily, so a loop through
+    a late import is still a loop)."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    names = {".".join(p.relative_to(STUDIES.parent).with_suffix("").parts).removesuffix(".__init__")
+             for p in STUDIES.rglob("*.py")}
+    for path in sorted(STUDIES.rglob("*.py")):
+        module = ".".join(path.relative_to(STUDIES.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in names and target != module and target != "studies":
+                    edges.setdefault(module, {}).setdefault(target, []).append(f"{module}:{node.lineno}")
+    return edges
+
+
+def test_studies_graph_sees_known_edges():
+    edges = studies_graph()
+    assert "studies.cases" in edges.get("studies.fidelity", {})
+    assert "studies.cases" in edges.get("studies.gradients", {})
+
+
+def test_no_loops_between_studies_modules():
+    edges = studies_graph()
+    found = loops(edges)
+    assert not found, "import loops between studies modules: " + "; ".join(
+        " <-> ".join(group) + f" ({ {a: edges[a] for a in group} })" for group in found)

@@ -229,9 +229,9 @@ def _raise_first(results):
 
 def test_remembered_keywords_keep_their_types():
     """The plain calls remember validated keyword sets; block=True must not find block=1's."""
-    from giftcomm.collectives import engine
+    from giftcomm.options import call_options
 
-    assert isinstance(engine.call_options({"block": 1}), CallOptions)
-    assert isinstance(engine.call_options({"block": True}), ValueError)
-    assert engine.call_options({"fmt": "e5m2"}) is engine.call_options({"fmt": "e5m2"})  # remembered
-    assert engine.call_options({"block": 64.0}) is not engine.call_options({"block": 64})
+    assert isinstance(call_options({"block": 1}), CallOptions)
+    assert isinstance(call_options({"block": True}), ValueError)
+    assert call_options({"fmt": "e5m2"}) is call_options({"fmt": "e5m2"})  # remembered
+    assert call_options({"block": 64.0}) is not call_options({"block": 64})

@@ -14,7 +14,9 @@ import pytest
 import giftcomm as gc
 from giftcomm.accounting import AUTO_NATIVE, scatter_sent_bytes, sent_bytes
 from giftcomm.collectives import engine
+from giftcomm.collectives.hold import held
 from giftcomm.formats import message_nbytes
+from giftcomm.options import call_options
 
 
 def _warnings(caplog):
@@ -213,7 +215,7 @@ def test_sent_bytes_is_what_the_message_path_sends(rng, p):
         for algo in algos:
             gc.allreduce(xs[t.rank], comm=t, fmt="e4m3", algorithm=algo)  # agree first: its words are not data
             before = sent[0]
-            with engine.held(t, None):
+            with held(t, None):
                 job = engine.agree_call(t, engine.ALLREDUCE, xs[t.rank], None, gc_opts(algo))
                 mid = sent[0]
                 engine.ALLREDUCE.run(t, job, None)
@@ -226,7 +228,7 @@ def test_sent_bytes_is_what_the_message_path_sends(rng, p):
 
 
 def gc_opts(algo):
-    return engine.call_options({"fmt": "e4m3", "algorithm": algo})
+    return call_options({"fmt": "e4m3", "algorithm": algo})
 
 
 @pytest.mark.parametrize("p", [2, 3, 5])
@@ -251,7 +253,7 @@ def test_reduce_scatter_counts_what_its_message_path_sends(rng, p):
         for algo, layout in cases:
             kind = engine.REDUCE_SCATTERS[layout]
             gc.reset_stats(t)
-            with engine.held(t, None):
+            with held(t, None):
                 job = engine.agree_call(t, kind, xs[t.rank], None, gc_opts(algo))
                 mid = sent[0]
                 kind.run(t, job, None)

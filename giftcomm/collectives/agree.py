@@ -51,24 +51,27 @@ def raise_failures(transport: Transport, what: str, table: np.ndarray, error: Ex
 def agree(
     transport: Transport,
     what: str,
-    prepare: Callable[[], tuple[T, dict[str, int]]],
+    prepared: tuple[T, dict[str, int]] | Exception,
     fields: tuple[str, ...],
     must_match: tuple[str, ...],
 ) -> tuple[T, np.ndarray]:
-    """Run ``prepare()`` locally, then check on all ranks that it succeeded everywhere and agrees.
+    """Check on all ranks that the local step before it succeeded everywhere and agrees.
 
-    ``prepare`` returns (plan, signature) where signature maps each name in ``fields`` to an int;
-    ``must_match``, the fields every rank must have alike, are the first of ``fields``;
-    any exception it raises is caught and reported by every rank (TypeError and ValueError as
-    themselves, anything else as RuntimeError naming the original type). Returns (plan, table):
-    table is the (size, len(fields)) int64 array of every rank's fields, so callers can read
-    fields that may differ (e.g. shard lengths). Raises, on every rank alike, TypeError,
-    ValueError or RuntimeError naming the ranks and fields at fault.
+    ``prepared``: this rank's (plan, signature), where signature maps each name in ``fields``
+    to an int, or the exception the local step raised (the caller catches it, so that every
+    failure joins the agreement and no rank is left waiting); ``must_match``, the fields every
+    rank must have alike, are the first of ``fields``. A failure is reported by every rank
+    (TypeError and ValueError as themselves, anything else as RuntimeError naming the original
+    type). Returns (plan, table): table is the (size, len(fields)) int64 array of every rank's
+    fields, so callers can read fields that may differ (e.g. shard lengths). Raises, on every
+    rank alike, TypeError, ValueError or RuntimeError naming the ranks and fields at fault.
     """
     plan: T | None = None
     error: Exception | None = None
     try:
-        plan, sig = prepare()
+        if isinstance(prepared, Exception):
+            raise prepared
+        plan, sig = prepared
         vec = np.array([0, *map(sig.__getitem__, fields)], np.int64)
     except Exception as exc:  # every failure joins the agreement, so no rank is left waiting
         error = exc

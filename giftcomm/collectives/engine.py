@@ -1,18 +1,20 @@
 """The engine below the public collectives: one step sequence, a runner per algorithm.
 
 Every call of allreduce, gift_allreduce, reduce_scatter and allgather (giftcomm.api), and every
-persistent plan when it is made (giftcomm.persistent), runs the same steps under the
-transport's lock (:class:`held`):
+persistent plan when it is made (giftcomm.persistent, which builds on this module; nothing here
+calls up into the plans or the plan cache: docs/architecture.md, "Floors of a call"), runs the
+same steps under the transport's lock (giftcomm.collectives.hold.held):
 
 1. **validate and agree** (:func:`agree_call`): on every rank, the options (validated once into a
-   :class:`~giftcomm.options.CallOptions` by :func:`call_options`, before the agreement, so that
+   :class:`~giftcomm.options.CallOptions` by giftcomm.options.call_options, before the agreement, so that
    its timeout governs it), the array, ``out``, the transport and the algorithm (auto: the cost
-   model's choice) are checked into a :class:`Job` inside one small collective
+   model's choice) are checked into a :class:`~giftcomm.collectives.plan.Job` inside one small collective
    (giftcomm.collectives.agree), so bad input on any rank raises the same exception on every rank;
-2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (:data:`RUNNERS`, keyed by the
-   algorithm table's names; :data:`SCATTERS` for reduce-scatter) moves the data with the codec
-   kernels of the array's backend;
-3. **finish** (:func:`finish`): ``avg``, the caller's dtype, ``out`` or a new array.
+2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (the row's, :func:`runner_of`; its
+   reduce-scatter for reduce_scatter, :func:`scatter_of`) moves the data with the codec kernels
+   of the array's backend (the built-in rows name the runners below: ``run_ring``, ...);
+3. **finish** (giftcomm.collectives.plan.finish_reduction): ``avg``, the caller's dtype, ``out`` or a
+   new array.
 
 A :class:`Kind` is what differs between the collectives: its name in error messages, its agreed
 fields, what it checks and plans beyond the shared checks, and how it runs.
@@ -21,31 +23,29 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from .. import _xp
-from ..algorithms import BUILT_IN, BY_NAME, Algorithm
-from ..errors import CommClosed
-from ..options import CallOptions, options_of_call
+from ..algorithms import BY_NAME, Algorithm
+from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
-from ..transport.channel import PLAIN_WORD
 from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
 from . import layout as scatter_layout
 from . import plan as planning
-from .agree import agree, confirm, meet_plans
-from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call
+from .agree import agree, confirm
+from .hold import held
+from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call, Job
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "held", "last_algorithm", "Entry", "PLAIN", "call_options", "Job", "Kind", "ALLREDUCE",
-           "REDUCE_SCATTER", "REDUCE_SCATTERS",
-           "scatter_kind", "ALLGATHER",
-           "agree_call", "execute", "run_allreduce", "finish", "RUNNERS", "SCATTERS"]
+__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS", "scatter_kind",
+           "ALLGATHER", "agree_call", "execute", "run_allreduce", "runner_of", "scatter_of", "run_ring", "run_direct",
+           "run_doubling", "run_hierarchical", "run_hierarchical_direct", "run_oneshot", "run_native"]
 
 log = logging.getLogger("giftcomm")
 
@@ -63,46 +63,6 @@ class GeometryLike(Protocol):
     def fingerprint(self) -> int: ...
 
 
-class held:
-    """Hold ``t`` for one call (calls from several threads run one at a time; docs/api.md,
-    Threads), with its waits' deadline set to ``timeout`` seconds when given. A transport whose
-    state was closed meanwhile (giftcomm.release) gives a fresh state; one gone for good (its
-    communicator freed, a forked child) raises CommClosed. ``plain``: a plain call (not a plan's),
-    which meets the plans in their channel when the transport has one, so that a plan on one rank
-    and a plain call on another raise "ranks disagree" on both at once."""
-
-    __slots__ = ("_t", "_timeout", "_previous", "_lock", "_plain")
-
-    def __init__(self, t: Transport, timeout: float | None, plain: bool = True) -> None:
-        self._t, self._timeout, self._plain = t, timeout, plain
-        self._previous: float = 0.0
-
-    def __enter__(self) -> None:
-        t = self._t
-        while True:
-            st = t.state
-            st.lock.acquire()
-            if st.closed is None:
-                break
-            st.lock.release()
-            if t._state is st:  # closed for good: the state stays attached
-                raise CommClosed(st.closed)
-        self._lock = st.lock
-        try:
-            if self._timeout is not None:
-                self._previous, t.timeout = t.timeout, self._timeout
-            if self._plain and st.channel is not None:
-                meet_plans(t, st.channel, PLAIN_WORD, planning.caller(), "giftcomm")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timeout is not None:
-            self._t.timeout = self._previous
-        self._lock.release()
-
-
 def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     """(algorithm name, chunk bounds) of the last allreduce, gift_allreduce or reduce_scatter
     agreed on ``t`` (the same on every rank), or None before the first: what the call really
@@ -110,85 +70,6 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
     it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
     return t.last_run
-
-
-_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
-"""The validated options of recent keyword sets: (record, the values' types, None when all are
-strings)."""
-_OPTIONS_MAX = 256
-
-
-@dataclass(frozen=True, eq=False)
-class Entry:
-    """How one public entry point takes its options (giftcomm.options.options_of_call): the
-    owner its errors name, its own defaults, the names it decides itself. Compared by identity
-    (a key of the options cache)."""
-
-    owner: str = ""
-    defaults: Mapping[str, Any] | None = None
-    fixed: tuple[str, ...] = ()
-
-
-PLAIN = Entry()
-"""allreduce and gift_allreduce: CallOptions' defaults, nothing fixed."""
-
-
-def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = PLAIN) -> CallOptions | Exception:
-    """``options_of_call`` of a call's ``options`` record and option keywords ``given``, or the
-    exception it raised (the agreement step raises it on every rank). Keywords alone are
-    remembered per entry point and distinct keyword values and types (a training loop repeats
-    the same ones), so a repeated call validates nothing twice; a validated record is taken as
-    it is."""
-    key: Any = None
-    if options is None:
-        try:
-            k = (entry, tuple(given.items())) if given else entry
-            hit = _OPTIONS.get(k)
-            key = k
-        except TypeError:  # an unhashable value: validate (and fail) without remembering
-            hit = None
-        # the values' types count where they are not all strings: block=True or 1.0 must not
-        # find block=1's record
-        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
-            return hit[0]
-    try:
-        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
-        return exc
-    if key is not None:
-        if len(_OPTIONS) >= _OPTIONS_MAX:
-            _OPTIONS.clear()
-        types = tuple(map(type, given.values()))
-        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
-    return opts
-    try:
-        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
-        return exc
-    if key is not None:
-        if len(_OPTIONS) >= _OPTIONS_MAX:
-            _OPTIONS.clear()
-        _OPTIONS[key] = opts
-    return opts
-
-
-class Job:
-    """One agreed call: the call record, its options, the algorithm every rank runs (None for
-    allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
-    and the chunk bounds (reduce-scatter) or every rank's shard length and their total
-    (allgather). A plain class
-    with class-level defaults: it is made on every call, and only what a kind sets is written."""
-
-    algorithm: Algorithm | None = None
-    nodes: np.ndarray | None = None
-    geometry: Any = None
-    slice_n: int = 0
-    bounds: np.ndarray | None = None
-    counts: np.ndarray | None = None
-    total: int = 0
-
-    def __init__(self, call: Call, opts: CallOptions) -> None:
-        self.call, self.opts = call, opts
 
 
 @dataclass(frozen=True)
@@ -213,18 +94,18 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
                local_size: int | None = None) -> Job:
     """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
     the agreed :class:`Job`, or the same exception on every rank."""
-    caller = planning.caller()
-
-    def prepare() -> tuple[Job, dict[str, int]]:
+    prepared: tuple[Job, dict[str, int]] | Exception
+    try:  # a failure joins the agreement, so no rank is left waiting
         if isinstance(opts, Exception):
             raise opts
         call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
-        call.sig["caller"] = caller
+        call.sig["caller"] = planning.caller()
         planning.check_transport(t, call)
         job = Job(call, opts)
-        return job, kind.prepare(t, job, out, geometry, local_size)
-
-    job, table = agree(t, kind.what, prepare, kind.fields, kind.match)
+        prepared = job, kind.prepare(t, job, out, geometry, local_size)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
+        prepared = exc
+    job, table = agree(t, kind.what, prepared, kind.fields, kind.match)
     kind.agreed(t, job, table)
     return job
 
@@ -247,17 +128,6 @@ def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exce
 # ----------------------------------------------------------------------------- finishing
 
 
-def finish(t: Transport, call: Call, total: Any, into: Any, out: Any, shape: tuple[int, ...]) -> Any:
-    """Step 3 of a reduction: ``avg`` and the caller's dtype and shape, into ``out`` or a new
-    array. ``into``: the float32 view of ``out`` the runner decoded into (None when it could not),
-    so ``total is into`` needs only the division."""
-    if into is not None and total is into:
-        if call.op == "avg":
-            planning.divide(total, t.size)
-        return out
-    return planning.finish(total, call, t.size, shape, out)
-
-
 # ----------------------------------------------------------------------------- runners
 
 Runner = Callable[[Transport, Any, Wire, Any, Any, int, Any], Any]
@@ -265,18 +135,13 @@ Runner = Callable[[Transport, Any, Wire, Any, Any, int, Any], Any]
 ranks (float32, or float64 for float64 input; ``out``, a float32 (n,) array, when it could decode
 into it)."""
 
-SCATTERS: dict[str, Callable[..., tuple[Any, Any]]] = {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter,
-                                                       "native": native.reduce_scatter}
-"""The reduce-scatter of every row with ``scatter`` (reduce_scatter runs it; so does the
-allreduce of that name, before the ring allgather, for giftcomm's own rows)."""
-
-
 def _scatter_gather(name: str) -> Runner:
-    """Reduce-scatter ``name`` then the ring allgather; through the transport's shared window on
-    host memory over shared-memory transports (when there is room for it: else messages)."""
-    scatter = SCATTERS[name]
+    """Reduce-scatter of the row ``name`` then the ring allgather; through the transport's shared
+    window on host memory over shared-memory transports (when there is room for it: else
+    messages)."""
 
     def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+        scatter = scatter_of(name)
         bounds = shared_chunk_bounds(flat.size, t.size, wire.block)
         if t.shared_memory and t.memory != DEVICE and wire.xp is np:
             total = shared.allreduce(t, flat, bounds, wire, acc_t, slice_n, direct=scatter is direct.reduce_scatter,
@@ -288,48 +153,53 @@ def _scatter_gather(name: str) -> Runner:
     return run
 
 
-def _doubling(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_doubling(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``doubling`` row's runner."""
     return doubling.allreduce(t, flat, wire, acc_t, out=out)
 
 
-def _oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_oneshot(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``oneshot`` row's runner."""
     return oneshot.allreduce(t, flat, wire, acc_t, out=out if acc_t == np.float32 else None)
 
 
-def _native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+def run_native(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
+    """The ``native`` row's runner."""
     return native.allreduce(t, flat, wire, acc_t, out)
 
 
-def _hierarchical(cross: str) -> Runner:
-    """fp32 inside nodes, reduce-scatter ``cross`` (and the ring allgather) across them."""
-    scatter = SCATTERS[cross]
+def _hierarchical(name: str) -> Runner:
+    """fp32 inside nodes, the reduce-scatter of the row ``name``'s ``cross`` (and the ring
+    allgather) across them."""
 
     def run(t: Transport, flat: Any, wire: Wire, acc_t: Any, nodes: Any, slice_n: int, out: Any) -> Any:
-        return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_n, scatter=scatter)
+        cross = BY_NAME[name].cross
+        assert cross is not None
+        return hierarchical.allreduce(t, flat, nodes, wire, acc_t, slice_n, scatter=scatter_of(cross))
 
     return run
 
 
-RUNNERS: dict[str, Runner] = {
-    "ring": _scatter_gather("ring"),
-    "direct": _scatter_gather("direct"),
-    "doubling": _doubling,
-    "hierarchical": _hierarchical("ring"),
-    "hierarchical_direct": _hierarchical("direct"),
-    "oneshot": _oneshot,
-    "native": _native,
-}
-"""The allreduce runner of every built-in row of the algorithm table (giftcomm.algorithms)."""
+run_ring = _scatter_gather("ring")
+"""The ``ring`` row's runner (the rows name their runners: giftcomm.algorithms)."""
+run_direct = _scatter_gather("direct")
+"""The ``direct`` row's runner."""
+run_hierarchical = _hierarchical("hierarchical")
+"""The ``hierarchical`` row's runner (its ``cross``: ring)."""
+run_hierarchical_direct = _hierarchical("hierarchical_direct")
+"""The ``hierarchical_direct`` row's runner (its ``cross``: direct)."""
 
 
 def runner_of(algorithm: Algorithm) -> Runner:
-    """The allreduce runner of a row: its own (a registered row's), else :data:`RUNNERS`'."""
-    return algorithm.runner or RUNNERS[algorithm.name]
+    """The allreduce runner of a row (giftcomm.algorithms.Algorithm.part)."""
+    return algorithm.part("runner")
 
 
 def scatter_of(name: str) -> Callable[..., tuple[Any, Any]]:
-    """The reduce-scatter of the row ``name`` (one with ``scatter``): its own, else :data:`SCATTERS`'."""
-    return BY_NAME[name].scatter_runner or SCATTERS[name]
+    """The reduce-scatter of the row ``name`` (one with ``scatter``): ``(t, flat, bounds, wire,
+    acc_t, slice_n) -> (total, shard)``. reduce_scatter runs it; so does the allreduce of that
+    name, before the ring allgather, for giftcomm's own rows."""
+    return BY_NAME[name].part("scatter_runner")
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -429,7 +299,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
         total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
-    return finish(t, call, total, into, out, shape)
+    return planning.finish_reduction(t.size, call, total, into, out, shape)
 
 
 def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
@@ -531,5 +401,3 @@ def _gather_run(t: Transport, job: Job, out: Any) -> Any:
 
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,
                  _gather_run)
-
-assert set(RUNNERS) == BUILT_IN, "every built-in row of the algorithm table needs a runner"

@@ -29,9 +29,9 @@ from .hierarchical import check_uniform, contiguous_nodes
 from .ring import auto_slice_elems
 from .wire import Wire
 
-__all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "validate", "check_out",
+__all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "Job", "validate", "check_out",
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
-           "direct_out", "finish", "divide", "gathered_counts", "positive_int", "caller"]
+           "direct_out", "finish", "finish_reduction", "divide", "gathered_counts", "positive_int", "caller"]
 
 """What ``auto`` runs for reduce_scatter when the cost model's choice has no reduce-scatter half."""
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
@@ -73,6 +73,25 @@ class Call:
     def wire(self, rank: int) -> Wire:
         """The call's wire format bound to its backend's codec kernels, encoding as ``rank``."""
         return Wire.of(self.fmt, self.block, self.xp, self.seed, party=rank)
+
+
+class Job:
+    """One agreed call: the call record, its options, the algorithm every rank runs (None for
+    allgather), the node layout, the geometry (gift_allreduce) or None, the pipelining slice,
+    and the chunk bounds (reduce-scatter) or every rank's shard length and their total
+    (allgather). A plain class
+    with class-level defaults: it is made on every call, and only what a kind sets is written."""
+
+    algorithm: Algorithm | None = None
+    nodes: np.ndarray | None = None
+    geometry: Any = None
+    slice_n: int = 0
+    bounds: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    total: int = 0
+
+    def __init__(self, call: Call, opts: CallOptions) -> None:
+        self.call, self.opts = call, opts
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -237,6 +256,17 @@ def finish(values: Any, call: Call, p: int, shape: tuple[int, ...], out: Any, op
         else:
             result = values.astype(call.arr.dtype, copy=False)
     return _xp.export_like(result.reshape(shape), call.imp)
+
+
+def finish_reduction(p: int, call: Call, total: Any, into: Any, out: Any, shape: tuple[int, ...]) -> Any:
+    """Step 3 of a reduction over ``p`` ranks: ``avg`` and the caller's dtype and shape, into
+    ``out`` or a new array. ``into``: the float32 view of ``out`` the runner decoded into (None
+    when it could not), so ``total is into`` needs only the division."""
+    if into is not None and total is into:
+        if call.op == "avg":
+            divide(total, p)
+        return out
+    return finish(total, call, p, shape, out)
 
 
 def divide(values: Any, p: int) -> Any:

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import algorithms
-from ..algorithms import AUTO, BUILT_IN, BY_NAME
+from ..algorithms import AUTO, BY_NAME
 from ..costmodel import Topology, auto_algorithm
 from ..formats import Format, check_rounding, get_format, resolve_block
 from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
@@ -24,7 +24,7 @@ from .codec import decode, encode
 from .rounding import call_key
 
 __all__ = ["simulate_allreduce", "simulate_gift_allreduce", "simulate_reduce_scatter", "simulate_allgather",
-           "resolve_algorithm", "SIMULATIONS", "SCATTER_SIMULATIONS"]
+           "resolve_algorithm"]
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def simulate_reduce_scatter(
     if algorithm not in algorithms.SCATTER_CHOICES[1:]:
         raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(algorithms.SCATTER_CHOICES[1:])}, "
                          f"got {algorithm!r}")
-    sums, _ = (BY_NAME[algorithm].scatter_simulation or SCATTER_SIMULATIONS[algorithm])(flat, w, layout)
+    sums, _ = BY_NAME[algorithm].part("scatter_simulation")(flat, w, layout)
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
@@ -312,7 +312,7 @@ def simulate_allreduce(
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
     else:
-        result = (BY_NAME[algorithm].simulation or SIMULATIONS[algorithm])(flat, w, local_size or p, local_fmt)
+        result = BY_NAME[algorithm].part("simulation")(flat, w, local_size or p, local_fmt)
     out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
@@ -335,16 +335,20 @@ Simulation = Callable[[list[np.ndarray], _Wire, int, str], np.ndarray]
 """simulation(every rank's flat input, wire, local_size, local_fmt) -> the allreduce's sum
 (the accumulation dtype, before ``avg``)."""
 
-SCATTER_SIMULATIONS: dict[str, Callable[..., tuple[list[np.ndarray], np.ndarray]]] = {
-    "ring": lambda flat, w, layout="blocks": _chunk_sums(flat, w, layout=layout),
-    "direct": lambda flat, w, layout="blocks": _chunk_sums(flat, w, direct=True, layout=layout),
-    "native": lambda flat, w, layout="blocks": _native_chunks(flat, w, layout),
-}
-"""The reduce-scatter (each owner's chunk sums, and the chunk bounds) of every row with ``scatter``."""
+def scatter_ring(flat: list[np.ndarray], w: _Wire, layout: str = "blocks") -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``ring`` row's reduce-scatter: each owner's chunk sum (requantized along the ring)
+    and the chunk bounds."""
+    return _chunk_sums(flat, w, layout=layout)
 
 
-def _native_chunks(flat: list[np.ndarray], w: _Wire, layout: str) -> tuple[list[np.ndarray], np.ndarray]:
-    """Every rank's shard of the native allreduce (its reduce-scatter is the whole allreduce)."""
+def scatter_direct(flat: list[np.ndarray], w: _Wire, layout: str = "blocks") -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``direct`` row's reduce-scatter: each contribution quantized once, summed by the owner."""
+    return _chunk_sums(flat, w, direct=True, layout=layout)
+
+
+def scatter_native(flat: list[np.ndarray], w: _Wire, layout: str = "blocks") -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``native`` row's reduce-scatter: every rank's shard of the native allreduce (its
+    reduce-scatter is the whole allreduce)."""
     total = _native_sum(flat, w)
     bounds = shard_bounds(flat[0].size, len(flat), w.block, layout)
     return [total[bounds[c] : bounds[c + 1]] for c in range(len(flat))], bounds
@@ -352,20 +356,38 @@ def _native_chunks(flat: list[np.ndarray], w: _Wire, layout: str) -> tuple[list[
 
 def _scatter_gather(name: str) -> Simulation:
     def sim(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
-        return _gathered(*SCATTER_SIMULATIONS[name](flat, w), w, accumulation_dtype(flat[0].dtype))
+        sums, bounds = BY_NAME[name].part("scatter_simulation")(flat, w)
+        return _gathered(sums, bounds, w, accumulation_dtype(flat[0].dtype))
 
     return sim
 
 
-SIMULATIONS: dict[str, Simulation] = {
-    "ring": _scatter_gather("ring"),
-    "direct": _scatter_gather("direct"),
-    "doubling": lambda flat, w, local_size, local_fmt: _doubling_sum(flat, w),
-    "hierarchical": lambda flat, w, local_size, local_fmt: _hierarchical_sum(flat, w, local_size, local_fmt, False),
-    "hierarchical_direct": lambda flat, w, local_size, local_fmt: _hierarchical_sum(flat, w, local_size, local_fmt,
-                                                                                    True),
-    "oneshot": lambda flat, w, local_size, local_fmt: _oneshot_sum(flat, w),
-    "native": lambda flat, w, local_size, local_fmt: _native_sum(flat, w),
-}
-"""The reference simulation of every row of the algorithm table (giftcomm.algorithms)."""
-assert set(SIMULATIONS) == BUILT_IN and set(SCATTER_SIMULATIONS) == {a for a in BUILT_IN if BY_NAME[a].scatter}
+allreduce_ring = _scatter_gather("ring")
+"""The ``ring`` row's simulation (the rows name their simulations: giftcomm.algorithms)."""
+allreduce_direct = _scatter_gather("direct")
+"""The ``direct`` row's simulation."""
+
+
+def allreduce_doubling(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    """The ``doubling`` row's simulation."""
+    return _doubling_sum(flat, w)
+
+
+def allreduce_hierarchical(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    """The ``hierarchical`` row's simulation (ring across nodes)."""
+    return _hierarchical_sum(flat, w, local_size, local_fmt, False)
+
+
+def allreduce_hierarchical_direct(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    """The ``hierarchical_direct`` row's simulation (direct across nodes)."""
+    return _hierarchical_sum(flat, w, local_size, local_fmt, True)
+
+
+def allreduce_oneshot(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    """The ``oneshot`` row's simulation."""
+    return _oneshot_sum(flat, w)
+
+
+def allreduce_native(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    """The ``native`` row's simulation (MPICH's recursive-doubling order)."""
+    return _native_sum(flat, w)
