@@ -448,6 +448,16 @@ def write_run(out: str, rows: list[dict], final: dict) -> None:
         json.dump(final, f, indent=1)
 
 
+def run_exists(out: str, world: int, seed: int, mode: str, steps: int) -> bool:
+    """Whether ``out`` already holds this run complete: its .json and a .csv of ``steps`` rows
+    (``--skip-existing``; a run of another length is not the same run and is redone)."""
+    stem = os.path.join(out, f"P{world}-s{seed}-{mode}")
+    if not (os.path.exists(stem + ".json") and os.path.exists(stem + ".csv")):
+        return False
+    with open(stem + ".csv") as f:
+        return sum(1 for _ in csv.DictReader(f)) == steps
+
+
 def run_loopback(mode: Mode, cfg: Config, seed: int, world: int, corpus, algorithm: str = "auto",
                  block: int | None = None, mx_scale: str | None = None):
     from giftcomm import LoopbackGroup
@@ -611,7 +621,11 @@ def report(out: str, header: str = "", no_plot: bool = False) -> str:
 # the issue-36 comparison's model (--size medium): 4 blocks of width 128, ~0.8M parameters
 MEDIUM = Config(dim=128, layers=4, heads=4, ffn=344, seq_len=64, steps=100, val_every=20, val_batches=64,
                 refresh=25, warmup=8)
-SIZES = {"grid": Config(), "medium": MEDIUM}
+# the issue-36 comparison on the larger model (--size large): 4 blocks of width 192 (head width 32
+# as medium's), ~1.8M parameters, medium's schedule (100 steps: what fits the seeds on this CPU)
+LARGE = Config(dim=192, layers=4, heads=6, ffn=512, seq_len=64, steps=100, val_every=20, val_batches=64,
+               refresh=25, warmup=8)
+SIZES = {"grid": Config(), "medium": MEDIUM, "large": LARGE}
 QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
                kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
 
@@ -628,12 +642,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mx-scale", choices=["ceil", "floor"], default=None,
                    help="scale rule of the MX formats (default: the library's, ceil; floor = OCP MX v1.0)")
     p.add_argument("--size", choices=sorted(SIZES), default="grid",
-                   help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M)")
+                   help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M; large: ~1.8M)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
     p.add_argument("--report", action="store_true", help="only recompute summary.md and the plots from --out")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="skip a run whose .csv (of --steps rows) and .json are already in --out")
     a = p.parse_args(argv)
     if a.out is None:
         a.out = "perf/results/train-quick" if a.quick else "perf/results/train-grid"
@@ -669,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         for seed in seeds:
             for mode in modes:
+                if a.skip_existing and run_exists(a.out, world, seed, mode.name, cfg.steps):
+                    if lead:
+                        print(f"P={world} seed={seed} {mode.name:<16} exists, skipped", file=sys.stderr, flush=True)
+                    continue
                 t0 = time.perf_counter()
                 if mpi_ctx is not None:
                     rows, final = train_rank(mpi_ctx, mode, cfg, seed, corpus, a.algorithm, a.block, a.mx_scale)

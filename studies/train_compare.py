@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--report", action="store_true", help="only recompute the report from --out")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="skip the runs already complete in --out (e.g. an archive of an earlier grid untarred there)")
     a = p.parse_args(argv)
     keys = {r.key: r for r in CONFIGS}
     chosen = [k.strip() for k in a.configs.split(",") if k.strip()]
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         targs = ["--world", str(a.world), "--seeds", a.seeds, "--modes", ",".join(modes), "--out", a.out, "--no-plot"]
         targs += ["--quick"] if a.quick else ["--size", a.size]
         targs += [] if a.steps is None else ["--steps", str(a.steps)]
+        targs += ["--skip-existing"] if a.skip_existing else []
         rc = train.main(targs)
         if rc:
             return rc

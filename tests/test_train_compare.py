@@ -90,3 +90,24 @@ def test_train_compare_quick(tmp_path):
     assert t[("adamw", "e4m3")]["saved_vs_fp32_ms"] > t[("adamw", "bf16")]["saved_vs_fp32_ms"] > 0
     assert "| muon | giftcomm E4M3 block 256 |" in (out / "compare.md").read_text()
     assert (out / "train-curves.png").stat().st_size > 10_000
+
+
+def test_skip_existing_needs_a_complete_run_of_the_same_length(tmp_path):
+    out = str(tmp_path)
+    rows = [dict.fromkeys(train.COLUMNS, 0.0) | dict(mode="e4m3-n", world=4, seed=1, step=i, algorithm="ring")
+            for i in range(7)]
+    assert not train.run_exists(out, 4, 1, "e4m3-n", 7)
+    train.write_run(out, rows, dict(mode="e4m3-n", world=4, seed=1))
+    assert train.run_exists(out, 4, 1, "e4m3-n", 7)
+    # another length, seed, world or mode is another run; a run without its .json is incomplete
+    assert not train.run_exists(out, 4, 1, "e4m3-n", 8)
+    assert not train.run_exists(out, 4, 2, "e4m3-n", 7) and not train.run_exists(out, 2, 1, "e4m3-n", 7)
+    assert not train.run_exists(out, 4, 1, "e4m3-n-ef", 7)
+    os.remove(os.path.join(out, "P4-s1-e4m3-n.json"))
+    assert not train.run_exists(out, 4, 1, "e4m3-n", 7)
+
+
+def test_size_presets_grow():
+    n = {k: train.make_model(c, 0).num_parameters() for k, c in train.SIZES.items()}
+    assert n["grid"] < n["medium"] < n["large"] and 1.5e6 < n["large"] < 2.0e6, n
+    assert train.SIZES["large"].dim // train.SIZES["large"].heads == train.SIZES["medium"].dim // train.SIZES["medium"].heads
