@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from .formats import bytes_per_value, get_format, message_nbytes
 from .machine import Calibration, LinkCost, Topology, nic_share, overlapped
@@ -122,66 +122,56 @@ class Algorithm:
     simulation: Callable[..., Any] | str | None = None
     scatter_simulation: Callable[..., Any] | str | None = None
 
+    resolved: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The pieces :meth:`part` has resolved (a cache: read ``row.resolved.get(piece) or
+    row.part(piece)`` on a hot path)."""
+
     def part(self, piece: str) -> Callable[..., Any]:
         """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation")
         as a function: a ``"module:function"`` reference is imported on first use and kept.
         ValueError when the row has none."""
-        ref = getattr(self, piece)
-        if callable(ref):
-            return ref
-        got = _RESOLVED.get(ref)
+        got = self.resolved.get(piece)
         if got is None:
-            if not isinstance(ref, str) or ":" not in ref:
+            ref = getattr(self, piece)
+            if callable(ref):
+                got = ref
+            elif isinstance(ref, str) and ":" in ref:
+                module, _, name = ref.partition(":")
+                got = getattr(importlib.import_module(module), name)
+            else:
                 raise ValueError(f"algorithm {self.name!r} has no {piece}")
-            module, _, name = ref.partition(":")
-            got = _RESOLVED[ref] = getattr(importlib.import_module(module), name)
+            self.resolved[piece] = got
         return got
 
-
-_RESOLVED: dict[str, Callable[..., Any]] = {}
-"""The functions of the rows' ``"module:function"`` references, once imported."""
 
 T = TypeVar("T")
 
 
-class Live(Sequence[T], Generic[T]):
-    """A read-only view of one of the table's tuples, read anew at every use: a copy of the
-    view taken at import sees the rows :func:`register` adds later. Compares equal to a tuple
-    or list of the same items; slices are tuples."""
+class Live(list[T]):  # a list: ``in`` and iteration stay C calls on the call path
+    """A read-only view of one of the table's lists, updated in place by :func:`register` and
+    :func:`unregister`: a copy of the view taken at import (``from giftcomm.algorithms import
+    CHOICES``) sees the rows added later. Compares equal to a tuple or list of the same items."""
 
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name  # the module global holding the current tuple
-
-    def _now(self) -> tuple[T, ...]:
-        return globals()[self._name]  # type: ignore[no-any-return]
-
-    @overload
-    def __getitem__(self, i: int) -> T: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[T, ...]: ...
-    def __getitem__(self, i: int | slice) -> T | tuple[T, ...]:
-        return self._now()[i]
-
-    def __len__(self) -> int:
-        return len(self._now())
-
-    def __iter__(self) -> Iterator[T]:
-        return iter(self._now())
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._now()
+    def _set(self, items: Iterable[T]) -> None:
+        list.clear(self)
+        list.extend(self, items)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Live, tuple, list)):
-            return self._now() == tuple(other)
+        if isinstance(other, (tuple, list)):
+            return list.__eq__(self, list(other))
         return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __repr__(self) -> str:
-        return repr(self._now())
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("giftcomm.algorithms: the table's lists are read-only; use register() / unregister()")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
@@ -407,16 +397,13 @@ _TABLE: tuple[Algorithm, ...] = (
               simulation="giftcomm.reference.simulate:allreduce_native", scatter_simulation="giftcomm.reference.simulate:scatter_native"),
 )
 
-_NAMES: tuple[str, ...] = tuple(a.name for a in _TABLE)
-_CHOICES: tuple[str, ...] = (AUTO, *_NAMES)
-_SCATTER_CHOICES: tuple[str, ...] = (AUTO, *(a.name for a in _TABLE if a.scatter))
-TABLE: Live[Algorithm] = Live("_TABLE")
+TABLE: Live[Algorithm] = Live(_TABLE)
 """Every row, in table order (a live view: registered rows included)."""
-NAMES: Live[str] = Live("_NAMES")
+NAMES: Live[str] = Live(a.name for a in _TABLE)
 """Every algorithm's name, in table order (``auto`` breaks ties in this order)."""
-CHOICES: Live[str] = Live("_CHOICES")
+CHOICES: Live[str] = Live((AUTO, *NAMES))
 """What ``algorithm=`` of allreduce, gift_allreduce and plans accepts."""
-SCATTER_CHOICES: Live[str] = Live("_SCATTER_CHOICES")
+SCATTER_CHOICES: Live[str] = Live((AUTO, *(a.name for a in _TABLE if a.scatter)))
 """What ``algorithm=`` of reduce_scatter accepts."""
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in _TABLE}
 BY_CODE: dict[int, Algorithm] = {a.code: a for a in _TABLE}
@@ -432,7 +419,7 @@ CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in _TABLE}}
 """The signature code of every ``algorithm=`` value."""
 
 
-BUILT_IN: frozenset[str] = frozenset(_NAMES)
+BUILT_IN: frozenset[str] = frozenset(NAMES)
 """The rows giftcomm ships (their data movement is code of the floors above, named by reference)."""
 
 
@@ -467,12 +454,11 @@ def unregister(name: str) -> None:
 
 
 def _index() -> None:
-    """Rebuild the lookups from the rows (the tuples the live views read; the dicts in place:
-    modules hold them)."""
-    global _NAMES, _CHOICES, _SCATTER_CHOICES
-    _NAMES = tuple(a.name for a in _TABLE)
-    _CHOICES = (AUTO, *_NAMES)
-    _SCATTER_CHOICES = (AUTO, *(a.name for a in _TABLE if a.scatter))
+    """Rebuild the lookups from the rows, in place (modules hold them)."""
+    TABLE._set(_TABLE)
+    NAMES._set(a.name for a in _TABLE)
+    CHOICES._set((AUTO, *NAMES))
+    SCATTER_CHOICES._set((AUTO, *(a.name for a in _TABLE if a.scatter)))
     BY_NAME.clear()
     BY_NAME.update((a.name, a) for a in _TABLE)
     BY_CODE.clear()

@@ -36,7 +36,7 @@ def test_every_row_carries_its_runners_and_simulations(name):
 def test_the_name_lists_are_the_table():
     assert len(NAMES) == len(set(NAMES)) == len(TABLE)
     assert set(SCATTER_CHOICES) - {AUTO} == {a.name for a in TABLE if a.scatter}
-    assert CHOICES == (AUTO, *NAMES) and gc.api.ALGORITHMS == CHOICES and CHOICES[1:] == tuple(NAMES)
+    assert CHOICES == (AUTO, *NAMES) and gc.api.ALGORITHMS == CHOICES and list(CHOICES[1:]) == list(NAMES)
 
 
 def test_codes_are_fixed_distinct_and_cover_every_choice():
@@ -94,3 +94,11 @@ def test_the_engine_runs_every_row_as_its_simulation(rng):
                                                               block=32))
         want = simulate.simulate_allreduce(xs, block=32, algorithm=name, local_size=2)
         assert all(o.tobytes() == w.tobytes() for o, w in zip(outs, want)), name
+
+
+def test_the_name_lists_are_read_only():
+    for live in (NAMES, CHOICES, SCATTER_CHOICES, TABLE):
+        for change in (lambda v: v.append("x"), lambda v: v.__setitem__(0, "x"), lambda v: v.clear()):
+            with pytest.raises(TypeError, match="read-only"):
+                change(live)
+    assert CHOICES[0] == AUTO and len(CHOICES) == len(NAMES) + 1

@@ -191,15 +191,16 @@ run_hierarchical_direct = _hierarchical("hierarchical_direct")
 
 
 def runner_of(algorithm: Algorithm) -> Runner:
-    """The allreduce runner of a row (giftcomm.algorithms.Algorithm.part)."""
-    return algorithm.part("runner")
+    """The allreduce runner of a row (giftcomm.algorithms.Algorithm.part; its cache first)."""
+    return algorithm.resolved.get("runner") or algorithm.part("runner")
 
 
 def scatter_of(name: str) -> Callable[..., tuple[Any, Any]]:
     """The reduce-scatter of the row ``name`` (one with ``scatter``): ``(t, flat, bounds, wire,
     acc_t, slice_n) -> (total, shard)``. reduce_scatter runs it; so does the allreduce of that
     name, before the ring allgather, for giftcomm's own rows."""
-    return BY_NAME[name].part("scatter_runner")
+    row = BY_NAME[name]
+    return row.resolved.get("scatter_runner") or row.part("scatter_runner")
 
 
 # ----------------------------------------------------------------------------- allreduce
