@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import config
 from .sizes import format_size, parse_size
 from .timing import load_average
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# side-by-side {args.mode}: " + ", ".join(f"{n}={t}" for n, t in zip(names, trees))
           + f"; {args.rounds} rounds of one job per tree (order alternating), {params['rounds']} interleaved rounds "
           f"of the contenders per job; medians over rounds of {unit} per {'step' if mode.kind == 'ddp' else 'call'}"
-          f" (the slowest rank's); calibration {os.environ.get('GIFTCOMM_CALIBRATION', '(default path or built-in)')}",
+          f" (the slowest rank's); calibration {config.path('GIFTCOMM_CALIBRATION') or '(default path or built-in)'}",
           flush=True)
     for p in (int(r) for r in (args.ranks or mode.ranks).split(",")):
         got: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
