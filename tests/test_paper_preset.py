@@ -128,7 +128,7 @@ def test_estimator_ema_matches_definition():
         b = a.reshape(-1, 40)
         batch = b.T @ b / b.shape[0]
         want = batch if want is None else 0.95 * want + 0.05 * batch
-    np.testing.assert_allclose(est.factors()["up"], want, rtol=1e-12)
+    np.testing.assert_allclose(est.factors()["up"], want, rtol=1e-12, atol=1e-13)  # entries near 0: float64 rounding of O(1) sums
     with pytest.raises(ValueError):
         est.update("up", rng.standard_normal((4, 24)))
 
