@@ -4,7 +4,6 @@ TypeError everywhere (its owner's name in front)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import numpy as np
@@ -75,8 +74,6 @@ def _register(**kw):
 
 
 def _callback(**kw):
-    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
-        pytest.skip("lightning is not installed (the [lightning] extra)")
     from giftcomm.adapters.lightning import GiftCommCallback
 
     return GiftCommCallback(**kw).state
