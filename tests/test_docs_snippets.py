@@ -25,14 +25,13 @@ import inspect
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import _launch  # tests/_launch.py
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,17 +181,11 @@ def run_snippet(s: Snippet, tmp: Path) -> str:
     cmd = _command(s, script)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    # its own session: on a timeout the launcher's workers are killed with it, not left behind
-    with subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as child:
-        try:
-            stdout, stderr = child.communicate(timeout=SNIPPET_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            stdout, stderr = child.communicate()
-            raise AssertionError(f"{s.where}: the snippet did not end within {SNIPPET_TIMEOUT} s under "
-                                 f"{' '.join(cmd[:4])} (its process group was killed):\n{stdout[-3000:]}\n"
-                                 f"{stderr[-3000:]}") from None
+    try:
+        child = _launch.run(cmd, SNIPPET_TIMEOUT, cwd=tmp, env=env)
+    except AssertionError as e:
+        raise AssertionError(f"{s.where}: {e}") from None
+    stdout, stderr = child.stdout, child.stderr
     assert child.returncode == 0 and "Traceback" not in stderr, (
         f"{s.where}: the snippet failed ({child.returncode}) under {' '.join(cmd[:4])}:\n{stdout[-3000:]}\n{stderr[-4000:]}")
     return stdout

@@ -9,12 +9,11 @@ import importlib.util
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import _launch  # tests/_launch.py
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,17 +24,7 @@ def _run(cmd: list[str], timeout: float = 120, cwd: Path = ROOT) -> str:
     """The command's stdout; it must exit 0 within ``timeout`` seconds and warn nothing of giftcomm's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
-    # its own session: on a timeout the launcher's workers are killed with it, not left behind
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as child:
-        try:
-            stdout, stderr = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            stdout, stderr = child.communicate()
-            raise AssertionError(f"{' '.join(cmd)} did not end within {timeout} s (its process group was killed):\n"
-                                 f"{stdout[-3000:]}\n{stderr[-3000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
+    proc = _launch.run(cmd, timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "giftcomm GiftState:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout

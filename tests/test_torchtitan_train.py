@@ -22,9 +22,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import _launch  # tests/_launch.py
 
 STEPS = 2
 LOSS_TOL = 2e-3  # |giftcomm loss - stock loss| per step after the first (measured: <= 5e-5)
@@ -56,7 +57,7 @@ def _train(root: Path) -> dict[str, list[dict]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(HERE / "_torchtitan_cpu.py"), "--module", "llama3", *common,
            "--next", "--module", "giftcomm.recipes.torchtitan", *common]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = _launch.run(cmd, 300, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return {name: [json.loads((out / f"run{i}-rank{r}.json").read_text()) for r in range(2)]
             for i, name in enumerate(RUNS)}
