@@ -9,7 +9,7 @@ which of a rank's own values it encodes alone (error feedback), the bytes each r
 stats), the row a hierarchical row runs across nodes and its route for the fused device
 transform. Everything else reads the table and compares no algorithm names: the cost model's
 ``predict``/``error_growth``/``choose`` (giftcomm.costmodel), argument checking and the agreed
-codes (giftcomm.collectives.plan), error feedback (giftcomm.feedback), the stats
+codes (giftcomm.collectives.call), error feedback (giftcomm.feedback), the stats
 (giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
 ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
