@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..algorithms import BY_NAME, NATIVE
+from ..algorithms import AUTO, BY_NAME, NATIVE
 from ..options import CallOptions
 from ..reference.rounding import mix64
 
@@ -71,7 +71,7 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
     seen.add(n)
     took = last[0]
     what = "the transport's own allreduce, uncompressed" if BY_NAME[took].native else f"giftcomm's {opts.fmt} wire"
-    if opts.algorithm != "auto":
+    if opts.algorithm != AUTO:
         why = f"algorithm={opts.algorithm!r} asks for it"
     else:
         cal = load_calibration()
