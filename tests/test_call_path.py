@@ -194,9 +194,8 @@ def test_plain_calls_never_call_upwards():
         for what, moves, _cached in rank_result:
             assert moves["calls between floors"] > 0, what  # the trace sees the calls
             assert not moves["upward calls"], (what, moves["upward calls"])
-            if not what.startswith("reduce_scatter"):  # reduce_scatter's api picks its layout's Kind in the engine
-                assert not moves["skips"], (what, moves["skips"])
-                assert moves["floor path"].startswith("4 -> 3 -> 2"), (what, moves["floor path"])
+            assert not moves["skips"], (what, moves["skips"])
+            assert moves["floor path"].startswith("4 -> 3 -> 2"), (what, moves["floor path"])
         assert rank_result[-1][2] >= 3  # the repeated calls ran cached plans (allreduce, reduce_scatter, allgather)
 
 

@@ -43,7 +43,7 @@ from .hold import held
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS", "scatter_kind",
+__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "ALLGATHER", "agree_call", "execute", "run_allreduce", "runner_of", "scatter_of", "run_ring", "run_direct",
            "run_doubling", "run_hierarchical", "run_hierarchical_direct", "run_oneshot", "run_native"]
 
@@ -363,13 +363,6 @@ REDUCE_SCATTERS = {layout: Kind("giftcomm.reduce_scatter", "x", True, scatter_la
                                 _scatter_agreed, _scatter_run) for layout in scatter_layout.LAYOUTS}
 """reduce_scatter, one Kind per shard layout (giftcomm.partition.LAYOUTS); the layout is agreed."""
 REDUCE_SCATTER = REDUCE_SCATTERS["blocks"]
-
-
-def scatter_kind(layout: str, opts: CallOptions | Exception) -> tuple[Kind, CallOptions | Exception]:
-    """The reduce-scatter Kind of ``layout``; an unknown one becomes the call's error (raised on
-    every rank by the agreement)."""
-    kind = REDUCE_SCATTERS.get(layout) if isinstance(layout, str) else None
-    return (REDUCE_SCATTER, scatter_layout.unknown_layout(layout)) if kind is None else (kind, opts)
 
 
 # ----------------------------------------------------------------------------- allgather
