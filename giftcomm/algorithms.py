@@ -165,13 +165,11 @@ class Live(list[T]):  # a list: ``in`` and iteration stay C calls on the call pa
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 
-    __hash__ = None  # type: ignore[assignment]
-
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("giftcomm.algorithms: the table's lists are read-only; use register() / unregister()")
 
-    append = extend = insert = remove = pop = clear = sort = reverse = _read_only  # type: ignore[assignment]
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:
