@@ -1,7 +1,8 @@
 """Megatron-core's DistributedDataParallel with the giftcomm process group as its data-parallel
 group, run for real over gloo at P = 2 (torchrun-style spawned ranks): with and without the
 distributed optimizer, overlap on and off, its gradient buffers after ``finish_grad_sync`` match
-the same run on a plain gloo group within e4m3's bound and agree bit for bit across ranks.
+the same run on a plain gloo group within e4m3's bound and agree bit for bit across ranks. At
+P = 4 with tensor parallelism 2, one giftcomm group per data-parallel subset ([0, 2], [1, 3]).
 
 Test-only shim (never in the library): ``torch.cuda.current_device`` returns "cpu", where
 Megatron allocates its gradient buffers.
@@ -14,15 +15,16 @@ from test_torchrun import _spawn
 CONFIGS = [(False, False), (False, True), (True, False), (True, True)]  # (distributed optimizer, overlap)
 
 
-def _grads(rank, dp, one, dopt, overlap):
+def _grads(rank, dp, one, dopt, overlap, tp=None):
     """The reduced part of every gradient buffer after 2 steps of SGD-on-main_grad (all-reduce
-    mode) or gradient steps (distributed optimizer: this rank's shards), and the losses."""
+    mode) or gradient steps (distributed optimizer: this rank's shards), and the losses.
+    ``tp``: the tensor-parallel group (None: ``one``, the rank alone)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
-    pgc = ProcessGroupCollection(dp=dp, tp=one, pp=one, ep=one, expt_dp=one)
+    pgc = ProcessGroupCollection(dp=dp, tp=one if tp is None else tp, pp=one, ep=one, expt_dp=one)
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 32))
@@ -39,7 +41,8 @@ def _grads(rank, dp, one, dopt, overlap):
         ddp.finish_grad_sync()
         losses.append(loss.item())
         if dopt:
-            out.append(torch.cat([shard_buffer(b.grad_data, 2)[rank].clone() for buf in ddp.buffers for b in buf.buckets]))
+            out.append(torch.cat([shard_buffer(b.grad_data, dp.size())[dp.rank()].clone()
+                                  for buf in ddp.buffers for b in buf.buckets]))
         else:
             out.append(torch.cat([buf.grad_data.clone() for buf in ddp.buffers]))
             with torch.no_grad():
@@ -77,6 +80,48 @@ def test_megatron_ddp_trains_with_the_giftcomm_group(tmp_path):
         if not c[0]:  # all-reduce mode: every rank holds the same reduced buffers, bit for bit
             for a, b in zip(res[0][0][c][0][0], res[1][0][c][0][0]):
                 assert torch.equal(a, b)
+
+
+TP, DP = ([0, 1], [2, 3]), ([0, 2], [1, 3])  # world 4: tensor parallelism 2 x data parallelism 2
+
+
+def _subsets_worker(rank, world):
+    """Megatron's DDP at P = 4 with the data-parallel group a subset of the world: every rank
+    makes every tensor-parallel group, every giftcomm data-parallel group and every plain one."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    warnings.simplefilter("ignore")
+    torch.cuda.current_device = lambda: "cpu"  # the shim: Megatron's buffers on the CPU
+    tp = [dist.new_group(ranks=r) for r in TP][rank // 2]
+    gift = [new_group(ranks=r, fmt="e4m3", algorithm="ring", min_elems=1024) for r in DP][rank % 2]
+    plain = [dist.new_group(ranks=r) for r in DP][rank % 2]
+    one = dist.new_group(ranks=[rank], use_local_synchronization=True)
+    res = {c: (_grads(rank, gift, one, *c, tp=tp), _grads(rank, plain, one, *c, tp=tp)) for c in SUBSET_CONFIGS}
+    return res, dict(gift.counts), dist.get_process_group_ranks(gift)
+
+
+SUBSET_CONFIGS = [(False, False), (True, False)]
+
+
+def test_megatron_ddp_with_data_parallel_subsets(tmp_path):
+    res = _spawn(_subsets_worker, 4, tmp_path)
+    for rank in range(4):
+        assert res[rank][2] == DP[rank % 2] and res[rank][1]["giftcomm"] >= 2 * len(SUBSET_CONFIGS)
+        for c in SUBSET_CONFIGS:
+            (gift, gl), (plain, pl) = res[rank][0][c]
+            assert abs(gl[0] - pl[0]) < 1e-6
+            for g, p in zip(gift, plain):
+                assert (g - p).abs().max() <= 0.125 * p.abs().max(), c  # e4m3: 2**-3 of the amax
+                assert not torch.equal(g, p), c
+    for c in SUBSET_CONFIGS:
+        if not c[0]:  # all-reduce mode: the members of a data-parallel group agree bit for bit, the groups differ
+            for a, b in DP:
+                assert all(torch.equal(x, y) for x, y in zip(res[a][0][c][0][0], res[b][0][c][0][0]))
+            assert not torch.equal(res[0][0][c][0][0][0], res[1][0][c][0][0][0])
 
 
 def _fsdp_grads(rank, route, gift, plain):

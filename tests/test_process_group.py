@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_torchrun import _spawn
 
-from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
+from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_reduce_scatter
 
 N = 3001  # a multiple of no block
 
@@ -121,15 +121,10 @@ def _disagree_worker(rank, world):
     from giftcomm.adapters.torch import new_group
 
     try:
-        new_group(ranks=[1])
-        subset = None
-    except NotImplementedError as exc:
-        subset = str(exc)
-    try:
         new_group(fmt="e4m3" if rank == 0 else "e5m2")
     except ValueError as exc:
-        return str(exc), subset
-    return None, subset
+        return str(exc)
+    return None
 
 
 def _routes_worker(rank, world):
@@ -200,9 +195,95 @@ def test_ranks_on_different_routes_all_raise(tmp_path):
 
 def test_ranks_disagreeing_on_options_all_raise(tmp_path):
     res = _spawn(_disagree_worker, 2, tmp_path)
-    assert all(r is not None and "disagree" in r for r, _ in res)
-    # a group over some ranks is refused on every rank (it used to leave the next new_group waiting)
-    assert all(s is not None and "some of the ranks" in s for _, s in res)
+    assert all(r is not None and "disagree" in r for r in res)
+
+
+DP = ([0, 2], [1, 3])  # world 4 under tensor parallelism 2: the data-parallel groups
+
+
+def _subgroups_worker(rank, world):
+    """Giftcomm groups over the data-parallel subsets :data:`DP`, every rank calling new_group
+    for each (the Megatron pattern), after an ordinary group over rank 1 alone (the ranks then
+    hold different numbers of groups); then a whole-world giftcomm group, an ordinary group,
+    subset groups whose members disagree on the options, and one more subset group."""
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    none = dist.GroupMember.NON_GROUP_MEMBER
+    dist.new_group(ranks=[1])
+    groups = [new_group(ranks=dp, fmt="e4m3", algorithm="ring", min_elems=1000, allgather=True) for dp in DP]
+    res: dict = {"member": [g != none for g in groups]}
+    pg = groups[rank % 2]
+    res["group"] = (dist.get_rank(pg), dist.get_world_size(pg), dist.get_process_group_ranks(pg), pg.size())
+    x = _data(rank, N)
+    res["x"] = x.clone()
+    y = x.clone()
+    dist.all_reduce(y, group=pg)
+    res["allreduce"] = y
+    inp = _data(rank, 2 * 1500, seed=1)
+    out = torch.empty(1500)
+    dist.reduce_scatter_tensor(out, inp, group=pg)
+    res["rs_in"], res["rs"] = inp, out
+    gathered = torch.empty(2 * N)
+    dist.all_gather_into_tensor(gathered, x, group=pg)
+    res["allgather"] = gathered
+    a, b = x.clone(), _data(rank, 1200, seed=2)
+    res["coal_in"] = torch.cat([a, b])
+    with dist._coalescing_manager(pg):
+        dist.all_reduce(a, group=pg)
+        dist.all_reduce(b, group=pg)
+    res["coal"] = torch.cat([a, b])
+    res["counts"] = dict(pg.counts)
+    whole = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    y = x.clone()
+    dist.all_reduce(y, group=whole)
+    res["whole"] = y
+    ints = torch.arange(7) * (rank + 1)
+    dist.all_reduce(ints, group=dist.new_group())
+    res["plain"] = ints
+    res["disagree"] = []
+    for dp in DP:  # group rank 0 asks for e4m3, group rank 1 for e5m2
+        try:
+            g = new_group(ranks=dp, fmt="e4m3" if rank < 2 else "e5m2")
+            res["disagree"].append("non-member" if g == none else "made")
+        except ValueError as exc:
+            res["disagree"].append(str(exc))
+    last = new_group(ranks=[0, 1], fmt="e4m3", algorithm="ring", min_elems=1000)
+    y = x.clone()
+    if last != none:
+        dist.all_reduce(y, group=last)
+    res["last"] = y
+    return res
+
+
+def test_groups_over_subsets_of_the_ranks(tmp_path):
+    res = _spawn(_subgroups_worker, 4, tmp_path)
+    xs = [r["x"].numpy() for r in res]
+    for dp in DP:
+        want = simulate_allreduce([xs[q] for q in dp], fmt="e4m3", algorithm="ring")
+        rs = simulate_reduce_scatter([res[q]["rs_in"].numpy() for q in dp], fmt="e4m3", layout="equal")
+        gathered = simulate_allgather([xs[q] for q in dp], fmt="e4m3")
+        coal = simulate_allreduce([res[q]["coal_in"].numpy() for q in dp], fmt="e4m3", algorithm="ring")
+        for i, q in enumerate(dp):
+            got = res[q]
+            assert got["member"] == [q in d for d in DP]  # NON_GROUP_MEMBER on the other group's ranks
+            assert got["group"] == (i, 2, dp, 2)
+            np.testing.assert_array_equal(got["allreduce"].numpy(), want[i])
+            np.testing.assert_array_equal(got["rs"].numpy(), rs[i])
+            np.testing.assert_array_equal(got["allgather"].numpy(), gathered[i])
+            np.testing.assert_array_equal(got["coal"].numpy(), coal[i])
+            assert got["counts"] == {"giftcomm": 4, "inner": 0}
+            # group rank 0 gave e4m3, group rank 1 e5m2: ValueError on both members, nothing elsewhere
+            for d, msg in zip(DP, got["disagree"]):
+                assert ("disagree" in msg) if q in d else msg == "non-member", (q, msg)
+        assert not np.array_equal(res[dp[0]]["allreduce"].numpy(), xs[dp[0]] + xs[dp[1]])  # compressed
+    whole = simulate_allreduce(xs, fmt="e4m3", algorithm="ring")
+    pair = simulate_allreduce(xs[:2], fmt="e4m3", algorithm="ring")
+    for q in range(4):
+        np.testing.assert_array_equal(res[q]["whole"].numpy(), whole[q])
+        assert torch.equal(res[q]["plain"], torch.arange(7) * 10)
+        np.testing.assert_array_equal(res[q]["last"].numpy(), pair[q] if q < 2 else xs[q])
 
 
 def test_bad_options_raise_where_given():

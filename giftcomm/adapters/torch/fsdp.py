@@ -87,16 +87,22 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def members_transport(group: dist.ProcessGroup) -> Transport:
-    """The host transport over ``group``'s members: a TorchDistTransport whose private gloo group
-    only the members create (collective over ``group`` alone, so each HSDP shard group makes
-    its own while the others make theirs)."""
+def members_transport(group: dist.ProcessGroup, control: dist.ProcessGroup | None = None) -> Transport:
+    """The host transport over ``group``'s members: a TorchDistTransport over the private gloo
+    group ``control`` (the same ranks as ``group``), or, with None, one that only the members
+    create here (collective over ``group`` alone, so each HSDP shard group makes its own while
+    the others make theirs)."""
     from ...transport.torch_dist import TorchDistTransport
 
     t = TorchDistTransport.__new__(TorchDistTransport)
     t.user_group = group
     t._global = list(dist.get_process_group_ranks(group))
-    t.group = dist.new_group(ranks=t._global, backend="gloo", use_local_synchronization=True)
+    if control is None:
+        control = dist.new_group(ranks=t._global, backend="gloo", use_local_synchronization=True)
+    elif list(dist.get_process_group_ranks(control)) != t._global:
+        raise ValueError(f"members_transport: the control group's ranks {dist.get_process_group_ranks(control)} "
+                         f"are not the group's {t._global}")
+    t.group = control
     t.rank, t.size = dist.get_rank(t.group), dist.get_world_size(t.group)
     t._nodes = t._find_nodes()
     return t

@@ -7,6 +7,7 @@
     dist.init_process_group("gloo")                  # or "nccl"; torchrun sets the env
     pg = gt.new_group(fmt="e4m3", min_elems=65536)   # collective over the world, like dist.new_group
     ddp = DDP(model, process_group=pg)               # or Megatron's data-parallel group, ...
+    dp = [gt.new_group(ranks=r, fmt="e4m3") for r in ([0, 2], [1, 3])][rank % 2]  # world 4, TP 2
 
 Any consumer of a process group -- ``DDP(process_group=pg)``, Megatron-core's
 DistributedDataParallel (its data-parallel group), ``dist.all_reduce(t, group=pg)`` -- then
@@ -22,7 +23,9 @@ devices=["cpu", "cuda"])``. ``dist.new_group(backend="giftcomm", pg_options=...)
 creator the group's options and, because the creator returns a ProcessGroup, torch registers
 that very object in its world tables, so ``dist.get_rank(pg)``, ``get_process_group_ranks``,
 ``_coalescing_manager`` and the rest treat it like any group. :func:`new_group` makes the
-inner group and the options record and calls it. It never becomes the default group.
+inner group, a private gloo group over the same ranks and the options record and calls it, on
+every rank of the default group (a group over a subset of the ranks, e.g. one of Megatron's
+data-parallel groups, included). It never becomes the default group.
 
 What goes through giftcomm -- :class:`Policy` (the same decision on every rank: it reads only
 dtype, element count and op, which a correct collective shares):
@@ -402,22 +405,25 @@ for _m in ("allgather", "allgather_coalesced", "alltoall", "all_to_all_single", 
 # ---------------------------------------------------------------------------- creation
 @dataclass(frozen=True)
 class _Spec:
-    """What :func:`new_group` hands the backend's creator through ``pg_options``."""
+    """What :func:`new_group` hands the backend's creator through ``pg_options``: the inner group,
+    the private gloo group over the same ranks (the host transport's), the options and policy."""
 
     inner: Any
+    control: Any
     options: CallOptions
     policy: Policy
 
 
 def _create(backend_opts: Any, spec: Any) -> GiftProcessGroup:
     """The "giftcomm" backend's creator (``extended_api``): runs on the new group's members only,
-    inside ``dist.new_group``. Builds the host transport (collective over the members) and
-    checks that every member was given the same options and policy."""
+    inside ``dist.new_group``. Builds the host transport over the private gloo group that
+    :func:`new_group` made and checks (collective over the members) that every member was given
+    the same options and policy."""
     if not isinstance(spec, _Spec):
         raise ValueError("the giftcomm backend is created by giftcomm.adapters.torch.new_group(...) "
                          "(dist.init_process_group/new_group(backend='giftcomm') alone lacks its inner group "
                          "and options)")
-    host = members_transport(spec.inner)
+    host = members_transport(spec.inner, spec.control)
     mine = (spec.options, spec.policy, dist.get_backend(spec.inner))
     every = host.allgather_object(mine)
     differ = [r for r, x in enumerate(every) if x != mine]
@@ -439,12 +445,19 @@ _register()
 def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None, timeout: Any = None,
               policy: Policy | None = None, min_elems: int | None = None, allgather: bool | None = None,
               **options: Any) -> Any:
-    """A giftcomm process group over ``ranks`` (None or every rank: a subset raises
-    NotImplementedError on every rank), collective like
-    ``dist.new_group``: every rank of the default group calls it, with the same arguments.
+    """A giftcomm process group over ``ranks`` (global ranks; None: every rank), collective like
+    ``dist.new_group``: every rank of the default group calls it, members or not, in the same
+    order and with the same ``ranks``. Groups over disjoint subsets (Megatron's data-parallel
+    groups under tensor/pipeline parallelism: world 4, TP 2 -> DP groups [0, 2] and [1, 3]) are
+    made one after another, every rank calling it for each.
+
+    It makes three groups, with ``dist.new_group`` on every rank (names from torch's group
+    counter, the same on every rank whatever groups each rank belongs to): the inner group
+    (everything giftcomm leaves alone goes there), a private gloo group over the same ranks
+    (the route agreement and giftcomm's host transport), and the giftcomm group itself.
 
     backend: the inner group's ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...; None: the default
-    group's). timeout: the inner group's (a timedelta; None: torch's default). policy: a
+    group's). timeout: the inner and private groups' (a timedelta; None: torch's default). policy: a
     :class:`Policy`, or min_elems / allgather to build one. options: giftcomm's call options
     (fmt, block, rounding, seed, algorithm, slice_elems, timeout is the group's -- use
     ``call_timeout`` --, mx_scale, allow_native; :class:`CallOptions`), validated here: a bad one
@@ -466,15 +479,16 @@ def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None,
         raise ValueError("new_group: give policy= or min_elems/allgather, not both")
     if not isinstance(policy, Policy):
         raise TypeError(f"new_group: policy must be a giftcomm Policy, got {type(policy).__name__}")
-    if ranks is not None and sorted(ranks) != list(range(dist.get_world_size())):
-        # every rank calls new_group with the same ranks, so every rank raises here: a group over
-        # some ranks left the next dist.new_group waiting (the members' private gloo group)
-        raise NotImplementedError(f"new_group: a giftcomm group over some of the ranks ({sorted(ranks)}) is not "
-                                  f"supported yet; give ranks=None (all {dist.get_world_size()} ranks)")
+    members = None if ranks is None else list(ranks)
     extra = {} if timeout is None else {"timeout": timeout}
-    inner = dist.new_group(ranks=None if ranks is None else list(ranks), backend=backend, **extra)
+    inner = dist.new_group(ranks=members, backend=backend, **extra)
+    # The private gloo group is made here on every rank, not by the members alone inside the
+    # creator: a members-only group (use_local_synchronization) is named by a hash of its ranks
+    # and of how many groups the calling rank has registered, which differs between ranks that
+    # belong to different groups (after a subset group, or any ordinary dist.new_group over some
+    # ranks) -- each rank then waited for the others under another store prefix.
+    control = dist.new_group(ranks=members, backend="gloo", **extra)
     if inner == dist.GroupMember.NON_GROUP_MEMBER:
         # not a member: take part in the outer group's creation (its name counter), get no group
-        return dist.new_group(ranks=list(ranks) if ranks is not None else None, backend=BACKEND, **extra)
-    return dist.new_group(ranks=None if ranks is None else list(ranks), backend=BACKEND,
-                          pg_options=_Spec(inner, opts, policy), **extra)
+        return dist.new_group(ranks=members, backend=BACKEND, **extra)
+    return dist.new_group(ranks=members, backend=BACKEND, pg_options=_Spec(inner, control, opts, policy), **extra)
