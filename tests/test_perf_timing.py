@@ -149,3 +149,22 @@ def test_torch_step_scripts_run_one_rank(script, rows, tmp_path):
             res.stdout
     assert re.search(r"^giftcomm e4m3 .*per step \(medians, rank 0\).* codec [0-9.]+, waiting", res.stdout, re.M), \
         res.stdout
+
+
+def test_torchtitan_step_script_runs_two_ranks(tmp_path):
+    """perf/torchtitan_step.py as on the netbed (mpiexec, a file rendezvous), at P = 2 on a tiny
+    step (seq_len 64, local batch 1, one round of one step): a row per configuration, and
+    giftcomm's e4m3 reduce-scatters send about a quarter of stock's float32 bytes (1.0156 bytes a
+    value against 4, plus the few small calls it sends uncompressed)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "torchtitan_step.py"),
+                          "--rendezvous", str(tmp_path / "rdzv"), "--seq-len", "64", "--batch", "1", "--steps", "1",
+                          "--rounds", "1"], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    number = r" +([0-9.]+)"
+    rows = {m[1]: [float(v) for v in m.groups()[1:]] for m in
+            re.finditer(rf"^(torchtitan stock|giftcomm){number}{number}x{number}{number}x$", res.stdout, re.M)}
+    assert set(rows) == {"torchtitan stock", "giftcomm"}, res.stdout
+    assert rows["torchtitan stock"][1] == 1.0 and rows["torchtitan stock"][3] == 1.0
+    assert 0.25 <= rows["giftcomm"][3] <= 0.27, res.stdout
+    assert rows["giftcomm"][2] > 0

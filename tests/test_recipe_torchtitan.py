@@ -1,8 +1,8 @@
-"""giftcomm.recipes.torchtitan without torchtitan installed (not in the test extra: see
-docs/adapters.md): the GIFTCOMM_* options, the module's answer to torchtitan's config lookup
-(against a stand-in of torchtitan's model registry), and the wrapped ``parallelize_fn`` over a
-real FSDP2 model at P = 2 (gloo), whose gradient divide factor makes FSDP2 call the comm with
-PREMUL_SUM as torchtitan does."""
+"""giftcomm.recipes.torchtitan without torchtitan (its own trainer runs the recipe in
+tests/test_torchtitan_train.py): the GIFTCOMM_* options, the module's answer to torchtitan's
+config lookup (against a stand-in of torchtitan's model registry), and the wrapped
+``parallelize_fn`` over a real FSDP2 model at P = 2 (gloo), whose gradient divide factor makes
+FSDP2 call the comm with PREMUL_SUM as torchtitan does."""
 from __future__ import annotations
 
 import dataclasses
