@@ -35,7 +35,7 @@ import logging
 import weakref
 from typing import Any
 
-from .algorithms import BY_NAME, row
+from .algorithms import AUTO, BY_NAME, row
 from .formats import get_format, message_nbytes
 
 __all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
@@ -135,7 +135,7 @@ def agreed(t: Any, job: Any, explicit: bool) -> Slot:
             slot = rec.slots[key] = Slot(call.fmt.name, "allgather", nbytes, None)
         return slot
     reason = None
-    if algorithm.native and job.opts.algorithm == "auto" and call.fmt.scaled and explicit and t.size > 1:
+    if algorithm.native and job.opts.algorithm == AUTO and call.fmt.scaled and explicit and t.size > 1:
         reason = AUTO_NATIVE
         rec = _record(t)
         if reason not in rec.warned:

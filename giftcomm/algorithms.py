@@ -9,7 +9,7 @@ which of a rank's own values it encodes alone (error feedback), the bytes each r
 stats), the row a hierarchical row runs across nodes and its route for the fused device
 transform. Everything else reads the table and compares no algorithm names: the cost model's
 ``predict``/``error_growth``/``choose`` (giftcomm.costmodel), argument checking and the agreed
-codes (giftcomm.collectives.plan), error feedback (giftcomm.feedback), the stats
+codes (giftcomm.collectives.call), error feedback (giftcomm.feedback), the stats
 (giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
 ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
@@ -165,13 +165,11 @@ class Live(list[T]):  # a list: ``in`` and iteration stay C calls on the call pa
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 
-    __hash__ = None  # type: ignore[assignment]
-
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("giftcomm.algorithms: the table's lists are read-only; use register() / unregister()")
 
-    append = extend = insert = remove = pop = clear = sort = reverse = _read_only  # type: ignore[assignment]
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
 
 
 def _links(topo: Topology, cal: Calibration) -> tuple[LinkCost, LinkCost]:

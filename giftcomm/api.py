@@ -146,10 +146,10 @@ def reduce_scatter(
     is this rank's shard of the transport's own allreduce).
     """
     t = resolve(comm, device=is_device_array(x))
-    kind, o = engine.scatter_kind(layout, call_options(opts, options, _SCATTER))
+    o = call_options(opts, options, _SCATTER)
     t = t.enter_call(t is not comm)
     try:
-        return plan_cache.collective(t, kind, x, out, o, _explicit(opts, options))
+        return plan_cache.reduce_scatter(t, x, out, layout, o, _explicit(opts, options))
     finally:
         t.exit_call()
 

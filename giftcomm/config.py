@@ -97,7 +97,7 @@ def number(name: str) -> float:
     """A non-negative finite number."""
     value = raw(name)
     try:
-        x = float(value)  # type: ignore[arg-type]
+        x = float(value or "")  # unset: not a number either
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r} is not a number") from None
     if not (x >= 0 and x != float("inf")):

@@ -2,8 +2,8 @@
 :class:`LinkCost` per link class, :data:`BOUNDS` for checking a calibration file) and the rank
 layout (:class:`Topology`), plus the two helpers every algorithm's cost formula shares.
 
-giftcomm.costmodel reads and writes the calibration file and predicts with the algorithm table
-(giftcomm.algorithms), whose formulas take these records.
+giftcomm.calibration reads and writes the calibration file; giftcomm.costmodel predicts with the
+algorithm table (giftcomm.algorithms), whose formulas take these records.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["LinkCost", "Calibration", "BUILT_IN", "BOUNDS", "Topology", "overlapped", "nic_share"]
 
@@ -75,7 +76,7 @@ class Calibration:
         outside :data:`BOUNDS`."""
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # the keywords of Calibration(...)
         for name in ("shm", "net"):
             link = d.get(name)
             if not isinstance(link, dict):
@@ -85,8 +86,8 @@ class Calibration:
             if key in d and key not in ("alpha", "beta"):
                 values[key] = _bounded(d, key)
         if "nics_per_node" in values:
-            values["nics_per_node"] = int(values["nics_per_node"])  # type: ignore[call-overload]
-        return cls(**values)  # type: ignore[arg-type]
+            values["nics_per_node"] = int(values["nics_per_node"])
+        return cls(**values)
 
 
 BUILT_IN = Calibration(

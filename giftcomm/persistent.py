@@ -31,11 +31,11 @@ from . import _xp
 from . import accounting as _stats
 from .algorithms import Algorithm
 from .codec import native_available, native_supports
+from .collectives import call as calls
 from .collectives import engine, native, oneshot
-from .collectives import plan as planning
 from .collectives.agree import error_code, meet_plans, raise_failures
+from .collectives.call import Call, Job
 from .collectives.hold import held
-from .collectives.plan import Call, Job
 from .errors import CommAborted, CommClosed, CommError
 from .formats import check_key
 from .options import CallOptions, Entry, call_options
@@ -77,7 +77,7 @@ class _ChannelCalls:
             try:
                 with held(succ, None, plain=False):
                     if st.channel is not None:
-                        meet_plans(succ, st.channel, STALE_WORD, planning.caller(), "giftcomm plan")
+                        meet_plans(succ, st.channel, STALE_WORD, calls.caller(), "giftcomm plan")
             except CommError:
                 raise
             except Exception:  # noqa: BLE001 - the peers raise theirs; this rank's error is below
@@ -92,7 +92,7 @@ class _ChannelCalls:
         learns it and the exception propagates."""
         t = self.transport
         try:
-            return channel.native.call(code, self._word, planning.caller(), seed, x, out, fmt_code, block, None, avg,
+            return channel.native.call(code, self._word, calls.caller(), seed, x, out, fmt_code, block, None, avg,
                                        t.timeout)
         except BaseException:
             t.interrupted("giftcomm plan (shared-memory channel)")
@@ -144,7 +144,7 @@ class AllreducePlan(_ChannelCalls):
         self._template, self._word = call, word
         self._wire = call.wire(t.rank)
         self._stochastic = call.seed is not None
-        self._acc = accumulation_dtype(planning.flat_values(call).dtype)
+        self._acc = accumulation_dtype(calls.flat_values(call).dtype)
         self._header = np.zeros(WORDS, np.int64)
         # the one-shot message carries the check words: not with a geometry (transforms around the sum)
         self._piggyback = algorithm.one_exchange and t.memory == HOST and not call.imp.device and job.geometry is None
@@ -175,13 +175,13 @@ class AllreducePlan(_ChannelCalls):
             raise ValueError("this plan rounds stochastically: pass seed= (an int identifying the call)")
         if not self._stochastic and seed is not None:
             raise ValueError("seed= is for plans made with rounding='stochastic'")
-        imp = planning.import_checked(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
+        imp = calls.import_checked(x, "x")  # as the plain call: TypeError for a non-float dtype, a masked array
         tpl = self._template
         if imp.logical != tpl.imp.logical or tuple(imp.array.shape) != self.shape or imp.device != tpl.imp.device:
             raise ValueError(f"this plan takes {self.dtype} arrays of shape {self.shape} "
                              f"({'device' if tpl.imp.device else 'host'}); got {imp.logical} {tuple(imp.array.shape)}")
         call = Call(imp, tpl.fmt, tpl.block, tpl.op, tpl.sig, seed=None if seed is None else check_key(seed))
-        planning.check_out(call, out, self.shape)
+        calls.check_out(call, out, self.shape)
         return call
 
     def __call__(self, x: Any, out: Any = None, seed: int | None = None, timeout: float | None = None) -> Any:
@@ -227,7 +227,7 @@ class AllreducePlan(_ChannelCalls):
             into = None if out is None else out.reshape(-1)
             total = native.allreduce(t, x.reshape(-1), self._wire, self._acc, into)
             if self._avg:
-                total = planning.divide(total, t.size)  # ``out`` or the transport's new array
+                total = calls.divide(total, t.size)  # ``out`` or the transport's new array
             if out is None:
                 return total.reshape(self.shape)
             if total is not into:
@@ -246,13 +246,13 @@ class AllreducePlan(_ChannelCalls):
             error = exc
         head = self._header
         head[0] = 0 if error is None else error_code(error)
-        head[1], head[2] = self._word, planning.caller()
+        head[1], head[2] = self._word, calls.caller()
         head[3] = 0 if call is None or call.seed is None else call.seed - (1 << 64) * (call.seed >= 1 << 63)
         wire = self._wire if call is None or call.seed is None else replace(self._wire, seed=call.seed)
         if channel is not None:
             return self._over_channel(channel, call, error, wire, out)
         if self._piggyback:
-            flat = self._zeros if call is None else planning.flat_values(call)
+            flat = self._zeros if call is None else calls.flat_values(call)
             got = oneshot.exchange(t, flat, wire, head)
             self._check(got.headers(), error)
             assert call is not None
@@ -270,7 +270,7 @@ class AllreducePlan(_ChannelCalls):
         head = self._header
         if call is not None and self._row.one_exchange:
             try:  # a failure here still posts (the error code): no rank is left waiting
-                wire.encode(planning.flat_values(call), channel.payload(t.rank, parity, nbytes))
+                wire.encode(calls.flat_values(call), channel.payload(t.rank, parity, nbytes))
             except Exception as exc:
                 error, head[0] = exc, error_code(exc)
         status = self._post(channel, int(head[0]), int(head[3]), fmt_code=self._fmt_code, block=wire.block)
@@ -283,9 +283,9 @@ class AllreducePlan(_ChannelCalls):
     def _reduce(self, messages: list[Any], call: Call, wire: Any, out: Any) -> Any:
         """The one-shot sum of every rank's message, finished like :func:`giftcomm.allreduce`."""
         t = self.transport
-        into = planning.direct_out(call) if self._acc == np.float32 else None
+        into = calls.direct_out(call) if self._acc == np.float32 else None
         total = oneshot.reduce(messages, self._zeros.size, wire, self._acc, into)
-        return planning.finish_reduction(t.size, call, total, into, out, self.shape)
+        return calls.finish_reduction(t.size, call, total, into, out, self.shape)
 
 class JobPlan(_ChannelCalls):
     """A plain reduce-scatter's or allgather's agreed job, kept for repeated calls with its
@@ -313,8 +313,8 @@ class JobPlan(_ChannelCalls):
             assert channel is not None
             job, error = None, None
             try:
-                call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
-                planning.check_transport(t, call)
+                call = calls.validate(x, kind.arg, opts, reduces=kind.reduces)
+                calls.check_transport(t, call)
                 job = Job(call, opts)
                 kind.prepare(t, job, out, None, None)  # this rank's checks (out, the layout), nothing agreed
             except Exception as exc:  # joins the check below: every rank raises it
@@ -428,7 +428,7 @@ def plan_of(t: Transport, job: Job, cached: bool = False) -> AllreducePlan:
     # the same word on every rank: the agreed signature and the plan's number on this transport
     # (plans are made collectively, so every rank counts them alike)
     t.state.plans += 1
-    word = zlib.crc32(np.array([call.sig[k] for k in planning.MATCH] + [t.state.plans], np.int64).tobytes())
+    word = zlib.crc32(np.array([call.sig[k] for k in calls.MATCH] + [t.state.plans], np.int64).tobytes())
     # a geometry's plan: its calls run engine.run_allreduce (the transforms around the agreed
     # algorithm, as gift_allreduce), checked by one small gather, never through the channel
     channel = job.geometry is None and _channel(t, call, chosen)

@@ -31,10 +31,11 @@ import numpy as np
 
 from . import persistent
 from .collectives import engine
+from .collectives.layout import unknown_layout
 from .options import CallOptions
 from .transport import Transport
 
-__all__ = ["PLAN_CACHE_SIZE", "signature", "allreduce"]
+__all__ = ["PLAN_CACHE_SIZE", "signature", "allreduce", "reduce_scatter", "collective"]
 
 PLAN_CACHE_SIZE = 32
 """Cached plans per transport (least recently used evicted first)."""
@@ -118,6 +119,17 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
     if key is not None and made is not None:
         _keep(cache, key, made)
     return result
+
+
+def reduce_scatter(t: Transport, x: Any, out: Any, layout: str, opts: CallOptions | Exception,
+                   explicit: bool = True) -> Any:
+    """:func:`giftcomm.reduce_scatter` of ``x`` over ``t`` with shard layout ``layout`` through
+    the cache: :func:`collective` with the layout's Kind (engine.REDUCE_SCATTERS); an unknown
+    layout becomes the call's error, raised on every rank by the agreement."""
+    kind = engine.REDUCE_SCATTERS.get(layout) if isinstance(layout, str) else None
+    if kind is None:
+        kind, opts = engine.REDUCE_SCATTER, unknown_layout(layout)
+    return collective(t, kind, x, out, opts, explicit)
 
 
 def _keep(cache: Any, key: Any, plan: Any) -> None:

@@ -1,6 +1,6 @@
 """The agreement, field by field, under mpiexec (tests/run_all.sh runs it at P = 1..5).
 
-For every field the ranks must agree on (giftcomm.collectives.plan MATCH for allreduce /
+For every field the ranks must agree on (giftcomm.collectives.call MATCH for allreduce /
 gift_allreduce / reduce_scatter, GATHER_MATCH and the out size for allgather), the last rank
 passes a different value and every rank must raise the same ValueError naming that field; for
 the ring and the direct algorithm, with the shared window and with MPI messages. Dropping any
@@ -16,7 +16,7 @@ import pytest
 from conftest import FORMAT_NAMES, SCATTER_ALGORITHMS
 
 import giftcomm as gc
-from giftcomm.collectives.plan import GATHER_MATCH, MATCH
+from giftcomm.collectives.call import GATHER_MATCH, MATCH
 
 pytestmark = [pytest.mark.mpi, pytest.mark.multirank]
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from giftcomm import costmodel
-from giftcomm.costmodel import Calibration, Topology, choose, load_calibration
+from giftcomm import calibration
+from giftcomm.calibration import load_calibration
+from giftcomm.costmodel import Calibration, Topology, choose
 from giftcomm.machine import BUILT_IN
 
 # Under pytest-xdist every test of this module runs on one worker: its jobs' cleanup removes the
@@ -533,7 +534,7 @@ def _bad_files() -> dict[str, object]:
         "overlap above 1": with_(overlap=3.5),
         "fractional nics": with_(nics_per_node=1.5),
         "deep nesting": "[" * 100000 + "]" * 100000,
-        "too large": " " * (costmodel.MAX_FILE_BYTES + 10) + "{}",
+        "too large": " " * (calibration.MAX_FILE_BYTES + 10) + "{}",
         "a directory": "<dir>",
         "a fifo": "<fifo>",
     }
@@ -579,7 +580,7 @@ def test_a_good_calibration_file_is_used_and_a_fixed_one_is_reread(tmp_path, mon
         assert load_calibration().source == "built-in defaults"
     good = json.loads(json.dumps(GOOD))
     good["shm"]["alpha"] = 3e-6
-    costmodel.write_calibration(path, json.dumps(good))
+    calibration.write_calibration(path, json.dumps(good))
     cal = load_calibration()
     assert cal.shm.alpha == 3e-6 and cal.source == str(path)
 
@@ -587,21 +588,21 @@ def test_a_good_calibration_file_is_used_and_a_fixed_one_is_reread(tmp_path, mon
 def test_the_calibration_path_honours_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.delenv("GIFTCOMM_CALIBRATION", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert costmodel.calibration_path() == tmp_path / "cache" / "giftcomm" / "calibration.json"
+    assert calibration.calibration_path() == tmp_path / "cache" / "giftcomm" / "calibration.json"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert costmodel.calibration_path() == tmp_path / "home" / ".cache" / "giftcomm" / "calibration.json"
+    assert calibration.calibration_path() == tmp_path / "home" / ".cache" / "giftcomm" / "calibration.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert costmodel.calibration_path() == tmp_path / "home" / ".cache" / "giftcomm" / "calibration.json"
+    assert calibration.calibration_path() == tmp_path / "home" / ".cache" / "giftcomm" / "calibration.json"
     monkeypatch.setenv("GIFTCOMM_CALIBRATION", str(tmp_path / "x.json"))
-    assert costmodel.calibration_path() == tmp_path / "x.json"
+    assert calibration.calibration_path() == tmp_path / "x.json"
 
 
 def test_writing_the_calibration_is_atomic(tmp_path, monkeypatch):
     """A reader polling while the file is rewritten 200 times never sees a partial file."""
     path = tmp_path / "calibration.json"
     monkeypatch.setenv("GIFTCOMM_CALIBRATION", str(path))
-    costmodel.write_calibration(path, json.dumps(GOOD))
+    calibration.write_calibration(path, json.dumps(GOOD))
     stop, seen = threading.Event(), []
 
     def reader():
@@ -617,7 +618,7 @@ def test_writing_the_calibration_is_atomic(tmp_path, monkeypatch):
         doc = json.loads(json.dumps(GOOD))
         doc["shm"]["alpha"] = (i + 1) * 1e-6
         doc["measured"] = {"pad": "x" * 20000}
-        costmodel.write_calibration(path, json.dumps(doc))
+        calibration.write_calibration(path, json.dumps(doc))
     stop.set()
     th.join()
     assert seen and not [s for s in seen if isinstance(s, Exception)]

@@ -327,7 +327,7 @@ def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm
     if hasattr(cp, "runtime_state"):  # the stand-in counts launches per kernel
         launched = cp.runtime_state.launches
         fused = gift.fused_encode(algorithm, get_format(fmt), block or 32, seed)
-        node = algorithm in gift.NODE_FUSED_ROWS  # fused into the node-local fp32 ring
+        node = gc.algorithms.row(algorithm).fused == "nodes"  # fused into the node-local fp32 ring
         fp8 = fused and not node
         assert bool(launched.get(f"gc_fz_enc_{fmt}")) == fp8
         folds = algorithm == "doubling" and p & (p - 1)  # a rank folds into another: a hop

@@ -15,7 +15,8 @@ from conftest import FORMAT_NAMES, assert_same_error, covering, outcomes, same
 
 import giftcomm as gc
 from giftcomm.algorithms import TABLE
-from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times, choose, forget_calibration
+from giftcomm.calibration import forget_calibration
+from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times, choose
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.transport.base import tree_sum
 

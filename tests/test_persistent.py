@@ -221,7 +221,7 @@ def test_channel_encode_failure_on_one_rank_raises_on_every_rank(rng, monkeypatc
         def broken(call):
             raise ZeroDivisionError("cannot read the array")
 
-        monkeypatch.setattr(persistent.planning, "flat_values", broken)
+        monkeypatch.setattr(persistent.calls, "flat_values", broken)
     with pytest.raises(RuntimeError, match=rf"bad input on rank\(s\) {p - 1}.*ZeroDivisionError"):
         plan(xs[r], seed=9)
     monkeypatch.undo()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..algorithms import BY_NAME, NATIVE
+from ..algorithms import AUTO, BY_NAME, NATIVE
 from ..options import CallOptions
 from ..reference.rounding import mix64
 
@@ -58,9 +58,10 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
     calibration they come from. Local: no communication."""
     if n in seen or not logger.isEnabledFor(logging.INFO):
         return
+    from ..calibration import load_calibration
+    from ..collectives import call as calls
     from ..collectives import engine
-    from ..collectives import plan as planning
-    from ..costmodel import candidate_times, load_calibration
+    from ..costmodel import candidate_times
     from ..transport import resolve
 
     t = resolve(comm, device=device)
@@ -70,11 +71,11 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
     seen.add(n)
     took = last[0]
     what = "the transport's own allreduce, uncompressed" if BY_NAME[took].native else f"giftcomm's {opts.fmt} wire"
-    if opts.algorithm != "auto":
+    if opts.algorithm != AUTO:
         why = f"algorithm={opts.algorithm!r} asks for it"
     else:
         cal = load_calibration()
-        times = candidate_times(n, planning.topology(t, None)[1], opts.fmt, opts.resolved_block, cal,
+        times = candidate_times(n, calls.topology(t, None)[1], opts.fmt, opts.resolved_block, cal,
                                 native=opts.allow_native)
         own = {a: s for a, s in times.items() if not BY_NAME[a].native}
         best = min(own, key=lambda a: own[a])

@@ -22,16 +22,19 @@ installed, else ``pytorch_lightning.Callback``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.nn.parallel import DistributedDataParallel
 
 from .torch.ddp import GiftState
 
-try:
+if TYPE_CHECKING:
     from lightning.pytorch import Callback
-except ImportError:  # the standalone package
-    from pytorch_lightning import Callback  # type: ignore[no-redef,assignment]
+else:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the standalone package (its Callback: another class of the same shape)
+        from pytorch_lightning import Callback
 
 __all__ = ["GiftCommCallback"]
 

@@ -95,16 +95,17 @@ def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
     """Run ``step()`` (local work between two collective phases, such as a geometry's forward
     transform) and check that it succeeded on every rank: one gather of an error code. A failure
     on any rank raises the same exception on every rank instead of leaving the others waiting."""
-    result: T | None = None
+    done: tuple[T] | None = None  # (the result,) once step() returned
     error: Exception | None = None
     try:
-        result = step()
+        done = (step(),)
         row = np.zeros(1, np.int64)
     except Exception as exc:
         error = exc
         row = error_row(exc, 1)
     raise_failures(transport, what, transport.allgather_int64(row), error)
-    return result  # type: ignore[return-value]
+    assert done is not None  # this rank's failure was raised just above
+    return done[0]
 
 
 def _uniform(table: np.ndarray, k: int) -> bool:

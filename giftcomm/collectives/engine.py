@@ -8,12 +8,12 @@ same steps under the transport's lock (giftcomm.collectives.hold.held):
 1. **validate and agree** (:func:`agree_call`): on every rank, the options (validated once into a
    :class:`~giftcomm.options.CallOptions` by giftcomm.options.call_options, before the agreement, so that
    its timeout governs it), the array, ``out``, the transport and the algorithm (auto: the cost
-   model's choice) are checked into a :class:`~giftcomm.collectives.plan.Job` inside one small collective
+   model's choice) are checked into a :class:`~giftcomm.collectives.call.Job` inside one small collective
    (giftcomm.collectives.agree), so bad input on any rank raises the same exception on every rank;
 2. **run** (:meth:`Kind.run`): the agreed algorithm's runner (the row's, :func:`runner_of`; its
    reduce-scatter for reduce_scatter, :func:`scatter_of`) moves the data with the codec kernels
    of the array's backend (the built-in rows name the runners below: ``run_ring``, ...);
-3. **finish** (giftcomm.collectives.plan.finish_reduction): ``avg``, the caller's dtype, ``out`` or a
+3. **finish** (giftcomm.collectives.call.finish_reduction): ``avg``, the caller's dtype, ``out`` or a
    new array.
 
 A :class:`Kind` is what differs between the collectives: its name in error messages, its agreed
@@ -34,16 +34,16 @@ from ..algorithms import BY_NAME, Algorithm
 from ..options import CallOptions
 from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
+from . import call as calls
 from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
 from . import layout as scatter_layout
-from . import plan as planning
 from .agree import agree, confirm
+from .call import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call, Job
 from .hold import held
-from .plan import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call, Job
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS", "scatter_kind",
+__all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
            "ALLGATHER", "agree_call", "execute", "run_allreduce", "runner_of", "scatter_of", "run_ring", "run_direct",
            "run_doubling", "run_hierarchical", "run_hierarchical_direct", "run_oneshot", "run_native"]
 
@@ -98,9 +98,9 @@ def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | E
     try:  # a failure joins the agreement, so no rank is left waiting
         if isinstance(opts, Exception):
             raise opts
-        call = planning.validate(x, kind.arg, opts, reduces=kind.reduces)
-        call.sig["caller"] = planning.caller()
-        planning.check_transport(t, call)
+        call = calls.validate(x, kind.arg, opts, reduces=kind.reduces)
+        call.sig["caller"] = calls.caller()
+        calls.check_transport(t, call)
         job = Job(call, opts)
         prepared = job, kind.prepare(t, job, out, geometry, local_size)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
@@ -249,7 +249,7 @@ def _word_geometry(word: str) -> str:
 
 def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
     call = job.call
-    planning.check_out(call, out, tuple(call.arr.shape))
+    calls.check_out(call, out, tuple(call.arr.shape))
     if isinstance(geometry, str):  # inside the agreement: every rank raises it
         raise ValueError(_word_geometry(geometry))
     geo = None if geometry is None or geometry.is_identity else geometry
@@ -260,16 +260,16 @@ def _allreduce_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_si
         # and one with a device array (the fused kernels) would round differently
         call.sig["geometry"] = int(geo.fingerprint()) ^ int(gift.takes(call.imp.device, geo))
     job.geometry = geo
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, local_size, native=job.opts.allow_native)
+    job.nodes = calls.plan_algorithm(t, call, job.opts.algorithm, local_size, native=job.opts.allow_native)
     call.sig["shared_memory"] = int(t.shared_memory)
     return call.sig
 
 
 def _allreduce_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     call = job.call
-    job.algorithm = planning.chosen_algorithm(table)
+    job.algorithm = calls.chosen_algorithm(table)
     t.last_run = (job.algorithm.name, None)
-    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, max(call.arr.size, 1))
+    job.slice_n = job.opts.slice_elems or calls.auto_slice(t, max(call.arr.size, 1))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("allreduce rank %d/%d: %d %s values, fmt %s block %d, algorithm %s (asked %s), slice %s, "
                   "shared window %s, %s transport", t.rank, t.size, call.arr.size, call.imp.logical, call.fmt.name,
@@ -285,7 +285,7 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     geo, algorithm = job.geometry, job.algorithm
     assert algorithm is not None
     xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
-    flat = planning.flat_values(call)
+    flat = calls.flat_values(call)
     if geo is not None and gift.takes(call.imp.device, geo):
         return _run_fused(t, job, call, flat, out)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
@@ -293,14 +293,14 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
                        lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
     acc_t = accumulation_dtype(flat.dtype)
     if n == 0:
-        return planning.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
-    into = planning.direct_out(call)
+        return calls.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
+    into = calls.direct_out(call)
     total = runner_of(algorithm)(t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
     if geo is not None:
         total = _geometry_inverse(geo, total, xp)
     if into is None or total is not into:
         total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
-    return planning.finish_reduction(t.size, call, total, into, out, shape)
+    return calls.finish_reduction(t.size, call, total, into, out, shape)
 
 
 def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
@@ -309,8 +309,8 @@ def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
     assert job.algorithm is not None
     shape = tuple(call.arr.shape)
     if flat.size == 0:
-        return planning.finish(call.xp.zeros(0, np.float32), call, t.size, shape, out)
-    into = planning.direct_out(call)
+        return calls.finish(call.xp.zeros(0, np.float32), call, t.size, shape, out)
+    into = calls.direct_out(call)
     name = job.algorithm.name
     if not gift.has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
         # a failure on some ranks (the plans' upload: device memory) is raised on every rank
@@ -319,7 +319,7 @@ def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
                            call.op, into)
     if into is not None and total is into:
         return out
-    return planning.finish(total, call, t.size, shape, out, op="sum")
+    return calls.finish(total, call, t.size, shape, out, op="sum")
 
 
 ALLREDUCE = Kind("giftcomm.allreduce", "x", True, FIELDS, MATCH, _allreduce_prepare, _allreduce_agreed,
@@ -334,8 +334,8 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
                      layout: str = "blocks") -> dict[str, int]:
     call = job.call
     job.bounds = bounds = scatter_layout.plan_layout(call, t.size, layout)
-    planning.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
-    job.nodes = planning.plan_algorithm(t, call, job.opts.algorithm, None, True,
+    calls.check_out(call, out, (int(bounds[t.rank + 1] - bounds[t.rank]),))
+    job.nodes = calls.plan_algorithm(t, call, job.opts.algorithm, None, True,
                                         native=job.opts.allow_native)
     return call.sig
 
@@ -343,19 +343,19 @@ def _scatter_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size
 def _scatter_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
     job.algorithm = scatter_layout.chosen_algorithm(table)
     t.last_run = (job.algorithm.name, job.bounds)
-    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.call.arr.size)
+    job.slice_n = job.opts.slice_elems or calls.auto_slice(t, job.call.arr.size)
 
 
 def _scatter_run(t: Transport, job: Job, out: Any) -> Any:
     call, bounds = job.call, job.bounds
     assert bounds is not None and job.algorithm is not None
-    flat = planning.flat_values(call)
+    flat = calls.flat_values(call)
     acc_t = accumulation_dtype(flat.dtype)
     shard_shape = (int(bounds[t.rank + 1] - bounds[t.rank]),)
     if flat.size == 0:
-        return planning.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
+        return calls.finish(call.xp.zeros(0, acc_t), call, t.size, shard_shape, out)
     total, _ = scatter_of(job.algorithm.name)(t, flat, bounds, call.wire(t.rank), acc_t, job.slice_n)
-    return planning.finish(total, call, t.size, shard_shape, out)
+    return calls.finish(total, call, t.size, shard_shape, out)
 
 
 REDUCE_SCATTERS = {layout: Kind("giftcomm.reduce_scatter", "x", True, scatter_layout.SCATTER_FIELDS,
@@ -365,19 +365,12 @@ REDUCE_SCATTERS = {layout: Kind("giftcomm.reduce_scatter", "x", True, scatter_la
 REDUCE_SCATTER = REDUCE_SCATTERS["blocks"]
 
 
-def scatter_kind(layout: str, opts: CallOptions | Exception) -> tuple[Kind, CallOptions | Exception]:
-    """The reduce-scatter Kind of ``layout``; an unknown one becomes the call's error (raised on
-    every rank by the agreement)."""
-    kind = REDUCE_SCATTERS.get(layout) if isinstance(layout, str) else None
-    return (REDUCE_SCATTER, scatter_layout.unknown_layout(layout)) if kind is None else (kind, opts)
-
-
 # ----------------------------------------------------------------------------- allgather
 
 
 def _gather_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size: int | None) -> dict[str, int]:
     call = job.call
-    planning.check_out(call, out, None)
+    calls.check_out(call, out, None)
     if call.out is not None and call.out.ndim != 1:
         raise ValueError(f"out must be 1-D, got shape {tuple(call.out.shape)}")
     sig = {k: call.sig.get(k, 0) for k in GATHER_FIELDS}
@@ -386,18 +379,18 @@ def _gather_prepare(t: Transport, job: Job, out: Any, geometry: Any, local_size:
 
 
 def _gather_agreed(t: Transport, job: Job, table: np.ndarray) -> None:
-    job.counts, job.total = planning.gathered_counts(table)
-    job.slice_n = job.opts.slice_elems or planning.auto_slice(t, job.total)
+    job.counts, job.total = calls.gathered_counts(table)
+    job.slice_n = job.opts.slice_elems or calls.auto_slice(t, job.total)
 
 
 def _gather_run(t: Transport, job: Job, out: Any) -> Any:
     call, counts = job.call, job.counts
     assert counts is not None
-    flat, wire = planning.flat_values(call), call.wire(t.rank)
+    flat, wire = calls.flat_values(call), call.wire(t.rank)
     sl = ring.slice_chunk(flat.size, wire.fmt, wire.block, job.slice_n)
     own = ring.encode_sliced(wire, flat, sl, wire.empty(sl.nbytes), int(counts[: t.rank].sum()))
     gathered = ring.allgather(t, own, counts, wire, job.slice_n)
-    return planning.finish(gathered, call, t.size, (job.total,), out, op="sum")
+    return calls.finish(gathered, call, t.size, (job.total,), out, op="sum")
 
 
 ALLGATHER = Kind("giftcomm.allgather", "shard", False, GATHER_FIELDS, GATHER_MATCH, _gather_prepare, _gather_agreed,

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from .. import _xp
-from ..algorithms import BY_NAME, TABLE
+from ..algorithms import BY_NAME
 from ..formats import Format
 from ..partition import shared_chunk_bounds
 from ..transport import Transport
@@ -64,13 +64,8 @@ from .hierarchical import check_uniform
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["takes", "fused_encode", "FUSED_ROWS", "NODE_FUSED_ROWS", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
+__all__ = ["takes", "fused_encode", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
 
-FUSED_ROWS = tuple(a.name for a in TABLE if a.fused in ("scatter", "rounds", "exchange"))
-"""The algorithms whose forward transform runs inside their FP8 encodes (e4m3 / e5m2, nearest,
-block <= 256): the rows of the algorithm table with such a ``fused`` route."""
-NODE_FUSED_ROWS = tuple(a.name for a in TABLE if a.fused == "nodes")
-"""The algorithms whose forward transform runs inside their node-local fp32 ring (any format)."""
 MAX_STATES = 4
 """Geometries whose device state a transport keeps (a training loop refreshes its geometry now
 and then: the old one's state is dropped)."""
@@ -88,7 +83,10 @@ def takes(device: bool, geometry: Any) -> bool:
 
 
 def fused_encode(algorithm: str, fmt: Format, block: int, seed: int | None) -> bool:
-    """Whether the forward transform runs inside the encodes for this call (else Y is written)."""
+    """Whether the forward transform runs inside the encodes for this call (else Y is written):
+    the row's ``fused`` route (giftcomm.algorithms) says where -- "nodes" inside the node-local
+    fp32 ring (any format); the others inside the FP8 encodes (e4m3 / e5m2, rounding to nearest,
+    block <= 256); a row without a route never."""
     from ..cuda.fused import FORMATS, MAX_BLOCK
 
     route = BY_NAME[algorithm].fused

@@ -8,7 +8,7 @@ from ..errors import CommClosed
 from ..transport import Transport
 from ..transport.channel import PLAIN_WORD
 from .agree import meet_plans
-from .plan import caller
+from .call import caller
 
 __all__ = ["held"]
 

@@ -1,7 +1,7 @@
 """reduce_scatter's shard layout in one call: the bounds of every rank's shard, and the field
 that makes every rank agree on the layout (giftcomm.partition has the layouts themselves).
 
-A reduce-scatter's agreed signature is the collectives' (plan.FIELDS) plus ``layout``, so that
+A reduce-scatter's agreed signature is the collectives' (call.FIELDS) plus ``layout``, so that
 ranks asking for different layouts raise on every rank instead of exchanging mismatched chunks.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from ..algorithms import BY_CODE, Algorithm
 from ..partition import LAYOUTS, shard_bounds
-from .plan import MATCH, Call
+from .call import MATCH, Call
 
 __all__ = ["LAYOUTS", "SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm", "unknown_layout"]
 

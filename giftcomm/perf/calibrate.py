@@ -34,8 +34,8 @@ What is measured (all by ping-pong between two ranks; the other ranks wait witho
   when built), on ``--codec-elems`` values (default 4M: larger than the caches, as in a large
   allreduce). Also, for information, the same for bf16 (a pass-through format).
 
-The result is the JSON that :func:`giftcomm.costmodel.load_calibration` reads; it is written to
-``--out`` (default: :func:`giftcomm.costmodel.calibration_path`) and printed. Extra keys under
+The result is the JSON that :func:`giftcomm.calibration.load_calibration` reads; it is written to
+``--out`` (default: :func:`giftcomm.calibration.calibration_path`) and printed. Extra keys under
 ``"measured"`` record the raw timings, the load average and the layout.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms, codec, config
-from ..costmodel import Calibration, LinkCost, calibration_path, load_calibration
-from ..machine import BOUNDS
+from ..calibration import calibration_path, load_calibration
+from ..machine import BOUNDS, Calibration, LinkCost
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
 from .timing import load_average
@@ -327,7 +327,7 @@ def calibration_json(cal: Calibration, measured: dict | None = None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="giftcomm.perf calibrate",
                                  description="measure the cost model's constants (run under mpiexec, >= 2 ranks)")
-    ap.add_argument("--out", help="calibration file to write (default: costmodel.calibration_path())")
+    ap.add_argument("--out", help="calibration file to write (default: calibration.calibration_path())")
     ap.add_argument("--local-size", type=int, default=None,
                     help="treat each run of K consecutive ranks as one node (default: ask MPI)")
     ap.add_argument("--small", default="8,64,256,1K", help="sizes (bytes) for alpha, comma-separated")
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                    netbed_rate=config.raw("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)
         if not args.no_write:
-            from ..costmodel import write_calibration  # atomic: a temporary file, then os.replace
+            from ..calibration import write_calibration  # atomic: a temporary file, then os.replace
 
             write_calibration(out_path, text + "\n")
         print(text)

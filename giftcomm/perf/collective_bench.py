@@ -61,7 +61,7 @@ import numpy as np
 
 import giftcomm
 from giftcomm import codec, config
-from giftcomm.algorithms import native_bytes
+from giftcomm.algorithms import AUTO, BY_NAME, native_bytes
 from giftcomm.api import ALGORITHMS
 from giftcomm.costmodel import auto_algorithm
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
@@ -127,7 +127,7 @@ def _half_sum(kind: str) -> Any:
 def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
     """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
     (giftcomm.costmodel.auto_algorithm on the transport's node layout, as the API asks it)."""
-    if algorithm != "auto":
+    if algorithm != AUTO:
         return algorithm
     return auto_algorithm(count, topology(transport)[1], fmt, block)
 
@@ -249,8 +249,10 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                     wrong = comm.bcast(mine, root=0) + _disagreeing_ranks(comm, y)
             else:
                 fblock = resolve_block(name, block)
-                algo = giftcomm.api.last_algorithm(transport)[0]  # type: ignore[index]  # what the call ran
-                wire = float(native_bytes(name)) if algo == "native" else bytes_per_value(name, fblock)
+                last = giftcomm.api.last_algorithm(transport)
+                assert last is not None  # the calls above ran
+                algo = last[0]  # what the call ran
+                wire = float(native_bytes(name)) if BY_NAME[algo].native else bytes_per_value(name, fblock)
                 if check:
                     # Every rank's result must equal rank 0's (checked by digest), so only rank 0
                     # runs the single-process simulation: P times less work on a shared machine.

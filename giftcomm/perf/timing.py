@@ -97,13 +97,12 @@ def time_calls(fn: Callable[[], T], iters: int, *, warmup: int = 1, calls: int =
     least = min(3, iters) if min_iters is None else max(1, min(int(min_iters), iters))
     if barrier is None and comm is not None:
         barrier = comm.Barrier
-    result: T | None = None
     for _ in range(warmup):
-        result = fn()
+        fn()
     run = _repeat(fn, calls)
     times: list[float] = []
     spent = 0.0
-    while len(times) < iters:
+    while True:  # iters >= 1 repeats, fewer within budget_s
         if barrier is not None:
             barrier()
         dt, result = clock(run)
@@ -114,10 +113,10 @@ def time_calls(fn: Callable[[], T], iters: int, *, warmup: int = 1, calls: int =
             dt = comm.allreduce(dt, op=MPI.MAX)
         times.append(dt)
         spent += dt * calls
-        if budget_s is not None and len(times) >= least and spent >= budget_s:
+        if len(times) >= iters or (budget_s is not None and len(times) >= least and spent >= budget_s):
             break
     arr = _slowest(comm, times) if comm is not None and budget_s is None else np.asarray(times)
-    return reduce(arr), result  # type: ignore[return-value]
+    return reduce(arr), result
 
 
 def time_rounds(fns: Sequence[Callable[[], object]], rounds: int, *, calls: int = 1, warmup: int = 0,

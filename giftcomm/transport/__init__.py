@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Request, Transport, TransportState, wait_all
 from .loopback import LoopbackGroup, LoopbackTransport
 
+if TYPE_CHECKING:
+    from .nccl import NcclTransport
+
 __all__ = ["Request", "Transport", "TransportState", "wait_all", "LoopbackGroup", "LoopbackTransport", "resolve", "release",
            "PIPELINED", "GROUPED", "HOST", "DEVICE", "ANY"]
 
-_device_cache: dict[int, Transport] = {}
+_device_cache: dict[int, NcclTransport] = {}
 _world: tuple[Any, int] | None = None  # (mpi.cached_transport, COMM_WORLD's key) once made
 _CREATE = threading.Lock()  # two threads making the first call on one communicator create it once
 
@@ -97,5 +100,5 @@ def release(comm: Any = None) -> None:
     with _CREATE:
         device = _device_cache.pop(key, None)
     if device is not None:
-        device.free()  # type: ignore[attr-defined]
+        device.free()
     mpi.release(comm)

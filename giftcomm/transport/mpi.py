@@ -368,8 +368,8 @@ class MpiTransport(Transport):
         self._arrive(self.comm, "allocating the shared window (MPI_Win_allocate_shared)")
         # the window is only asked for on an intracommunicator (mpi4py raises TypeError otherwise)
         win = MPI.Win.Allocate_shared(nbytes, 1, comm=cast(MPI.Intracomm, self.comm))
-        # mpi4py's stubs declare its buffer's buffer protocol for Python >= 3.12 only
-        views = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in range(self.size)]  # type: ignore[call-overload]
+        # through a memoryview: mpi4py's stubs declare its buffer's buffer protocol for Python >= 3.12 only
+        views = [np.frombuffer(win.Shared_query(q)[0].cast("B"), np.uint8, nbytes) for q in range(self.size)]
         ok = populate(views[self.rank])
         backed = self.allgather_int64(np.array([0 if ok is False else 1], np.int64))[:, 0]
         if not backed.all():

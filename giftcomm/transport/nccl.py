@@ -17,12 +17,15 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _xp
-from .base import DEVICE, GroupedTransport, QueuedOp, Transport
+from .base import DEVICE, GroupedTransport, QueuedOp
+
+if TYPE_CHECKING:
+    from .mpi import MpiTransport
 
 
 def _nccl():
@@ -44,7 +47,7 @@ class NcclTransport(GroupedTransport):
 
     memory = DEVICE
 
-    def __init__(self, unique_id: Any, rank: int, size: int, control: Transport | None = None) -> None:
+    def __init__(self, unique_id: Any, rank: int, size: int, control: MpiTransport | None = None) -> None:
         nccl = _nccl()
         self.rank, self.size = int(rank), int(size)
         self.control = control
@@ -165,5 +168,5 @@ class NcclTransport(GroupedTransport):
         self.flush()
         self.comm.destroy()
         if self.control is not None:
-            self.control.free()  # type: ignore[attr-defined]
+            self.control.free()
             self.control = None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,11 +53,16 @@ from ...transport import Transport
 from ..calls import log_path
 from .kfac import KfacCapture
 from .streams import on_stream
+from .work import completed_work
 
-try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
+if TYPE_CHECKING:  # torch >= 2.9, as the type check runs (the runtime import below falls back)
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterProtocol
-except ImportError:  # older torch: duck-typed; register_reduce_scatter says what is missing
-    _ReduceScatterProtocol = object  # type: ignore[assignment,misc]
+else:
+    try:  # torch >= 2.9: the comm protocol of FSDPModule.set_custom_reduce_scatter
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterProtocol
+    except ImportError:  # older torch: duck-typed; register_reduce_scatter says what is missing
+        _ReduceScatterProtocol = object
 
 __all__ = ["GiftReduceScatter", "GiftReduceScatters", "register_reduce_scatter", "fsdp_modules"]
 
@@ -76,7 +81,7 @@ def _require_fsdp2() -> Any:
     return found
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP2 modules of ``model`` (``fully_shard`` applied), in ``model.modules()`` order."""
     FSDPModule = _require_fsdp2()  # noqa: N806
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -107,7 +112,7 @@ on_current_stream = on_stream
 """CuPy on torch's current stream of a CUDA tensor's device (giftcomm.adapters.torch.streams)."""
 
 
-class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type]
+class GiftReduceScatter(_ReduceScatterProtocol):
     """FSDP2's ``ReduceScatter`` comm through giftcomm (module doc).
 
     options / ``**opts``: the call options (keywords, or one :class:`giftcomm.options.CallOptions`
@@ -237,11 +242,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:
             output_tensor.mul_(factor)
-        if async_op:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result([output_tensor])
-            return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
-        return None
+        return completed_work([output_tensor]) if async_op else None
 
     def stats(self) -> dict[str, Any]:
         """What this rank sent in this GiftReduceScatter's reduce-scatters: the dict of :func:`giftcomm.stats`
@@ -382,7 +383,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):  # type: ignore[misc,valid-type
         if not names:
             return None
         host = self._host[group]
-        summed = host.sum_float64(np.concatenate(mats))  # type: ignore[attr-defined]
+        summed = host.sum_float64(np.concatenate(mats))
         offset, avg = 0, {}
         for name in names:
             m_out, n_in = dict(layout)[name]
@@ -482,8 +483,8 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
     device: dict[Any, Transport] = {}
     for i, module in enumerate(modules):
-        state = module._get_fsdp_state()  # type: ignore[operator]  # the public setter checks too, but later
-        groups = list(state._fsdp_param_groups)
+        state = module._get_fsdp_state()  # the public setter checks too, but later
+        groups: list[Any] = list(state._fsdp_param_groups)  # FSDP's private records, read duck-typed
         if not groups:  # an FSDP module whose parameters all belong to nested ones
             continue
         if len(groups) > 1:
@@ -497,6 +498,6 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
         dims = [int(fp.fsdp_placement.dim) for fp in fsdp_params]
         pnames = [names.get(id(fp.sharded_param), f"module{i}.param{j}") for j, fp in enumerate(fsdp_params)]
         comm.bind(pnames, shapes, dims, int(group.mesh_info.shard_mesh_size))
-        module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+        module.set_custom_reduce_scatter(comm)
         comms.append(comm)
     return comms

@@ -73,6 +73,7 @@ from ...algorithms import SCATTER_CHOICES
 from ...options import CallOptions
 from ...transport import Transport
 from .fsdp import members_transport, on_current_stream
+from .work import completed_work
 
 __all__ = ["Policy", "GiftProcessGroup", "new_group", "BACKEND"]
 
@@ -165,13 +166,6 @@ def _describe(row: list[int]) -> str:
     factor = f" x {torch.tensor(row[8], dtype=torch.int64).view(torch.float64).item()}" if row[8] else ""
     return (f"{_KINDS[row[0]]} -> {route} ({row[4]} tensor(s) of {dtype}, {row[5]} elements, {op}{factor}"
             f"{'' if row[9] else ', not contiguous'})")
-
-
-def _done(tensors: list[torch.Tensor]) -> Any:
-    """A completed ``Work`` whose future holds ``tensors``."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(tensors)
-    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -294,21 +288,24 @@ class GiftProcessGroup(dist.ProcessGroup):
                     f.copy_(buf[off : off + f.numel()])
                     off += f.numel()
         self.counts["giftcomm"] += 1
-        return _done(list(tensors))
+        return completed_work(list(tensors))
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter([output], [input], opts, "reduce_scatter_single")
 
-    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the name before torch 2.13
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        return self.reduce_scatter_single(output, input, opts)  # the name before torch 2.13
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter(outputs, inputs, opts, "reduce_scatter_single_coalesced")
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # the name before torch 2.13
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)  # the name before torch 2.13
 
     def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                         method: str) -> Any:
@@ -342,7 +339,7 @@ class GiftProcessGroup(dist.ProcessGroup):
                 if factor is not None:
                     out.mul_(factor)
         self.counts["giftcomm"] += 1
-        return _done(list(outputs))
+        return completed_work(list(outputs))
 
     # ------------------------------------------------------------------ all-gather
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
@@ -356,7 +353,9 @@ class GiftProcessGroup(dist.ProcessGroup):
         opts = dist.distributed_c10d.AllgatherOptions() if opts is None else opts
         return self._allgather(outputs, inputs, opts, "all_gather_single_coalesced")
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # the name before torch 2.13
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self.all_gather_single_coalesced(outputs, inputs, opts)  # the name before torch 2.13
 
     def _allgather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any, method: str) -> Any:
         """Each input (n_i) gathered into its output (P x n_i, rank r's at chunk r): one giftcomm
@@ -384,7 +383,7 @@ class GiftProcessGroup(dist.ProcessGroup):
                     out.view(size, -1).copy_(whole[:, off : off + f.numel()])
                     off += f.numel()
         self.counts["giftcomm"] += 1
-        return _done(list(outputs))
+        return completed_work(list(outputs))
 
 
 def _pass_through(method: str) -> Any:

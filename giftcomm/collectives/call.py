@@ -1,5 +1,6 @@
-"""Planning one collective call: the call record, validation, topology, slice, algorithm choice
-and the fields every rank must agree on.
+"""One collective call's record and the steps around it: the :class:`Call` (one rank's validated
+call) and the :class:`Job` (the agreed call), validation, the transport check, topology, slice,
+algorithm choice, the fields every rank must agree on and the finishing step (avg, dtype, out).
 
 The engine (giftcomm.collectives.engine) builds a :class:`Call` on each rank from the validated
 :class:`~giftcomm.options.CallOptions` inside the agreement step (giftcomm.collectives.agree),
@@ -33,7 +34,6 @@ __all__ = ["FIELDS", "MATCH", "GATHER_FIELDS", "GATHER_MATCH", "Call", "Job", "v
            "check_transport", "topology", "plan_algorithm", "chosen_algorithm", "auto_slice", "flat_values",
            "direct_out", "finish", "finish_reduction", "divide", "gathered_counts", "positive_int", "caller"]
 
-"""What ``auto`` runs for reduce_scatter when the cost model's choice has no reduce-scatter half."""
 FIELDS = ("count", "dtype", "fmt", "block", "op", "slice", "geometry", "algorithm", "local_size", "shared_memory",
           "caller", "rounding", "seed", "allow_native", "chosen")
 """The agreed signature of allreduce / gift_allreduce / reduce_scatter, one int64 each."""
