@@ -79,9 +79,8 @@ def gift_allreduce(
     o = call_options(opts, options)
     t = t.enter_call(t is not comm)  # a release on another thread lets the same calls in on every rank
     try:
-        if geometry is None:  # exactly allreduce, its plan cache included (the same auto choice)
-            return plan_cache.allreduce(t, x, out, o, local_size, _explicit(opts, options))
-        return engine.execute(t, engine.ALLREDUCE, x, out, o, geometry, local_size, _explicit(opts, options))
+        # without a geometry exactly allreduce, its plan cache included (the same auto choice)
+        return plan_cache.allreduce(t, x, out, o, local_size, _explicit(opts, options), geometry)
     finally:
         t.exit_call()
 

@@ -363,6 +363,14 @@ def first_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, local_siz
         return result, plan
 
 
+def transformed_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, geometry: Any, local_size: int | None,
+                          explicit: bool) -> Any:
+    """:func:`giftcomm.gift_allreduce` with a geometry (collective): no plan is kept -- the
+    geometry's transforms may be rebuilt between calls (:func:`plan_allreduce` with ``geometry=``
+    holds one for a fixed geometry) -- so every call is the engine's whole call, agreed afresh."""
+    return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, explicit)
+
+
 def first_collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions, explicit: bool,
                      max_bytes: int, missed: bool) -> tuple[Any, JobPlan | None]:
     """A plain reduce-scatter (``kind``: its layout's) or allgather that also keeps its agreed job

@@ -64,11 +64,15 @@ def signature(x: Any, out: Any, opts: CallOptions, local_size: int | None) -> tu
 
 
 def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, local_size: int | None,
-              explicit: bool = True) -> Any:
+              explicit: bool = True, geometry: Any = None) -> Any:
     """:func:`giftcomm.allreduce` of ``x`` over ``t`` through the cache (collective), counted in
-    giftcomm.stats (``explicit``: the caller named the format; its fallback to native is warned)."""
+    giftcomm.stats (``explicit``: the caller named the format; its fallback to native is warned).
+    ``geometry``: :func:`giftcomm.gift_allreduce`'s; a call with one is never cached (its
+    transforms may be rebuilt between calls: persistent.transformed_allreduce)."""
     if isinstance(opts, Exception):
-        return engine.execute(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+        return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
+    if geometry is not None:
+        return persistent.transformed_allreduce(t, x, out, opts, geometry, local_size, explicit)
     key = signature(x, out, opts, local_size)
     cache = t.state.plan_cache
     plan = None if key is None else cache.get(key)

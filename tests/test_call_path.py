@@ -171,9 +171,12 @@ def plain_calls(comm: Any, rank: int) -> list[tuple[str, Callable[[], Any]]]:
     import giftcomm as gc
 
     x = np.random.default_rng(rank).standard_normal(256).astype(np.float32)
+    z = np.random.default_rng(99).standard_normal((2, 16, 16))  # alike on every rank
+    geometry = gc.Geometry.from_kfac([("w", (16, 16))], {"w": (z[0] @ z[0].T + np.eye(16), z[1] @ z[1].T + np.eye(16))})
     return [("allreduce, first", lambda: gc.allreduce(x, comm=comm)),
             ("allreduce, repeated", lambda: gc.allreduce(x, comm=comm)),
             ("gift_allreduce without geometry, repeated", lambda: gc.gift_allreduce(x, comm=comm)),
+            ("gift_allreduce with a geometry", lambda: gc.gift_allreduce(x, geometry, comm=comm)),
             ("reduce_scatter, first", lambda: gc.reduce_scatter(x, comm=comm)),
             ("reduce_scatter, repeated", lambda: gc.reduce_scatter(x, comm=comm)),
             ("allgather, first", lambda: gc.allgather(x[:64], comm=comm)),

@@ -8,7 +8,8 @@ and the communicator stays usable.
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Iterator, TypeVar
 
 import numpy as np
 
@@ -91,21 +92,18 @@ def agree(
     return plan, table[:, 1:]
 
 
-def confirm(transport: Transport, what: str, step: Callable[[], T]) -> T:
-    """Run ``step()`` (local work between two collective phases, such as a geometry's forward
-    transform) and check that it succeeded on every rank: one gather of an error code. A failure
-    on any rank raises the same exception on every rank instead of leaving the others waiting."""
-    done: tuple[T] | None = None  # (the result,) once step() returned
-    error: Exception | None = None
+@contextmanager
+def confirmed(transport: Transport, what: str) -> Iterator[None]:
+    """``with confirmed(t, what): <local work>`` -- local work between two collective phases
+    (such as a geometry's forward transform), checked to have succeeded on every rank on the way
+    out: one gather of an error code. A failure on any rank raises the same exception on every
+    rank instead of leaving the others waiting."""
     try:
-        done = (step(),)
-        row = np.zeros(1, np.int64)
+        yield
     except Exception as exc:
-        error = exc
-        row = error_row(exc, 1)
-    raise_failures(transport, what, transport.allgather_int64(row), error)
-    assert done is not None  # this rank's failure was raised just above
-    return done[0]
+        raise_failures(transport, what, transport.allgather_int64(error_row(exc, 1)), exc)
+        raise  # raise_failures raised already; kept for the reader and the type checker
+    raise_failures(transport, what, transport.allgather_int64(np.zeros(1, np.int64)), None)
 
 
 def _uniform(table: np.ndarray, k: int) -> bool:

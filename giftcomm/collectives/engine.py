@@ -37,7 +37,7 @@ from ..transport import DEVICE, Transport
 from . import call as calls
 from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
 from . import layout as scatter_layout
-from .agree import agree, confirm
+from .agree import agree, confirmed
 from .call import FIELDS, GATHER_FIELDS, GATHER_MATCH, MATCH, Call, Job
 from .hold import held
 from .wire import Wire
@@ -289,8 +289,8 @@ def run_allreduce(t: Transport, job: Job, out: Any, call: Call | None = None) ->
     if geo is not None and gift.takes(call.imp.device, geo):
         return _run_fused(t, job, call, flat, out)
     if geo is not None:  # the forward transform can fail on some ranks: they all learn it
-        flat = confirm(t, "giftcomm.gift_allreduce: geometry.forward",
-                       lambda: _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward"))
+        with confirmed(t, "giftcomm.gift_allreduce: geometry.forward"):
+            flat = _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward")
     acc_t = accumulation_dtype(flat.dtype)
     if n == 0:
         return calls.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
@@ -314,7 +314,8 @@ def _run_fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
     name = job.algorithm.name
     if not gift.has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
         # a failure on some ranks (the plans' upload: device memory) is raised on every rank
-        confirm(t, "giftcomm.gift_allreduce: fused transform", lambda: gift.state_of(t, job.geometry, call.xp))
+        with confirmed(t, "giftcomm.gift_allreduce: fused transform"):
+            gift.state_of(t, job.geometry, call.xp)
     total = gift.allreduce(t, job.geometry, name, runner_of(job.algorithm), scatter_of, flat, call.wire(t.rank), job.nodes, job.slice_n,
                            call.op, into)
     if into is not None and total is into:
