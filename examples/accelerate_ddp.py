@@ -65,6 +65,11 @@ def main() -> None:
               f"{bool((digests == digests[0]).all())}", flush=True)
     state.shutdown()
     accelerator.wait_for_everyone()  # every rank done before any tears its connections down
+    # the DDP wrapper goes before the process group: dropped after it, torch's DDP Reducer drops the
+    # last reference to the gloo group while holding the GIL and waits for gloo's worker threads,
+    # one of which may still be freeing a finished collective's tensors and need the GIL (a hang
+    # at exit, seen in 2 runs of 29 on a busy CPU)
+    model, opt, loader = accelerator.free_memory(model, opt, loader)
     accelerator.end_training()
 
 

@@ -138,6 +138,7 @@ def _ddp_worker(rank, world, init, out, seed, iters, start, fmt):
     verdict["grads_are_buckets"] = bool(np.array_equal(np.sort(flat_out), np.sort(flat_grads)))
     with open(out, "wb") as f:
         pickle.dump(verdict, f)
+    del ddp  # before the process group: see examples/accelerate_ddp.py (torch's DDP Reducer, last to let go of the group, can hang at exit)
     dist.destroy_process_group()
 
 

@@ -11,6 +11,10 @@ import pytest
 from giftcomm.reference import simulate_allreduce
 from studies import errors
 
+# one xdist worker runs every test here (--dist loadgroup): the module-scoped fixture (the error grid)
+# is then made once, not once per worker
+pytestmark = pytest.mark.xdist_group("errors_study")
+
 FMTS = ("nvfp4", "mxfp4", "mxfp8", "e4m3")
 PS = (2, 4, 8)
 ALGOS = ("ring", "direct", "hierarchical:2", "doubling")

@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+# one xdist worker runs every test here (--dist loadgroup): the module-scoped fixture (the jit cases'
+# one subprocess: about 50 s of compiling) is then made once, not once per worker
+pytestmark = pytest.mark.xdist_group("jax_jit")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

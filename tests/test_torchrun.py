@@ -274,6 +274,7 @@ def _state_before_init_worker(rank, world, port, out, seed):
     res["stats"] = state.stats().as_dict()
     with open(out, "wb") as f:
         pickle.dump(res, f)
+    del ddp  # before the process group: see examples/accelerate_ddp.py (torch's DDP Reducer, last to let go of the group, can hang at exit)
     dist.destroy_process_group()
 
 
