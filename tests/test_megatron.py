@@ -9,8 +9,12 @@ Megatron allocates its gradient buffers.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from test_torchrun import _spawn
+
+# one xdist worker runs every test here (--dist loadgroup): the P = 2 launch is made once
+pytestmark = pytest.mark.xdist_group("megatron")
 
 CONFIGS = [(False, False), (False, True), (True, False), (True, True)]  # (distributed optimizer, overlap)
 
@@ -67,8 +71,18 @@ def _worker(rank, world):
     return res, dict(gift.counts)
 
 
-def test_megatron_ddp_trains_with_the_giftcomm_group(tmp_path):
-    res = _spawn(_worker, 2, tmp_path)
+def _p2_worker(rank, world):
+    """Both P = 2 trainings in one launch: Megatron's DDP (every config), then its FSDP2 wrapper."""
+    return {"ddp": _worker(rank, world), "fsdp": _fsdp_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def p2(tmp_path_factory):
+    return _spawn(_p2_worker, 2, tmp_path_factory.mktemp("megatron-p2"))
+
+
+def test_megatron_ddp_trains_with_the_giftcomm_group(p2):
+    res = [r["ddp"] for r in p2]
     assert res[0][1]["giftcomm"] >= 2 * len(CONFIGS)
     for c in CONFIGS:
         for rank in range(2):
@@ -170,8 +184,8 @@ def _fsdp_worker(rank, world):
     return res, dict(gift.counts)
 
 
-def test_megatron_fsdp2_wrapper_trains_with_giftcomm(tmp_path):
-    res = _spawn(_fsdp_worker, 2, tmp_path)
+def test_megatron_fsdp2_wrapper_trains_with_giftcomm(p2):
+    res = [r["fsdp"] for r in p2]
     for rank in range(2):
         routes, counts = res[rank]
         plain, _ = routes["plain"]

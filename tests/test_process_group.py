@@ -297,7 +297,8 @@ def test_bad_options_raise_where_given():
         Policy(ops=("max",))
 
 
-def _ddp_worker(rank, world, gift):
+def _ddp_run(rank, gift):
+    """3 SGD steps of a DDP model over the giftcomm group (``gift``) or the default gloo group."""
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -324,10 +325,13 @@ def _ddp_worker(rank, world, gift):
             "counts": dict(pg.counts) if gift else None, "backend": dist.get_backend(ddp.process_group)}
 
 
+def _ddp_worker(rank, world):
+    return {"gift": _ddp_run(rank, True), "plain": _ddp_run(rank, False)}  # one launch, two trainings
+
+
 def test_ddp_trains_through_the_group_without_a_hook(tmp_path):
-    gift = _spawn(_ddp_worker, 2, tmp_path, True)
-    (tmp_path / "plain").mkdir()
-    plain = _spawn(_ddp_worker, 2, tmp_path / "plain", False)
+    runs = _spawn(_ddp_worker, 2, tmp_path)
+    gift, plain = [r["gift"] for r in runs], [r["plain"] for r in runs]
     assert gift[0]["backend"] == "giftcomm" and gift[0]["counts"]["giftcomm"] >= 3
     torch.testing.assert_close(gift[0]["params"], gift[1]["params"], rtol=0, atol=0)  # replicas agree bit for bit
     for step in range(3):

@@ -21,6 +21,9 @@ from conftest import spawn_ranks
 import giftcomm
 from giftcomm.reference import simulate_allreduce
 
+# one xdist worker runs every test here (--dist loadgroup): the module-scoped DDP launch is made once
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -207,15 +210,28 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     return res
 
 
-@pytest.mark.parametrize("dtype,geometry,grouped", [
+DDP_CONFIGS = [
     ("bfloat16", "kfac", False),     # bf16 model, KFAC from the hook, host route over gloo
     ("float16", "reduced", True),    # fp16, reduced-gradient GIFT, the grouped (device) route over gloo
     ("float32", "none", False),
     ("float32", "paper", False),     # the paper's preset (one word), transformed error feedback
-])
-def test_ddp_dtypes_bucket_views_geometry_checkpoint(tmp_path, rng, dtype, geometry, grouped):
-    world, seed = 2, int(rng.integers(2**20))
-    res = _spawn(_ddp_worker, world, str(tmp_path), seed, dtype, geometry, grouped)
+]
+
+
+def _ddp_configs_worker(rank, world, seed):
+    return {c: _ddp_worker(rank, world, seed, *c) for c in DDP_CONFIGS}  # one launch for every config
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    seed = int(os.environ.get("GIFTCOMM_TEST_SEED", np.random.SeedSequence().entropy % (2**20)))
+    print(f"DDP configs seed={seed} (replay with GIFTCOMM_TEST_SEED={seed})")
+    return _spawn(_ddp_configs_worker, 2, str(tmp_path_factory.mktemp("ddp-configs")), seed)
+
+
+@pytest.mark.parametrize("dtype,geometry,grouped", DDP_CONFIGS)
+def test_ddp_dtypes_bucket_views_geometry_checkpoint(ddp_runs, dtype, geometry, grouped):
+    res = [r[(dtype, geometry, grouped)] for r in ddp_runs]
     for v in res:
         assert v["digests"] == res[0]["digests"], "ranks hold different gradients"
         assert v["bucket_views"]
