@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..algorithms import AUTO
 from ..formats import message_nbytes
 from ..options import CallOptions, options_of_call
 from ..partition import shared_chunk_bounds
@@ -72,8 +73,8 @@ except ImportError:  # pragma: no cover - older jax: results typed varying
 
 __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "JIT_ALGORITHMS"]
 
-JIT_ALGORITHMS = ("ring", "direct")
-"""The algorithms of the jit path ("auto" means "ring")."""
+JIT_AUTO = "ring"
+"""What ``algorithm="auto"`` runs inside jit (no cost model there: XLA schedules the transfers)."""
 
 _UNSUPPORTED = ("slice_elems", "timeout")  # host-transport options: meaningless under jit
 
@@ -98,8 +99,8 @@ def _options(owner: str, op: str, options: dict[str, Any]) -> tuple[CallOptions,
     record = options.pop("options", None)
     options, traced_seed = _split_seed(owner, options)
     opts = options_of_call(owner, record, options, {"op": op}, fixed=("op",))
-    algorithm = "ring" if opts.algorithm == "auto" else opts.algorithm
-    if algorithm not in JIT_ALGORITHMS:
+    algorithm = _ALIASES.get(opts.algorithm, opts.algorithm)
+    if algorithm not in JIT_SCHEDULES:
         raise ValueError(f"{owner}: algorithm must be one of auto, {', '.join(JIT_ALGORITHMS)} inside jit; "
                          f"got {opts.algorithm!r}")
     for name in _UNSUPPORTED:
@@ -145,7 +146,7 @@ class _Ring:
     def __init__(self, opts: CallOptions, axis: Any, p: int, traced_seed: Any = None) -> None:
         self.f, self.block, self.axis, self.p = opts.format, opts.resolved_block, axis, p
         self.rounding = opts.rounding if self.f.scaled else "nearest"
-        self.direct = opts.algorithm == "direct"
+        self.scatter = JIT_SCHEDULES[opts.algorithm]  # "auto" was resolved by _options
         if traced_seed is not None and self.rounding == "stochastic":
             self.keys: Any = jax_codec.call_key_words(traced_seed, range(p))
         else:
@@ -170,27 +171,37 @@ class _Ring:
         starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``).
         own_error: also return float32[P, L], what this device's encodes of its own values lost
         (``chunks - decode(encode(chunks))`` on the chunks it encodes alone: giftcomm.feedback's
-        ``own_pieces``; 0 elsewhere); at P = 1 that is the allgather's, added by the caller."""
-        p, r = self.p, self.rank
+        ``own_pieces``; 0 elsewhere); at P = 1 that is the allgather's, added by the caller.
+        The schedule is the call's algorithm's (:data:`JIT_SCHEDULES`)."""
         lo = jnp.asarray(los.astype(np.uint32))
-        L = chunks.shape[1]
         err = jnp.zeros_like(chunks)  # unused (and dropped by XLA) without own_error
-        if p == 1:
+        if self.p == 1:
             return (chunks[0], err) if own_error else chunks[0]
-        if self.direct:
-            got = [chunks[r]]
-            for s in range(1, p):
-                c = (r + s) % p
-                msg = self.encode(chunks[c], lo[c])
-                if own_error:
-                    err = err.at[c].set(chunks[c] - self.decode(msg, L))
-                got.append(self.decode(self.shift(msg, s), L))
-            by_shift = jnp.stack(got)
-            by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
-            acc = by_src[0]
-            for q in range(1, p):
-                acc = acc + by_src[q]
-            return (acc, err) if own_error else acc
+        acc, err = self.scatter(self, chunks, lo, err, own_error)
+        return (acc, err) if own_error else acc
+
+    def direct_scatter(self, chunks: jax.Array, lo: jax.Array, err: jax.Array, own_error: bool) -> tuple[Any, Any]:
+        """The direct schedule of :meth:`reduce_scatter` (P > 1): each chunk encoded once by its
+        device and sent straight to its owner, summed there in device order."""
+        p, r, L = self.p, self.rank, chunks.shape[1]
+        got = [chunks[r]]
+        for s in range(1, p):
+            c = (r + s) % p
+            msg = self.encode(chunks[c], lo[c])
+            if own_error:
+                err = err.at[c].set(chunks[c] - self.decode(msg, L))
+            got.append(self.decode(self.shift(msg, s), L))
+        by_shift = jnp.stack(got)
+        by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
+        acc = by_src[0]
+        for q in range(1, p):
+            acc = acc + by_src[q]
+        return acc, err
+
+    def ring_scatter(self, chunks: jax.Array, lo: jax.Array, err: jax.Array, own_error: bool) -> tuple[Any, Any]:
+        """The ring schedule of :meth:`reduce_scatter` (P > 1): partial sums passed to the next
+        device and requantized at every hop."""
+        p, r, L = self.p, self.rank, chunks.shape[1]
         c = (r - 1) % p
         msg = self.encode(chunks[c], lo[c])
         if own_error:
@@ -200,7 +211,7 @@ class _Ring:
             acc = self.decode(self.shift(msg, 1), L) + chunks[c]
             if k < p:
                 msg = self.encode(acc, lo[c])
-        return (acc, err) if own_error else acc
+        return acc, err
 
     def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
         """float32[P, L]: every owner's chunk encoded once by it and decoded by every device,
@@ -208,6 +219,14 @@ class _Ring:
         msg = self.encode(mine, jnp.asarray(los.astype(np.uint32))[self.rank])
         every = _gather_invariant(msg, self.axis)
         return jnp.stack([self.decode(every[c], mine.shape[0]) for c in range(self.p)])
+
+
+JIT_SCHEDULES = {"ring": _Ring.ring_scatter, "direct": _Ring.direct_scatter}
+"""The jit path's reduce-scatter schedule of each algorithm it runs (rows of giftcomm.algorithms
+by name; its allgather is the same for both)."""
+JIT_ALGORITHMS = tuple(JIT_SCHEDULES)
+"""The algorithms of the jit path (and "auto": :data:`JIT_AUTO`)."""
+_ALIASES = {AUTO: JIT_AUTO}
 
 
 def _gather_invariant(msg: jax.Array, axis: Any) -> jax.Array:
