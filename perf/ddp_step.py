@@ -102,10 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="DDP's bucket_cap_mb (default: DDP's own, 25 MiB with a first bucket of 1 MiB)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration and round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rendezvous", default=None,
-                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    torch_bench.step_arguments(ap, steps=5, rounds=5)
     args = ap.parse_args()
     torch_bench.init_process_group(args.rendezvous, "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -88,11 +88,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cuda", action="store_true")
-    ap.add_argument("--rendezvous", default=None,
-                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    torch_bench.step_arguments(ap, steps=10, rounds=3)
     args = ap.parse_args()
     cuda = args.cuda
     torch_bench.init_process_group(args.rendezvous, "nccl" if cuda else "gloo")

@@ -57,10 +57,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rendezvous", default=None,
-                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    torch_bench.step_arguments(ap, steps=3, rounds=3)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # the CPU shim

@@ -16,6 +16,7 @@ FSDP's and DDP's own collectives are not counted. The timers add about a microse
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import statistics
@@ -76,6 +77,16 @@ def milliseconds() -> dict[str, float]:
     """Milliseconds in each part since the last :func:`reset`."""
     with _lock:
         return {k: 1e3 * _spent.get(k, 0.0) for k in ("codec", "wait", "post", "agree")}
+
+
+def step_arguments(ap: argparse.ArgumentParser, steps: int, rounds: int) -> None:
+    """The arguments every perf/*_step.py takes: ``--steps`` (timed steps per configuration and
+    round), ``--rounds`` (the configurations interleaved round by round) and ``--rendezvous``
+    (:func:`init_process_group`'s)."""
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps per configuration and round")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--rendezvous", default=None,
+                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
 
 
 def init_process_group(rendezvous: str | None, backend: str = "gloo") -> None:

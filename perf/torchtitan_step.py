@@ -55,10 +55,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2, help="torchtitan's local batch size")
     ap.add_argument("--fmt", default="e4m3", help="giftcomm's wire format (GIFTCOMM_FMT)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rendezvous", default=None,
-                    help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+    torch_bench.step_arguments(ap, steps=3, rounds=3)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     work = Path(tempfile.mkdtemp(prefix="torchtitan-step-"))  # this rank's assets and caches
