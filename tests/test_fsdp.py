@@ -149,6 +149,7 @@ def _bad_inputs(rank, world):
         "divide": lambda: GiftReduceScatter()(torch.zeros(2), torch.zeros(2 * world + 1), dist.group.WORLD,
                                               dist.ReduceOp.SUM),
         "no-fsdp": lambda: register_reduce_scatter(_model()),
+        "history": lambda: _train_after_uneven_groups(rank),  # last: it leaves rank 0 a group ahead
     }.items():
         try:
             fn()
@@ -156,6 +157,22 @@ def _bad_inputs(rank, world):
         except (ValueError, TypeError, RuntimeError) as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
     return errors
+
+
+def _train_after_uneven_groups(rank):
+    """A backward through giftcomm's comms after rank 0 alone joined one more process group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from giftcomm.adapters.torch import register_reduce_scatter
+
+    if rank == 0:
+        dist.new_group(ranks=[0], use_local_synchronization=True)
+    model = _model()
+    fully_shard(model)
+    register_reduce_scatter(model, fmt="e4m3")
+    x, y = _batch(rank, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 def _rel(a, b):
@@ -276,6 +293,7 @@ def test_bad_input_raises_on_every_rank_before_data_moves(fsdp_results):
     assert "SUM, AVG or PREMUL_SUM" in e["op"]
     assert "must hold" in e["divide"]
     assert "RuntimeError" in e["no-fsdp"] and "fully_shard" in e["no-fsdp"]
+    assert "RuntimeError" in e["history"] and "different numbers of process groups" in e["history"]
 
 
 # ------------------------------------------------------------------------------------ HSDP
