@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from test_torchrun import _mlp, _spawn  # noqa: E402  (one spawn-and-rendezvous helper for torchrun tests)
 
 STEPS, SAVE_AT = 9, 6  # rebuilds at iterations 2, 5, 8 (refresh_every=3), adopted 2 later (rebuild_lag=1)

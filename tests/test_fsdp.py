@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 import torch
 from test_torchrun import _spawn
+from torch.distributed.fsdp import fully_shard
 
 from giftcomm.reference import simulate_reduce_scatter
 
 # one xdist worker runs every test here (--dist loadgroup): the module-scoped fixture (each world size's training runs)
 # is then made once, not once per worker
 pytestmark = pytest.mark.xdist_group("fsdp")
-
-fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard  # torch >= 2.6
 
 WIDTHS = (13, 37, 11)  # multiples of neither 2, 3 nor any block
 

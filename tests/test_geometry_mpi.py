@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from giftcomm.geometry import Geometry, KfacEstimator, Layout, SelectivePolicy
-
-MPI = pytest.importorskip("mpi4py.MPI")
 
 LAYOUT = Layout([("q", (48, 40)), ("q.bias", (48,)), ("up", (72, 40)), ("down", (40, 72)), ("norm", (40,))])
 

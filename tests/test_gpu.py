@@ -144,7 +144,7 @@ def test_kernels_reject_bad_arguments(cp):
 
 
 def test_dlpack_torch_cuda_zero_copy(cp):
-    torch = pytest.importorskip("torch")
+    import torch
     if not torch.cuda.is_available():
         pytest.fail("CuPy sees a GPU but torch does not")
     from giftcomm import _xp
@@ -290,7 +290,7 @@ def test_nvrtc_errors_point_at_the_file(tmp_path, monkeypatch):
 # ------------------------------------------------- the device path of the public collectives
 def test_public_collectives_on_torch_cuda_bf16(cp):
     """torch CUDA bfloat16 tensors in, torch bfloat16 tensors out (DLPack, uint16 bits inside)."""
-    torch = pytest.importorskip("torch")
+    import torch
     if not torch.cuda.is_available():
         pytest.fail("CuPy sees a GPU but torch does not")
     import ml_dtypes

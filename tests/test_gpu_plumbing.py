@@ -100,7 +100,7 @@ def test_xp_import_numpy_and_dlpack_cpu():
 
 
 def test_xp_dlpack_torch_cpu_zero_copy():
-    torch = pytest.importorskip("torch", reason="torch not installed")
+    import torch
     for tdt, logical in ((torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
                          (torch.float64, "float64")):
         t = torch.arange(8, dtype=tdt)

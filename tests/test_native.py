@@ -215,7 +215,8 @@ def test_native_over_mpi_equals_its_definition():
 def test_adapters_log_their_path_once_per_bucket_size(rng, caplog, tmp_path, monkeypatch):
     """GradSync (auto per bucket) logs at INFO, once per bucket size and rank, the path each size
     took and why; a calibration where native wins makes the buckets take it and the log say so."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     from giftcomm.adapters.torch import GradSync
 
     path = tmp_path / "cal.json"

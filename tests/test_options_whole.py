@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import giftcomm as gc
 from giftcomm.options import OPTION_NAMES, CallOptions, options_of_call
-
-torch = pytest.importorskip("torch")
 
 UNKNOWN = "unknown option(s) bogus; options are " + ", ".join(OPTION_NAMES)
 
@@ -35,7 +34,7 @@ def _model():
 
 
 def _jit(name, **kw):
-    jax = pytest.importorskip("jax")
+    import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -48,14 +47,12 @@ def _jit(name, **kw):
 
 
 def _tree(**kw):
-    pytest.importorskip("jax")
     from giftcomm.adapters.jax import allreduce_tree
 
     return gc.LoopbackGroup(1).run(lambda t: allreduce_tree({"w": np.ones(8, np.float32)}, comm=t, **kw))
 
 
 def _tree_sync(**kw):
-    pytest.importorskip("jax")
     from giftcomm.adapters.jax import TreeSync
 
     return TreeSync(**kw)

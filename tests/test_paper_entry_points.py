@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import assert_same_error, outcomes, same
 
 import giftcomm as gc
@@ -81,7 +82,6 @@ def test_plan_geometry_fingerprint_agreed_at_creation(rng):
 
 
 # ------------------------------------------------------------------ GradSync(geometry="paper")
-torch = pytest.importorskip("torch")
 
 
 class Mlp(torch.nn.Module):
@@ -477,7 +477,8 @@ def test_factor_ema_committed_only_when_every_rank_built_its_map(rng):
 
 
 def test_jax_tree_refuses_the_word_on_every_rank():
-    jnp = pytest.importorskip("jax.numpy")
+    from jax import numpy as jnp
+
     from giftcomm.adapters.jax import allreduce_tree
 
     errors = outcomes(2, lambda t: allreduce_tree({"w": jnp.ones((4, 4))}, comm=t, geometry="paper"))

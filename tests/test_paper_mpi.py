@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from giftcomm.baselines import baseline_allreduce
 from giftcomm.geometry import Geometry, InputFactorEstimator, Layout, refresh_geometry
 from giftcomm.reference.simulate import simulate_allreduce
-
-MPI = pytest.importorskip("mpi4py.MPI")
 
 LAYOUT = Layout([("up", (24, 40)), ("up.bias", (24,)), ("down", (40, 24))])
 
@@ -74,7 +73,7 @@ def test_baseline_wire_live_matches_simulation(wire):
 
 # ------------------------------------------------------------ the preset from the entry points
 def _mlp(seed, skip_down=False):
-    torch = pytest.importorskip("torch")
+    import torch
 
     class Mlp(torch.nn.Module):
         def __init__(self):
@@ -94,7 +93,8 @@ def _mlp(seed, skip_down=False):
 def test_paper_from_grad_sync_one_map_on_every_rank(sharded):
     """GradSync / ShardedGradSync(geometry="paper") under MPI: every rank the same map at every
     step (refreshed every 2 syncs), the same reduced gradients (GradSync)."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     from giftcomm.adapters.torch import GradSync, ShardedGradSync
 
     comm = MPI.COMM_WORLD
@@ -124,7 +124,8 @@ def test_paper_from_grad_sync_one_map_on_every_rank(sharded):
 @pytest.mark.mpi
 @pytest.mark.multirank  # ranks that differ: needs P >= 2
 def test_paper_from_grad_sync_missing_factor_raises_on_every_rank():
-    torch = pytest.importorskip("torch")
+    import torch
+
     from giftcomm.adapters.torch import GradSync
 
     comm = MPI.COMM_WORLD

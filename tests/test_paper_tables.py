@@ -8,8 +8,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-
 from studies import paper_tables as pt  # noqa: E402
 
 

@@ -141,7 +141,6 @@ def test_side_by_side_times_this_tree_against_itself_under_mpiexec():
 
 
 def test_side_by_side_ddp_mode_runs_one_tree():
-    pytest.importorskip("torch")
     res = _side_by_side("ddp", "--ranks", "2", "--rounds", "1", "--width", "32", "--depth", "1", "--batch", "4",
                         "--calls", "1", "--inner-rounds", "1", "--warmup", "1")
     assert res.returncode == 0, res.stderr + res.stdout

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import giftcomm as gc
-from giftcomm.reference import simulate_reduce_scatter
-
-torch = pytest.importorskip("torch")
 from giftcomm.adapters.torch import ShardedGradSync  # noqa: E402
+from giftcomm.reference import simulate_reduce_scatter
 
 
 def _model(seed=0, dtype=torch.float32):

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -72,7 +71,6 @@ def test_train_grid_quick(tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_mpi_equals_loopback(tmp_path):
     args = ["--quick", "--world", "2", "--seeds", "3", "--modes", "nvfp4-s-gift,e4m3-n", "--no-plot"]
     _run(["mpiexec", "-n", "2", sys.executable, "-m", "studies", "train", "--transport", "mpi", *args,
