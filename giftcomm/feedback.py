@@ -304,18 +304,25 @@ class TransformedFeedback:
             self.refreshes += 1
         return e
 
-    def compensate(self, key: Hashable, values: Any, geometry: Any = None, signature: Any = None) -> Any:
-        """``values += T^-1(e)`` in place (1-D float ordinary-coordinate ``values``), ``e`` the
-        key's residual carried into ``geometry`` (:meth:`residual`); returns ``values``."""
+    def _live_residual(self, key: Hashable, size: int, geometry: Any, signature: Any) -> Any:
+        """The key's residual carried into ``geometry`` (:meth:`residual`), or None when none is
+        kept or the kept one is of another size or signature (then it is dropped)."""
         e = self.residuals.get(key)
         if e is None:
-            return values
-        if e.size != values.size or self.signatures.get(key) != signature:
+            return None
+        if e.size != size or self.signatures.get(key) != signature:
             self.residuals.pop(key, None)
             self.geometries.pop(key, None)
             self.signatures.pop(key, None)
+            return None
+        return self.residual(key, geometry)
+
+    def compensate(self, key: Hashable, values: Any, geometry: Any = None, signature: Any = None) -> Any:
+        """``values += T^-1(e)`` in place (1-D float ordinary-coordinate ``values``), ``e`` the
+        key's residual carried into ``geometry`` (:meth:`residual`); returns ``values``."""
+        e = self._live_residual(key, values.size, geometry, signature)
+        if e is None:
             return values
-        e = self.residual(key, geometry)
         back = self._map(geometry, e, inverse=True)
         values += back.astype(values.dtype, copy=False)
         return values
@@ -325,15 +332,10 @@ class TransformedFeedback:
         (the caller ran ``T.forward``) and ``e`` the key's residual carried into them
         (:meth:`residual`: re-expressed at a refresh); no inverse map. Returns ``mapped``. A
         residual of another size or signature is dropped, as in :meth:`compensate`."""
-        e = self.residuals.get(key)
+        e = self._live_residual(key, mapped.size, geometry, signature)
         if e is None:
             return mapped
-        if e.size != mapped.size or self.signatures.get(key) != signature:
-            self.residuals.pop(key, None)
-            self.geometries.pop(key, None)
-            self.signatures.pop(key, None)
-            return mapped
-        mapped += self.residual(key, geometry).astype(mapped.dtype, copy=False)
+        mapped += e.astype(mapped.dtype, copy=False)
         return mapped
 
     def record(self, key: Hashable, sent: Any, fmt: Format, block: int, seed: int | None, rank: int,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from test_import_graph import from_target
 
 PKG = Path(__file__).resolve().parents[1] / "giftcomm"
 FLOORS = {"giftcomm.api": 4, "giftcomm.plan_cache": 3, "giftcomm.persistent": 2, "giftcomm.collectives.engine": 1}
@@ -61,12 +62,7 @@ def imports(path: Path, module_level_only: bool) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
             continue
-        if node.level:
-            base = module.split(".") if is_pkg else module.split(".")[:-1]
-            base = base[: len(base) - (node.level - 1)]
-            target = ".".join(base + ([node.module] if node.module else []))
-        else:
-            target = node.module or ""
+        target = from_target(module, is_pkg, node)
         subs = {f"{target}.{a.name}" for a in node.names if _exists(f"{target}.{a.name}")}
         found |= subs
         if len(subs) < len(node.names) and target != "giftcomm":  # names defined in the package module itself

@@ -49,6 +49,16 @@ def _exists(module: str) -> bool:
     return path.with_suffix(".py").exists() or path.with_suffix(".pyi").exists() or (path / "__init__.py").exists()
 
 
+def from_target(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The module a ``from X import ...`` statement of ``module`` (a package's ``__init__`` when
+    ``is_pkg``) names: relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def import_graph() -> dict[str, dict[str, list[str]]]:
     """{part: {part it imports: ["module -> module", ...]}}."""
     edges: dict[str, dict[str, list[str]]] = {}
@@ -63,12 +73,7 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
-                if node.level:
-                    base = module.split(".") if is_pkg else module.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
+                target = from_target(module, is_pkg, node)
                 # "from . import ring" imports the module giftcomm.<pkg>.ring
                 targets = [target] + [f"{target}.{a.name}" for a in node.names if _exists(f"{target}.{a.name}")]
             for target in targets:
