@@ -1,4 +1,4 @@
-"""GPU check of the DDP hook's device route (issue 17): DDP at world size 1 on NCCL, a ~50M-parameter
+"""GPU check of the DDP hook's device route: DDP at world size 1 on NCCL, a ~50M-parameter
 bfloat16 MLP, CUDA buckets.
 
     python examples/ddp_device_check.py [--steps 20] [--json out.json]   # one GPU, < 8 minutes

@@ -97,8 +97,14 @@ def allreduce(
     """Sum (or average) ``x`` over all ranks with FP8 wire messages and fp32 accumulation.
 
     x: float32/float64/float16/bfloat16 array, any shape and size, of any framework (NumPy, CuPy,
-    torch CPU/CUDA, JAX; the result comes back in the same one). comm: mpi4py communicator
-    (None: MPI.COMM_WORLD; device arrays then go over NCCL), or a giftcomm Transport.
+    torch CPU/CUDA, JAX; the result comes back in the same one). comm: an mpi4py communicator, a
+    giftcomm Transport, or None: torch.distributed's default group when it is initialised with
+    several ranks and MPI's COMM_WORLD is one process (torchrun; CUDA tensors then go over the
+    group's own backend, NCCL), else MPI.COMM_WORLD (mpiexec, or one process; device arrays then
+    go over NCCL on the same ranks). None raises RuntimeError on every rank when both worlds have
+    several ranks (ambiguous: pass ``comm=``) and when a launcher started several ranks
+    (``WORLD_SIZE`` > 1) while neither world has them (no ``init_process_group``): it never
+    reduces over one rank alone.
     options / ``**opts``: the call options (fmt, block, rounding, seed, algorithm, slice_elems,
     timeout, op, mx_scale, allow_native) as keywords, or whole as one
     :class:`~giftcomm.options.CallOptions` (``options=``; keywords given beside it replace its

@@ -45,7 +45,8 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     wire; returns a NumPy array of x's shape and dtype (``out``, a NumPy array or CPU tensor of
     x's shape, is filled instead and returned as a NumPy view).
 
-    comm: a giftcomm Transport, an mpi4py communicator or None (MPI.COMM_WORLD). geometry: None or
+    comm: a giftcomm Transport, an mpi4py communicator or None (as :func:`giftcomm.allreduce`:
+    MPI.COMM_WORLD, or torch's default group under torchrun). geometry: None or
     a Geometry: the values are mapped by ``geometry.forward`` before encoding and the decoded sum
     by ``geometry.inverse`` (the paper's GIFT on this wire). Collective; ranks must agree on the
     wire, element count, dtype, op and geometry fingerprint, else ValueError on every rank (also

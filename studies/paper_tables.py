@@ -3,7 +3,7 @@
 ``python -m studies.paper_tables GRADS.npz [--json OUT] [--factors ema|capture] [--shards K]
 [--wires e5m2/tensor,e4m3/256,mxfp8,nvfp4] [--factor cholesky|symmetric]``
 
-What is measured (definitions as ../shared/reference/gift-method.md restates the paper's):
+What is measured (the definitions of the paper, arXiv 2607.07494):
 
 - The gradient: the mean over the ranks of the capture's last step (``--shards K``: the mean of the
   last K shards, counting back through the steps: fewer or more tokens per gradient).

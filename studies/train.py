@@ -618,10 +618,10 @@ def report(out: str, header: str = "", no_plot: bool = False) -> str:
 
 # ---------------------------------------------------------------- CLI
 
-# the issue-36 comparison's model (--size medium): 4 blocks of width 128, ~0.8M parameters
+# the training comparison's model (--size medium): 4 blocks of width 128, ~0.8M parameters
 MEDIUM = Config(dim=128, layers=4, heads=4, ffn=344, seq_len=64, steps=100, val_every=20, val_batches=64,
                 refresh=25, warmup=8)
-# the issue-36 comparison on the larger model (--size large): 4 blocks of width 192 (head width 32
+# the training comparison on the larger model (--size large): 4 blocks of width 192 (head width 32
 # as medium's), ~1.8M parameters, medium's schedule (100 steps: what fits the seeds on this CPU)
 LARGE = Config(dim=192, layers=4, heads=6, ffn=512, seq_len=64, steps=100, val_every=20, val_batches=64,
                refresh=25, warmup=8)

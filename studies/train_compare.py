@@ -1,4 +1,4 @@
-"""The training comparison that decides giftcomm's defaults (issue 36, item 6).
+"""The training comparison that decides giftcomm's defaults.
 
 One grid of ``studies.train`` runs (same model, data, seeds and schedule for every row; loopback,
 P virtual ranks): the wire configurations of ``CONFIGS`` x the optimizers (AdamW; Muon on the
@@ -280,7 +280,7 @@ def report(out: str, world: int, cfg: train.Config, header: str = "", no_plot: b
     c = compare(runs, world, n_values(cfg))
     text = markdown(c)
     with open(os.path.join(out, "compare.md"), "w") as f:
-        f.write("# giftcomm training comparison (issue 36)\n\n" + header + text + "\n")
+        f.write("# giftcomm training comparison\n\n" + header + text + "\n")
     with open(os.path.join(out, "compare.json"), "w") as f:
         json.dump(dict(c, config=asdict(cfg)), f, indent=1)
     if not no_plot:

@@ -9,8 +9,8 @@ below the engine imports a floor at all), and the calls themselves
 allgather run, first and repeated, traced with ``sys.setprofile``; a call from one floor into a
 function of a floor above it, a callback included, fails).
 
-Run as a script under MPI it prints the moves of the plain calls between floors (how the numbers
-of issue 35 item 5 were counted)::
+Run as a script under MPI it prints the moves of the plain calls between floors (the counts
+docs/architecture.md reports)::
 
     mpiexec -n 2 env PYTHONPATH=$PWD python tests/test_call_path.py
 """
@@ -148,7 +148,7 @@ def trace(fn: Callable[[], Any]) -> tuple[list[str], list[tuple[str, str, str]]]
 
 
 def floor_moves(path: list[str], calls: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """The counts reported for issue 35: along the path (calls and returns alike), the moves
+    """The counts of the plain calls' path: along the path (calls and returns alike), the moves
     between the four floors of :data:`FLOORS` (visits below them left out, a run on one floor
     counted once) and how many of them go back up; the calls between floors, those that skip a
     floor going down (e.g. api -> engine) and the upward ones (into a floor above the caller's,

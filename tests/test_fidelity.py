@@ -100,7 +100,7 @@ def test_synthetic_study_gift_beats_euclidean_in_the_whitened_norm(rng):
     assert rows["e4m3 per-tensor"]["bytes_per_value"] < eu["bytes_per_value"]
     assert full["whitened"] < 0.25 * eu["whitened"]
     assert rows["gift k=8"]["whitened"] < eu["whitened"]
-    # Plain L2: at most 1.5x Euclidean (the bound), on average. One small case (2 steps, 3 ranks) is too
+    # Plain L2: at most 1.5x Euclidean (the fidelity target's bound), on average. One small case (2 steps, 3 ranks) is too
     # noisy for a bound (its ratio ranged 0.6-1.8 over 60 seeds), so take the geometric mean of
     # this case and four more.
     ratios = [full["rel_l2"] / eu["rel_l2"]]

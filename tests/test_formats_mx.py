@@ -360,7 +360,7 @@ def test_stochastic_rounding_is_unbiased(f, rng, monkeypatch):
 
 @pytest.mark.parametrize("algorithm", ["direct", "ring"])
 def test_mean_of_stochastic_allreduces_converges_without_clamp(algorithm, rng):
-    """The issue's check, as a user runs it: the mean of 64 stochastic allreduces (P = 3,
+    """The check as a user runs it: the mean of 64 stochastic allreduces (P = 3,
     loopback) of fixed Gaussian vectors. Unbiased rounding leaves ~1/sqrt(64) of the noise of one
     call; measured relative L2 error of the mean / one nearest call: ~0.18 for every format
     with non-clamping scales, 0.27-0.55 for the MX formats with mx_scale="floor"."""

@@ -1,4 +1,4 @@
-"""The paper's preset from every entry point that takes a geometry (issue 36 item 1): the plain
+"""The paper's preset from every entry point that takes a geometry: the plain
 call and plans refuse the word on every rank (a flat buffer has no layers) and take the built
 geometry (a plan bit-identical to gift_allreduce); GradSync and ShardedGradSync build it from
 the model (every rank the same map, refreshed from A averaged over the ranks); the factor EMA

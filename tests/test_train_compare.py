@@ -1,4 +1,4 @@
-"""The training comparison (studies.train_compare, issue 36) in its tiny form: every configuration
+"""The training comparison (studies.train_compare) in its tiny form: every configuration
 trains (its loss goes down) with AdamW and with Muon, fp32 and bf16 end close to each other, the
 report's numbers are the runs' numbers, and the step-time side prices the wires from the netbed
 results in perf/results."""

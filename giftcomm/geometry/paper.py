@@ -1,6 +1,7 @@
 """The GIFT paper's method as a preset: ``Geometry.preset("paper", layout, factors)``.
 
-What the paper runs (../shared/reference/gift-method.md; docs/method.md "The paper's method"),
+What the paper runs (*GIFT: Geometry-Informed Low-precision Gradient Communication for LLM
+Pretraining*, arXiv 2607.07494; docs/method.md "The paper's method"),
 restated as giftcomm's definitions:
 
 - **Input side only**: ``W~ = W L_A^-T`` on a weight's (m, n) matrix view (A the (n, n) covariance

@@ -77,7 +77,8 @@ class GradSync:
     """Allreduce a model's gradients bucket by bucket with giftcomm.
 
     model: an nn.Module or (name, parameter) pairs (CPU or CUDA; float32/64/16, bfloat16). comm:
-    mpi4py communicator, giftcomm Transport or None (MPI.COMM_WORLD). options / ``**opts``: the
+    mpi4py communicator, giftcomm Transport or None (as :func:`giftcomm.allreduce`: MPI.COMM_WORLD, or
+    torch's default group under torchrun). options / ``**opts``: the
     call options of ``giftcomm.allreduce`` (keywords, or one :class:`~giftcomm.options.CallOptions`
     as ``options=``; docs/api.md; op defaults to "avg", averaging like DDP; auto per bucket, its
     path logged at INFO once per bucket size), validated here: a bad one raises
