@@ -5,7 +5,7 @@ FORMAT_NAMES, ALGORITHM_NAMES, ALGORITHM_CHOICES, SCATTER_ALGORITHMS: read from 
 (giftcomm.formats.FORMATS) and the algorithm table (giftcomm.algorithms), so a new row
 is tested everywhere the day it lands; no test file writes these lists by hand. ``covering``
 builds a covering design over them (every format x every algorithm once, other axes rotating).
-Which module is the home of which invariant of DESIGN.md: tests/README.md.
+Which module is the home of which invariant (docs/architecture.md): tests/README.md.
 """
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ def test_nvrtc_compiles_every_kernel(arch):
 
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_nvrtc_ftz_true_changes_nothing(arch):
-    """CuPy may append -ftz=true to RawModule options (cupy/cupy#9576): the codec's PTX must have
+    """CuPy may append -ftz=true to RawModule options: the codec's PTX must have
     no flush-to-zero instruction even then (gc_add / gc_mul / gc_div are explicit non-.ftz PTX)."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(_loader.source_text("codec"), "gc_codec.cu", [], [])

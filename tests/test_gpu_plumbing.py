@@ -323,8 +323,8 @@ _FTZ_OPS = re.compile(r"^\s*(\w+)((?:\.\w+)*)\.ftz((?:\.\w+)*)\s", re.M)
 @pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(), reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_never_flush_subnormals_even_with_ftz(tmp_path, arch):
-    """Every float32 instruction of the codec kernels ignores -ftz=true (CuPy compiles with it:
-    cupy/cupy#9576): the loader text compiled by nvcc -ptx -ftz=true has no .ftz instruction at
+    """Every float32 instruction of the codec kernels ignores -ftz=true (CuPy compiles with it,
+    and recent versions add it to RawModule options): the loader text compiled by nvcc -ptx -ftz=true has no .ftz instruction at
     all (adds / multiplies / divides are explicit non-.ftz PTX, clips and compares work on bits),
     and the add / mul / div instructions are all there."""
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"

@@ -17,7 +17,7 @@
 // `mul.rn.f32` / `div.rn.f32` / `add.rn.f32` WITHOUT the .ftz modifier: correctly rounded, never
 // contracted into an FMA, and keeping float32 subnormals whatever the compiler's -ftz flag says
 // (CuPy compiles its own elementwise kernels with -ftz=true and recent versions append it to
-// RawModule options, cupy/cupy#9576; the intrinsics __fadd_rn/__fmul_rn would follow that flag
+// RawModule options; the intrinsics __fadd_rn/__fmul_rn would follow that flag
 // and become add.rn.ftz.f32). tests/test_gpu_plumbing.py compiles this with nvcc -ftz=true and
 // checks the PTX has no .ftz on any add/mul/div. The loader still asks NVRTC for --ftz=false.
 #pragma once
