@@ -140,7 +140,7 @@ API_MODULES = ("giftcomm", "giftcomm.adapters.torch", "giftcomm.adapters.lightni
 #: ``code`` span, True / False / None
 _LITERAL = r"""(?P<lit>-?\d[\d_,]*(?:\.\d+)?(?:e-?\d+)?%?(?![\w.])|"[^"\n]*"|'[^'\n]*'|``[^`\n]+``|True\b|False\b|None\b)"""
 #: "default 256", "(default: "e4m3")", "defaults to False", "default is None", "Default False"
-_AFTER = re.compile(r"(?P<before>\w+\s+)?\bdefaults?(?:\s+to|\s+is|\s*:|\s*=)?\s+" + _LITERAL)
+_AFTER = re.compile(r"(?P<before>\w+\s+)?\b[Dd]efaults?(?:\s+to|\s+is|\s*:|\s*=)?\s+" + _LITERAL)
 #: ""ceil" (default...", "None (the default)"
 _BEFORE = re.compile(_LITERAL + r"\s*\((?:the\s+)?default\b")
 #: "(10: sparse by default)"
@@ -169,11 +169,14 @@ def _value(lit: str) -> tuple[bool, Any]:
             except (ImportError, AttributeError):
                 return False, None
         return False, None
-    if lit.endswith("%"):
-        return True, float(lit[:-1].replace(",", "")) / 100
-    if lit[0].isdigit() or lit[0] == "-":
-        return True, ast.literal_eval(lit.replace(",", "").replace("_", ""))
-    return True, ast.literal_eval(lit)
+    try:
+        if lit.endswith("%"):
+            return True, float(lit[:-1].replace(",", "")) / 100
+        if lit[0].isdigit() or lit[0] == "-":
+            return True, ast.literal_eval(lit.replace(",", "").replace("_", ""))
+        return True, ast.literal_eval(lit)
+    except (ValueError, SyntaxError):
+        return False, None
 
 
 def _same(stated: Any, default: Any) -> bool:
@@ -347,13 +350,13 @@ def test_the_default_parser_reads_what_docstrings_write():
            '    strict: refuse bad input; defaults to False. mode: "ceil" (default) or "floor".\n'
            '    options: the call options; op defaults to "avg". sync: None (default: "ordinary" with a\n'
            '    geometry). damping: (default ``giftcomm.options.DEFAULT_DAMPING``). a, rate: (default 3)\n'
-           '    fraction: budget (default 10% of the wire time).\n')
+           '    fraction: budget (default 10% of the wire time). shared: a window. Default True: zero copy.\n')
     from giftcomm.options import DEFAULT_DAMPING
 
     got = {(n, v) for n, _, v in stated_defaults(doc, ["block", "fmt", "strict", "mode", "options", "sync",
-                                                       "damping", "rate", "fraction"])}
+                                                       "damping", "rate", "fraction", "shared"])}
     assert got == {("block", 256), ("fmt", "e4m3"), ("strict", False), ("mode", "ceil"), ("sync", None),
-                   ("damping", DEFAULT_DAMPING), ("fraction", 0.1)}
+                   ("damping", DEFAULT_DAMPING), ("fraction", 0.1), ("shared", True)}
 
 
 # ---------------------------------------------------------------- MPI calls
