@@ -208,3 +208,18 @@ def test_megatron_step_script_runs_two_ranks(tmp_path):
     for mode in ("allreduce", "dist-opt"):
         by = {r["group"]: r for r in rows if r["mode"] == mode}
         assert 0.24 <= by["giftcomm e4m3"]["bytes_per_step"] / by["gloo"]["bytes_per_step"] <= 0.27, by
+
+
+def test_jax_dist_bench_two_processes(tmp_path):
+    """perf/jax_dist_bench.py under mpiexec (jax.distributed over CPU gloo collectives, a process
+    per rank): giftcomm's jit psum equals the reference bit for bit across processes, and its
+    bytes per device are e4m3's quarter of lax.psum's ring."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = tmp_path / "jax.json"
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "jax_dist_bench.py"), "--sizes", "4K",
+                          "--fmts", "e4m3", "--algorithms", "ring", "--rounds", "1", "--reps", "1", "--port", "0",
+                          "--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"lax.psum", "e4m3/ring"} and rows["e4m3/ring"]["bit_exact"] == "yes"
+    assert 0.25 <= rows["e4m3/ring"]["bytes_vs_base"] <= 0.26 and rows["e4m3/ring"]["ms_per_call"] > 0
