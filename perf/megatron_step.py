@@ -1,7 +1,8 @@
 """Megatron-core DDP step time with the giftcomm process group as its data-parallel group against
 its own uncompressed gloo group, all-reduce and distributed-optimizer (reduce-scatter) modes.
 
-    torchrun --nproc_per_node 2 perf/megatron_step.py [--width 2048] [--layers 4] [--steps 3] [--rounds 3]
+    torchrun --nproc_per_node 2 perf/megatron_step.py [--width 2048] [--layers 4] [--steps 3] [--rounds 3] \\
+        [--fmts e4m3,nvfp4] [--json OUT]
     # under mpiexec on the netbed (docs/netbed.md): ranks from MPI, rendezvous through a shared file
     perf/netbed run --hosts 2 --rate 1gbit -- env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \\
         python perf/megatron_step.py --rendezvous /tmp/megatron-step.rdzv
@@ -9,17 +10,19 @@ its own uncompressed gloo group, all-reduce and distributed-optimizer (reduce-sc
 The model is perf/torch_bench.py's stack of ``--layers`` bias-free nn.Linear(width, width) (width
 2048, 4 layers: 16.8M parameters, 64 MiB of float32 gradients) in megatron.core's
 DistributedDataParallel (overlap off: one bucket, reduced in ``finish_grad_sync``), on the CPU.
-Four configurations train it on the same data, interleaved round by round
-(giftcomm.perf.timing.time_rounds, one warm-up step each): ``{allreduce, dist-opt} x {gloo,
-giftcomm e4m3}``; "dist-opt" is ``use_distributed_optimizer=True`` (the gradient buffer
-reduce-scattered); giftcomm's group is ``new_group(fmt="e4m3")`` (its defaults otherwise). A step is
+The configurations ``{allreduce, dist-opt} x {compute-only, gloo, giftcomm FMT for each of
+--fmts}`` train it on the same data, interleaved round by round (giftcomm.perf.timing.time_rounds,
+one warm-up step each); "dist-opt" is ``use_distributed_optimizer=True`` (the gradient buffer
+reduce-scattered); giftcomm's groups are ``new_group(fmt=FMT)`` (its defaults otherwise). A step is
 forward, backward, ``finish_grad_sync`` and an SGD update of the parameters from ``main_grad`` (the
-distributed optimizer's parameter all-gather is not run: it is the inner gloo group's in both).
+distributed optimizer's parameter all-gather is not run: it is the inner gloo group's in both);
+"compute-only" is the same step without ``finish_grad_sync`` (no gradient communication).
 
-Rank 0 prints the median step time per configuration, giftcomm's ratio against gloo, and the
-bytes a step sent from a rank: giftcomm's from ``giftcomm.stats`` of the group's transport (the
-encoded messages), gloo's as a ring moves float32 (allreduce ``2 (P-1)/P n 4``, reduce-scatter
-``(P-1)/P n 4``).
+Rank 0 prints, per configuration, the median step time, the communication overhead (step minus
+the compute-only step of the same mode) and its ratio to gloo's, and the bytes a step sent from a
+rank: giftcomm's from ``giftcomm.stats`` of the group's transport (the encoded messages), gloo's as
+a ring moves float32 (allreduce ``2 (P-1)/P n 4``, reduce-scatter ``(P-1)/P n 4``). ``--json OUT``
+writes the same rows (perf/torch_bench.py's write_rows).
 
 CPU-only shim (a benchmark's, never the library's): ``torch.cuda.current_device`` returns "cpu",
 where Megatron allocates its gradient buffers.
@@ -34,10 +37,9 @@ import torch.distributed as dist
 import torch_bench  # perf/torch_bench.py (this script's directory is on sys.path)
 
 import giftcomm
-from giftcomm.perf.timing import time_rounds
+from giftcomm.perf.timing import load_average, time_rounds
 
 MODES = ["allreduce", "dist-opt"]
-GROUPS = ["gloo", "giftcomm e4m3"]
 
 
 def _build(args, dopt: bool, group, one):
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
     torch_bench.step_arguments(ap, steps=3, rounds=3)
+    torch_bench.output_arguments(ap)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # the CPU shim
@@ -65,46 +68,51 @@ def main() -> None:
     from giftcomm.adapters.torch import new_group
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    gift = new_group(fmt="e4m3")
+    fmts = [f for f in args.fmts.split(",") if f]
+    gifts = {f"giftcomm {f}": new_group(fmt=f) for f in fmts}
     plain = dist.new_group(backend="gloo")
     one = dist.new_group(ranks=[rank], use_local_synchronization=True)
-    names = [(m, g) for m in MODES for g in GROUPS]
-    built = {(m, g): _build(args, m == "dist-opt", gift if g != "gloo" else plain, one) for m, g in names}
+    groups = ["compute-only", "gloo", *gifts]
+    names = [(m, g) for m in MODES for g in groups]
+    built = {(m, g): _build(args, m == "dist-opt", gifts.get(g, plain), one) for m, g in names}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
     steps = {n: 0 for n in names}
-    gift_bytes = {m: 0 for m in MODES}
+    sent_bytes = {n: 0 for n in names}
+
+    def sent(group: str) -> int:
+        return sum(giftcomm.stats(gifts[group].host)["bytes_sent"].values()) if group in gifts else 0
 
     def step_of(name):
         ddp = built[name]
+        mode, group = name
 
         def step() -> None:
             ddp.zero_grad_buffer()
-            before = sum(giftcomm.stats(gift.host)["bytes_sent"].values())
+            before = sent(group)
             ddp(x).square().mean().backward()
-            ddp.finish_grad_sync()
+            if group != "compute-only":  # compute-only: the gradients stay unreduced
+                ddp.finish_grad_sync()
             with torch.no_grad():
                 for p in ddp.module.parameters():
                     p -= 1e-3 * p.main_grad
-            if name[1] != "gloo":
-                gift_bytes[name[0]] += sum(giftcomm.stats(gift.host)["bytes_sent"].values()) - before
+            sent_bytes[name] += sent(group) - before
             steps[name] += 1
         return step
 
     seconds = time_rounds([step_of(n) for n in names], args.rounds, calls=args.steps, warmup=1, barrier=dist.barrier)
-    step_ms = {n: 1e3 * s for n, s in zip(names, seconds)}
     if rank == 0:
         n = sum(p.numel() for p in built[names[0]].module.parameters())
+        rows = []
+        for (m, g), s in zip(names, seconds):
+            fp32 = 4 * n * (world - 1) / world * (2 if m == "allreduce" else 1)  # a ring of float32
+            per_step = {"compute-only": 0.0, "gloo": fp32}.get(g, sent_bytes[(m, g)] / max(steps[(m, g)], 1))
+            rows.append({"mode": m, "group": g, "step_ms": 1e3 * s, "bytes_per_step": per_step})
+        rows = torch_bench.write_rows(args.json, "megatron_step", rows, world=world, parameters=n,
+                                      rounds=args.rounds, steps=args.steps, load=load_average())
         print(f"Megatron-core DDP step, P = {world}, {n / 1e6:.1f}M parameters ({4 * n / 2**20:.0f} MiB fp32 "
               f"gradients, one bucket), CPU/gloo; medians over {args.rounds} rounds of {args.steps} steps; "
-              f"giftcomm group: new_group(fmt='e4m3'), counts {gift.counts}")
-        print(f"{'mode':<10} {'group':<14} {'step ms':>9} {'vs gloo':>8} {'MB sent/step':>13} {'bytes vs gloo':>14}")
-        for m in MODES:
-            fp32 = 4 * n * (world - 1) / world * (2 if m == "allreduce" else 1)
-            for g in GROUPS:
-                s = step_ms[(m, g)]
-                sent = fp32 if g == "gloo" else gift_bytes[m] / steps[(m, g)]
-                print(f"{m:<10} {g:<14} {s:>9.1f} {step_ms[(m, 'gloo')] / s:>7.2f}x {sent / 1e6:>13.2f} "
-                      f"{sent / fp32:>13.3f}x")
+              f"giftcomm groups: new_group(fmt=...) for {fmts}; load {load_average()}")
+        torch_bench.print_overheads(rows)
     dist.destroy_process_group()
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -87,6 +89,64 @@ def step_arguments(ap: argparse.ArgumentParser, steps: int, rounds: int) -> None
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--rendezvous", default=None,
                     help="under mpiexec: a file path every rank can see (rank and size from MPI)")
+
+
+def output_arguments(ap: argparse.ArgumentParser, fmts: str = "e4m3") -> None:
+    """The arguments of every perf/*_step.py's results: ``--fmts`` (giftcomm's wire formats, one
+    configuration each) and ``--json OUT`` (:func:`write_rows`)."""
+    ap.add_argument("--fmts", default=fmts, help="giftcomm's wire formats, comma-separated (a configuration each)")
+    ap.add_argument("--json", metavar="OUT", default=None,
+                    help="write the rows (mode, group, step_ms, bytes_per_step, overhead_ms) as JSON")
+
+
+def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (each with "mode", "group", "step_ms", "bytes_per_step") with each row's
+    communication overhead added: ``overhead_ms`` = its step_ms minus the "compute-only" row's of
+    the same mode (the same forward, backward and update with no gradient communication), and
+    ``overhead_vs_gloo`` = that over the "gloo" row's overhead (the trainer's uncompressed group),
+    None where the denominator is not positive."""
+    compute = {r["mode"]: r["step_ms"] for r in rows if r["group"] == "compute-only"}
+    out = [dict(r, overhead_ms=r["step_ms"] - compute[r["mode"]]) for r in rows]
+    gloo = {r["mode"]: r["overhead_ms"] for r in out if r["group"] == "gloo"}
+    for r in out:
+        base = gloo.get(r["mode"])
+        r["overhead_vs_gloo"] = r["overhead_ms"] / base if base is not None and base > 0 else None
+    return out
+
+
+def write_rows(path: str | None, benchmark: str, rows: list[dict[str, Any]], **meta: Any) -> list[dict[str, Any]]:
+    """The rows with their overheads (:func:`overheads`); written, when ``path`` is given, as
+    ``{"benchmark": ..., "command": argv, **meta, "rows": [...]}`` (call on rank 0 only)."""
+    rows = overheads(rows)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"benchmark": benchmark, "command": sys.argv, **meta, "rows": rows}, f, indent=1)
+            f.write("\n")
+    return rows
+
+
+def print_overheads(rows: list[dict[str, Any]]) -> None:
+    """One line per row: step, communication overhead (step minus compute-only) and its ratio to
+    the uncompressed group's, bytes per step."""
+    print(f"{'mode':<10} {'group':<16} {'step ms':>9} {'overhead ms':>12} {'vs gloo':>8} {'MB/step':>9}")
+    for r in rows:
+        ratio = "-" if r["overhead_vs_gloo"] is None else f"{r['overhead_vs_gloo']:.2f}x"
+        print(f"{r['mode']:<10} {r['group']:<16} {r['step_ms']:>9.1f} {r['overhead_ms']:>12.1f} {ratio:>8} "
+              f"{r['bytes_per_step'] / 1e6:>9.2f}")
+
+
+class LocalReduceScatter:
+    """An FSDP2 reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``) that communicates
+    nothing: each rank keeps its own row of the flat input, ``input.view(P, -1)[rank]`` (the
+    compute-only step's stand-in for the gradient reduce-scatter; the values are not a sum)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        output_tensor.copy_(input_tensor.reshape(world, -1)[rank].view_as(output_tensor))
 
 
 def init_process_group(rendezvous: str | None, backend: str = "gloo") -> None:

@@ -1,8 +1,8 @@
 """torchtitan's training step with giftcomm's FSDP2 reduce-scatter (giftcomm.recipes.torchtitan)
-against torchtitan's stock FSDP2 (gloo, float32), side by side.
+against torchtitan's stock FSDP2 (gloo, float32) and a compute-only step, side by side.
 
     torchrun --nproc_per_node 2 perf/torchtitan_step.py [--config llama3_debugmodel] [--seq-len 256] \\
-        [--batch 2] [--steps 3] [--rounds 3]
+        [--batch 2] [--steps 3] [--rounds 3] [--json OUT]
     # under mpiexec on the netbed (docs/netbed.md): ranks from MPI, rendezvous through a shared file
     perf/netbed run --hosts 2 --rate 1gbit -- env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \\
         python perf/torchtitan_step.py --rendezvous /tmp/torchtitan-step.rdzv
@@ -16,11 +16,14 @@ the embeddings, the 6 blocks, the final norm with the output layer, the root) at
 the CPU over gloo, from the same seed and data (perf/torchtitan_cpu.py's tokenizer and text set,
 its CPU shims; none in the library). A step is torchtitan's own ``Trainer.train_step``: forward,
 backward with FSDP2's reduce-scatter of the gradients, gradient clipping, AdamW and the loss
-logging; FSDP2's parameter all-gathers are gloo's float32 in both. The two configurations are timed
+logging; FSDP2's parameter all-gathers are gloo's float32 in both. A third trainer, "compute-only",
+is the stock one with a reduce-scatter that communicates nothing (perf/torch_bench.py's
+LocalReduceScatter): the same step without gradient communication. The configurations are timed
 in turns (giftcomm.perf.timing.time_rounds: ``--steps`` steps a round after a barrier, one warm-up
 step each).
 
-Rank 0 prints the median step time per configuration and giftcomm's ratio against stock, and
+Rank 0 prints the median step time per configuration, its communication overhead (step minus
+the compute-only step) and that against stock's, giftcomm's step ratio against stock, and
 the bytes a step's gradient reduce-scatters sent from a rank: giftcomm's from its comms'
 ``stats()`` (every call, the few small ones it sends uncompressed included), stock's as a ring
 moves float32, ``(P-1)/P n 4`` for n parameters.
@@ -42,7 +45,18 @@ import torchtitan_cpu  # perf/torchtitan_cpu.py
 
 from giftcomm.perf.timing import load_average, time_rounds
 
-CONFIGS = ["torchtitan stock", "giftcomm"]
+CONFIGS = ["compute-only", "torchtitan stock", "giftcomm"]
+
+
+def _communicate_nothing(model_parts) -> None:
+    """Every FSDP2 module of the parts reduce-scatters nothing (perf/torch_bench.py's
+    LocalReduceScatter): the compute-only step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in model_parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups:
+                m.set_custom_reduce_scatter(torch_bench.LocalReduceScatter())
 
 
 def _bytes_sent(comms) -> int:
@@ -56,6 +70,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="torchtitan's local batch size")
     ap.add_argument("--fmt", default="e4m3", help="giftcomm's wire format (GIFTCOMM_FMT)")
     torch_bench.step_arguments(ap, steps=3, rounds=3)
+    ap.add_argument("--json", metavar="OUT", default=None,
+                    help="write the rows (mode, group, step_ms, bytes_per_step, overhead_ms) as JSON")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     work = Path(tempfile.mkdtemp(prefix="torchtitan-step-"))  # this rank's assets and caches
@@ -88,12 +104,13 @@ def _run(args: argparse.Namespace, work: Path) -> None:
               "--training.local_batch_size", str(args.batch),
               *torchtitan_cpu.flags(tok, data, work / "dump", dp_shard=world)]
     os.environ["GIFTCOMM_FMT"] = args.fmt
-    modules = {"torchtitan stock": "llama3", "giftcomm": "giftcomm.recipes.torchtitan"}
+    modules = {"compute-only": "llama3", "torchtitan stock": "llama3", "giftcomm": "giftcomm.recipes.torchtitan"}
     trainers = {}
     for name in CONFIGS:
         config = ConfigManager().parse_args(["--module", modules[name], *common])
         trainers[name] = config.build()
         torchtitan_cpu.gloo_sum_unless_giftcomm(trainers[name].model_parts)
+    _communicate_nothing(trainers["compute-only"].model_parts)
     comms = trainers["giftcomm"].model_parts[0].giftcomm_comms
     steps = {n: 0 for n in CONFIGS}
     gift_bytes = 0
@@ -118,18 +135,24 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     n = sum(p.numel() for p in model.parameters())
     if rank == 0:
         stats = comms.stats()
+        fp32 = 4 * n * (world - 1) / world  # a ring reduce-scatter of float32
+        groups = {"compute-only": "compute-only", "torchtitan stock": "gloo", "giftcomm": f"giftcomm {args.fmt}"}
+        per_step = {"compute-only": 0.0, "torchtitan stock": fp32, "giftcomm": gift_bytes / max(steps["giftcomm"], 1)}
+        rows = torch_bench.write_rows(
+            args.json, "torchtitan_step",
+            [{"mode": "fsdp2", "group": groups[c], "step_ms": step_ms[c], "bytes_per_step": per_step[c]} for c in CONFIGS],
+            world=world, parameters=n, config=args.config, rounds=args.rounds, steps=args.steps, load=load_average())
         print(f"torchtitan {args.config} training step (torchtitan 0.3.0 Trainer.train_step), P = {world}, "
               f"{n / 1e6:.1f}M parameters ({4 * n / 2**20:.1f} MiB fp32 gradients, {len(comms)} FSDP2 units), "
               f"seq_len {args.seq_len}, local batch {args.batch}, CPU/gloo; medians over {args.rounds} rounds of "
               f"{args.steps} steps; load {load_average()}")
         print(f"giftcomm: --module giftcomm.recipes.torchtitan, GIFTCOMM_FMT={args.fmt}; algorithms {stats['algorithms']}")
+        torch_bench.print_overheads(rows)
         print(f"{'configuration':<17} {'step ms':>9} {'vs stock':>9} {'MB sent/step':>13} {'bytes vs stock':>15}")
-        fp32 = 4 * n * (world - 1) / world
-        for name in CONFIGS:
+        for name in CONFIGS[1:]:
             s = step_ms[name]
-            sent = fp32 if name != "giftcomm" else gift_bytes / steps[name]
-            print(f"{name:<17} {s:>9.1f} {step_ms['torchtitan stock'] / s:>8.2f}x {sent / 1e6:>13.2f} "
-                  f"{sent / fp32:>14.3f}x")
+            print(f"{name:<17} {s:>9.1f} {step_ms['torchtitan stock'] / s:>8.2f}x {per_step[name] / 1e6:>13.2f} "
+                  f"{per_step[name] / fp32:>14.3f}x")
     for trainer in trainers.values():
         trainer.close()
     dist.barrier()

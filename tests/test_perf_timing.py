@@ -2,6 +2,7 @@
 every number is known) and through the scripts that load it by path."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -131,18 +132,38 @@ def test_side_by_side_scripts_run_one_rank(script, args, pattern, tmp_path):
     assert len(lines) == 1 and re.search(pattern, lines[0]), res.stdout
 
 
-@pytest.mark.parametrize("script, rows", [
-    ("perf/ddp_step.py", ("gloo fp32", "fp16 hook", "giftcomm e4m3")),
-    ("perf/fsdp_step.py", ("fsdp fp32", "fsdp bf16", "giftcomm e4m3")),
+def _check_step_json(path, groups: set[str]) -> list[dict]:
+    """A step benchmark's ``--json`` file: a row per (mode, group) with the given groups in every
+    mode, compute-only sends nothing, and each overhead is the step minus compute-only's."""
+    result = json.loads(path.read_text())
+    rows = result["rows"]
+    modes = {r["mode"] for r in rows}
+    assert modes and all({r["group"] for r in rows if r["mode"] == m} == groups for m in modes), rows
+    for r in rows:
+        compute = next(c for c in rows if c["mode"] == r["mode"] and c["group"] == "compute-only")
+        assert r["step_ms"] > 0 and r["overhead_ms"] == pytest.approx(r["step_ms"] - compute["step_ms"])
+        sends = r["group"] != "compute-only" and result["world"] > 1  # one rank sends nothing
+        assert (r["bytes_per_step"] > 0) == sends, r
+    return rows
+
+
+@pytest.mark.parametrize("script, rows, groups", [
+    ("perf/ddp_step.py", ("gloo", "fp16 hook", "giftcomm e4m3", "giftcomm nvfp4"),
+     {"compute-only", "gloo", "fp16 hook", "giftcomm e4m3", "giftcomm nvfp4"}),
+    ("perf/fsdp_step.py", ("fsdp fp32", "fsdp bf16", "giftcomm e4m3", "giftcomm nvfp4"),
+     {"compute-only", "gloo", "fsdp bf16", "giftcomm e4m3", "giftcomm nvfp4"}),
 ])
-def test_torch_step_scripts_run_one_rank(script, rows, tmp_path):
+def test_torch_step_scripts_run_one_rank(script, rows, groups, tmp_path):
     """The FSDP2 and DDP side-by-side scripts (perf/torch_bench.py's launch through MPI and a file
-    rendezvous, as on the netbed) print one row per configuration and giftcomm's breakdown."""
+    rendezvous, as on the netbed) print one row per configuration and giftcomm's breakdown, and
+    write the rows with a compute-only step as JSON."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(ROOT / script), "--rendezvous", str(tmp_path / "rdzv"), "--width", "64",
-                          "--layers", "2", "--steps", "1", "--rounds", "2"], env=env, capture_output=True, text=True,
+                          "--layers", "2", "--steps", "1", "--rounds", "2", "--fmts", "e4m3,nvfp4",
+                          "--json", str(tmp_path / "rows.json")], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+    _check_step_json(tmp_path / "rows.json", groups)
     number = r" +[0-9.]+"
     for name in rows:
         assert re.search(rf"^{name}{number}{number} +[0-9]+%( +([0-9.]+x|-)){{2}} +[0-9.]+x$", res.stdout, re.M), \
@@ -159,8 +180,10 @@ def test_torchtitan_step_script_runs_two_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "torchtitan_step.py"),
                           "--rendezvous", str(tmp_path / "rdzv"), "--seq-len", "64", "--batch", "1", "--steps", "1",
-                          "--rounds", "1"], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                          "--rounds", "1", "--json", str(tmp_path / "rows.json")], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    _check_step_json(tmp_path / "rows.json", {"compute-only", "gloo", "giftcomm e4m3"})
     number = r" +([0-9.]+)"
     rows = {m[1]: [float(v) for v in m.groups()[1:]] for m in
             re.finditer(rf"^(torchtitan stock|giftcomm){number}{number}x{number}{number}x$", res.stdout, re.M)}
@@ -168,3 +191,35 @@ def test_torchtitan_step_script_runs_two_ranks(tmp_path):
     assert rows["torchtitan stock"][1] == 1.0 and rows["torchtitan stock"][3] == 1.0
     assert 0.25 <= rows["giftcomm"][3] <= 0.27, res.stdout
     assert rows["giftcomm"][2] > 0
+
+
+def test_megatron_step_script_runs_two_ranks(tmp_path):
+    """perf/megatron_step.py as on the netbed (mpiexec, a file rendezvous) at P = 2 on a tiny
+    model: both modes with compute-only, gloo and giftcomm e4m3 rows in its JSON; e4m3 sends about
+    a quarter of gloo's float32 bytes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "megatron_step.py"),
+                          "--rendezvous", str(tmp_path / "rdzv"), "--width", "256", "--layers", "2", "--steps", "1",
+                          "--rounds", "1", "--json", str(tmp_path / "rows.json")], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    rows = _check_step_json(tmp_path / "rows.json", {"compute-only", "gloo", "giftcomm e4m3"})
+    assert {r["mode"] for r in rows} == {"allreduce", "dist-opt"}
+    for mode in ("allreduce", "dist-opt"):
+        by = {r["group"]: r for r in rows if r["mode"] == mode}
+        assert 0.24 <= by["giftcomm e4m3"]["bytes_per_step"] / by["gloo"]["bytes_per_step"] <= 0.27, by
+
+
+def test_jax_dist_bench_two_processes(tmp_path):
+    """perf/jax_dist_bench.py under mpiexec (jax.distributed over CPU gloo collectives, a process
+    per rank): giftcomm's jit psum equals the reference bit for bit across processes, and its
+    bytes per device are e4m3's quarter of lax.psum's ring."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = tmp_path / "jax.json"
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "jax_dist_bench.py"), "--sizes", "4K",
+                          "--fmts", "e4m3", "--algorithms", "ring", "--rounds", "1", "--reps", "1", "--port", "0",
+                          "--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"lax.psum", "e4m3/ring"} and rows["e4m3/ring"]["bit_exact"] == "yes"
+    assert 0.25 <= rows["e4m3/ring"]["bytes_vs_base"] <= 0.26 and rows["e4m3/ring"]["ms_per_call"] > 0
