@@ -669,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="grid",
                    help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M; large: ~1.8M)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (default: the preset's)")
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
     p.add_argument("--report", action="store_true", help="only recompute summary.md and the plots from --out")
@@ -689,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(**asdict(QUICK if a.quick else SIZES[a.size]))
     if a.steps is not None:
         cfg.steps = a.steps
+    if a.val_every is not None:
+        cfg.val_every = a.val_every
     modes = [parse_mode(m.strip()) for m in a.modes.split(",") if m.strip()]
     worlds = [int(w) for w in a.world.split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]
