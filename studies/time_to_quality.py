@@ -13,9 +13,11 @@ folder per link rate::
         --json perf/results/time-to-quality.json --png perf/results/time-to-quality.png
 
 A run's clock is the sum of its steps' ``t_step`` (the slowest rank's forward, backward,
-gradient sync and update; the validation passes are not counted). The target of a run is, by
-default, the final validation loss of the ``fp32`` run of the same rate and seed (``--target
-X`` sets one loss for all); a run reaches it at its first validation at or below it. Bytes per
+gradient sync and update; the validation passes are not counted). Two targets: "reference", the
+final validation loss of the ``fp32`` run of the same rate and seed, and "stated", ``--target X``
+(one loss for every run, e.g. one every wire reaches: a single seed's final loss carries the
+run-to-run chaos of the training comparison); a run reaches a target at its first validation at
+or below it. Bytes per
 step are what one rank sends in a ring allreduce of the model's gradient values in the mode's
 wire format: ``2 (P - 1)`` messages of ``ceil(n / P)`` values (giftcomm.formats.message_nbytes).
 """
@@ -65,13 +67,16 @@ def reach(curve: list[tuple[float, int, float]], target: float) -> tuple[float |
 
 
 def analyse(folders: dict[str, str], n_values: int, target: float | None = None, reference: str = "fp32") -> dict:
-    """{"target": how, "rates": {rate: {"world", "rows": [...]}}} for run folders keyed by rate.
-    Each row: mode, seed, bytes_per_step, seconds_per_step (median), steps, total_seconds,
-    final_val, target, steps_to_target, seconds_to_target (None: not reached), speedup against the
-    reference's seconds to target, and the curve [[seconds, step, val], ...]."""
-    out: dict[str, Any] = {"target": (f"{target}" if target is not None else
-                                      f"the final validation loss of the {reference} run (same rate, seed)"),
-                           "rates": {}}
+    """{"targets": what each means, "rates": {rate: {"world", "rows": [...]}}} for run folders
+    keyed by rate. Each row: mode, seed, bytes_per_step, seconds_per_step (median), steps,
+    total_seconds, final_val, the curve [[seconds, step, val], ...], and per target ("reference":
+    the final validation loss of the ``reference`` run of the same rate and seed; "stated": the
+    ``target`` loss, when given) {loss, steps, seconds (None: not reached), speedup against the
+    reference run's seconds to the same target}."""
+    targets = {"reference": f"the final validation loss of the {reference} run (same rate, seed)"}
+    if target is not None:
+        targets["stated"] = f"validation loss {target}"
+    out: dict[str, Any] = {"targets": targets, "rates": {}}
     for rate, folder in folders.items():
         runs = train.load_runs(folder)
         if not runs:
@@ -84,33 +89,41 @@ def analyse(folders: dict[str, str], n_values: int, target: float | None = None,
         for (_, mode), by_seed in sorted(runs.items()):
             for seed, steps in sorted(by_seed.items()):
                 ref = runs.get((world, reference), {}).get(seed)
-                goal = target if target is not None else (ref[-1]["val_loss"] if ref else float("nan"))
+                goals = {"reference": ref[-1]["val_loss"] if ref else float("nan")}
+                if target is not None:
+                    goals["stated"] = target
                 curve = run_curve(steps)
-                seconds, n = reach(curve, goal) if not math.isnan(goal) else (None, None)
-                rows.append(dict(mode=mode, seed=seed, bytes_per_step=bytes_per_step(mode, n_values, world),
-                                 seconds_per_step=float(np.median([r["t_step"] for r in steps])), steps=len(steps),
-                                 total_seconds=curve[-1][0] if curve else float("nan"), final_val=steps[-1]["val_loss"],
-                                 target=goal, steps_to_target=n, seconds_to_target=seconds,
-                                 curve=[list(c) for c in curve]))
+                row: dict[str, Any] = dict(mode=mode, seed=seed, bytes_per_step=bytes_per_step(mode, n_values, world),
+                                           seconds_per_step=float(np.median([r["t_step"] for r in steps])),
+                                           steps=len(steps), total_seconds=curve[-1][0] if curve else float("nan"),
+                                           final_val=steps[-1]["val_loss"], curve=[list(c) for c in curve])
+                for name, goal in goals.items():
+                    seconds, n = reach(curve, goal) if not math.isnan(goal) else (None, None)
+                    row[name] = dict(loss=goal, steps=n, seconds=seconds)
+                rows.append(row)
         for r in rows:
             base = next((b for b in rows if b["mode"] == reference and b["seed"] == r["seed"]), None)
-            r["speedup_to_target"] = (base["seconds_to_target"] / r["seconds_to_target"]
-                                      if base and base["seconds_to_target"] and r["seconds_to_target"] else None)
+            for name in targets:
+                mine, theirs = r[name]["seconds"], base[name]["seconds"] if base else None
+                r[name]["speedup"] = theirs / mine if mine and theirs else None
         out["rates"][rate] = dict(world=world, folder=folder, rows=rows)
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Target: {result['target']}.", "",
-             "| rate | mode | seed | MB/step | s/step | steps to target | seconds to target | speed-up vs fp32 | final val |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"Targets: {'; '.join(f'{k}: {v}' for k, v in result['targets'].items())}.", "",
+             "| rate | mode | seed | MB/step | s/step | target | loss | steps to it | seconds to it | speed-up vs fp32 "
+             "| final val |", "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for rate, r in result["rates"].items():
         for row in r["rows"]:
-            seconds = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}"
-            steps = "not reached" if row["steps_to_target"] is None else str(row["steps_to_target"])
-            speedup = "-" if row["speedup_to_target"] is None else f"{row['speedup_to_target']:.2f}x"
-            lines.append(f"| {rate} | {row['mode']} | {row['seed']} | {row['bytes_per_step'] / 1e6:.2f} | "
-                         f"{row['seconds_per_step']:.3f} | {steps} | {seconds} | {speedup} | {row['final_val']:.4f} |")
+            for name in result["targets"]:
+                t = row[name]
+                seconds = "-" if t["seconds"] is None else f"{t['seconds']:.1f}"
+                steps = "not reached" if t["steps"] is None else str(t["steps"])
+                speedup = "-" if t["speedup"] is None else f"{t['speedup']:.2f}x"
+                lines.append(f"| {rate} | {row['mode']} | {row['seed']} | {row['bytes_per_step'] / 1e6:.2f} | "
+                             f"{row['seconds_per_step']:.3f} | {name} | {t['loss']:.4f} | {steps} | {seconds} | "
+                             f"{speedup} | {row['final_val']:.4f} |")
     return "\n".join(lines)
 
 
@@ -125,10 +138,10 @@ def plot(result: dict, path: str) -> None:
         for row in result["rates"][rate]["rows"]:
             c = np.array(row["curve"])
             ax.plot(c[:, 0], c[:, 2], marker=".", lw=1.2, label=f"{row['mode']} (seed {row['seed']})")
-        target = {row["target"] for row in result["rates"][rate]["rows"]}
-        for t in target:
-            if not math.isnan(t):
-                ax.axhline(t, color="k", lw=0.7, ls=":")
+        for name in result["targets"]:
+            for t in {row[name]["loss"] for row in result["rates"][rate]["rows"]}:
+                if not math.isnan(t):
+                    ax.axhline(t, color="k", lw=0.7, ls=":" if name == "reference" else "--")
         ax.set(title=f"{rate}, P = {result['rates'][rate]['world']} hosts: validation loss against time",
                xlabel="wall-clock seconds (training steps)", ylabel="nats/byte")
         ax.grid(alpha=0.3)
@@ -140,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies time-to-quality", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("folders", nargs="+", metavar="RATE=DIR", help="a studies.train output folder per link rate")
-    p.add_argument("--target", type=float, default=None, help="one target loss for every run (default: fp32's final)")
+    p.add_argument("--target", type=float, default=None,
+                   help="a stated target loss for every run (beside the fp32 run's final loss)")
     p.add_argument("--size", choices=sorted(train.SIZES), default="medium", help="the runs' model preset (its n)")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)

@@ -39,18 +39,19 @@ def test_seconds_and_steps_to_the_reference_loss(tmp_path):
     result = ttq.analyse({"1gbit": str(tmp_path)}, n_values=100_000)
     rows = {r["mode"]: r for r in result["rates"]["1gbit"]["rows"]}
     target = loss[-1]
-    assert rows["fp32"]["target"] == rows["e4m3-n"]["target"] == pytest.approx(target)
-    assert rows["fp32"]["steps_to_target"] == steps and rows["fp32"]["seconds_to_target"] == pytest.approx(slow.sum())
+    ref, e4 = rows["fp32"]["reference"], rows["e4m3-n"]["reference"]
+    assert ref["loss"] == e4["loss"] == pytest.approx(target) and "stated" not in rows["fp32"]
+    assert ref["steps"] == steps and ref["seconds"] == pytest.approx(slow.sum())
     # e4m3 reaches the target at its first validation with loss - 0.01 <= target
     first = next(i for i in range(steps) if (i % every == 0 or i == steps - 1) and loss[i] - 0.01 <= target)
-    assert rows["e4m3-n"]["steps_to_target"] == first + 1
-    assert rows["e4m3-n"]["seconds_to_target"] == pytest.approx(fast[: first + 1].sum())
-    assert rows["e4m3-n"]["speedup_to_target"] == pytest.approx(slow.sum() / fast[: first + 1].sum())
+    assert e4["steps"] == first + 1 and e4["seconds"] == pytest.approx(fast[: first + 1].sum())
+    assert e4["speedup"] == pytest.approx(slow.sum() / fast[: first + 1].sum())
     assert rows["e4m3-n"]["bytes_per_step"] == 2 * 3 * message_nbytes(25_000, "e4m3")
     assert rows["fp32"]["bytes_per_step"] == 2 * 3 * 25_000 * 4
-    # a target nobody reaches
+    # a stated target nobody reaches, beside the reference
     never = ttq.analyse({"1gbit": str(tmp_path)}, n_values=100_000, target=float(loss.min()) - 1.0)
-    assert all(r["seconds_to_target"] is None and r["steps_to_target"] is None for r in never["rates"]["1gbit"]["rows"])
+    for r in never["rates"]["1gbit"]["rows"]:
+        assert r["stated"]["seconds"] is None and r["stated"]["steps"] is None and r["reference"]["steps"] is not None
 
 
 def test_command_writes_json_and_plot(tmp_path):
@@ -65,6 +66,7 @@ def test_command_writes_json_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert set(result["rates"]) == {"100mbit", "1gbit"} and "| 1gbit | nvfp4-n | 1 |" in proc.stdout
+    assert set(result["targets"]) == {"reference"}
     for r in result["rates"]["1gbit"]["rows"]:
         assert all(math.isfinite(x) for c in r["curve"] for x in c)
     assert (tmp_path / "ttq.png").stat().st_size > 10_000
