@@ -2,6 +2,7 @@
 
 train         end-to-end data-parallel Llama training comparison (under mpiexec; torch)
 train-compare the training comparison that decides the defaults (torch)
+time-to-quality  seconds and steps to a target validation loss of runs on the netbed
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
 pretrained-gradients  the same capture from all-MiniLM-L6-v2 continued on the corpus (transformers)
@@ -27,6 +28,7 @@ import sys
 COMMANDS = {
     "train": "studies.train",
     "train-compare": "studies.train_compare",
+    "time-to-quality": "studies.time_to_quality",
     "fidelity": "studies.fidelity",
     "gradients": "studies.gradients",
     "pretrained-gradients": "studies.pretrained_gradients",

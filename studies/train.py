@@ -67,6 +67,7 @@ class Mode:
     ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
     opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
     preset: str | None = None  # "-paper": Geometry.preset("paper") on the MLP down projections
+    perturb: bool = False  # "-ulp": every initial weight one ulp off (seeded directions): the noise-floor control
 
     @property
     def twin(self) -> str:
@@ -87,8 +88,11 @@ def parse_mode(name: str) -> Mode:
     parts = name.split("-")
     fmt, rounding, gift, damping, full, ef, opt = parts[0], "nearest", False, None, False, False, "adamw"
     preset: str | None = None
+    perturb = False
     for p in parts[1:]:
-        if p == "muon":
+        if p == "ulp":
+            perturb = True
+        elif p == "muon":
             opt = "muon"
         elif p == "paper":
             preset, gift = "paper", True
@@ -101,11 +105,11 @@ def parse_mode(name: str) -> Mode:
             if "@" in p:
                 damping = float(p.split("@", 1)[1])
         else:
-            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]|-paper][-muon]")
+            raise ValueError(f"bad mode {name!r}: FMT[-n|-s][-ef][-gift|-giftfull[@DAMPING]|-paper][-ulp][-muon]")
     if fmt in BASELINES and (rounding != "nearest" or (ef and preset is None) or (gift and preset is None)):
         raise ValueError(f"bad mode {name!r}: a baseline wire ({fmt}) rounds to nearest, takes GIFT only as "
                          "-paper, and error feedback only with it (kept in the transformed coordinates)")
-    return Mode(name, fmt, rounding, gift, damping, full, ef, opt, preset)
+    return Mode(name, fmt, rounding, gift, damping, full, ef, opt, preset, perturb)
 
 
 @dataclass
@@ -122,7 +126,8 @@ class Config:
     weight_decay: float = 0.1
     clip: float = 1.0
     val_every: int = 25
-    val_batches: int = 64
+    val_batches: int = 64  # held-out sequences of seq_len bytes per evaluation (val_bytes = val_batches * seq_len)
+    val_last: int = 1  # the comparison's metric: validation loss averaged over the last val_last evaluations
     kfac_every: int = 5
     kfac_tokens: int = 128
     kfac_decay: float = 0.5
@@ -189,6 +194,21 @@ def make_model(cfg: Config, seed: int):
     with _INIT_LOCK:  # torch's global generator: one virtual rank at a time
         torch.manual_seed(seed)
         return Llama(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, ffn=cfg.ffn, seq_len=cfg.seq_len))
+
+
+def perturb_one_ulp(model, seed: int) -> None:
+    """Move every parameter element of ``model`` one float32 ulp up or down (directions from
+    ``seed``, the same on every rank): the smallest change of the initial weights, whose effect
+    on the final loss is the run-to-run noise floor of the training comparison."""
+    import torch
+
+    rng = np.random.default_rng([seed, 3])
+    with torch.no_grad():
+        for p in model.parameters():
+            a = p.detach().numpy()
+            up = rng.random(a.shape) < 0.5
+            p.copy_(torch.from_numpy(np.where(up, np.nextafter(a, np.float32(np.inf)),
+                                              np.nextafter(a, np.float32(-np.inf))).astype(np.float32)))
 
 
 def make_optimizers(model, name: str, cfg: Config) -> list:
@@ -320,6 +340,8 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
 
     rank, size = ctx.rank, ctx.size
     model = make_model(cfg, seed)
+    if mode.perturb:
+        perturb_one_ulp(model, seed)
     seq = cfg.seq_len
     opts = make_optimizers(model, mode.opt, cfg)
     from giftcomm.formats import get_format
@@ -625,7 +647,10 @@ MEDIUM = Config(dim=128, layers=4, heads=4, ffn=344, seq_len=64, steps=100, val_
 # as medium's), ~1.8M parameters, medium's schedule (100 steps: what fits the seeds on this CPU)
 LARGE = Config(dim=192, layers=4, heads=6, ffn=512, seq_len=64, steps=100, val_every=20, val_batches=64,
                refresh=25, warmup=8)
-SIZES = {"grid": Config(), "medium": MEDIUM, "large": LARGE}
+# the powered comparison: medium's model and schedule, 4,096 held-out sequences (256 KiB) per
+# evaluation, the metric averaged over the last 3 evaluations (steps 60, 80 and 99)
+POWERED = Config(**{**asdict(MEDIUM), "val_batches": 4096, "val_last": 3})
+SIZES = {"grid": Config(), "medium": MEDIUM, "large": LARGE, "powered": POWERED}
 QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
                kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
 
@@ -644,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="grid",
                    help="model and schedule preset (default grid: ~246k parameters; medium: ~0.8M; large: ~1.8M)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (default: the preset's)")
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps (CI)")
     p.add_argument("--out", default=None, help="default perf/results/train-grid (--quick: perf/results/train-quick)")
     p.add_argument("--report", action="store_true", help="only recompute summary.md and the plots from --out")
@@ -664,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(**asdict(QUICK if a.quick else SIZES[a.size]))
     if a.steps is not None:
         cfg.steps = a.steps
+    if a.val_every is not None:
+        cfg.val_every = a.val_every
     modes = [parse_mode(m.strip()) for m in a.modes.split(",") if m.strip()]
     worlds = [int(w) for w in a.world.split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]

@@ -7,8 +7,12 @@ hidden 2-D weights with AdamW on the rest) x seeds. Then:
 - the final-loss table: final validation loss mean +- sd over seeds, the paired gap to fp32 of
   the same optimizer and seed (mean +- sd), the training loss of the last 20 steps likewise, and
   the paired differences that decide a default (error feedback against none, a geometry against
-  its Euclidean twin); a difference is "beyond the spread" when |mean| > 2 sd of the paired
-  per-seed differences;
+  its Euclidean twin); every gap and decision with its paired-t 95% confidence interval
+  (``ci95``) and the noise floor (the RMS of the per-seed differences a one-ulp perturbation of
+  the initial weights causes: the ``-ulp`` control rows, ``noise`` in compare.json); a gap or
+  decision is "resolved" when its interval excludes 0 and its size exceeds the noise floor. The
+  metric is the validation loss averaged over the last ``val_last`` evaluations (the powered
+  preset: 3 evaluations of 256 KiB of held-out text, ``val_bytes`` in compare.json's config);
 - ``train-curves.png``: validation loss against step (mean over seeds, +- sd shaded) and the
   paired training-loss gap to fp32 (moving average), one column per optimizer;
 - the step-time side: the transform's measured seconds per step (``t_transform``, slowest rank)
@@ -18,8 +22,9 @@ hidden 2-D weights with AdamW on the rest) x seeds. Then:
 
 ::
 
-    OMP_NUM_THREADS=1 python -m studies train-compare --out DIR                    # the grid + report
+    OMP_NUM_THREADS=1 python -m studies train-compare --out DIR                    # the grid (8 seeds) + report
     OMP_NUM_THREADS=1 python -m studies train-compare --optimizers muon --seeds 0,1,2 --out DIR
+    OMP_NUM_THREADS=1 python -m studies train-compare --verify DIR --configs e4m3 --seeds 0  # reproduces?
     python -m studies train-compare --report --out DIR                             # report only
     python -m studies train-compare --quick --out DIR                              # CI: tiny, < 30 s
 
@@ -29,6 +34,7 @@ Writes into ``--out``: the runs (``P<world>-s<seed>-<mode>.csv/.json``, studies.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -67,7 +73,13 @@ CONFIGS = (
     Row("nvfp4", "NVFP4 (E4M3 scale per 16)", "nvfp4-n", "nvfp4"),
     Row("nvfp4-gift", "NVFP4 + GIFT (giftcomm's default policy)", "nvfp4-n-gift", "nvfp4"),
     Row("nvfp4-paper", "NVFP4 + paper preset", "nvfp4-n-paper", "nvfp4"),
+    # noise-floor controls: the row above them with every initial weight one ulp off (same seed)
+    Row("fp32-ulp", "fp32, initial weights one ulp off (noise control)", "fp32-ulp", None),
+    Row("e4m3-ulp", "giftcomm E4M3 block 256, initial weights one ulp off (noise control)", "e4m3-n-ulp", None),
+    Row("nvfp4-ulp", "NVFP4, initial weights one ulp off (noise control)", "nvfp4-n-ulp", None),
 )
+# (control, the row it perturbs): their paired differences are the runs' own chaos, the noise floor
+NOISE_CONTROLS = (("fp32-ulp", "fp32"), ("e4m3-ulp", "e4m3"), ("nvfp4-ulp", "nvfp4"))
 OPTIMIZERS = ("adamw", "muon")
 # which pairs decide a default: (row, the row it is compared with, what it decides)
 DECISIONS = (
@@ -130,13 +142,57 @@ def _sd(a) -> float:
     return float(np.std(a, ddof=1)) if len(a) > 1 else float("nan")
 
 
+def metric(rows: list[dict], last: int) -> float:
+    """The comparison's metric of one run: validation loss (nats/byte) averaged over its last
+    ``last`` evaluations."""
+    vals = [r["val_loss"] for r in rows if not math.isnan(r["val_loss"])]
+    return float(np.mean(vals[-last:]))
+
+
+def ci95(diffs) -> list[float]:
+    """The paired t 95% confidence interval [lo, hi] of the mean of ``diffs`` (per-seed paired
+    differences); [nan, nan] with fewer than 2."""
+    d = np.asarray(diffs, dtype=np.float64)
+    if len(d) < 2:
+        return [float("nan"), float("nan")]
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, len(d) - 1)) * float(np.std(d, ddof=1)) / math.sqrt(len(d))
+    return [float(d.mean()) - half, float(d.mean()) + half]
+
+
+def noise_floor(by: dict, opt: str, last: int) -> dict:
+    """The noise floor of one optimizer: for each control of NOISE_CONTROLS present, the per-seed
+    differences (control minus the row it perturbs, same seed) and their root mean square; the
+    floor is the RMS over every control's differences (nats/byte; nan when no control ran)."""
+    pairs, every = [], []
+    for control, base in NOISE_CONTROLS:
+        if (opt, control) not in by or (opt, base) not in by:
+            continue
+        a, b = by[(opt, control)][1], by[(opt, base)][1]
+        common = sorted(set(a) & set(b))
+        d = [metric(a[s], last) - metric(b[s], last) for s in common]
+        every += d
+        pairs.append(dict(row=control, base=base, n=len(d), diffs=d,
+                          rms=float(np.sqrt(np.mean(np.square(d)))) if d else float("nan")))
+    return dict(floor=float(np.sqrt(np.mean(np.square(every)))) if every else float("nan"), controls=pairs)
+
+
+def resolved(interval: list[float], mean: float, floor: float) -> bool:
+    """A gap or decision is resolved when its 95% interval excludes 0 and its size exceeds the
+    noise floor (a comparison without a measured floor resolves nothing)."""
+    lo, hi = interval
+    return bool((lo > 0 or hi < 0) and not math.isnan(floor) and abs(mean) > floor)
+
+
 def _tail(rows: list[dict], n: int = 20) -> float:
     return float(np.mean([r["train_loss"] for r in rows[-n:]]))
 
 
-def compare(runs: dict, world: int, n_values: int) -> dict:
-    """The comparison's numbers: {"rows": [...], "decisions": [...], "time": [...]} (see module doc).
-    runs: studies.train.load_runs's; n_values: gradient values per step (the model's parameters)."""
+def compare(runs: dict, world: int, n_values: int, last: int = 1) -> dict:
+    """The comparison's numbers: {"rows": [...], "decisions": [...], "noise": {opt: ...}, "time":
+    [...]} (see module doc). runs: studies.train.load_runs's; n_values: gradient values per step
+    (the model's parameters); last: the metric's number of final evaluations (:func:`metric`)."""
     rows, by = [], {}
     prices = netbed_seconds_per_value()
     for opt in OPTIMIZERS:
@@ -146,9 +202,9 @@ def compare(runs: dict, world: int, n_values: int) -> dict:
             if not got:
                 continue
             seeds = sorted(got)
-            final = np.array([got[s][-1]["val_loss"] for s in seeds])
+            final = np.array([metric(got[s], last) for s in seeds])
             paired = [s for s in seeds if s in ref]
-            gap = np.array([got[s][-1]["val_loss"] - ref[s][-1]["val_loss"] for s in paired])
+            gap = np.array([metric(got[s], last) - metric(ref[s], last) for s in paired])
             tgap = np.array([_tail(got[s]) - _tail(ref[s]) for s in paired])
             t_tr = float(np.mean([np.mean([r["t_transform"] for r in got[s][1:]]) for s in seeds]))
             t_geo = float(np.mean([np.mean([r["t_geometry"] for r in got[s][1:]]) for s in seeds]))
@@ -159,8 +215,13 @@ def compare(runs: dict, world: int, n_values: int) -> dict:
                      t_transform=t_tr, t_geometry=t_geo,
                      err_l2=float(np.mean([train._mean_measured(got[s], "err_l2") for s in seeds])))
             e["beyond"] = bool(len(gap) > 1 and abs(e["gap"]) > 2 * e["gap_sd"])
+            e["ci95"] = ci95(gap)
             rows.append(e)
             by[(opt, row.key)] = (e, got)
+    noise = {opt: noise_floor(by, opt, last) for opt in OPTIMIZERS}
+    for e in rows:
+        e["noise_floor"] = noise[e["opt"]]["floor"]
+        e["resolved"] = resolved(e["ci95"], e["gap"], e["noise_floor"]) if e["key"] != "fp32" else False
     decisions = []
     for key, base, what in DECISIONS:
         for opt in OPTIMIZERS:
@@ -168,11 +229,13 @@ def compare(runs: dict, world: int, n_values: int) -> dict:
                 continue
             a, b = by[(opt, key)][1], by[(opt, base)][1]
             common = sorted(set(a) & set(b))
-            d = np.array([a[s][-1]["val_loss"] - b[s][-1]["val_loss"] for s in common])
+            d = np.array([metric(a[s], last) - metric(b[s], last) for s in common])
             dt = np.array([_tail(a[s]) - _tail(b[s]) for s in common])
+            interval, floor = ci95(d), noise[opt]["floor"]
             decisions.append(dict(opt=opt, what=what, row=key, base=base, n=len(common), diff=float(d.mean()),
                                   diff_sd=_sd(d), tdiff=float(dt.mean()), tdiff_sd=_sd(dt),
-                                  beyond=bool(len(d) > 1 and abs(d.mean()) > 2 * _sd(d))))
+                                  beyond=bool(len(d) > 1 and abs(d.mean()) > 2 * _sd(d)),
+                                  ci95=interval, noise_floor=floor, resolved=resolved(interval, float(d.mean()), floor)))
     time_rows = []
     for opt in OPTIMIZERS:
         for row in CONFIGS:
@@ -187,30 +250,46 @@ def compare(runs: dict, world: int, n_values: int) -> dict:
                                   transform_ms=1e3 * e["t_transform"],
                                   transform_ns_per_value=1e9 * e["t_transform"] / n_values,
                                   net_vs_bf16_ms=1e3 * (saved_bf16 - e["t_transform"])))
-    return dict(world=world, n_values=n_values, rows=rows, decisions=decisions, time=time_rows,
+    return dict(world=world, n_values=n_values, metric_last=last, rows=rows, decisions=decisions, noise=noise,
+                time=time_rows,
                 prices={k: dict(v, ns_per_value=1e9 * v["s_per_value"]) for k, v in prices.items()})
+
+
+def _interval(x: list[float]) -> str:
+    return "-" if any(math.isnan(v) for v in x) else f"[{x[0]:+.4f}, {x[1]:+.4f}]"
 
 
 def markdown(c: dict) -> str:
     """The tables of ``compare``'s result."""
-    out = [f"P = {c['world']} (loopback), {c['n_values']:,} gradient values per step. Final = validation loss "
-           "(nats/byte) at the last step; gaps are paired by seed against fp32 with the same optimizer; "
-           "'beyond spread': |mean| > 2 sd of the per-seed paired differences.", "",
-           "| optimizer | configuration | mode | seeds | final val loss | gap to fp32 | beyond spread? | "
-           "train-loss gap (last 20 steps) | L2 grad err |",
-           "| --- | --- | --- | ---: | ---: | ---: | :---: | ---: | ---: |"]
+    last = c.get("metric_last", 1)
+    out = [f"P = {c['world']} (loopback), {c['n_values']:,} gradient values per step. Metric = validation loss "
+           f"(nats/byte) averaged over the last {last} evaluation(s); gaps are paired by seed against fp32 with the "
+           "same optimizer, with their paired-t 95% interval; the noise floor is the RMS of the per-seed differences "
+           "that a one-ulp perturbation of the initial weights causes (the controls below); 'resolved': the interval "
+           "excludes 0 and |mean| exceeds the noise floor.", "",
+           "Noise floor (one-ulp controls, paired with the row they perturb):", "",
+           "| optimizer | control | seeds | RMS difference |", "| --- | --- | ---: | ---: |"]
+    for opt, nz in c.get("noise", {}).items():
+        for ctl in nz["controls"]:
+            out.append(f"| {opt} | {ctl['row']} vs {ctl['base']} | {ctl['n']} | {ctl['rms']:.4f} |")
+        out.append(f"| {opt} | **floor (all controls)** | | {nz['floor']:.4f} |")
+    out += ["", "| optimizer | configuration | mode | seeds | metric | gap to fp32 | 95% CI | noise floor | resolved? | "
+            "train-loss gap (last 20 steps) | L2 grad err |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: |"]
     for e in c["rows"]:
         ref = e["key"] == "fp32"
         out.append(f"| {e['opt']} | {e['label']} | `{e['mode']}` | {e['n']} | {e['val']:.4f} ± {e['val_sd']:.4f} | "
-                   + ("- | - | - | -" if ref else
-                      f"{e['gap']:+.4f} ± {e['gap_sd']:.4f} | {'yes' if e['beyond'] else 'no'} | "
-                      f"{e['tgap']:+.4f} ± {e['tgap_sd']:.4f} | {e['err_l2']:.4f}") + " |")
+                   + ("- | - | - | - | - | -" if ref else
+                      f"{e['gap']:+.4f} ± {e['gap_sd']:.4f} | {_interval(e['ci95'])} | {e['noise_floor']:.4f} | "
+                      f"{'yes' if e['resolved'] else 'no'} | {e['tgap']:+.4f} ± {e['tgap_sd']:.4f} | {e['err_l2']:.4f}")
+                   + " |")
     out += ["", "Paired differences that decide a default (row minus its base, same seed; < 0: the row is better):", "",
-            "| optimizer | question | seeds | final val loss diff | beyond spread? | train-loss diff (last 20) |",
-            "| --- | --- | ---: | ---: | :---: | ---: |"]
+            "| optimizer | question | seeds | metric diff | 95% CI | noise floor | resolved? | train-loss diff (last 20) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: |"]
     for d in c["decisions"]:
         out.append(f"| {d['opt']} | {d['what']} | {d['n']} | {d['diff']:+.4f} ± {d['diff_sd']:.4f} | "
-                   f"{'yes' if d['beyond'] else 'no'} | {d['tdiff']:+.4f} ± {d['tdiff_sd']:.4f} |")
+                   f"{_interval(d['ci95'])} | {d['noise_floor']:.4f} | {'yes' if d['resolved'] else 'no'} | "
+                   f"{d['tdiff']:+.4f} ± {d['tdiff_sd']:.4f} |")
     out += ["", "Step time (communication priced on the 1 Gbit/s netbed, P = 4; transform measured here, slowest "
             "rank, mean over steps and seeds):", "",
             "| wire | ns per value (netbed) | source |", "| --- | ---: | --- |"]
@@ -277,15 +356,51 @@ def n_values(cfg: train.Config) -> int:
 
 def report(out: str, world: int, cfg: train.Config, header: str = "", no_plot: bool = False) -> str:
     runs = train.load_runs(out)
-    c = compare(runs, world, n_values(cfg))
+    c = compare(runs, world, n_values(cfg), last=cfg.val_last)
     text = markdown(c)
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write("# giftcomm training comparison\n\n" + header + text + "\n")
     with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump(dict(c, config=asdict(cfg)), f, indent=1)
+        json.dump(dict(c, config=dict(asdict(cfg), val_bytes=cfg.val_batches * cfg.seq_len)), f, indent=1)
     if not no_plot:
         plot_curves(runs, world, os.path.join(out, "train-curves.png"))
     return text
+
+
+def verify(out: str, keys: list[str], optimizers: list[str], seeds: list[int] | None) -> int:
+    """Re-run the committed runs of ``out`` (its compare.json's config and world; the runs of the
+    configuration ``keys`` x ``optimizers`` x ``seeds``, None: every seed present) with today's
+    build and compare each with its record: the sha256 of the final weights and the final
+    validation loss, bit for bit. Returns 0 when every selected run reproduces, 1 otherwise (or
+    when none was selected)."""
+    from studies.workloads.corpus import load_corpus
+
+    with open(os.path.join(out, "compare.json")) as f:
+        recorded = json.load(f)
+    fields = set(train.Config.__dataclass_fields__)
+    cfg = train.Config(**{k: v for k, v in recorded["config"].items() if k in fields})
+    world = int(recorded["world"])
+    keyed = {r.key: r for r in CONFIGS}
+    corpus = load_corpus(max_bytes=cfg.corpus_bytes)
+    checked = failed = 0
+    for opt in optimizers:
+        for key in keys:
+            mode = mode_name(keyed[key], opt)
+            for path in sorted(glob.glob(os.path.join(out, f"P{world}-s*-{mode}.json"))):
+                with open(path) as f:
+                    want = json.load(f)
+                if want["mode"] != mode or (seeds is not None and want["seed"] not in seeds):
+                    continue
+                _, got = train.run_loopback(train.parse_mode(mode), cfg, want["seed"], world, corpus,
+                                            want.get("asked_algorithm", "auto"), want.get("block"), want.get("mx_scale"))
+                same = got["digest"] == want["digest"] and got["val_loss"] == want["val_loss"]
+                checked += 1
+                failed += not same
+                print(f"{'reproduced' if same else 'DIFFERS'}: {os.path.basename(path)} val {got['val_loss']!r} "
+                      f"(recorded {want['val_loss']!r}), weights {'equal' if got['digest'] == want['digest'] else 'differ'}",
+                      flush=True)
+    print(f"verify: {checked - failed} of {checked} runs reproduced bit for bit", flush=True)
+    return 0 if checked and not failed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,12 +409,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(r.key for r in CONFIGS),
                    help="comma-separated configuration keys (default: all)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; --verify: every seed in DIR)")
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--size", choices=sorted(train.SIZES), default="medium")
+    p.add_argument("--size", choices=sorted(train.SIZES), default="powered",
+                   help="model, schedule and validation preset (default powered: 256 KiB of validation, "
+                        "the metric over the last 3 evaluations)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="studies.train's tiny --quick model (CI)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the runs' folder (required unless --verify)")
+    p.add_argument("--verify", metavar="DIR", default=None,
+                   help="re-run DIR's committed runs (--configs, --optimizers, --seeds select) and exit non-zero "
+                        "unless each reproduces bit for bit")
     p.add_argument("--report", action="store_true", help="only recompute the report from --out")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--skip-existing", action="store_true",
@@ -310,6 +430,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [k for k in chosen if k not in keys] + [o for o in a.optimizers.split(",") if o not in OPTIMIZERS]
     if bad:
         p.error(f"unknown configuration/optimizer {bad}; configurations {list(keys)}, optimizers {OPTIMIZERS}")
+    if a.verify:
+        import torch
+
+        torch.set_num_threads(1)
+        seeds = None if a.seeds is None else [int(s) for s in a.seeds.split(",")]
+        return verify(a.verify, chosen, a.optimizers.split(","), seeds)
+    if not a.out:
+        p.error("--out is required (unless --verify DIR)")
+    a.seeds = a.seeds or ",".join(str(s) for s in range(8))
     cfg = train.Config(**asdict(train.QUICK if a.quick else train.SIZES[a.size]))
     if a.steps is not None:
         cfg.steps = a.steps

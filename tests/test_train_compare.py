@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from studies import train
-from studies.train_compare import CONFIGS, mode_name, netbed_seconds_per_value
+from studies.train_compare import CONFIGS, ci95, mode_name, netbed_seconds_per_value, resolved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -111,3 +112,66 @@ def test_size_presets_grow():
     n = {k: train.make_model(c, 0).num_parameters() for k, c in train.SIZES.items()}
     assert n["grid"] < n["medium"] < n["large"] and 1.5e6 < n["large"] < 2.0e6, n
     assert train.SIZES["large"].dim // train.SIZES["large"].heads == train.SIZES["medium"].dim // train.SIZES["medium"].heads
+
+
+def test_one_ulp_perturbation_moves_every_weight_one_ulp():
+    cfg = train.Config(**vars(train.QUICK))
+    a, b, c = train.make_model(cfg, 5), train.make_model(cfg, 5), train.make_model(cfg, 5)
+    train.perturb_one_ulp(b, 5)
+    train.perturb_one_ulp(c, 5)
+    ups = downs = 0
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        x, y = pa.detach().numpy(), pb.detach().numpy()
+        assert (y == pc.detach().numpy()).all(), f"{n}: not the same perturbation for the same seed"
+        up, down = y == np.nextafter(x, np.float32(np.inf)), y == np.nextafter(x, np.float32(-np.inf))
+        assert (up | down).all() and not (up & down).any(), n
+        ups, downs = ups + int(up.sum()), downs + int(down.sum())
+    assert 0.45 < ups / (ups + downs) < 0.55  # seeded random directions
+
+
+def test_ci95_covers_the_mean_and_resolved_needs_the_noise_floor():
+    rng = np.random.default_rng()
+    mu = float(rng.normal())
+    covered = sum(lo <= mu <= hi for lo, hi in (ci95(rng.normal(mu, 0.01, 8)) for _ in range(2000)))
+    assert 0.93 < covered / 2000 < 0.97  # a paired t interval's nominal 95% coverage
+    d = rng.normal(0.0, 1.0, 8)
+    lo, hi = ci95(d)
+    assert lo < d.mean() < hi and hi - lo == pytest.approx(2 * 2.3646 * d.std(ddof=1) / np.sqrt(8), rel=1e-4)
+    assert all(math.isnan(v) for v in ci95([1.0]))
+    assert resolved([0.01, 0.02], 0.015, 0.005) and resolved([-0.02, -0.01], -0.015, 0.005)
+    assert not resolved([-0.01, 0.02], 0.005, 0.001)          # the interval holds 0
+    assert not resolved([0.01, 0.02], 0.015, 0.02)            # inside the noise floor
+    assert not resolved([0.01, 0.02], 0.015, float("nan"))    # no floor measured: nothing resolved
+
+
+def test_powered_comparison_fields_and_verify(tmp_path):
+    """The report carries a 95% interval for every gap and decision, the noise floor from the
+    one-ulp controls and the validation size; --verify re-runs a committed run bit for bit and
+    fails on one that does not reproduce."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "studies", "train-compare", "--quick", "--world", "2", "--seeds", "0,1",
+           "--optimizers", "muon", "--configs", "fp32,fp32-ulp,e4m3,e5m2t", "--out", str(out), "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    c = json.load(open(out / "compare.json"))
+    assert c["config"]["val_bytes"] == train.QUICK.val_batches * train.QUICK.seq_len
+    runs = train.load_runs(str(out))
+    ctl = c["noise"]["muon"]["controls"]
+    assert [x["row"] for x in ctl] == ["fp32-ulp"] and ctl[0]["n"] == 2
+    diffs = [runs[(2, "fp32-ulp-muon")][s][-1]["val_loss"] - runs[(2, "fp32-muon")][s][-1]["val_loss"] for s in (0, 1)]
+    assert ctl[0]["diffs"] == pytest.approx(diffs) and c["noise"]["muon"]["floor"] == pytest.approx(
+        math.sqrt(np.mean(np.square(diffs))))
+    for e in c["rows"] + c["decisions"]:
+        assert len(e["ci95"]) == 2 and e["noise_floor"] == c["noise"]["muon"]["floor"]
+    (dec,) = [d for d in c["decisions"] if d["row"] == "e4m3" and d["base"] == "e5m2t"]
+    assert dec["ci95"][0] < dec["diff"] < dec["ci95"][1]
+    verify = [sys.executable, "-m", "studies", "train-compare", "--verify", str(out), "--configs", "e4m3",
+              "--optimizers", "muon", "--seeds", "1"]
+    proc = subprocess.run(verify, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0 and "1 of 1 runs reproduced bit for bit" in proc.stdout, proc.stdout + proc.stderr
+    run = out / "P2-s1-e4m3-n-muon.json"
+    rec = json.load(open(run))
+    rec["val_loss"] = float(np.nextafter(rec["val_loss"], np.inf))  # one ulp off: not bit for bit
+    run.write_text(json.dumps(rec))
+    proc = subprocess.run(verify, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert proc.returncode == 1 and "DIFFERS" in proc.stdout, proc.stdout + proc.stderr
