@@ -142,6 +142,8 @@ def plot(result: dict, path: str) -> None:
             for t in {row[name]["loss"] for row in result["rates"][rate]["rows"]}:
                 if not math.isnan(t):
                     ax.axhline(t, color="k", lw=0.7, ls=":" if name == "reference" else "--")
+        lo = min(v for row in result["rates"][rate]["rows"] for _, _, v in row["curve"])
+        ax.set_ylim(lo - 0.05, lo + 0.6)  # the approach to the target, not the first steps' fall
         ax.set(title=f"{rate}, P = {result['rates'][rate]['world']} hosts: validation loss against time",
                xlabel="wall-clock seconds (training steps)", ylabel="nats/byte")
         ax.grid(alpha=0.3)
