@@ -151,8 +151,8 @@ def main() -> None:
             s, c = step_ms[n], med_comm[n]
             print(f"{n:<15} {s:>9.1f} {c:>13.1f} {c / s:>10.0%} {torch_bench.ratio(med_comm['fp16 hook'], c):>13} "
                   f"{step_ms['fp16 hook'] / s:>12.2f}x {step_ms['gloo fp32'] / s:>12.2f}x")
-        print(f"giftcomm hook: {stats.host_buckets} host buckets, {stats.bytes_wire / max(stats.bytes_in, 1):.4f} "
-              f"wire bytes per input byte, {stats.comm_seconds:.2f} s on its worker in all; algorithm per bucket: "
+        print(f"giftcomm hook: {stats.host_buckets} host buckets, {sum(stats.bytes_sent.values()) / max(stats.bytes_in, 1):.4f} "
+              f"bytes sent per input byte, {stats.comm_seconds:.2f} s on its worker in all; algorithm per bucket: "
               + ", ".join(f"{b / 2**20:.0f} MiB {a}" for b, a in sorted(algorithms.items())))
         med = {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}
         print(f"giftcomm e4m3 per step (medians, rank 0): worker busy {med['worker']:.1f} ms, of which codec "

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ... import api
+from ... import accounting, api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
@@ -247,6 +247,9 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         self.calls += 1
         if call < self.warmup:
             work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            # uncompressed as asked (warmup): counted under "native", not warned (accounting.fallback)
+            self._tally.add_slot(accounting.count(group, "native", "native", accounting.native_sent_bytes(
+                input_tensor.numel(), size, input_tensor.element_size(), scatter=True), accounting.WARMUP))
             return work if async_op else None
         transport = self._transport(group, input_tensor)
         geo = self._geometry_for(call, input_tensor, group, size)
