@@ -183,10 +183,11 @@ def _group_of(where: Any, create: bool) -> _Group | None:
         rec = _RECORDS.get(where)
         if rec is not None:
             return rec.group
-        key = group_key(where)
-        return None if key is None else _GROUPS.get(key)
+        named = group_key(where)
+        return None if named is None else _GROUPS.get(named)
+    key: Hashable | None
     if where is None:
-        key: Hashable | None = _default_key()
+        key = _default_key()
     else:
         key = _comm_key(where)
         if key is None:  # an mpi4py communicator other than COMM_WORLD: its cached transport's group

@@ -691,13 +691,15 @@ def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, 
     """Worker-thread body: reduce one CPU bucket in place and complete ``fut``."""
     try:
         t0 = time.perf_counter()
-        _reduce_bucket(state, index, it, buf, geo, state.runtime.host, signature)
+        host = state.runtime.host
+        assert host is not None  # gift_hook checked it
+        _reduce_bucket(state, index, it, buf, geo, host, signature)
         dt = time.perf_counter() - t0
         snap = None
         if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
             snap = (buf.detach().to(torch.float32, copy=True), None)  # the bucket is reused after the future
         state._after_reduce(index, it, layout, snap)
-        _count(state, buf, dt, device=False, ranks=state.runtime.host.size)
+        _count(state, buf, dt, device=False, ranks=host.size)
         fut.set_result(buf)
     except BaseException as exc:  # DDP re-raises it from backward / the next wait
         fut.set_exception(exc)
