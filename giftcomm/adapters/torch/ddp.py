@@ -14,7 +14,9 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
    the bucket goes through the wire format (docs/adapters.md, "One process"); with no process
    group at all (a hook called outside DDP) a one-rank loopback transport stands in for it.
 1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
-   world size (DDP's default hook), returned as its own future.
+   world size (DDP's default hook), returned as its own future; uncompressed as asked, so
+   counted in ``stats()`` and giftcomm.stats under ``"native"`` with the fallback reason
+   ``"warmup"`` and not warned about (giftcomm.accounting).
 2. **CUDA buckets (device route)**: on the calling (autograd) thread, a side CUDA stream waits
    for the current stream, then ``giftcomm.gift_allreduce(bucket, op="avg", out=bucket)`` runs
    the CUDA codec kernels on that stream (CuPy on ``ExternalStream``) over a
@@ -245,7 +247,8 @@ class GiftState:
     hook always averages (op "avg": another op is a ValueError). With ``rounding="stochastic"``
     bucket ``i`` of iteration ``it`` is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
     rank, a fresh stream per bucket and step. ``state.options`` is the validated record.
-    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
+    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm (counted
+    as "native", fallback reason "warmup"; docs/api.md, "What was sent").
     geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
     estimated from the reduced gradients: no communication) or "kfac" (GIFT with KFAC factors
     captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``)

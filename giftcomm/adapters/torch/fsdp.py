@@ -18,7 +18,8 @@ Each call:
 1. maps FSDP's op: AVG -> giftcomm ``op="avg"``; SUM -> ``"sum"``; PREMUL_SUM(f) (from
    ``set_gradient_divide_factor``) -> the sum times f, applied to the reduced shard (in the
    reduce dtype for bf16/fp16, as FSDP's own post-division is); anything else raises;
-2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead;
+2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead (counted
+   in ``stats()`` as "native", fallback reason "warmup"; docs/api.md, "What was sent");
 3. with a geometry (``geometry="kfac"`` or a :class:`~giftcomm.geometry.ShardedGeometry`),
    transforms every row into its shard's GIFT coordinates (float32), reduce-scatters those and
    applies this shard's inverse alone (docs/method.md, "Sharded gradients");
