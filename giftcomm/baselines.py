@@ -25,10 +25,24 @@ from .reference.baselines import (
     ring_bounds,
     simulate_baseline_allreduce,
 )
+from .transport.base import wait_all
 
-__all__ = ["BASELINE_WIRES", "BaselineWire", "baseline_allreduce", "simulate_baseline_allreduce"]
+__all__ = ["BASELINE_WIRES", "BaselineWire", "baseline_allreduce", "baseline_sent_bytes", "simulate_baseline_allreduce"]
 
 _TAG = 7351
+
+
+def baseline_sent_bytes(wire: str | BaselineWire, n: int, p: int, rank: int) -> int:
+    """Bytes of the messages :func:`baseline_allreduce` sends from ``rank`` of ``p`` for ``n``
+    values: its ring passes every chunk but this rank's own in the reduce-scatter and every chunk
+    but the next rank's in the allgather (``ring_bounds`` chunks, one FP8 code per value); 0 on
+    one rank. The per-tensor scale goes through the transport's control gather, with the
+    agreement's words, and is not counted (giftcomm.stats counts no control words)."""
+    w = baseline_wire(wire)
+    if p <= 1:
+        return 0
+    sizes = [hi - lo for lo, hi in ring_bounds(n, p)]
+    return (2 * n - sizes[rank] - sizes[(rank + 1) % p]) * w.fmt.wire_dtype.itemsize
 
 
 def _host(x: Any) -> np.ndarray:
@@ -37,6 +51,20 @@ def _host(x: Any) -> np.ndarray:
             raise TypeError("baseline_allreduce runs on host arrays (NumPy, CPU torch tensors)")
         return x.detach().numpy()
     return np.asarray(x)
+
+
+def _hop(t: Any, send: np.ndarray, dest: int, nrecv: int, source: int) -> np.ndarray | None:
+    """One ring hop: ``send`` to ``dest`` and ``nrecv`` bytes from ``source`` (the received
+    bytes, None when nothing comes); an empty chunk (fewer values than ranks) is neither sent nor
+    awaited, so both ends of a hop skip it alike."""
+    reqs = []
+    got = np.empty(nrecv, np.uint8) if nrecv else None
+    if got is not None:
+        reqs.append(t.irecv(got, source, _TAG))
+    if send.size:
+        reqs.append(t.isend(np.ascontiguousarray(send), dest, _TAG))
+    wait_all(reqs)
+    return got
 
 
 def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *, comm: Any = None, op: str = "sum",
@@ -53,7 +81,9 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     for non-finite input on any rank). The ``-local`` wires leave the ranks with different results
     by design (the artifact's defect). own_error: return ``(result, e)`` instead, ``e`` the float32
     (n,) error of this rank's own encoding in the geometry's coordinates, ``y - float32(q) s`` (what
-    error feedback keeps: giftcomm.feedback.TransformedFeedback.record_error)."""
+    error feedback keeps: giftcomm.feedback.TransformedFeedback.record_error). Each call counts in
+    giftcomm.stats under the wire's name (bytes_sent and algorithms; :func:`baseline_sent_bytes`)."""
+    from . import accounting
     from .transport import resolve
 
     w = baseline_wire(wire)
@@ -87,16 +117,15 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
         right, left = (rank + 1) % p, (rank - 1) % p
         for k in range(p - 1):  # reduce-scatter: chunk c starts at rank c + 1, rank c adds last
             (slo, shi), (rlo, rhi) = bounds[(rank - k - 1) % p], bounds[(rank - k - 2) % p]
-            if rhi > rlo:
-                got = np.empty(rhi - rlo, np.uint8)
-                t.sendrecv(np.ascontiguousarray(raw[slo:shi]), right, got, left, _TAG)
+            got = _hop(t, raw[slo:shi], right, rhi - rlo, left)
+            if got is not None:
                 buf[rlo:rhi] = fp8_add(got.view(w.fmt.wire_dtype), buf[rlo:rhi], w.fmt)
         for k in range(p - 1):  # allgather of the FP8 sums, unchanged
             (slo, shi), (rlo, rhi) = bounds[(rank - k) % p], bounds[(rank - k - 1) % p]
-            if rhi > rlo:
-                got = np.empty(rhi - rlo, np.uint8)
-                t.sendrecv(np.ascontiguousarray(raw[slo:shi]), right, got, left, _TAG)
+            got = _hop(t, raw[slo:shi], right, rhi - rlo, left)
+            if got is not None:
                 raw[rlo:rhi] = got
+    accounting.count(t, w.name, w.name, baseline_sent_bytes(w, n, p, rank))
     y = buf.astype(np.float32) * np.float32(scale)
     if geometry is not None:
         y = np.asarray(geometry.inverse(y), np.float32)

@@ -158,7 +158,9 @@ class AllreducePlan(_ChannelCalls):
         self._fmt_code, self._block, self._avg = self._wire.fmt.variant_code, self._wire.block, call.op == "avg"
         self.last_run = (algorithm.name, None)  # what engine.last_algorithm reports after a call
         self.used = 0  # a cached plan's last use (giftcomm.plan_cache's eviction order)
-        self.slot: Any = None  # a cached plan's giftcomm.stats slot (giftcomm.accounting; set by giftcomm.plan_cache)
+        # its giftcomm.stats slot, where every call counts (giftcomm.accounting; plan_allreduce and
+        # first_allreduce set it, after the agreement)
+        self.slot: Any = _stats.slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, None)
         # the native row's fast path: NumPy arrays of the dtype the transport sums (float32 for a
         # block-scaled format or fp32, float64 input for a block-scaled format), no seed
         kind = native.kind_of(self._wire.fmt, self._acc) if algorithm.native else ""
@@ -196,7 +198,9 @@ class AllreducePlan(_ChannelCalls):
                                      and out.flags.c_contiguous and out.flags.writeable))):
             channel = state.channel
             if channel is not None:
-                return self._native_call(state, channel, x, out)
+                res = self._native_call(state, channel, x, out)
+                self._counted()
+                return res
         if (self._fast and seed is None and timeout is None and state is not None and type(x) is np.ndarray
                 and x.shape == self.shape and (out is None or (type(out) is np.ndarray and out.shape == self.shape))):
             channel = state.channel
@@ -207,6 +211,7 @@ class AllreducePlan(_ChannelCalls):
                     status = self._post(channel, x=x, out=res, fmt_code=self._fmt_code, block=self._block,
                                         avg=self._avg)
                     if status == 0:
+                        self._counted()
                         return res
                     if status != 3:  # 3: not for the fast path; nothing was posted
                         self._failed(channel, status, None)
@@ -214,7 +219,15 @@ class AllreducePlan(_ChannelCalls):
         if self._owner.closed is not None:
             self._stale()
         with held(self.transport, timeout, plain=False):
-            return self._call(x, out, seed, channel)
+            result = self._call(x, out, seed, channel)
+        self._counted()
+        return result
+
+    def _counted(self) -> None:
+        """Count the call that just ran in giftcomm.stats (its slot, set when the plan was made)."""
+        slot = self.slot
+        slot.calls += 1
+        self.transport.last_slot = slot  # what an adapter's accounting.Tally adds
 
     def _native_call(self, state: Any, channel: PlanChannel, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The native row's call on checked NumPy arrays: the check words through the channel
@@ -324,7 +337,11 @@ class JobPlan(_ChannelCalls):
             assert job is not None
             job.algorithm, job.nodes, job.slice_n = agreed.algorithm, agreed.nodes, agreed.slice_n
             job.bounds, job.counts, job.total = agreed.bounds, agreed.counts, agreed.total
-            return kind.run(t, job, out)
+            result = kind.run(t, job, out)
+        slot = self.slot
+        slot.calls += 1  # giftcomm.stats
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result
 
 
 def job_plan_of(t: Transport, kind: engine.Kind, job: Job) -> JobPlan | None:
@@ -424,7 +441,9 @@ def plan_allreduce(
         o = o.replace(seed=0)  # a stand-in: the agreement's signature; each call gives its own
     with held(t, None if isinstance(o, Exception) else o.timeout):
         job = engine.agree_call(t, engine.ALLREDUCE, x, None, o, geometry, local_size)
-        return plan_of(t, job)
+        plan = plan_of(t, job)
+        plan.slot = _stats.agreed(t, job, options is not None or "fmt" in opts)  # each call counts here
+        return plan
 
 
 def plan_of(t: Transport, job: Job, cached: bool = False) -> AllreducePlan:

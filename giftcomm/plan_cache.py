@@ -80,10 +80,8 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
     if plan is not None:
         plan.used = next(_CLOCK)  # least recently used is evicted first (_keep)
         try:
-            result = plan(x, out, opts.seed, opts.timeout)
+            result = plan(x, out, opts.seed, opts.timeout)  # counted in giftcomm.stats by the plan
             t.last_run = plan.last_run  # what engine.last_algorithm reports (error feedback, adapters)
-            plan.slot.calls += 1  # giftcomm.stats
-            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
@@ -111,11 +109,9 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
     if plan is not None:
         plan.used = next(_CLOCK)
         try:
-            result = plan(x, out, opts)
+            result = plan(x, out, opts)  # counted in giftcomm.stats by the plan
             if plan.last_run is not None:
                 t.last_run = plan.last_run
-            plan.slot.calls += 1  # giftcomm.stats
-            t.last_slot = plan.slot  # what an adapter's accounting.Tally adds
             return result
         except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
             missed = True

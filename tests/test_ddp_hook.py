@@ -68,7 +68,7 @@ def test_device_route_grouped_no_host_copy(rng, dtype, P, monkeypatch):
     for rank, st in enumerate(states):
         s = st.stats()
         assert s.device_buckets == 1 and s.host_buckets == 0 and st.iter == 1
-        assert s.bytes_in == n * xs[0].element_size() and s.bytes_wire < s.bytes_in
+        assert s.bytes_in == n * xs[0].element_size()
         algo = resolve_algorithm("auto", n, P, None, "e4m3")  # stats(): also the dict every adapter's has
         assert dict(s) == {"calls": 1, "algorithms": {algo: 1}, "fallbacks": {},
                            "bytes_sent": {"native" if algo == "native" else "e4m3": sent_bytes(algo, n, P, rank,

@@ -99,6 +99,32 @@ def test_stats_count_a_real_run_under_mpi():
     assert sent_bytes(algo, 1024, p, comm.rank, "e4m3", 256) > 0
 
 
+@pytest.mark.mpi
+@pytest.mark.multirank
+def test_persistent_plans_count_every_execution_under_mpi():
+    """A plan counts each call, through every path of its call (the node-shared channel's C fast
+    path, the native row's, the engine's), under MPI's world as comm=None and COMM_WORLD ask."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    p, r = comm.size, comm.rank
+    gc.reset_stats()
+    x = np.ones(1024, np.float32)
+    fast = gc.plan_allreduce(x, fmt="e4m3", algorithm="oneshot")  # float32, nearest: C through the channel
+    native = gc.plan_allreduce(x, fmt="e4m3", algorithm="native")
+    ring = gc.plan_allreduce(x.astype(np.float64), fmt="e5m2", algorithm="ring")
+    for _ in range(3):
+        fast(x)
+        native(x)
+    ring(x.astype(np.float64))
+    st = gc.stats()
+    assert st == gc.stats(comm)
+    assert st["calls"] == 7 and st["algorithms"] == {"oneshot": 3, "native": 3, "ring": 1} and st["fallbacks"] == {}
+    assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes("oneshot", 1024, p, r, "e4m3", 256),
+                                "native": 3 * (2 * (p - 1) * 1024 * 4 // p),
+                                "e5m2": sent_bytes("ring", 1024, p, r, "e5m2", 256)}
+
+
 def _gloo_worker(rank, world):
     x = np.ones(1024, np.float32)
     for _ in range(3):

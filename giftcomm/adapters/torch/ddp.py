@@ -14,7 +14,9 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
    the bucket goes through the wire format (docs/adapters.md, "One process"); with no process
    group at all (a hook called outside DDP) a one-rank loopback transport stands in for it.
 1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
-   world size (DDP's default hook), returned as its own future.
+   world size (DDP's default hook), returned as its own future; uncompressed as asked, so
+   counted in ``stats()`` and giftcomm.stats under ``"native"`` with the fallback reason
+   ``"warmup"`` and not warned about (giftcomm.accounting).
 2. **CUDA buckets (device route)**: on the calling (autograd) thread, a side CUDA stream waits
    for the current stream, then ``giftcomm.gift_allreduce(bucket, op="avg", out=bucket)`` runs
    the CUDA codec kernels on that stream (CuPy on ``ExternalStream``) over a
@@ -52,10 +54,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ... import api
-from ...accounting import Tally
+from ... import accounting, api
+from ...accounting import Tally, native_sent_bytes
 from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
-from ...formats import message_nbytes
 from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
 from ...geometry.paper import FactorEMA, refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
@@ -77,28 +78,36 @@ _CAPTURED = ("kfac", "paper")  # the geometries built from factors captured from
 @dataclass
 class GiftStats:
     """What the hook did so far (``state.stats()``): ``calls``, ``bytes_sent``, ``algorithms``,
-    ``fallbacks`` as every adapter's ``stats()`` has them (also as ``stats["calls"]`` etc.), and
-    the hook's own counters. Bytes are per rank, per reduction:
-    ``bytes_in`` the buckets' size in their own dtype, ``bytes_wire`` the wire messages of the
-    same values (format + scales); ``bytes_saved`` their difference. ``comm_seconds``: wall time
+    ``fallbacks`` as every adapter's ``stats()`` has them (also as ``stats["calls"]`` etc.;
+    docs/api.md, "What was sent"), and the hook's own counters.
+
+    ``bytes_sent`` is the one byte counter: per format (``"native"``: uncompressed), the bytes
+    this rank's messages carried, as giftcomm.stats counts them -- the warm-up buckets
+    (``start_gift_iter``: DDP's own allreduce, in the bucket's dtype) under ``"native"`` with the
+    fallback reason ``"warmup"``. ``bytes_in``: the size of every bucket the hook reduced, in its
+    own dtype (what went in, not what was sent); ``ranks``: the ranks they were reduced over;
+    ``bytes_saved`` (derived): what DDP's own ring allreduce of the same buckets would have sent,
+    ``2 (ranks - 1) / ranks * bytes_in``, minus ``bytes_sent``. ``comm_seconds``: wall time
     of the reductions (host route: on the worker; device route: the host time to enqueue them,
     the GPU time is not measured here). ``geometry_seconds``: estimator updates and rebuilds on
-    the geometry thread; ``geometry_waits``: times the hook had to wait for a rebuild."""
+    the geometry thread; ``geometry_waits``: times the hook had to wait for a rebuild.
+    ``bytes_wire``: a deprecated alias of the total of ``bytes_sent`` (it counted one message of
+    the whole bucket, not the algorithm's messages), removed in the next release."""
 
     iterations: int = 0
     warmup_buckets: int = 0
     host_buckets: int = 0
     device_buckets: int = 0
     bytes_in: int = 0
-    bytes_wire: int = 0
+    ranks: int = 0
     comm_seconds: float = 0.0
     estimator_updates: int = 0
     rebuilds: int = 0
     geometry_seconds: float = 0.0
     geometry_waits: int = 0
     transformed_segments: int = 0
-    # what giftcomm.stats counts for the plain calls, for this hook's reductions (docs/api.md, "What
-    # was sent"); also readable as a mapping: stats["calls"], stats["bytes_sent"], ...
+    # what giftcomm.stats counts, for this hook's reductions (docs/api.md, "What was sent"); also
+    # readable as a mapping: stats["calls"], stats["bytes_sent"], ...
     calls: int = 0
     bytes_sent: dict = field(default_factory=dict)
     algorithms: dict = field(default_factory=dict)
@@ -117,7 +126,14 @@ class GiftStats:
 
     @property
     def bytes_saved(self) -> int:
-        return self.bytes_in - self.bytes_wire
+        return native_sent_bytes(self.bytes_in, self.ranks, 1) - sum(self.bytes_sent.values())
+
+    @property
+    def bytes_wire(self) -> int:
+        """Deprecated: the total of ``bytes_sent`` (removed in the next release)."""
+        warnings.warn("GiftStats.bytes_wire is deprecated: use sum(stats.bytes_sent.values()) (bytes_sent is the "
+                      "one byte counter)", DeprecationWarning, stacklevel=2)
+        return sum(self.bytes_sent.values())
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -231,7 +247,8 @@ class GiftState:
     hook always averages (op "avg": another op is a ValueError). With ``rounding="stochastic"``
     bucket ``i`` of iteration ``it`` is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
     rank, a fresh stream per bucket and step. ``state.options`` is the validated record.
-    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm.
+    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm (counted
+    as "native", fallback reason "warmup"; docs/api.md, "What was sent").
     geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
     estimated from the reduced gradients: no communication) or "kfac" (GIFT with KFAC factors
     captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``)
@@ -627,12 +644,12 @@ def _geometry_for(state: GiftState, index: int, layout: Optional[Layout], numel:
     return got[1]
 
 
-def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool) -> None:
-    n = buf.numel()
+def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool, ranks: int) -> None:
+    """A reduced bucket in the hook's own counters (its bytes sent are the Tally's)."""
     with state.runtime.lock:
         s = state._stats
-        s.bytes_in += n * buf.element_size()
-        s.bytes_wire += message_nbytes(n, state.options.format, state.block)
+        s.bytes_in += buf.numel() * buf.element_size()
+        s.ranks = ranks
         s.comm_seconds += seconds
         if device:
             s.device_buckets += 1
@@ -677,13 +694,15 @@ def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, 
     """Worker-thread body: reduce one CPU bucket in place and complete ``fut``."""
     try:
         t0 = time.perf_counter()
-        _reduce_bucket(state, index, it, buf, geo, state.runtime.host, signature)
+        host = state.runtime.host
+        assert host is not None  # gift_hook checked it
+        _reduce_bucket(state, index, it, buf, geo, host, signature)
         dt = time.perf_counter() - t0
         snap = None
         if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
             snap = (buf.detach().to(torch.float32, copy=True), None)  # the bucket is reused after the future
         state._after_reduce(index, it, layout, snap)
-        _count(state, buf, dt, device=False)
+        _count(state, buf, dt, device=False, ranks=host.size)
         fut.set_result(buf)
     except BaseException as exc:  # DDP re-raises it from backward / the next wait
         fut.set_exception(exc)
@@ -713,10 +732,25 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
                 snap = (copy_, event)
             fut.set_result(buf)  # CUDA: records events on the side stream; consumers wait on the GPU
         state._after_reduce(index, it, layout, snap)
-        _count(state, buf, time.perf_counter() - t0, device=True)
+        _count(state, buf, time.perf_counter() - t0, device=True, ranks=transport.size)
     except BaseException as exc:
         fut.set_exception(exc)
     return fut
+
+
+def _count_warmup(state: GiftState, buf: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """A warm-up bucket (DDP's own allreduce, uncompressed as the caller asked: start_gift_iter)
+    in the hook's counters and in giftcomm.stats of its process group, under "native" with the
+    fallback reason "warmup" (counted, not warned: giftcomm.accounting.fallback)."""
+    world = dist.get_world_size(group)
+    slot = accounting.count(group if group is not None else dist.GroupMember.WORLD, "native", "native",
+                            accounting.native_sent_bytes(buf.numel(), world, buf.element_size()), accounting.WARMUP)
+    with state.runtime.lock:
+        s = state._stats
+        s.warmup_buckets += 1
+        s.bytes_in += buf.numel() * buf.element_size()
+        s.ranks = world
+        state.runtime.tally.add_slot(slot)
 
 
 def _route_is_device(state: GiftState, buf: torch.Tensor) -> bool:
@@ -744,6 +778,8 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
     if it < state.start_gift_iter and not _has_group():  # DDP's default on one rank: the bucket itself
         with state.runtime.lock:
             state._stats.warmup_buckets += 1
+            state._stats.bytes_in += buf.numel() * buf.element_size()
+            state._stats.ranks = 1
         state.maybe_increase_iter(bucket)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buf)
@@ -752,8 +788,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
         group = state.process_group
         buf.div_(dist.get_world_size(group))
         work_fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        with state.runtime.lock:
-            state._stats.warmup_buckets += 1
+        _count_warmup(state, buf, group)
         state.maybe_increase_iter(bucket)
         return work_fut.then(lambda f: f.value()[0])
     layout = None

@@ -18,7 +18,8 @@ Each call:
 1. maps FSDP's op: AVG -> giftcomm ``op="avg"``; SUM -> ``"sum"``; PREMUL_SUM(f) (from
    ``set_gradient_divide_factor``) -> the sum times f, applied to the reduced shard (in the
    reduce dtype for bf16/fp16, as FSDP's own post-division is); anything else raises;
-2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead;
+2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead (counted
+   in ``stats()`` as "native", fallback reason "warmup"; docs/api.md, "What was sent");
 3. with a geometry (``geometry="kfac"`` or a :class:`~giftcomm.geometry.ShardedGeometry`),
    transforms every row into its shard's GIFT coordinates (float32), reduce-scatters those and
    applies this shard's inverse alone (docs/method.md, "Sharded gradients");
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ... import api
+from ... import accounting, api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
@@ -247,6 +248,9 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         self.calls += 1
         if call < self.warmup:
             work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            # uncompressed as asked (warmup): counted under "native", not warned (accounting.fallback)
+            self._tally.add_slot(accounting.count(group, "native", "native", accounting.native_sent_bytes(
+                input_tensor.numel(), size, input_tensor.element_size(), scatter=True), accounting.WARMUP))
             return work if async_op else None
         transport = self._transport(group, input_tensor)
         geo = self._geometry_for(call, input_tensor, group, size)

@@ -249,6 +249,7 @@ class GradSync:
         assert self.baseline is not None
         _, err = baseline_allreduce(values, self.baseline, comm=self.comm, op=self.options.op, geometry=tg,
                                     out=values, own_error=True)
+        self._tally.add(self.comm)  # counted under the wire's name
         if self.feedback is not None:
             self.feedback.record_error(b.index, err, g)
         return str(self.baseline)
@@ -256,7 +257,8 @@ class GradSync:
     def stats(self) -> dict[str, Any]:
         """What this GradSync's reductions sent (this rank): ``{"calls", "bytes_sent": {fmt or
         "native": bytes}, "algorithms": {name: count}, "fallbacks": {reason: count}}``, as
-        :func:`giftcomm.stats` counts them (docs/api.md, "What was sent")."""
+        :func:`giftcomm.stats` counts them (docs/api.md, "What was sent"); a baseline wire's
+        buckets count under the wire's name (giftcomm.baselines.baseline_sent_bytes)."""
         return self._tally.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
