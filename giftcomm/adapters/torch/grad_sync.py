@@ -198,9 +198,9 @@ class GradSync:
         times = SyncTimes()
         t0 = time.perf_counter()
         if self.refresh is not None:  # every sync: the ranks agree on the refresh, then refresh when due
-            transport = resolve(self.comm, device=any(b.tensor.device.type == "cuda" for b in self.buckets))
-            if self.refresh.agree(transport, sync_index, "GradSync"):
-                self._refresh(transport, sync_index)
+            control = resolve(self.comm, device=any(b.tensor.device.type == "cuda" for b in self.buckets))
+            if self.refresh.agree(control, sync_index, "GradSync"):
+                self._refresh(control, sync_index)
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
