@@ -359,7 +359,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     def _baseline(self, geo: ShardedGeometry | None, x: torch.Tensor, size: int, transport: Transport,
                   how: str) -> torch.Tensor:
         """This rank's (N/P,) float32 shard of the baseline wire's allreduce of ``x`` (N,): rows
-        mapped forward by ``geo`` first (when given) and this shard mapped back after."""
+        mapped forward by ``geo`` first (when given), this shard of the sum mapped back after,
+        then divided by P for ``how="avg"`` (the order of GradSync's baseline)."""
         from ...baselines import baseline_allreduce
 
         if x.device.type != "cpu":
@@ -368,10 +369,13 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         rows = x.detach().reshape(size, -1).float().numpy()
         flat = (rows if geo is None else np.asarray(geo.forward_rows(rows), np.float32)).reshape(-1)
         assert self.baseline is not None
-        full = baseline_allreduce(flat, self.baseline, comm=transport, op=how)
+        full = baseline_allreduce(flat, self.baseline, comm=transport, op="sum")
         rank, n = transport.rank, rows.shape[1]
-        shard = full[rank * n : (rank + 1) * n]
-        return torch.from_numpy(np.ascontiguousarray(shard if geo is None else geo.shard(rank).inverse(shard)))
+        shard = np.asarray(full[rank * n : (rank + 1) * n] if geo is None else geo.shard(rank).inverse(
+            full[rank * n : (rank + 1) * n]), np.float32)
+        if how == "avg":  # as the wire's own op="avg": the decoded (mapped back) sum over P
+            shard = shard / np.float32(size)
+        return torch.from_numpy(np.ascontiguousarray(shard))
 
     def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
         host = self._host.get(group)
