@@ -37,11 +37,11 @@ def _fsdp_model():
     return model
 
 
-def _register(model, **kw):
+def _register(model, paper=PAPER, **kw):
     from giftcomm.adapters.torch import register_reduce_scatter
 
     return register_reduce_scatter(model, fmt="e4m3", allow_native=False, geometry="paper", capture=model,
-                                   capture_every=1, capture_tokens=4, **kw)
+                                   capture_every=1, capture_tokens=4, paper=paper, **kw)
 
 
 def _steps(model, comms, rank, start, stop, save_at=None):
@@ -103,10 +103,10 @@ def _worker(rank, world):
         res[f"lost{save_at}"] = _steps(lost, comms, rank, save_at, 7)[0]
     # --- ranks that disagree: the same error on every rank, at once
     model = _fsdp_model()
-    _register(model, paper=dict(PAPER, refresh_every=2 + rank))
+    _register(model, dict(PAPER, refresh_every=2 + rank))
     res["refresh_every"] = _first_error(model, rank)
     model = _fsdp_model()
-    comms = _register(model, paper=PAPER)
+    comms = _register(model)
     comms[0].calls += rank == 0  # rank 0 one call ahead on the first module (a skipped step)
     res["calls"] = _first_error(model, rank)
     # --- the paper's wire: plain, and under the paper's map (refresh_every large: one map)
