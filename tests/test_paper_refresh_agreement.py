@@ -71,6 +71,18 @@ def test_agree_refresh_names_the_field_on_every_rank(change):
     assert LoopbackGroup(3).run(lambda t: agree_refresh(t, "probe", 4, PaperOptions())) == [None] * 3
 
 
+def test_agree_refresh_covers_every_setting_of_the_preset():
+    """A PaperOptions field the agreement left out would let ranks build different maps unseen."""
+    from dataclasses import fields
+
+    from giftcomm.geometry.paper import REFRESH_FIELDS, refresh_signature
+
+    assert {f.name for f in fields(PaperOptions)} <= set(REFRESH_FIELDS)
+    base = refresh_signature(PaperOptions(), 0)
+    for change in ({"damping": 2e-3}, {"names": ("a",)}, {"names": ("b",)}, {"threshold": 0.25}):
+        assert refresh_signature(PaperOptions.of(None, **change), 0) != base, change
+
+
 def test_agree_refresh_extra_fields_and_one_rank():
     errors = outcomes(2, lambda t: agree_refresh(t, "probe", 0, PaperOptions(), {"warmup": t.rank}), group)
     assert_same_error(errors, ValueError, "warmup (rank 0: 0, rank 1: 1)")
