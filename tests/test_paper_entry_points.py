@@ -190,9 +190,10 @@ def test_grad_sync_paper_errors_on_every_rank(rng):
     # a rank whose down projection never fired: no factor for it there
     errors = outcomes(2, lambda t: train_grad_sync(t, seed, 1, model_kw=lambda r: {"skip_down": r == 1}))
     assert_same_error(errors, RuntimeError, "disagree on the factor refresh", "missing ['down.weight']")
-    # ranks that would refresh at different syncs
+    # ranks that would refresh at different syncs: the refresh's agreement, at the first sync
     errors = outcomes(2, lambda t: train_grad_sync(t, seed, 3, paper={"refresh_every": 2 + t.rank}))
-    assert_same_error(errors, RuntimeError, "settings differ between ranks")
+    assert_same_error(errors, ValueError, "GradSync: the ranks disagree on when or how to refresh",
+                      "refresh_every (rank 0: 2, rank 1: 3)")
     # bad settings, at once
     from giftcomm.adapters.torch import GradSync
 
@@ -223,7 +224,7 @@ def test_grad_sync_paper_error_feedback_re_expressed_at_a_refresh(rng, reexpress
             sync.zero_grad()
             up = next(iter(sync.refresh.capture.layers))  # its hook feeds A on this forward
             up(x).pow(2).mean().backward()
-        sync._refresh(100)
+        sync._refresh(t, 100)
         new = sync.geometries[0]
         e_new = sync.feedback.residual(0, new)
         return old, new, e_old, e_new

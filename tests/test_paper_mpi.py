@@ -155,3 +155,90 @@ def test_paper_plan_bit_identical_to_gift_allreduce():
     assert len(set(comm.allgather(got.tobytes()))) == 1
     with pytest.raises(ValueError, match="Geometry.preset"):
         gc.gift_allreduce(x, "paper", comm=comm)
+
+
+# ------------------------------------------------------------ the refresh inside the agreement
+@pytest.mark.mpi
+@pytest.mark.multirank  # ranks that differ: needs P >= 2
+@pytest.mark.parametrize("sharded", [False, True])
+def test_paper_sync_counters_off_by_one_raise_the_same_error_on_every_rank(sharded):
+    """A rank one sync ahead (checkpoints of different steps, a skipped sync): every rank raises
+    the same ValueError at the refresh's agreement, at once (no MPI error, no deadline wait)."""
+    import time
+
+    import torch
+
+    from giftcomm.adapters.torch import GradSync, ShardedGradSync
+
+    comm = MPI.COMM_WORLD
+    seed = int(shared_rng(comm).integers(2**31))
+    model = _mlp(seed)
+    cls = ShardedGradSync if sharded else GradSync
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4}, timeout=30)
+    x = torch.from_numpy(np.random.default_rng([seed, comm.Get_rank()]).standard_normal((16, 40)).astype(np.float32))
+    sync.zero_grad()
+    model(x).pow(2).mean().backward()
+    sync.sync()
+    if comm.Get_rank() == 0:
+        sync.calls += 1  # rank 0 skipped a sync: its next one (2) refreshes, the others' (1) do not
+    sync.zero_grad()
+    model(x).pow(2).mean().backward()
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="the ranks disagree on when or how to refresh") as err:
+        sync.sync()
+    assert time.perf_counter() - t0 < 10
+    assert "sync (rank 0: 2, rank 1: 1" in str(err.value)
+    assert len(set(comm.allgather(str(err.value)))) == 1
+    comm.Barrier()  # the communicator is still usable
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sharded", [False, True])
+def test_paper_state_dict_resumes_bit_identical_under_mpi(sharded):
+    """Saved between refreshes (sync 3 of refresh_every 2) and loaded into a fresh sync: the next
+    syncs equal the uninterrupted run's bit for bit."""
+    import pickle
+
+    import torch
+
+    from giftcomm.adapters.torch import GradSync, ShardedGradSync
+
+    comm = MPI.COMM_WORLD
+    seed = int(shared_rng(comm).integers(2**31))
+    cls = ShardedGradSync if sharded else GradSync
+
+    def run(start, stop, blob=None, save_at=None):
+        model = _mlp(seed)
+        sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4},
+                   error_feedback=True)
+        if blob is not None:
+            params, state = pickle.loads(blob)
+            model.load_state_dict(params)
+            sync.load_state_dict(state)
+        out, saved = [], None
+        for step in range(start, stop):
+            if step == save_at:
+                saved = pickle.dumps((model.state_dict(), sync.state_dict()))
+            x = torch.from_numpy(np.random.default_rng([seed, comm.Get_rank(), step]).standard_normal((16, 40))
+                                 .astype(np.float32))
+            sync.zero_grad()
+            model(x).pow(2).mean().backward()
+            got = sync.sync()
+            out.append(got.numpy().tobytes() if sharded else b"".join(p.grad.numpy().tobytes()
+                                                                      for p in model.parameters()))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+        return out, saved
+
+    whole, saved = run(0, 6, save_at=3)
+    resumed, _ = run(3, 6, blob=saved)
+    assert resumed == whole[3:]
+
+
+@pytest.mark.mpi
+def test_paper_factor_not_finite_in_float32_raises_on_every_rank():
+    comm = MPI.COMM_WORLD
+    with pytest.raises(ValueError, match="'up' is not finite in float32") as err:
+        refresh_geometry(comm, LAYOUT, {"up": 1e80 * np.eye(40)}, step=0)
+    assert len(set(comm.allgather(str(err.value)))) == 1

@@ -42,6 +42,7 @@ definite (possible only for ``d <= 0`` or an A that is not positive semi-definit
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -58,7 +59,7 @@ from .transform import SegmentTransform, identity_transform
 __all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_input_factor", "input_side",
            "input_factor", "side_of_factor", "FactorEMA",
            "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
-           "refresh_geometries", "refresh_sharded",
+           "refresh_geometries", "refresh_sharded", "REFRESH_FIELDS", "refresh_signature", "agree_refresh",
            "SaturationProfile", "saturation_fraction", "select_saturated"]
 
 PRESETS = ("paper",)
@@ -213,15 +214,36 @@ def input_factor(a: Any, options: PaperOptions | None = None, name: str = "A") -
     return 0.5 * (root + root.T)
 
 
-def side_of_factor(f: np.ndarray, factor: str = "cholesky") -> Side:
+def _finite_in_float32(name: str, what: str, m: np.ndarray) -> None:
+    """ValueError naming segment ``name`` when the float64 matrix ``m`` (a factor or its inverse)
+    is not finite once rounded to float32, the precision the map is applied in."""
+    with np.errstate(over="ignore"):
+        ok = bool(np.all(np.isfinite(m.astype(np.float32))))
+    if not ok:
+        big = float(np.max(np.abs(m))) if np.all(np.isfinite(m)) else float("inf")
+        raise ValueError(f"paper preset: {what} of {name!r} is not finite in float32 (largest |entry| {big:.3g}; "
+                         f"float32 holds up to {float(np.finfo(np.float32).max):.3g}); the map x -> x F^-T would "
+                         "turn the gradients into Inf/NaN: rescale that layer's inputs (A is in their squared units), "
+                         "or, for an A near zero, raise the damping")
+
+
+def side_of_factor(f: np.ndarray, factor: str = "cholesky", name: str = "A") -> Side:
     """The input-side operator of a factor F from :func:`input_factor` (or a blend of such):
     ``right(x) = x F^-T``, ``right(x, inverse=True) = x F^T``; a :class:`CholeskySide` for
-    ``"cholesky"`` (F lower triangular), a symmetric ``DenseSide`` for ``"symmetric"``."""
+    ``"cholesky"`` (F lower triangular), a symmetric ``DenseSide`` for ``"symmetric"``. Both
+    matrices the map applies (F and its inverse) are rounded to float32: ValueError naming
+    ``name`` when either is not finite there (e.g. A = 1e80 I, whose factor 1e40 overflows)."""
     f = np.asarray(f, np.float64)
+    _finite_in_float32(name, "the factor F", f)
     if factor == "cholesky":
-        return CholeskySide(np.tril(np.linalg.inv(f)), f)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            linv = np.tril(np.linalg.inv(f))
+        _finite_in_float32(name, "the inverse factor F^-1", linv)
+        return CholeskySide(linv, f)
     vals, vecs = np.linalg.eigh(0.5 * (f + f.T))
-    fwd = (vecs * vals**-1.0) @ vecs.T
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        fwd = (vecs * vals**-1.0) @ vecs.T
+    _finite_in_float32(name, "the inverse factor F^-1", fwd)
     return DenseSide(0.5 * (fwd + fwd.T), f)
 
 
@@ -229,7 +251,7 @@ def input_side(a: Any, options: PaperOptions | None = None, name: str = "A") -> 
     """The input-side operator of one weight from its (n, n) input covariance A:
     ``side_of_factor(input_factor(a, options, name), options.factor)`` (fresh factor, no EMA)."""
     o = options or PaperOptions()
-    return side_of_factor(input_factor(a, o, name), o.factor)
+    return side_of_factor(input_factor(a, o, name), o.factor, name)
 
 
 class FactorEMA:
@@ -319,7 +341,7 @@ def paper_geometry(layout, factors: Mapping, options: PaperOptions | None = None
         f = input_factor(a, o, seg.name)
         if smoothing is not None:
             f = smoothing.blend(seg.name, f, o.factor, o.factor_decay)
-        side = side_of_factor(f, o.factor)
+        side = side_of_factor(f, o.factor, seg.name)
         ts.append(SegmentTransform(seg, IdentitySide(m), side, {"note": f"paper {o.factor} r={o.rank} d={o.damping:g}"}))
     return Geometry(layout, ts)
 
@@ -388,6 +410,92 @@ class InputFactorEstimator:
     def factors(self) -> dict[str, np.ndarray]:
         """This rank's local EMA: name -> A (n, n) float64 (fed segments only)."""
         return dict(self._a)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's EMA (copies) and batch counts: ``{"a": {name: A}, "counts": {name: int}}``."""
+        return {"a": {n: a.copy() for n, a in self._a.items()}, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (ValueError for a segment or shape this estimator lacks)."""
+        a = {str(n): np.array(v, np.float64) for n, v in state["a"].items()}
+        for n, v in a.items():
+            k = self.layout[n].matrix_shape[1] if n in self.counts else None
+            if k is None or v.shape != (k, k):
+                raise ValueError(f"InputFactorEstimator.load_state_dict: no segment {n!r} with A of shape {v.shape}")
+        self._a = a
+        self.counts = {n: int(state["counts"].get(n, 0)) for n in self.segments}
+
+
+# ------------------------------------------------------------------------------ the refresh's agreement
+REFRESH_FIELDS = ("sync", "refresh_every", "rank", "damping", "decay", "factor_decay", "factor", "names",
+                  "top_n", "threshold", "profile_steps", "reexpress")
+"""The fields :func:`agree_refresh` compares (then the adapter's own ``extra`` ones)."""
+
+_FLOAT_FIELDS = ("damping", "decay", "factor_decay", "threshold")
+
+
+def _float_bits(x: float | None) -> int:
+    return -1 if x is None else int(np.array(float(x), np.float64).view(np.int64))
+
+
+def _digest(obj: Any) -> int:
+    """A process-independent 63-bit digest of ``repr(obj)`` (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def refresh_signature(options: PaperOptions, sync: int) -> dict[str, int]:
+    """The int64 fields of :data:`REFRESH_FIELDS` for sync number ``sync`` under ``options``."""
+    o = options
+    return {"sync": int(sync), "refresh_every": int(o.refresh_every), "rank": int(o.rank),
+            "damping": _float_bits(o.damping), "decay": _float_bits(o.decay),
+            "factor_decay": _float_bits(o.factor_decay), "factor": FACTORS.index(o.factor),
+            "names": -1 if o.names is None else _digest(o.names), "top_n": -1 if o.top_n is None else int(o.top_n),
+            "threshold": _float_bits(o.threshold), "profile_steps": int(o.profile_steps),
+            "reexpress": int(o.reexpress)}
+
+
+def _describe_field(key: str, value: int) -> str:
+    if key in _FLOAT_FIELDS:
+        return "None" if value == -1 else f"{float(np.array(value, np.int64).view(np.float64)):g}"
+    if key == "factor":
+        return FACTORS[value] if 0 <= value < len(FACTORS) else str(value)
+    if key == "names":
+        return "None (every 2-D layer)" if value == -1 else f"a selection with digest {value:016x}"
+    if key == "top_n":
+        return "None" if value == -1 else str(value)
+    if key == "reexpress":
+        return str(bool(value))
+    return str(value)
+
+
+def agree_refresh(comm: Any, what: str, sync: int, options: PaperOptions,
+                  extra: Mapping[str, int] | None = None) -> None:
+    """Collective over ``comm`` (a giftcomm Transport, an mpi4py communicator, or None / one rank:
+    nothing to agree): the check every adapter running the paper's preset makes at EVERY sync,
+    before any refresh collective, that the ranks agree on when and how the maps are refreshed:
+    the sync counter ``sync`` (the refresh is due when ``sync % refresh_every == 0``), every
+    :class:`PaperOptions` field (:data:`REFRESH_FIELDS`) and the adapter's own ``extra`` int
+    fields (e.g. a warm-up length). One int64 allgather (giftcomm.collectives.agree.agree), so a
+    mismatch raises the same ValueError on every rank at once, naming the fields and every
+    rank's value, instead of one rank entering the refresh's collectives while another reduces."""
+    from ..collectives.agree import agree
+    from .sync import as_transport
+
+    t = as_transport(comm)
+    if t is None or t.size == 1:
+        return
+    sig = refresh_signature(options, sync)
+    more = {str(k): int(v) for k, v in (extra or {}).items()}
+    sig.update(more)
+    fields = REFRESH_FIELDS + tuple(more)
+    _, table = agree(t, what, (True, sig), fields, ())
+    bad = [(key, table[:, i]) for i, key in enumerate(fields) if np.any(table[:, i] != table[0, i])]
+    if bad:
+        said = "; ".join(f"{key} (" + ", ".join(f"rank {r}: {_describe_field(key, int(v))}" for r, v in
+                                                 enumerate(col)) + ")" for key, col in bad)
+        raise ValueError(f"{what}: the ranks disagree on when or how to refresh the paper preset's maps -- {said}. "
+                         "Every rank must call sync equally often (restore every rank from the same step's "
+                         "checkpoint) with the same paper settings")
 
 
 def average_input_factors(comm: Any, factors: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:

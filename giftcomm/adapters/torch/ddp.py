@@ -58,7 +58,7 @@ from ... import accounting, api
 from ...accounting import Tally, native_sent_bytes
 from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
-from ...geometry.paper import FactorEMA, refresh_geometries
+from ...geometry.paper import FactorEMA, agree_refresh, refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
 from ..calls import call_kwargs, log_path
@@ -258,7 +258,11 @@ class GiftState:
     fields: rank, damping (absolute), decay (the capture's EMA), refresh_every (replaces this
     state's refresh_every), factor, names (the segments to transform, e.g. from a
     SaturationProfile), reexpress (error feedback); with ``error_feedback=True`` the residuals
-    are kept in the transformed coordinates, giftcomm.feedback.TransformedFeedback).
+    are kept in the transformed coordinates, giftcomm.feedback.TransformedFeedback; at the end of
+    every iteration the geometry thread first agrees with the other ranks on the iteration count
+    and the settings -- one int64 allgather, giftcomm.geometry.paper.agree_refresh -- and only
+    then refreshes when due, so ranks that would refresh at different iterations raise the same
+    ValueError, from the hook at iteration ``it + 1 + rebuild_lag`` on every rank).
     capture: for "kfac", the model (a KfacCapture is made: every ``capture_every`` iterations,
     ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its ``step``.
     estimate_every ("reduced"): iterations between estimator updates (10: sparse by default).
@@ -285,6 +289,14 @@ class GiftState:
     builds the private gloo groups over the process group (collective, in bucket order). With
     one rank (a world size 1 group, or no process group at all) the hook passes buckets through
     unchanged.
+
+    baseline: None, or a baseline wire (giftcomm.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl":
+    one scale per tensor, NCCL's FP8 ring sum, the paper's wire) that every bucket past the warm-up
+    then goes through instead of giftcomm's collective, as GradSync's ``baseline`` (host buckets of
+    float32/float64/float16 only: TypeError at the bucket otherwise; reference speed; the wire
+    averages; fmt, block and the other call options are not used). With a geometry the bucket is
+    mapped before encoding and back after decoding; with error_feedback it needs
+    geometry="paper" (the residual is the wire's own-encoding error in the map's coordinates).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, start_gift_iter: int = 0, geometry: str = "none",
@@ -292,8 +304,8 @@ class GiftState:
                  policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
                  capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
                  transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
-                 error_feedback: bool = False, paper: Any = None, options: Optional[CallOptions] = None,
-                 **opts: Any) -> None:
+                 error_feedback: bool = False, paper: Any = None, baseline: Optional[str] = None,
+                 options: Optional[CallOptions] = None, **opts: Any) -> None:
         self.options: CallOptions = options_of_call("GiftState", options, opts, _HOOK_OPTIONS, fixed=("op",))
         self._paths_told: set = set()  # bucket sizes whose path was logged (calls.log_path)
         if not isinstance(error_feedback, bool):
@@ -312,6 +324,17 @@ class GiftState:
         self.feedback: Any = None
         if error_feedback:
             self.feedback = TransformedFeedback(reexpress=self.paper.reexpress) if self.paper else ErrorFeedback()
+        self.baseline: Optional[str] = None
+        if baseline is not None:
+            from ...baselines import baseline_wire
+
+            try:
+                self.baseline = baseline_wire(baseline).name
+            except ValueError as exc:
+                raise ValueError(f"GiftState: {exc}") from None
+            if error_feedback and self.paper is None:
+                raise ValueError('GiftState: error feedback on a baseline wire needs geometry="paper" (the residual '
+                                 "is the wire's own-encoding error in the map's coordinates)")
         self.geometry = geometry
         self.start_gift_iter = _int_at_least(start_gift_iter, "start_gift_iter", 0)
         self.estimate_every = _int_at_least(estimate_every, "estimate_every", 1)
@@ -346,6 +369,7 @@ class GiftState:
         self.process_group = process_group
         self.param_names = _names_from(param_names)
         self.capture: Optional[KfacCapture] = capture
+        self._capture_state: Optional[dict] = None  # a restored capture's factors, until bind() attaches one
         # progress and internal buffers
         self.iter = 0
         self._stats = GiftStats()
@@ -382,7 +406,7 @@ class GiftState:
 
     # --- checkpoints -----------------------------------------------------------------------
     _PICKLED = ("options", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
-                "blas_threads", "policy", "damping", "iter", "paper")
+                "blas_threads", "policy", "damping", "iter", "paper", "baseline")
 
     def __getstate__(self) -> dict:
         """The user's settings, the iteration count, the statistics and the reduced-gradient
@@ -392,7 +416,10 @@ class GiftState:
         submitted work is finished first (it is the same work on every rank, on identical reduced
         buckets), and the timings of the statistics (this process's own) are saved as 0 -- except
         the error-feedback residuals (``error_feedback=True``), which are this rank's own by
-        nature: such a state pickles per rank, and each rank restores its own."""
+        nature: such a state pickles per rank, and each rank restores its own. With geometry "kfac"
+        or "paper" this rank's captured factors and the capture's row sampler are saved as well
+        (per rank too), and :meth:`bind` puts them into the new capture, so that a restore at any
+        iteration -- between refreshes too -- continues bit-identical to an uninterrupted run."""
         rt = self.runtime
         self._settle()
         with rt.lock:
@@ -406,7 +433,8 @@ class GiftState:
         d = {k: getattr(self, k) for k in self._PICKLED}
         d.update(stats=stats, geometries=geos, estimators=estimators, layouts=layouts, pending=pending,
                  feedback=None if self.feedback is None else self.feedback.state_dict(),
-                 factor_ema=self.factor_ema.state_dict())
+                 factor_ema=self.factor_ema.state_dict(),
+                 capture=self.capture.state_dict() if self.capture is not None else self._capture_state)
         return d
 
     def _settle(self) -> None:
@@ -430,6 +458,8 @@ class GiftState:
         self.process_group = None
         self.param_names = {}
         self.capture = None
+        self._capture_state = d.get("capture")  # put into the capture bind() makes
+        self.baseline = d.get("baseline")
         self._paths_told = set()
         self._stats = d.get("stats") or GiftStats()
         self._sync_transport = None
@@ -451,14 +481,22 @@ class GiftState:
             self.feedback.load_state_dict(d["feedback"])
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
-        """After loading a checkpoint: name segments from ``model`` and, for geometry "kfac",
-        attach a capture (``capture`` or one made from the model with ``capture_args``)."""
+        """After loading a checkpoint: name segments from ``model`` and, for geometry "kfac" or
+        "paper", attach a capture (``capture`` or one made from the model with ``capture_args``,
+        KfacCapture's keywords; ``every`` and ``tokens`` default to the checkpoint's), loaded
+        with the checkpoint's captured factors and row sampler."""
         self.param_names = _names_from(model)
         if self.geometry in _CAPTURED:
             if capture is None and self.paper is not None:
                 capture_args.setdefault("decay", self.paper.decay)
+            if capture is None and self._capture_state is not None:
+                capture_args.setdefault("every", self._capture_state["every"])
+                capture_args.setdefault("tokens", self._capture_state["tokens"])
             self.capture = capture if capture is not None else KfacCapture(model, **capture_args)
             self.capture.step(self.iter)
+            if self._capture_state is not None:  # the checkpoint's captured factors, counts and sampler
+                self.capture.load_state_dict(self._capture_state)
+                self._capture_state = None
         return self
 
     # --- observability ---------------------------------------------------------------------
@@ -508,7 +546,9 @@ class GiftState:
                 with rt.lock:
                     self._stats.geometry_waits += 1
                 logger.info("giftcomm: iteration %d waits for a geometry rebuild (raise rebuild_lag)", it)
-            geos = fut.result()
+            geos = fut.result()  # raises the refresh agreement's or the rebuild's error, on every rank alike
+            if not geos:  # the paper preset's agreement of an iteration with no refresh
+                continue
             with rt.lock:
                 rt.geometries.update(geos)
             n = sum(0 if g is None else sum(not t.is_identity for t in g.transforms) for _, g in geos.values())
@@ -527,18 +567,26 @@ class GiftState:
         """After the last bucket of iteration ``it``: KFAC snapshot/sync, capture step, iter += 1."""
         if it + 1 == self.start_gift_iter:
             logger.info("giftcomm: warm-up ends after iteration %d; %s from iteration %d", it, self.fmt, it + 1)
-        if self.geometry in _CAPTURED and self.capture is not None and (it + 1) % self.refresh_every == 0 \
-                and self.runtime.sync_transport is not None:
-            self._submit_kfac(it)
+        due = (it + 1) % self.refresh_every == 0
+        if self.geometry in _CAPTURED and self.capture is not None and self.runtime.sync_transport is not None \
+                and (due or self.paper is not None):  # the paper preset agrees on its refresh at every iteration
+            self._submit_kfac(it, due)
         self.iter = it + 1
         if self.capture is not None:
             self.capture.step(self.iter)
 
-    def _submit_kfac(self, it: int) -> None:
+    def _submit_kfac(self, it: int, due: bool = True) -> None:
+        """Submit iteration ``it``'s work to the geometry thread (adopted at ``it + 1 + rebuild_lag``):
+        the paper preset's refresh agreement (every iteration), and the rebuild when ``due``."""
         rt, cap = self.runtime, self.capture
         assert cap is not None
         est = cap.estimator
         fired = est.counts
+        if not due:
+            fut = rt.geometry_thread.submit(self._kfac_rebuild, it, est.layout, [], {}, {}, {}, False)
+            with rt.lock:
+                rt.pending.append((it + 1 + self.rebuild_lag, fut))
+            return
         if "never-fired" not in rt.warned and cap.captures > 0:
             silent = [n for n in est.segments if fired[n] == 0]
             if silent:
@@ -553,8 +601,14 @@ class GiftState:
         with rt.lock:
             rt.pending.append((it + 1 + self.rebuild_lag, fut))
 
-    def _kfac_rebuild(self, it, model_layout, segments, snapshot, counts, layouts) -> dict:
-        """Geometry thread: sync the factor snapshot over the group, one geometry per bucket."""
+    def _kfac_rebuild(self, it, model_layout, segments, snapshot, counts, layouts, due: bool = True) -> dict:
+        """Geometry thread: (the paper preset: agree on the refresh first, every iteration) sync
+        the factor snapshot over the group, one geometry per bucket; {} when not ``due``."""
+        if self.paper is not None:
+            agree_refresh(self.runtime.sync_transport, "GiftState", it, self.paper,
+                          {"rebuild_lag": self.rebuild_lag, "start_gift_iter": self.start_gift_iter})
+        if not due:
+            return {}
         t0 = time.perf_counter()
         with blas_limit(self.blas_threads):
             if self.paper is not None:  # input side only: A averaged over the group, every rank's map agreed
@@ -660,7 +714,11 @@ def _count(state: GiftState, buf: torch.Tensor, seconds: float, device: bool, ra
 def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, transport: Any,
                    signature: tuple) -> None:
     """``gift_allreduce`` of one bucket in place over ``transport``, with the error feedback
-    around it when the state keeps one (``signature``: :func:`_bucket_signature`)."""
+    around it when the state keeps one (``signature``: :func:`_bucket_signature`); through the
+    state's baseline wire instead when it has one."""
+    if state.baseline is not None:
+        _reduce_baseline(state, index, buf, geo, transport, signature)
+        return
     kw = call_kwargs(state.options, it, index)
 
     def reduce(_values: Any = None) -> None:  # _values: buf's own memory
@@ -673,6 +731,29 @@ def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
         state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"],
                               geo, signature=signature)
     log_path(state._paths_told, "DDP hook", transport, buf.numel(), state.options)
+
+
+_BASELINE_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _reduce_baseline(state: GiftState, index: int, buf: torch.Tensor, geo, transport: Any, signature: tuple) -> None:
+    """One host bucket averaged in place through the state's baseline wire
+    (giftcomm.baselines.baseline_allreduce, ``geo`` mapped around the encoding), with the
+    transformed-coordinate error feedback around it when the state keeps one."""
+    from ...baselines import baseline_allreduce
+
+    if buf.device.type != "cpu" or buf.dtype not in _BASELINE_DTYPES:
+        raise TypeError(f"gift_hook: the baseline wire {state.baseline} runs on host buckets of float32, float64 or "
+                        f"float16; this bucket is {buf.dtype} on {buf.device}")
+    values = buf.detach().numpy()  # the bucket's own memory
+    fb = state.feedback
+    if fb is not None:
+        fb.compensate(index, values, geo, signature=signature)
+    assert state.baseline is not None
+    _, err = baseline_allreduce(values, state.baseline, comm=transport, op="avg", geometry=geo, out=values,
+                                own_error=True)
+    if fb is not None:
+        fb.record_error(index, err, geo, signature=signature)
 
 
 def _bucket_signature(state: GiftState, bucket: dist.GradBucket) -> tuple:
@@ -798,6 +879,9 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
             state.runtime.layouts[index] = layout
     geo = _geometry_for(state, index, layout, buf.numel())
     sig = _bucket_signature(state, bucket) if state.feedback is not None else ()
+    if state.baseline is not None and _route_is_device(state, buf):
+        raise TypeError(f"gift_hook: the baseline wire {state.baseline} runs on host buckets only (this bucket takes "
+                        "the device route)")
     if _route_is_device(state, buf):
         fut = _reduce_device(state, index, it, buf, geo, layout, sig)
     else:

@@ -47,7 +47,7 @@ from ... import accounting, api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
 from ...feedback import ErrorFeedback, check_feedback_format
-from ...geometry.paper import FactorEMA, PaperOptions
+from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport import Transport
@@ -157,12 +157,23 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     residual stays in the geometry's coordinates and is dropped when the geometry is rebuilt.
     ``algorithm_used``: what the last call really ran; :meth:`state_dict` holds this rank's
     residual (a per-rank checkpoint).
+
+    With geometry="paper" every call past the warm-up starts with one int64 allgather over the
+    group in which the ranks agree on the call count and the settings
+    (giftcomm.geometry.paper.agree_refresh), so ranks that would refresh at different calls raise
+    the same ValueError at once. baseline: None, or a baseline wire
+    (giftcomm.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8
+    ring sum, the paper's wire) that every call past the warm-up then goes through instead of
+    giftcomm's collective, as GradSync's ``baseline``: the wire's allreduce of the whole input (the
+    rows mapped by the geometry first, when there is one), of which this rank keeps its shard
+    (mapped back); host tensors only (TypeError at the call otherwise), reference speed, fmt,
+    block and the other call options unused; not with error_feedback (ValueError).
     """
 
     def __init__(self, *, warmup: int = 0, geometry: Any = None, capture: Any = None,
                  refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
-                 error_feedback: bool = False, paper: Any = None, options: CallOptions | None = None,
-                 **opts: Any) -> None:
+                 error_feedback: bool = False, paper: Any = None, baseline: str | None = None,
+                 options: CallOptions | None = None, **opts: Any) -> None:
         self.options = options_of_call("GiftReduceScatter", options, opts, fixed=("op",))
         if self.options.rounding == "stochastic" and self.options.seed is None:
             self.options = self.options.replace(seed=0)
@@ -173,6 +184,17 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         if error_feedback:
             check_feedback_format(self.options.format, "GiftReduceScatter")
         self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.baseline: str | None = None
+        if baseline is not None:
+            from ...baselines import baseline_wire
+
+            try:
+                self.baseline = baseline_wire(baseline).name
+            except ValueError as exc:
+                raise ValueError(f"GiftReduceScatter: {exc}") from None
+            if error_feedback:
+                raise ValueError("GiftReduceScatter: error feedback on a baseline wire is not supported (its residual "
+                                 "is kept in ordinary coordinates here; GradSync keeps a baseline's in the map's)")
         self.algorithm_used: str | None = None
         self._geo_seen: Any = None  # the geometry the residual's coordinates belong to
         self._geo_generation = 0
@@ -259,13 +281,17 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
                                   slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
                                   timeout=opts.timeout, layout="equal", allow_native=opts.allow_native)
-        with on_current_stream(input_tensor):
-            if geo is None:
-                self._plain(input_tensor, output_tensor, transport, how, kw)
-            else:
-                self.gift_calls += 1
-                shard = self._gift(geo, input_tensor, size, transport, how, kw)
-                output_tensor.copy_(shard)
+        if self.baseline is not None:
+            self.gift_calls += geo is not None
+            output_tensor.copy_(self._baseline(geo, input_tensor, size, transport, how))
+        else:
+            with on_current_stream(input_tensor):
+                if geo is None:
+                    self._plain(input_tensor, output_tensor, transport, how, kw)
+                else:
+                    self.gift_calls += 1
+                    shard = self._gift(geo, input_tensor, size, transport, how, kw)
+                    output_tensor.copy_(shard)
         log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:
             output_tensor.mul_(factor)
@@ -277,14 +303,28 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         return self._tally.as_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """The call counts and this rank's error-feedback residual (None without feedback)."""
+        """The call counts and this rank's error-feedback residual (None without feedback); with
+        geometry "kfac" or "paper" also the current geometry and the factor EMA (the captured
+        factors are the shared capture's: :meth:`GiftReduceScatters.state_dict` keeps them), so a
+        resume at any call -- between refreshes too -- continues bit for bit."""
+        built = self.geometry_mode in ("kfac", "paper")
         return {"calls": self.calls, "gift_calls": self.gift_calls,
-                "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+                "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
+                "geometry": self.geometry if built else None, "geometry_generation": self._geo_generation,
+                "factor_ema": self.factor_ema.state_dict() if self.paper is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a residual in a geometry's coordinates is dropped: the
-        geometry is rebuilt after a restore)."""
+        """Restore :meth:`state_dict` (the geometry with the residual kept in its coordinates)."""
+        geo = state.get("geometry")
+        if geo is not None and not isinstance(geo, ShardedGeometry):
+            raise TypeError(f"GiftReduceScatter.load_state_dict: geometry must be a ShardedGeometry, got "
+                            f"{type(geo).__name__}")
         self.calls, self.gift_calls = int(state["calls"]), int(state["gift_calls"])
+        if self.geometry_mode in ("kfac", "paper"):
+            self.geometry = self._geo_seen = geo
+            self._geo_generation = int(state.get("geometry_generation", 0))
+        if self.paper is not None and state.get("factor_ema") is not None:
+            self.factor_ema.load_state_dict(state["factor_ema"])
         if self.feedback is not None:
             self.feedback.reset()
             if state.get("error_feedback") is not None:
@@ -319,6 +359,27 @@ class GiftReduceScatter(_ReduceScatterProtocol):
 
     def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, how: str, kw: dict) -> None:
         self._reduce(x, transport, how, kw, out=out)
+
+    def _baseline(self, geo: ShardedGeometry | None, x: torch.Tensor, size: int, transport: Transport,
+                  how: str) -> torch.Tensor:
+        """This rank's (N/P,) float32 shard of the baseline wire's allreduce of ``x`` (N,): rows
+        mapped forward by ``geo`` first (when given), this shard of the sum mapped back after,
+        then divided by P for ``how="avg"`` (the order of GradSync's baseline)."""
+        from ...baselines import baseline_allreduce
+
+        if x.device.type != "cpu":
+            raise TypeError(f"GiftReduceScatter: the baseline wire {self.baseline} runs on host tensors only; this "
+                            f"input is on {x.device}")
+        rows = x.detach().reshape(size, -1).float().numpy()
+        flat = (rows if geo is None else np.asarray(geo.forward_rows(rows), np.float32)).reshape(-1)
+        assert self.baseline is not None
+        full = baseline_allreduce(flat, self.baseline, comm=transport, op="sum")
+        rank, n = transport.rank, rows.shape[1]
+        shard = np.asarray(full[rank * n : (rank + 1) * n] if geo is None else geo.shard(rank).inverse(
+            full[rank * n : (rank + 1) * n]), np.float32)
+        if how == "avg":  # as the wire's own op="avg": the decoded (mapped back) sum over P
+            shard = shard / np.float32(size)
+        return torch.from_numpy(np.ascontiguousarray(shard))
 
     def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
         host = self._host.get(group)
@@ -361,6 +422,9 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         if self.geometry_mode is None:
             return None
+        if self.paper is not None:  # every call: the ranks agree on the refresh before any of its collectives
+            agree_refresh(self._host[group], f"GiftReduceScatter (FSDP module {self.index})", call, self.paper,
+                          {"warmup": self.warmup, "has_map": int(self.geometry is not None), "shards": size})
         if self.geometry_mode in ("kfac", "paper") and (call - self.warmup) % self.refresh_every == 0:
             # on the same calls of every rank: collective
             self.geometry = self._build_paper(group, size, call) if self.paper else self._build_kfac(group, size)
@@ -447,9 +511,45 @@ def _op(op: Any) -> tuple[str, float | None]:
     raise ValueError(f"GiftReduceScatter: giftcomm reduces with SUM, AVG or PREMUL_SUM, not {op}")
 
 
+class _CaptureStepper:
+    """The forward pre-hook that steps a shared KfacCapture once per training forward; ``steps``:
+    forwards counted so far (kept in :meth:`GiftReduceScatters.state_dict`)."""
+
+    def __init__(self, capture: KfacCapture) -> None:
+        self.capture, self.steps = capture, 0
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training:
+            self.capture.step(self.steps)
+            self.steps += 1
+
+
 class GiftReduceScatters(list):
     """What :func:`register_reduce_scatter` returns: the list of its GiftReduceScatter comms, plus
-    :meth:`stats`, their counts added up."""
+    :meth:`stats`, their counts added up, and :meth:`state_dict` / :meth:`load_state_dict`."""
+
+    stepper: _CaptureStepper | None = None  # the shared capture's forward pre-hook (capture=model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every comm's :meth:`GiftReduceScatter.state_dict` and, with a capture made by
+        register_reduce_scatter (``capture=model``), its captured factors, row sampler and forward
+        count: this rank's checkpoint (the factors and residuals differ by rank)."""
+        st = self.stepper
+        return {"comms": [c.state_dict() for c in self],
+                "capture": None if st is None else st.capture.state_dict(),
+                "capture_steps": None if st is None else st.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into comms registered the same way (ValueError for another
+        number of comms)."""
+        comms = state["comms"]
+        if len(comms) != len(self):
+            raise ValueError(f"GiftReduceScatters.load_state_dict: {len(comms)} comms saved, {len(self)} registered")
+        for c, s in zip(self, comms):
+            c.load_state_dict(s)
+        if self.stepper is not None and state.get("capture") is not None:
+            self.stepper.capture.load_state_dict(state["capture"])
+            self.stepper.steps = int(state["capture_steps"])
 
     def stats(self) -> dict[str, Any]:
         """Every comm's :meth:`GiftReduceScatter.stats` added up (the dict of giftcomm.stats)."""
@@ -491,22 +591,18 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     capture_every = options.pop("capture_every", 10)
     capture_tokens = options.pop("capture_tokens", 256)
     capture = options.get("capture")
+    stepper = None
     if options.get("geometry") in ("kfac", "paper") and isinstance(capture, torch.nn.Module):
         paper = options.get("paper")
         decay = (paper.decay if isinstance(paper, PaperOptions) else (paper or {}).get("decay", 0.95)) \
             if options.get("geometry") == "paper" else 0.95
         capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens, decay=decay)
-        steps = [0]
-
-        def step_capture(module: torch.nn.Module, args: Any) -> None:
-            if module.training:
-                capture.step(steps[0])
-                steps[0] += 1
-
-        model.register_forward_pre_hook(step_capture)
+        stepper = _CaptureStepper(capture)
+        model.register_forward_pre_hook(stepper)
         options["capture"] = capture
     names = {id(p): n for n, p in model.named_parameters()}
     comms = GiftReduceScatters()
+    comms.stepper = stepper
     host: dict[Any, Transport] = {}  # one transport per process group, shared by the comms
     device: dict[Any, Transport] = {}
     for i, module in enumerate(modules):

@@ -98,7 +98,9 @@ class GradSync:
     forward hook on each nn.Linear captures its input covariance A (EMA, PaperOptions.decay) and
     every ``refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged over
     the ranks, the factor blended with the previous one (factor_decay), every rank's map agreed;
-    giftcomm.adapters.torch.paper_refresh). paper: its settings, a PaperOptions or a dict of its
+    giftcomm.adapters.torch.paper_refresh; every sync starts with one int64 allgather in which the
+    ranks agree on the sync count and the settings, so ranks that would refresh at different
+    syncs raise the same ValueError at once). paper: its settings, a PaperOptions or a dict of its
     fields (rank, damping, decay, refresh_every, factor, names, reexpress, factor_decay);
     capture_tokens: rows of each layer's input captured per forward (None: all).
 
@@ -196,8 +198,10 @@ class GradSync:
         self.calls += 1
         times = SyncTimes()
         t0 = time.perf_counter()
-        if self.refresh is not None and self.refresh.due(sync_index):
-            self._refresh(sync_index)
+        if self.refresh is not None:  # every sync: the ranks agree on the refresh, then refresh when due
+            control = resolve(self.comm, device=any(b.tensor.device.type == "cuda" for b in self.buckets))
+            if self.refresh.agree(control, sync_index, "GradSync"):
+                self._refresh(control, sync_index)
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
@@ -231,12 +235,10 @@ class GradSync:
         times.comm = times.total - times.transform
         return times
 
-    def _refresh(self, sync_index: int) -> None:
+    def _refresh(self, transport: Any, sync_index: int) -> None:
         """Collective: the paper's maps of every bucket from A averaged over the ranks."""
         assert self.refresh is not None
-        device = any(b.tensor.device.type == "cuda" for b in self.buckets)
-        geos = self.refresh.geometries(resolve(self.comm, device=device), {b.index: b.layout for b in self.buckets},
-                                       sync_index)
+        geos = self.refresh.geometries(transport, {b.index: b.layout for b in self.buckets}, sync_index)
         self.set_geometries([geos[b.index] for b in self.buckets])
 
     def _baseline(self, b: GradBucket, g: Any, tg: Any) -> str:
@@ -264,8 +266,10 @@ class GradSync:
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (host float32, by bucket index; empty without
         error_feedback) and the call count: a per-rank checkpoint (residuals differ by rank); with
-        geometry="paper" also the buckets' current maps and the factor EMA (the captured A
-        restarts after a restore)."""
+        geometry="paper" also the buckets' current maps, the refresh count, the factor EMA and this
+        rank's captured A (with its row sampler), so that :meth:`load_state_dict` into a fresh
+        GradSync resumes at any sync -- between refreshes too -- bit-identical to an uninterrupted
+        run."""
         return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
                 "geometries": list(self.geometries) if self.refresh is not None else None,
                 "paper": None if self.refresh is None else self.refresh.state_dict()}

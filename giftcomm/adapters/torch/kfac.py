@@ -140,6 +140,37 @@ class KfacCapture:
             h.remove()
         self._handles = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's captured factors (the estimator's running A, G and batch counts, copies),
+        the capture-step count, the row sampler's state and the settings every, tokens: what a
+        resume needs to capture on as an uninterrupted run would (a per-rank checkpoint: the
+        factors differ by rank)."""
+        est = self.estimator
+        return {"a": {n: None if a is None else a.copy() for n, a in est._a.items()},
+                "g": {n: None if g is None else g.copy() for n, g in est._g.items()},
+                "counts": dict(est.counts), "captures": self.captures, "active": self.active,
+                "rng": self.rng.bit_generator.state, "every": self.every, "tokens": self.tokens}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (ValueError, before anything changes, for factors of
+        segments or shapes this capture's estimator does not have)."""
+        est = self.estimator
+        a = {n: None if v is None else np.array(v, np.float64) for n, v in state["a"].items()}
+        g = {n: None if v is None else np.array(v, np.float64) for n, v in state["g"].items()}
+        for n in set(a) | set(g):
+            if n not in est.counts:
+                raise ValueError(f"KfacCapture.load_state_dict: {n!r} is not a captured segment ({est.segments[:6]})")
+            m_out, n_in = est.layout[n].matrix_shape
+            an, gn = a.get(n), g.get(n)
+            if (an is not None and an.shape != (n_in, n_in)) or (gn is not None and gn.shape != (m_out, m_out)):
+                raise ValueError(f"KfacCapture.load_state_dict: the factors of {n!r} do not fit its shape "
+                                 f"{est.layout[n].shape}")
+        est._a = {n: a.get(n) for n in est.segments}
+        est._g = {n: g.get(n) for n in est.segments}
+        est.counts = {n: int(state["counts"].get(n, 0)) for n in est.segments}
+        self.captures, self.active = int(state["captures"]), bool(state["active"])
+        self.rng.bit_generator.state = state["rng"]
+
 
 def build_geometries(estimator: KfacEstimator, layouts: Sequence[Layout], policy: SelectivePolicy | None = None,
                      damping: float = DEFAULT_DAMPING) -> list[Geometry]:

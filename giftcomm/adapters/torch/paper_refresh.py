@@ -11,9 +11,16 @@ the capture of A and of the refresh.
   the first geometry is built from the first step's A), A is averaged over the ranks and the
   factors rebuilt and blended with the previous ones (PaperOptions.factor_decay;
   giftcomm.geometry.paper.refresh_geometries), so every rank applies the same map (fingerprints
-  agreed; a rank missing a factor, or refreshing at another sync, raises on every rank).
+  agreed; a rank missing a factor raises on every rank).
   Between refreshes the map stays fixed; an error feedback in the transformed coordinates is
   re-expressed by its owner when the map changes (giftcomm.feedback.TransformedFeedback).
+- **Agreement** (:meth:`PaperRefresh.agree`): at EVERY sync, before anything else, one int64
+  allgather checks that the ranks have the same sync counter and the same settings
+  (giftcomm.geometry.paper.agree_refresh), so ranks that would refresh at different syncs, or
+  build their maps differently, raise the same ValueError at once instead of one of them
+  entering the refresh's collectives alone.
+- **Checkpoints** (:meth:`PaperRefresh.state_dict`): the refresh count, the factor EMA and this
+  rank's captured A with its row sampler, so a resume at any sync continues bit for bit.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import numpy as np
 import torch
 
 from ...geometry import Geometry, InputFactorEstimator, Layout
-from ...geometry.paper import FactorEMA, PaperOptions, refresh_geometries
+from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh, refresh_geometries
 from .kfac import linear_segments, model_layout
 
 __all__ = ["paper_options", "InputCapture", "PaperRefresh"]
@@ -89,6 +96,14 @@ class InputCapture:
             h.remove()
         self._handles = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's captured A (the estimator's EMA and counts) and the row sampler's state."""
+        return {"estimator": self.estimator.state_dict(), "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.estimator.load_state_dict(state["estimator"])
+        self.rng.bit_generator.state = state["rng"]
+
 
 class PaperRefresh:
     """Capture + refresh of the paper's preset for one model (module doc).
@@ -108,27 +123,30 @@ class PaperRefresh:
         """Whether sync number ``sync`` (0, 1, ...) refreshes the map (every refresh_every-th)."""
         return sync % self.options.refresh_every == 0
 
+    def agree(self, transport: Any, sync: int, what: str, extra: Mapping[str, int] | None = None) -> bool:
+        """Collective, at every sync before anything else: the ranks agree on the sync counter, the
+        settings and the adapter's ``extra`` fields (giftcomm.geometry.paper.agree_refresh: the
+        same ValueError on every rank otherwise); returns whether this sync refreshes (:meth:`due`)."""
+        agree_refresh(transport, what, sync, self.options, extra)
+        return self.due(sync)
+
     def geometries(self, transport: Any, layouts: Mapping[Any, Layout], sync: int) -> dict[Any, Geometry]:
         """Collective over ``transport``: key -> the paper's geometry of each layout, from this
         rank's A averaged over the ranks (giftcomm.geometry.paper.refresh_geometries, smoothed by
-        the factor EMA). Raises on every rank as that does."""
-        if self.refreshes == 0 and transport is not None and transport.size > 1:
-            # every rank refreshes at sync 0: settings that differ (and would make the ranks refresh
-            # at different syncs, or build different maps) are found there, on every rank
-            every = transport.allgather_object(self.options)
-            if any(o != every[0] for o in every):
-                diff = [f"rank {r}: {o}" for r, o in enumerate(every) if o != every[0]]
-                raise RuntimeError(f"the paper preset's settings differ between ranks (rank 0: {every[0]}; "
-                                   + "; ".join(diff[:4]) + ")")
+        the factor EMA). Raises on every rank as that does. Call after :meth:`agree`."""
         geos = refresh_geometries(transport, layouts, self.capture.estimator.factors(), sync, self.options,
                                   smoothing=self.factor_ema)
         self.refreshes += 1
         return geos
 
     def state_dict(self) -> dict[str, Any]:
-        """The factor EMA's history and the refresh count (the same on every rank)."""
-        return {"refreshes": self.refreshes, "factor_ema": self.factor_ema.state_dict()}
+        """The refresh count, the factor EMA's history (both the same on every rank) and this
+        rank's capture (its A and row sampler): what a resume needs to continue bit for bit."""
+        return {"refreshes": self.refreshes, "factor_ema": self.factor_ema.state_dict(),
+                "capture": self.capture.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.refreshes = int(state["refreshes"])
         self.factor_ema.load_state_dict(state["factor_ema"])
+        if state.get("capture") is not None:
+            self.capture.load_state_dict(state["capture"])

@@ -59,7 +59,9 @@ class ShardedGradSync:
     ``paper``, a PaperOptions or a dict of its fields; ``capture_tokens`` rows per layer and
     forward, None: all): the nn.Linear inputs' covariances A are captured by forward hooks and
     every ``refresh_every``-th sync (0, K, 2K, ...) the map is rebuilt from A averaged over the
-    ranks, factor EMA included (giftcomm.adapters.torch.paper_refresh, shared with GradSync).
+    ranks, factor EMA included (giftcomm.adapters.torch.paper_refresh, shared with GradSync);
+    every sync starts with one int64 allgather in which the ranks agree on the sync count and the
+    settings (the same ValueError on every rank when they differ).
     Each rank maps its whole local buffer forward, the reduce-scatter runs in those coordinates
     (float32), and the inverse maps this rank's shard alone: whole rows here, a row the equal
     split cuts from the pieces the ranks exchange (giftcomm.geometry.sharded.inverse_flat_shard,
@@ -170,10 +172,13 @@ class ShardedGradSync:
         local buffer forward, reduce-scatter (float32), map this rank's shard back."""
         assert self.refresh is not None
         o = self.options
-        if self.refresh.due(sync_index):
+        has_map = {"has_map": int(self.geometry_of is not None)}
+        if self.refresh.agree(self.comm, sync_index, "ShardedGradSync", has_map):  # every sync, before any refresh
             self.geometry_of = self.refresh.geometries(self.comm, {0: self._padded_layout}, sync_index)[0]
         geo = self.geometry_of
-        assert geo is not None
+        if geo is None:  # calls set by hand past sync 0 without the map (load_state_dict restores both)
+            raise RuntimeError(f"ShardedGradSync: sync {sync_index} is no refresh and there is no map yet; restore "
+                               "a state_dict of this sync, which holds the map")
         buf = self.buffer.detach()
         x = np.ascontiguousarray(geo.forward((buf if buf.dtype in (torch.float32, torch.float64) else buf.float()).numpy()),
                                  dtype=np.float32)
@@ -205,12 +210,30 @@ class ShardedGradSync:
 
     def state_dict(self) -> dict[str, Any]:
         """The call count and this rank's error-feedback residual (None without feedback): a
-        per-rank checkpoint (the residual differs by rank)."""
-        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict()}
+        per-rank checkpoint (the residual differs by rank); with geometry="paper" also the current
+        map, the refresh count, the factor EMA and this rank's captured A (with its row sampler),
+        so that :meth:`load_state_dict` into a fresh ShardedGradSync resumes at any sync --
+        between refreshes too -- bit-identical to an uninterrupted run."""
+        return {"calls": self.calls, "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
+                "geometry": self.geometry_of if self.refresh is not None else None,
+                "paper": None if self.refresh is None else self.refresh.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (ValueError, before anything changes, for a geometry="paper"
+        state on a sync without it or the other way round, or a map of another buffer)."""
+        has_paper = state.get("paper") is not None
+        if has_paper != (self.refresh is not None):
+            raise ValueError(f"ShardedGradSync.load_state_dict: a state {'with' if has_paper else 'without'} the "
+                             f"paper preset's maps, for a sync {'without' if self.refresh is None else 'with'} "
+                             "geometry='paper'")
+        geo = state.get("geometry")
+        if has_paper and geo is not None and geo.size != self.buffer.numel():
+            raise ValueError(f"ShardedGradSync.load_state_dict: the saved map covers {geo.size} values, the padded "
+                             f"buffer has {self.buffer.numel()}")
         self.calls = int(state["calls"])
+        if self.refresh is not None:
+            self.refresh.load_state_dict(state["paper"])
+            self.geometry_of = geo
         if self.feedback is not None:
             self.feedback.reset()
             if state.get("error_feedback") is not None:
