@@ -38,7 +38,8 @@ from typing import Any
 from .algorithms import AUTO, BY_NAME, row
 from .formats import get_format, message_nbytes
 
-__all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE"]
+__all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "DEFAULT_FMT", "AUTO_NATIVE",
+           "record_outside"]
 
 log = logging.getLogger("giftcomm")
 
@@ -155,6 +156,21 @@ def agreed(t: Any, job: Any, explicit: bool) -> Slot:
             slot = rec.slots[skey] = Slot(call.fmt.name, algorithm.name, nbytes, None)
         return slot
     return slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, reason)
+
+
+def record_outside(t: Any, key: str, algorithm: str, nbytes: int, reason: str | None = None) -> Slot:
+    """Count on ``t`` one call an adapter ran outside giftcomm's collectives (the giftcomm process
+    group's inner group, a baseline wire): ``key`` its bytes_sent key ("native" uncompressed, a
+    wire's name), ``algorithm`` what ran, ``nbytes`` what it sent from this rank, ``reason`` (a
+    fallbacks key) why it was not giftcomm's; left in ``t.last_slot`` like a plain call's."""
+    rec = _record(t)
+    skey = (key, algorithm, nbytes, None, reason)
+    slot = rec.slots.get(skey)
+    if slot is None:
+        slot = rec.slots[skey] = Slot(key, algorithm, nbytes, reason)
+    slot.calls += 1
+    t.last_slot = slot
+    return slot
 
 
 def _summary(counted: Any) -> dict[str, Any]:
