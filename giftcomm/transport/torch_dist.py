@@ -144,8 +144,7 @@ class TorchDistTransport(Transport):
         return timedelta(seconds=limit) if limit else None
 
     def _wait(self, work: Any, what: str) -> None:
-        """Wait for one gloo work under the deadline; a timeout raises CommTimeout, a failed
-        connection CommAborted, and either marks this transport unusable."""
+        """Wait for one gloo work under the deadline (:meth:`_failed` on an error)."""
         limit = self.timeout
         try:
             if limit:
@@ -153,14 +152,20 @@ class TorchDistTransport(Transport):
             else:
                 work.wait()
         except RuntimeError as exc:
-            if _timed_out(exc):
-                self._failure = f"{what} timed out after {limit:g} s"
-                raise CommTimeout(f"giftcomm: {what} timed out on rank {self.rank} of {self.size} after {limit:g} s "
-                                  f"(GIFTCOMM_TIMEOUT / timeout=; torch.distributed: {exc})", what, (), limit,
-                                  self.rank) from exc
-            self._failure = f"{what} failed: {exc}"
-            raise CommAborted(f"giftcomm: {what} failed on rank {self.rank} of {self.size}: a peer's transport "
-                              f"failed or timed out before (torch.distributed: {exc})") from exc
+            raise self._failed(exc, what) from exc
+
+    def _failed(self, exc: RuntimeError, what: str) -> Exception:
+        """Mark this transport unusable after gloo's error ``exc`` in ``what`` and return what to
+        raise: CommTimeout for its deadline, CommAborted for a failed connection (a peer's
+        transport timed out or failed first, and gloo closed the connection)."""
+        limit = self.timeout
+        if _timed_out(exc):
+            self._failure = f"{what} timed out after {limit:g} s"
+            return CommTimeout(f"giftcomm: {what} timed out on rank {self.rank} of {self.size} after {limit:g} s "
+                               f"(GIFTCOMM_TIMEOUT / timeout=; torch.distributed: {exc})", what, (), limit, self.rank)
+        self._failure = f"{what} failed: {exc}"
+        return CommAborted(f"giftcomm: {what} failed on rank {self.rank} of {self.size}: a peer's transport "
+                           f"timed out or failed before (torch.distributed: {exc})")
 
     def _collective(self, what: str, issue: Any, opts: Any) -> None:
         """Issue one gloo collective of ``self.group`` (``issue(opts)`` returns its work) with
@@ -169,7 +174,11 @@ class TorchDistTransport(Transport):
         deadline = self._deadline()
         if deadline is not None:
             opts.timeout = deadline
-        self._wait(issue(opts), what)
+        try:
+            work = issue(opts)
+        except RuntimeError as exc:
+            raise self._failed(exc, what) from exc
+        self._wait(work, what)
 
     def _find_nodes(self) -> np.ndarray:
         """Node index per rank: ranks reporting the same host name share a node; nodes are
@@ -184,16 +193,19 @@ class TorchDistTransport(Transport):
         return self._nodes.copy()
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Request:
-        self._check()
-        t = _as_tensor(buf)
-        return _TorchRequest(dist.isend(t, self._global[dest], group=self.group, tag=tag), t, self,
-                             f"send to rank {dest}")
+        return self._p2p(dist.isend, buf, dest, tag, f"send to rank {dest}")
 
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
+        return self._p2p(dist.irecv, buf, source, tag, f"receive from rank {source}")
+
+    def _p2p(self, post: Any, buf: np.ndarray, peer: int, tag: int, what: str) -> Request:
         self._check()
         t = _as_tensor(buf)
-        return _TorchRequest(dist.irecv(t, self._global[source], group=self.group, tag=tag), t, self,
-                             f"receive from rank {source}")
+        try:
+            work = post(t, self._global[peer], group=self.group, tag=tag)
+        except RuntimeError as exc:  # gloo refuses to post on a connection it closed
+            raise self._failed(exc, what) from exc
+        return _TorchRequest(work, t, self, what)
 
     def allgather_int64(self, vec: np.ndarray) -> np.ndarray:
         mine = np.array(vec, dtype=np.int64, copy=True).reshape(-1)
