@@ -45,13 +45,24 @@ arguments, so it behaves (and fails) exactly as on that group. All-gathers are n
 by default: trainers gather *parameters* with them (Megatron's distributed optimizer), and an
 FP8 copy of the weights is a different model.
 
-The route is agreed per call: before each allreduce / reduce-scatter (and all-gather with
-``allgather=True``) the ranks exchange a few int64s over the members' gloo group (what each
-rank's policy decided, dtype, sizes, op, factor). Unanimous "inner": the inner group's call,
-unchanged; unanimous "giftcomm" with the same call: giftcomm's; anything else (one rank's
-tensor below ``min_elems`` or of another dtype, another op, other sizes, a coalesced call mixing
-dtypes on one rank) raises the same ValueError on every rank instead of a hang or a call half
-on one route and half on the other.
+The route is agreed per call, in the call's one agreement (giftcomm.collectives.agree: one gather
+of named int64 fields over the members' gloo group): each rank sends what its policy decided,
+what its call is (collective, a fingerprint of the tensors' sizes, dtype, device, op and factor)
+and the giftcomm call's own agreed fields (giftcomm.collectives.engine.prepare_call), so a
+compressed call then runs without agreeing again (engine.run_agreed). Unanimous "inner": the
+inner group's call, unchanged; unanimous "giftcomm" with the same call: giftcomm's; anything
+else (one rank's tensor below ``min_elems`` or of another dtype, another op, other sizes, a
+coalesced call mixing dtypes on one rank) raises the same ValueError on every rank, naming every
+rank's call, instead of a hang or a call half on one route and half on the other. The agreement
+and every other wait of a call are bounded by giftcomm's call timeout (``call_timeout=``;
+``GIFTCOMM_TIMEOUT``): past it CommTimeout, and from then on CommAborted on every rank
+(giftcomm.transport.torch_dist).
+
+A call the policy sends to the inner group is logged once per group and reason (:data:`REASONS`;
+a WARNING on the "giftcomm" logger) and every one is counted: :meth:`GiftProcessGroup.stats`
+(also :func:`group_stats` of any torch handle of the group) is the dict of ``giftcomm.stats``
+over the calls the policy decided on, on either route. ``baseline=`` sends the compressed
+all-reduces through a baseline wire (giftcomm.baselines) instead of giftcomm's format.
 
 Results are bit-identical on every rank (giftcomm's guarantee); a rank that gets a bad input
 or a failure gets giftcomm's exception, raised on every rank (docs/robustness.md). The call
