@@ -253,7 +253,7 @@ class TorchDistTransport(Transport):
         total = np.array(arr, dtype=np.float64, copy=True, order="C")
         if self.size > 1:
             opts = dist.ReduceOptions()
-            opts.reduceOp, opts.rootRank = dist.ReduceOp.SUM, int(root)
+            opts.reduceOp, opts.rootRank = dist.ReduceOp.SUM, int(root)  # type: ignore[assignment]  # RedOpType
             tensor = torch.from_numpy(total.reshape(-1))
             self._collective("a float64 reduce", lambda o: self.group.reduce([tensor], o), opts)
         return total if self.rank == root else None
@@ -286,7 +286,7 @@ class TorchDistTransport(Transport):
 
     def _allreduce(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's RedOpType converts
         self._collective(what, lambda o: self.group.allreduce([tensor], o), opts)
 
     def _broadcast(self, tensor: torch.Tensor, root: int, what: str) -> None:

@@ -338,6 +338,7 @@ class GiftProcessGroup(dist.ProcessGroup):
                 assert buf is not None and how is not None
                 self._baseline(buf, how[0])
             elif isinstance(route, Job):
+                assert buf is not None
                 with on_stream(buf):
                     engine.run_agreed(data, engine.ALLREDUCE, route, buf, self.explicit)
         if route == _INNER:
@@ -393,6 +394,7 @@ class GiftProcessGroup(dist.ProcessGroup):
             route = self._agree("reduce_scatter", kind, inputs, outputs, how, reason, data, src, out)
             shard = None
             if isinstance(route, Job):
+                assert src is not None
                 with on_stream(src):
                     shard = engine.run_agreed(data, kind, route, out, self.explicit)
         if route == _INNER:
@@ -445,6 +447,7 @@ class GiftProcessGroup(dist.ProcessGroup):
             route = self._agree("allgather", engine.ALLGATHER, inputs, outputs, None, reason, data, src, out)
             whole = None
             if isinstance(route, Job):
+                assert src is not None
                 with on_stream(src):
                     whole = engine.run_agreed(data, engine.ALLGATHER, route, out, self.explicit)
         if route == _INNER:
@@ -603,7 +606,7 @@ def group_stats(group: Any) -> dict[str, Any]:
     backend (``dist.get_backend(group)`` names it)."""
     if not isinstance(group, GiftProcessGroup):
         try:
-            backend = dist.get_backend(group)
+            backend = str(dist.get_backend(group))
         except Exception:  # noqa: BLE001 - not a registered group: say what it is
             backend = type(group).__name__
         raise TypeError(f"group_stats: {group!r} is not a giftcomm process group (backend {backend!r}); "
