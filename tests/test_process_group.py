@@ -341,3 +341,189 @@ def test_ddp_trains_through_the_group_without_a_hook(tmp_path):
         assert (g - p).abs().max() <= 0.125 * p.abs().max()
         assert not torch.equal(g, p)
     assert abs(gift[0]["losses"][-1] - plain[0]["losses"][-1]) < 0.05
+
+
+# ----------------------------------------------------------------------------- what was sent, one agreement
+class _Records:
+    """The "giftcomm" logger's records in a spawned rank (its warnings)."""
+
+    def __init__(self):
+        import logging
+
+        self.messages = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.messages.append(record.getMessage())
+        logging.getLogger("giftcomm").addHandler(handler)
+
+
+def _stats_worker(rank, world):
+    """Compressed and uncompressed calls on one group, each counted: the agreements per call
+    (gathers on the host transport), the warnings, pg.stats(), giftcomm.stats of its transport."""
+    import torch.distributed as dist
+
+    import giftcomm
+    from giftcomm.adapters.torch import group_stats, new_group
+
+    logs = _Records()
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    host = pg.transport()
+    gathers = {"int64": 0, "object": 0}
+    gather_int64, gather_object = host.allgather_int64, host.allgather_object
+
+    def count_int64(vec):
+        gathers["int64"] += 1
+        return gather_int64(vec)
+
+    def count_object(obj):
+        gathers["object"] += 1
+        return gather_object(obj)
+
+    host.allgather_int64, host.allgather_object = count_int64, count_object
+    x = _data(rank, N)
+    inp = _data(rank, 2 * 1500, seed=1)
+    calls = {
+        "allreduce": lambda: dist.all_reduce(x.clone(), group=pg),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(1500), inp, group=pg),
+        "small": lambda: dist.all_reduce(_data(rank, 999, seed=5), group=pg),
+        "small_again": lambda: dist.all_reduce(_data(rank, 999, seed=6), group=pg),
+        "ints": lambda: dist.all_reduce(torch.arange(5000), group=pg),
+        "ints_again": lambda: dist.all_reduce(torch.arange(5000), group=pg),
+        "max": lambda: dist.all_reduce(x.clone(), op=dist.ReduceOp.MAX, group=pg),
+        "broadcast": lambda: dist.broadcast(x.clone(), group_src=0, group=pg),  # not a policy call: no agreement
+    }
+    agreements, warned = {}, {}
+    for name, call in calls.items():
+        before, told = gathers["int64"], len(logs.messages)
+        call()
+        agreements[name] = gathers["int64"] - before
+        warned[name] = [m for m in logs.messages[told:] if "UNCOMPRESSED" in m]
+    resolved = dist.distributed_c10d._resolve_process_group(pg.group_name)
+    return {"agreements": agreements, "objects": gathers["object"], "warned": warned, "stats": pg.stats(),
+            "giftcomm": giftcomm.stats(host), "by_handle": group_stats(resolved), "counts": dict(pg.counts)}
+
+
+def test_stats_warnings_and_one_agreement_per_call(tmp_path):
+    from giftcomm.formats import message_nbytes
+    from giftcomm.options import CallOptions
+    from giftcomm.partition import chunk_bounds
+
+    res = _spawn(_stats_worker, 2, tmp_path)
+    block = CallOptions(fmt="e4m3").validated().resolved_block
+    for rank, got in enumerate(res):
+        # one gather of int64 fields per call, whichever route it takes; no object gathers
+        assert got["agreements"] == {**dict.fromkeys(got["agreements"], 1), "broadcast": 0}, got["agreements"]
+        assert got["objects"] == 0
+        # a warning once per group and reason, naming it; the repeats silent but counted
+        warned = got["warned"]
+        assert not warned["allreduce"] and not warned["reduce_scatter"] and not warned["broadcast"]
+        assert len(warned["small"]) == 1 and "below_min_elems" in warned["small"][0] and "999" in warned["small"][0]
+        assert len(warned["ints"]) == 1 and "not_float" in warned["ints"][0]
+        assert len(warned["max"]) == 1 and "reason op" in warned["max"][0]
+        assert not warned["small_again"] and not warned["ints_again"]
+        st = got["stats"]
+        assert set(st) == {"calls", "bytes_sent", "algorithms", "fallbacks"}
+        assert st["calls"] == 7 and st["algorithms"] == {"ring": 2, "inner": 5}
+        assert st["fallbacks"] == {"below_min_elems": 2, "not_float": 2, "op": 1}
+        # the compressed calls' bytes: the wire messages this rank sends (giftcomm.formats' sizes)
+        bounds = chunk_bounds(N, 2, block)
+        ring = sum(message_nbytes(int(bounds[c + 1] - bounds[c]), "e4m3", block) for c in range(2))
+        scatter = message_nbytes(1500, "e4m3", block)  # the other rank's shard, blocks from its start
+        # the inner calls' payload as a ring all-reduce moves it: 2 (P-1)/P of their bytes (two
+        # calls of 999 float32, two of 5000 int64, one MAX of N float32)
+        native = sum(2 * (2 - 1) * nbytes // 2 for nbytes in (999 * 4, 999 * 4, 5000 * 8, 5000 * 8, N * 4))
+        assert st["bytes_sent"] == {"e4m3": ring + scatter, "native": native}, (rank, st)
+        assert got["giftcomm"] == st and got["by_handle"] == st  # giftcomm.stats and a torch handle see them
+        assert got["counts"] == {"giftcomm": 2, "inner": 6}
+
+
+def _baseline_worker(rank, world):
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    pg = new_group(baseline="e5m2/tensor-nccl", min_elems=1000)
+    x = _data(rank, N, seed=7)
+    y = x.clone()
+    dist.all_reduce(y, group=pg)
+    avg = x.clone()
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=pg)
+    half = x.to(torch.bfloat16)
+    dist.all_reduce(half, group=pg)
+    try:
+        dist.reduce_scatter_tensor(torch.empty(1500), _data(rank, 3000), group=pg)
+        scatter = None
+    except ValueError as exc:
+        scatter = str(exc)
+    return {"x": x, "sum": y, "avg": avg, "bf16": half, "scatter": scatter, "stats": pg.stats()}
+
+
+def test_baseline_wire_matches_the_reference_bit_for_bit(tmp_path):
+    from giftcomm.reference.baselines import simulate_baseline_allreduce
+
+    res = _spawn(_baseline_worker, 2, tmp_path)
+    xs = [r["x"].numpy() for r in res]
+    want = simulate_baseline_allreduce(xs, "e5m2/tensor-nccl")
+    avg = simulate_baseline_allreduce(xs, "e5m2/tensor-nccl", op="avg")
+    bf16 = simulate_baseline_allreduce([r["x"].to(torch.bfloat16).float().numpy() for r in res], "e5m2/tensor-nccl")
+    for r, got in enumerate(res):
+        np.testing.assert_array_equal(got["sum"].numpy(), want[r])
+        np.testing.assert_array_equal(got["avg"].numpy(), avg[r])
+        assert torch.equal(got["bf16"], torch.from_numpy(bf16[r]).to(torch.bfloat16))
+        assert not np.array_equal(want[r], xs[0] + xs[1])  # FP8 codes really went on the wire
+        assert "baseline" in got["scatter"] and got["scatter"] == res[0]["scatter"]  # on every rank alike
+        # one FP8 byte per value the ring sends: at P = 2 every value once (half each phase)
+        assert got["stats"] == {"calls": 3, "bytes_sent": {"e5m2/tensor-nccl": 3 * N},
+                                "algorithms": {"e5m2/tensor-nccl": 3}, "fallbacks": {}}
+
+
+def _timeout_worker(rank, world):
+    """A disagreement raises on both ranks at once; a call rank 1 makes late times out on rank 0
+    within giftcomm's call timeout (not the group's 120 s); from then on the group's calls raise
+    CommAborted on both ranks."""
+    import time
+
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+    from giftcomm.errors import CommAborted, CommTimeout
+
+    limit = 2.0
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000, call_timeout=limit)
+    x = _data(rank, N)
+    res: dict = {}
+
+    def attempt(call):
+        t0 = time.monotonic()
+        try:
+            call()
+            return None, time.monotonic() - t0
+        except (ValueError, CommTimeout, CommAborted) as exc:
+            return (type(exc).__name__, str(exc)), time.monotonic() - t0
+
+    res["mismatch"] = attempt(lambda: dist.all_reduce(x[: N if rank == 0 else 999].clone(), group=pg))
+    res["ok"] = attempt(lambda: dist.all_reduce(x.clone(), group=pg))
+    if rank == 1:
+        time.sleep(3 * limit)  # rank 0's call waits for this one past its deadline
+    res["late"] = attempt(lambda: dist.all_reduce(x.clone(), group=pg))
+    dist.barrier()  # the default group: untouched
+    res["after"] = attempt(lambda: dist.all_reduce(x.clone(), group=pg))
+    res["after_small"] = attempt(lambda: dist.all_reduce(x[:10].clone(), group=pg))
+    return res
+
+
+def test_timeouts_are_giftcomms_and_leave_the_group_aborted(tmp_path):
+    res = _spawn(_timeout_worker, 2, tmp_path)
+    (m0, t0), (m1, t1) = res[0]["mismatch"], res[1]["mismatch"]
+    assert m0 is not None and m0 == m1 and m0[0] == "ValueError" and "disagree" in m0[1]
+    assert max(t0, t1) < 2.0  # well within the call timeout
+    assert res[0]["ok"][0] is None and res[1]["ok"][0] is None
+    late0, waited = res[0]["late"]
+    assert late0 is not None and late0[0] == "CommTimeout", late0
+    assert 1.5 < waited < 5.0  # giftcomm's 2 s, not the group's 120 s
+    late1 = res[1]["late"][0]
+    assert late1 is not None and late1[0] in ("CommAborted", "CommTimeout"), late1
+    for r in range(2):
+        for name in ("after", "after_small"):
+            exc, took = res[r][name]
+            assert exc is not None and exc[0] == "CommAborted" and "unusable" in exc[1], (r, name, exc)
+            assert took < 1.0

@@ -9,7 +9,7 @@ and the communicator stays usable.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ def agree(
     prepared: tuple[T, dict[str, int]] | Exception,
     fields: tuple[str, ...],
     must_match: tuple[str, ...],
+    explain: Callable[[np.ndarray], str] | None = None,
 ) -> tuple[T, np.ndarray]:
     """Check on all ranks that the local step before it succeeded everywhere and agrees.
 
@@ -66,6 +67,9 @@ def agree(
     type). Returns (plan, table): table is the (size, len(fields)) int64 array of every rank's
     fields, so callers can read fields that may differ (e.g. shard lengths). Raises, on every
     rank alike, TypeError, ValueError or RuntimeError naming the ranks and fields at fault.
+    ``explain``: when given, the ranks' disagreement on ``must_match`` is told by
+    ``explain(table)`` (the (size, len(fields)) table, in ``fields`` order) instead: ValueError
+    ``f"{what}: {explain(table)}"`` (the same table, so the same message, on every rank).
     """
     plan: T | None = None
     error: Exception | None = None
@@ -83,6 +87,8 @@ def agree(
     if not _uniform(table, k):  # a rank failed, or the ranks disagree: find which, and say it
         if table[:, 0].any():
             raise_failures(transport, what, table, error)
+        if explain is not None:
+            raise ValueError(f"{what}: {explain(table[:, 1:])}")
         for col, key in enumerate(must_match, 1):
             column = table[:, col]
             if np.any(column != column[0]):

@@ -44,8 +44,9 @@ from .wire import Wire
 from .workspace import workspace_of
 
 __all__ = ["GeometryLike", "last_algorithm", "Kind", "ALLREDUCE", "REDUCE_SCATTER", "REDUCE_SCATTERS",
-           "ALLGATHER", "agree_call", "execute", "run_allreduce", "runner_of", "scatter_of", "run_ring", "run_direct",
-           "run_doubling", "run_hierarchical", "run_hierarchical_direct", "run_oneshot", "run_native"]
+           "ALLGATHER", "prepare_call", "agree_call", "run_agreed", "execute", "run_allreduce", "runner_of",
+           "scatter_of", "run_ring", "run_direct", "run_doubling", "run_hierarchical", "run_hierarchical_direct",
+           "run_oneshot", "run_native"]
 
 log = logging.getLogger("giftcomm")
 
@@ -90,39 +91,51 @@ class Kind:
     run: Callable[[Transport, Job, Any], Any]
 
 
-def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
-               local_size: int | None = None) -> Job:
-    """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
-    the agreed :class:`Job`, or the same exception on every rank."""
-    prepared: tuple[Job, dict[str, int]] | Exception
-    try:  # a failure joins the agreement, so no rank is left waiting
+def prepare_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
+                 local_size: int | None = None) -> tuple[Job, dict[str, int]] | Exception:
+    """This rank's half of :func:`agree_call`: ``x``, ``out``, the options and the transport
+    checked into a :class:`Job` and its signature (``kind.fields``), or the exception the checks
+    raised (returned, not raised: every failure joins the agreement, so no rank is left waiting)."""
+    try:
         if isinstance(opts, Exception):
             raise opts
         call = calls.validate(x, kind.arg, opts, reduces=kind.reduces)
         call.sig["caller"] = calls.caller()
         calls.check_transport(t, call)
         job = Job(call, opts)
-        prepared = job, kind.prepare(t, job, out, geometry, local_size)
+        return job, kind.prepare(t, job, out, geometry, local_size)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
-        prepared = exc
-    job, table = agree(t, kind.what, prepared, kind.fields, kind.match)
+        return exc
+
+
+def agree_call(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
+               local_size: int | None = None) -> Job:
+    """Validate ``x``, ``out`` and the options on this rank and agree across ranks (collective):
+    the agreed :class:`Job`, or the same exception on every rank."""
+    job, table = agree(t, kind.what, prepare_call(t, kind, x, out, opts, geometry, local_size), kind.fields,
+                       kind.match)
     kind.agreed(t, job, table)
     return job
+
+
+def run_agreed(t: Transport, kind: Kind, job: Job, out: Any, explicit: bool = True) -> Any:
+    """Steps 2 and 3 of an agreed call (``kind.agreed`` applied): run and finish it, counted in
+    giftcomm.stats (``explicit``: giftcomm.accounting.agreed) and left in ``t.last_slot``."""
+    from .. import accounting  # lazy: it resolves communicators
+
+    slot = accounting.agreed(t, job, explicit)
+    result = kind.run(t, job, out)
+    slot.calls += 1
+    t.last_slot = slot  # what an adapter's accounting.Tally adds
+    return result
 
 
 def execute(t: Transport, kind: Kind, x: Any, out: Any, opts: CallOptions | Exception, geometry: Any = None,
             local_size: int | None = None, explicit: bool = True) -> Any:
     """One whole call of ``kind``: validate and agree, run, finish (collective); counted in
     giftcomm.stats (``explicit``: the caller named the format, giftcomm.accounting.agreed)."""
-    from .. import accounting  # lazy: it resolves communicators
-
     with held(t, None if isinstance(opts, Exception) else opts.timeout):
-        job = agree_call(t, kind, x, out, opts, geometry, local_size)
-        slot = accounting.agreed(t, job, explicit)
-        result = kind.run(t, job, out)
-        slot.calls += 1
-        t.last_slot = slot  # what an adapter's accounting.Tally adds
-        return result
+        return run_agreed(t, kind, agree_call(t, kind, x, out, opts, geometry, local_size), out, explicit)
 
 
 # ----------------------------------------------------------------------------- finishing

@@ -88,50 +88,6 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _same_group_history(group: dist.ProcessGroup, device: torch.device) -> None:
-    """Check, with one all-gather over ``group`` (a ``device`` tensor: the group's backend's),
-    that its members have joined equally many process groups: torch names a group that only its
-    members create from its ranks and that number, so members that differ would each wait in
-    gloo's rendezvous under another name. RuntimeError on every member when they differ."""
-    from torch.distributed import distributed_c10d as c10d
-
-    mine = torch.tensor([len(c10d._world.pg_names)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    counts = [int(c) for c in torch.cat(every).tolist()]
-    if len(set(counts)) > 1:
-        raise RuntimeError(
-            f"giftcomm FSDP comm: the ranks {dist.get_process_group_ranks(group)} of this reduce-scatter's group "
-            f"have joined different numbers of process groups ({counts}); the comm's private gloo group, made by "
-            "these ranks alone, takes its name from that number in torch, so they would wait for each other "
-            "until the timeout. Make the same process groups on every rank (a rank outside a group calls "
-            "dist.new_group for it too) before the first backward")
-
-
-def members_transport(group: dist.ProcessGroup, control: dist.ProcessGroup | None = None,
-                      device: torch.device | None = None) -> Transport:
-    """The host transport over ``group``'s members: a TorchDistTransport over the private gloo
-    group ``control`` (the same ranks as ``group``), or, with None, one that only the members
-    create here (collective over ``group`` alone, so each HSDP shard group makes its own while
-    the others make theirs; ``device``: where ``group`` takes tensors, for the check that the
-    members can agree on the new group's name)."""
-    from ...transport.torch_dist import TorchDistTransport
-
-    t = TorchDistTransport.__new__(TorchDistTransport)
-    t.user_group = group
-    t._global = list(dist.get_process_group_ranks(group))
-    if control is None:
-        _same_group_history(group, torch.device("cpu") if device is None else device)
-        control = dist.new_group(ranks=t._global, backend="gloo", use_local_synchronization=True)
-    elif list(dist.get_process_group_ranks(control)) != t._global:
-        raise ValueError(f"members_transport: the control group's ranks {dist.get_process_group_ranks(control)} "
-                         f"are not the group's {t._global}")
-    t.group = control
-    t.rank, t.size = dist.get_rank(t.group), dist.get_world_size(t.group)
-    t._nodes = t._find_nodes()
-    return t
-
-
 on_current_stream = on_stream
 """CuPy on torch's current stream of a CUDA tensor's device (giftcomm.adapters.torch.streams)."""
 
@@ -382,15 +338,15 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         return torch.from_numpy(np.ascontiguousarray(shard))
 
     def _transport(self, group: dist.ProcessGroup, x: torch.Tensor) -> Transport:
+        from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
+
         host = self._host.get(group)
-        if host is None:
-            host = self._host[group] = members_transport(group, device=x.device)
+        if host is None:  # made by the group's members alone (HSDP: each shard group its own)
+            host = self._host[group] = TorchDistTransport.of_members(group, device=x.device)
         if x.device.type != "cuda":
             return host
         dev = self._device.get(group)
         if dev is None:
-            from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
-
             assert isinstance(host, TorchDistTransport)
             dev = self._device[group] = TorchDistDeviceTransport(group, control=host)
         return dev
