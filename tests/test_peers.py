@@ -246,7 +246,7 @@ def test_the_local_scale_artifact_is_biased_when_the_scales_differ(rng):
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     local = pr.PEERS["gift-artifact/e5m2-tensor-local"].simulate(xs, (), 0).total
     agreed = pr.PEERS["gift-artifact/e5m2-tensor-nccl"].simulate(xs, (), 0).total
-    assert pr.fidelity(local, exact, p)["rel_l2"] > 10 * pr.fidelity(agreed, exact, p)["rel_l2"]
+    assert pr.fidelity(local, exact, p)["rel_l2"] > 4 * pr.fidelity(agreed, exact, p)["rel_l2"]
 
 
 @pytest.mark.parametrize("p", [5, 8, 13])
