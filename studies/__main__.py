@@ -4,6 +4,7 @@ train         end-to-end data-parallel Llama training comparison (under mpiexec;
 train-compare the training comparison that decides the defaults (torch)
 time-to-quality  seconds and steps to a target validation loss of runs on the netbed
 fidelity      GIFT vs Euclidean FP8 on synthetic and real gradients
+peers         quality per bit: every wire row against the peers' reduction semantics (real gradients)
 gradients     capture real gradients and KFAC factors for ``fidelity real`` (torch)
 pretrained-gradients  the same capture from all-MiniLM-L6-v2 continued on the corpus (transformers)
 paper-tables  the GIFT paper's Tables I and II on a capture
@@ -30,6 +31,7 @@ COMMANDS = {
     "train-compare": "studies.train_compare",
     "time-to-quality": "studies.time_to_quality",
     "fidelity": "studies.fidelity",
+    "peers": "studies.peers",
     "gradients": "studies.gradients",
     "pretrained-gradients": "studies.pretrained_gradients",
     "paper-tables": "studies.paper_tables",
