@@ -83,6 +83,36 @@ def covering(first: list, second: list, *rotating: list) -> list[tuple]:
     return out
 
 
+# ------------------------------------------------------------------ the test tiers
+#: The fast tier (`bash tests/run_all.sh`, README.md): the tables, the codecs and the home module
+#: of each invariant of DESIGN.md (tests/README.md), with their MPI tests; `--full` runs every
+#: module. This list is the one definition: run_all.sh reads it, and the hook below marks its
+#: tests `fast` (`pytest -m fast`).
+FAST_MODULES: list[str] = [
+    "test_repo.py",
+    "test_format_table.py",
+    "test_algorithm_table.py",
+    "test_algorithm_row.py",
+    "test_codec_reference.py",  # invariant 3: the reference codec against ml_dtypes
+    "test_native_codec.py",  # invariant 3: the C kernels against the reference
+    "test_collectives.py",  # invariant 2: every format x algorithm == the simulation
+    "test_mpi_collectives.py",  # invariant 1: bit-identical ranks under mpiexec
+    "test_geometry.py",  # invariant 4
+    "test_geometry_mpi.py",
+    "test_errors_everywhere.py",  # invariant 5
+    "test_fp32_accumulation.py",  # invariant 6
+    "test_cost_model.py",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    fast = pytest.mark.fast
+    for item in items:
+        if item.path.name in FAST_MODULES:
+            item.add_marker(fast)
+
+
 MPI_WORLD_SIZES = 5
 
 
