@@ -84,8 +84,8 @@ def covering(first: list, second: list, *rotating: list) -> list[tuple]:
 
 
 # ------------------------------------------------------------------ the test tiers
-#: The fast tier (`bash tests/run_all.sh`, README.md): the tables, the codecs and the home module
-#: of each invariant of DESIGN.md (tests/README.md), with their MPI tests; `--full` runs every
+#: The fast tier (`bash tests/run_all.sh`, README.md): the tables, the codecs and the home modules
+#: of the invariants of DESIGN.md (tests/README.md), with their MPI tests; `--full` runs every
 #: module. This list is the one definition: run_all.sh reads it, and the hook below marks its
 #: tests `fast` (`pytest -m fast`).
 FAST_MODULES: list[str] = [
@@ -97,8 +97,8 @@ FAST_MODULES: list[str] = [
     "test_native_codec.py",  # invariant 3: the C kernels against the reference
     "test_collectives.py",  # invariant 2: every format x algorithm == the simulation
     "test_mpi_collectives.py",  # invariant 1: bit-identical ranks under mpiexec
-    "test_geometry.py",  # invariant 4
-    "test_geometry_mpi.py",
+    "test_geometry_mpi.py",  # invariant 4 under mpiexec; its home module test_geometry.py, with
+    # minutes-long whitening and policy tests, is in the full tier only
     "test_errors_everywhere.py",  # invariant 5
     "test_fp32_accumulation.py",  # invariant 6
     "test_cost_model.py",

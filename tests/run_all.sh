@@ -61,10 +61,10 @@ if [ "$tier" = fast ]; then
     # the module list lives in tests/conftest.py (FAST_MODULES; there the `fast` marker comes from it)
     read -r -a modules <<< "$(python -c 'import sys; sys.path.insert(0, "tests"); import conftest; print(*conftest.FAST_MODULES)')"
     modules=("${modules[@]/#/tests/}")
-    serial_limit=1200 mpi_limit=300
+    serial_limit=2400 mpi_limit=900
 else
     modules=()
-    serial_limit=3600 mpi_limit=900
+    serial_limit=7200 mpi_limit=1800
 fi
 # The serial tests on every core: most run in-process on one core, the ones that launch jobs wait on them.
 stage "serial tests ($tier tier)" "$serial_limit" \
@@ -85,7 +85,7 @@ if [ "${#mpi_modules[@]}" -gt 0 ]; then
     done
 fi
 if [ "$tier" = full ]; then
-    stage "large MPI test at P=2" 900 \
+    stage "large MPI test at P=2" 1800 \
         mpiexec -n 2 python -m pytest -m big --with-mpi -q -x -p no:cacheprovider --timeout "$per_test" \
         ${args[@]+"${args[@]}"} "${mpi_modules[@]}"
 fi
