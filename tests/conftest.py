@@ -41,6 +41,35 @@ ALGORITHM_CHOICES: list[str] = list(CHOICES)
 #: giftcomm's own reduce-scatter algorithms (the first half of their allreduce; the shared-window
 #: path takes them), without "auto"; the transport's own ("native") is tested in test_native.py
 SCATTER_ALGORITHMS: list[str] = [a for a in SCATTER_CHOICES if a in BY_NAME and not BY_NAME[a].native]
+#: the pass-through formats (no scales: a plain cast; bf16, fp16, fp32 today)
+PASS_THROUGH_FORMATS: list[str] = [name for name, f in FORMATS.items() if not f.scaled]
+#: the scaled formats that take any block (one float32 scale per block: e4m3, e5m2 today)
+ANY_BLOCK_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.scaled and f.fixed_block is None]
+#: the formats with a block size of their own (nvfp4 and the MX formats today)
+FIXED_BLOCK_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.fixed_block is not None]
+#: the formats with E8M0 shared exponents, the ones an MX scale rule applies to
+E8M0_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.scale_kind == "e8m0"]
+#: the 4-bit formats
+FOUR_BIT_FORMATS: list[str] = [name for name, f in FORMATS.items() if f.value_bits == 4]
+#: one scaled format per (scale kind, element width), the first in table order: every scale rule
+#: and element width at a fraction of the cost of all of them (e4m3, nvfp4, mxfp4, mxfp8 today)
+_FIRST_OF_KIND: dict[tuple[str, int], str] = {}
+for _name, _f in FORMATS.items():
+    if _f.scaled:
+        _FIRST_OF_KIND.setdefault((_f.scale_kind, _f.value_bits), _name)
+SCALED_SAMPLE: list[str] = list(_FIRST_OF_KIND.values())
+#: giftcomm's own allreduce algorithms (every row but the transport's own, "native")
+OWN_ALGORITHMS: list[str] = [a for a in ALGORITHM_NAMES if not BY_NAME[a].native]
+
+
+def native_only(names: list[str]) -> list[str]:
+    """The formats of ``names`` that the C and CUDA kernels implement (Format.native)."""
+    return [name for name in names if FORMATS[name].native]
+
+
+#: a format name no table row will ever take, for the tests of an unknown format's error (a
+#: plausible name such as "e3m4" would start passing the day that format is added)
+UNKNOWN_FORMAT = "not-a-format"
 
 
 def covering(first: list, second: list, *rotating: list) -> list[tuple]:
@@ -52,6 +81,36 @@ def covering(first: list, second: list, *rotating: list) -> list[tuple]:
     for (i, a), (j, b) in itertools.product(enumerate(first), enumerate(second)):
         out.append((a, b, *(r[(i + (k + 1) * j) % len(r)] for k, r in enumerate(rotating))))
     return out
+
+
+# ------------------------------------------------------------------ the test tiers
+#: The fast tier (`bash tests/run_all.sh`, README.md): the tables, the codecs and the home modules
+#: of the invariants of DESIGN.md (tests/README.md), with their MPI tests; `--full` runs every
+#: module. This list is the one definition: run_all.sh reads it, and the hook below marks its
+#: tests `fast` (`pytest -m fast`).
+FAST_MODULES: list[str] = [
+    "test_repo.py",
+    "test_format_table.py",
+    "test_algorithm_table.py",
+    "test_algorithm_row.py",
+    "test_codec_reference.py",  # invariant 3: the reference codec against ml_dtypes
+    "test_native_codec.py",  # invariant 3: the C kernels against the reference
+    "test_collectives.py",  # invariant 2: every format x algorithm == the simulation
+    "test_mpi_collectives.py",  # invariant 1: bit-identical ranks under mpiexec
+    "test_geometry_mpi.py",  # invariant 4 under mpiexec; its home module test_geometry.py, with
+    # minutes-long whitening and policy tests, is in the full tier only
+    "test_errors_everywhere.py",  # invariant 5
+    "test_fp32_accumulation.py",  # invariant 6
+    "test_cost_model.py",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    fast = pytest.mark.fast
+    for item in items:
+        if item.path.name in FAST_MODULES:
+            item.add_marker(fast)
 
 
 MPI_WORLD_SIZES = 5

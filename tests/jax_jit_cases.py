@@ -20,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from conftest import UNKNOWN_FORMAT  # noqa: E402  (tests/ is sys.path[0] when run as a script)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -393,7 +394,7 @@ def error_cases() -> None:
     record("error/untiled", raises(lambda v: gj.psum_scatter(v, "d"), f33, ValueError, ["equal to the axis size"]))
     record("error/algorithm", raises(lambda v: gj.psum(v, "d", algorithm="doubling"), f32, ValueError, ["inside jit"]))
     record("error/seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic"), f32, ValueError, ["seed"]))
-    record("error/format", raises(lambda v: gj.psum(v, "d", fmt="e3m4"), f32, ValueError, ["unknown format"]))
+    record("error/format", raises(lambda v: gj.psum(v, "d", fmt=UNKNOWN_FORMAT), f32, ValueError, ["unknown format"]))
     record("error/array seed", raises(lambda v: gj.psum(v, "d", rounding="stochastic", seed=jnp.float32(1)), f32,
                                       ValueError, ["array seed", "float32"]))
     record("error/feedback structure", raises(lambda v: gj.psum(v, "d", feedback={"a": v}), f32, ValueError,

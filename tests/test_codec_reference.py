@@ -4,11 +4,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ANY_BLOCK_FORMATS, PASS_THROUGH_FORMATS, UNKNOWN_FORMAT
 
 from giftcomm.formats import FORMATS, bytes_per_value, get_format, message_nbytes, num_blocks, scales_offset
 from giftcomm.reference import codec as ref
 
-FP8 = ["e4m3", "e5m2"]
+FP8 = ANY_BLOCK_FORMATS  # the FP8 formats with float32 block scales
 ALL = list(FORMATS)
 
 
@@ -121,7 +122,7 @@ def test_non_finite_value_poisons_exactly_its_block(rng, fmt, bad):
     assert np.all(np.isfinite(y[:8])) and np.all(np.isfinite(y[16:]))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt", PASS_THROUGH_FORMATS)
 def test_pass_through_formats_are_plain_casts(rng, fmt):
     f = get_format(fmt)
     x = rng.standard_normal(1001).astype(np.float32)
@@ -149,7 +150,7 @@ def test_message_sizes_and_bytes_per_value():
 
 def test_bad_format_and_block_raise_value_error():
     with pytest.raises(ValueError, match="unknown format"):
-        get_format("e4m3_no_such_row")
+        get_format(UNKNOWN_FORMAT)
     with pytest.raises(ValueError, match="block"):
         message_nbytes(10, "e4m3", 0)
     with pytest.raises(ValueError, match="bytes"):

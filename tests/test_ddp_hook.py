@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 
 from giftcomm.accounting import sent_bytes
 from giftcomm.adapters.torch import GiftState, gift_hook
@@ -122,8 +123,8 @@ def test_device_route_reduced_geometry_builds_off_the_hook(rng):
 def test_gift_state_validates_at_construction():
     group = DeviceLoopbackGroup(1)
     t = group.transports[0]
-    with pytest.raises(ValueError, match="fp8"):
-        GiftState(transport=t, fmt="fp8")
+    with pytest.raises(ValueError, match=UNKNOWN_FORMAT):
+        GiftState(transport=t, fmt=UNKNOWN_FORMAT)
     with pytest.raises(ValueError):
         GiftState(transport=t, block=0)
     with pytest.raises(ValueError, match="geometry"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_same_error, same
+from conftest import UNKNOWN_FORMAT, assert_same_error, same
 from conftest import outcomes as shared_outcomes
 
 import giftcomm as gc
@@ -63,7 +63,7 @@ MISMATCHES = {
     "slice": (dict(slice_elems=512), ValueError, "ranks disagree on slice"),
     "bad op": (dict(op="max"), ValueError, "op must be 'sum' or 'avg'"),
     "bad block": (dict(block=0), ValueError, "rank(s) 1"),
-    "unknown fmt": (dict(fmt="x8"), ValueError, "unknown format"),
+    "unknown fmt": (dict(fmt=UNKNOWN_FORMAT), ValueError, "unknown format"),
 }
 
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import SCALED_SAMPLE
 
 from giftcomm.reference import simulate_allreduce
 from studies import errors
@@ -15,7 +16,7 @@ from studies import errors
 # is then made once, not once per worker
 pytestmark = pytest.mark.xdist_group("errors_study")
 
-FMTS = ("nvfp4", "mxfp4", "mxfp8", "e4m3")
+FMTS = tuple(SCALED_SAMPLE)
 PS = (2, 4, 8)
 ALGOS = ("ring", "direct", "hierarchical:2", "doubling")
 

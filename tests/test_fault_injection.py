@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import UNKNOWN_FORMAT
 
 from giftcomm import calibration
 from giftcomm.calibration import load_calibration
@@ -969,7 +970,7 @@ def test_every_entry_point_raises_the_documented_type_on_every_rank(case, exc):
             if case == "bad fmt":
                 if name == "plan call":
                     return "skip"
-                kw = {"fmt": "e9m9"}
+                kw = {"fmt": UNKNOWN_FORMAT}
                 fn = {"allreduce": lambda: gc.allreduce(x, comm=t, **kw),
                       "gift_allreduce": lambda: gc.gift_allreduce(x, None, comm=t, **kw),
                       "reduce_scatter": lambda: gc.reduce_scatter(x, comm=t, **kw),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import PASS_THROUGH_FORMATS, SCALED_SAMPLE
 
 import giftcomm as gc
 from giftcomm.feedback import ErrorFeedback, check_feedback_format, direct_pieces, own_quantization_error
@@ -48,7 +49,7 @@ def test_residual_is_the_exact_error_of_what_direct_sends(rng, fmt, rounding):
     assert not np.allclose(sum(wrong[1:], wrong[0]), np.concatenate(shards), **tol)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", SCALED_SAMPLE)
 def test_feedback_makes_the_mean_of_repeated_reductions_converge(rng, fmt):
     """A fixed gradient reduced T times with rounding to nearest: without feedback every step has
     the same error (the mean keeps it); with feedback the mean's error shrinks like 1/T."""
@@ -102,7 +103,7 @@ def test_nonfinite_blocks_get_no_feedback(rng):
     assert np.isfinite(fb.residuals[0]).all()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt", PASS_THROUGH_FORMATS)
 def test_feedback_with_a_pass_through_format_raises(fmt):
     with pytest.raises(ValueError, match="pass-through"):
         check_feedback_format(fmt, "GradSync")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import E8M0_FORMATS, FIXED_BLOCK_FORMATS, FORMAT_NAMES, FOUR_BIT_FORMATS, SCALED_FORMATS
 
 from giftcomm import codec
 from giftcomm.formats import FORMATS, SCALE_RULES, bytes_per_value, get_format, message_nbytes, num_blocks, resolve_block
 from giftcomm.reference import codec as ref
 
-NEW = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
-SCALED = ("e4m3", "e5m2") + NEW
+NEW = FIXED_BLOCK_FORMATS
+SCALED = SCALED_FORMATS
 ROUNDINGS = ("nearest", "stochastic")
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -197,7 +198,7 @@ def mx_expected(x: np.ndarray, fmt: str, rule: str = "ceil") -> tuple[np.ndarray
 
 
 @pytest.mark.parametrize("rule", SCALE_RULES)
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
+@pytest.mark.parametrize("fmt", E8M0_FORMATS)
 def test_mx_scales_and_elements_follow_the_scale_rule(fmt, rule, rng):
     f = get_format(fmt).with_scale_rule(rule)
     x = (rng.standard_normal(32 * 48) * np.exp2(rng.uniform(-30, 30, 32 * 48))).astype(np.float32)
@@ -389,7 +390,7 @@ def test_mean_of_stochastic_allreduces_converges_without_clamp(algorithm, rng):
 def test_nearest_is_biased_for_small_components_stochastic_is_not():
     """A block of one large value and many components below half a step: nearest rounds them all
     to zero (mean error = their size), stochastic's mean recovers them."""
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in FOUR_BIT_FORMATS:
         x = np.full(32, 0.05, np.float32)
         x[0] = x[16] = 6.0  # every block: step at 0.05 is 0.5 (E2M1 subnormal spacing, scale 1)
         near = ref.decode(ref.encode(x, fmt), 32, fmt)
@@ -562,7 +563,7 @@ def test_scale_rule_option():
     assert CallOptions.of(fmt="nvfp4", mx_scale="ceil").format is get_format("nvfp4")  # the default: no effect
     # a Format variant given as fmt carries its rule into the record
     assert CallOptions.of(fmt=get_format("mxfp8").with_scale_rule("floor")).mx_scale == "floor"
-    for fmt in ("e4m3", "e5m2", "nvfp4", "bf16", "fp32"):
+    for fmt in (f for f in FORMAT_NAMES if f not in E8M0_FORMATS):
         with pytest.raises(ValueError, match=f"GiftState: mx_scale='floor' applies to the formats with E8M0 scales.*{fmt}"):
             CallOptions.of("GiftState", fmt=fmt, mx_scale="floor")
     with pytest.raises(ValueError, match="mx_scale must be one of 'ceil', 'floor'"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 from test_torchrun import _spawn
 from torch.distributed.fsdp import fully_shard
 
@@ -141,7 +142,7 @@ def _bad_inputs(rank, world):
     wrong = ShardedGeometry.identity([("0.weight", (5, 5))], world)
     for key, fn in {
         "geometry": lambda: register_reduce_scatter(model, geometry=wrong),
-        "option": lambda: register_reduce_scatter(model, fmt="e9m9"),
+        "option": lambda: register_reduce_scatter(model, fmt=UNKNOWN_FORMAT),
         "algorithm": lambda: GiftReduceScatter(algorithm="doubling"),
         "op": lambda: GiftReduceScatter()(torch.zeros(2), torch.zeros(2 * world), dist.group.WORLD,
                                           dist.ReduceOp.MAX),
@@ -287,7 +288,7 @@ def test_bad_input_raises_on_every_rank_before_data_moves(fsdp_results):
     assert all(e == errors[0] for e in errors)  # the same message on every rank
     e = errors[0]
     assert "ValueError" in e["geometry"] and "the geometry covers" in e["geometry"]
-    assert "ValueError" in e["option"] and "e9m9" in e["option"]
+    assert "ValueError" in e["option"] and UNKNOWN_FORMAT in e["option"]
     assert "algorithm" in e["algorithm"]
     assert "SUM, AVG or PREMUL_SUM" in e["op"]
     assert "must hold" in e["divide"]

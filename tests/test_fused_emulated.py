@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import ANY_BLOCK_FORMATS, native_only
 
 from giftcomm.cuda import fused as cuda_fused
 from giftcomm.cuda.fused_model import FusedLayout, apply_model, project
@@ -125,7 +126,7 @@ def test_pass_a_batched_projections_bit_exact(cp, rng, monkeypatch):
         assert np.array_equal(bits(plan.pool.get()), bits(host)), f"grid cap {grid}"
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", native_only(ANY_BLOCK_FORMATS))
 def test_fused_encode_bit_exact_and_within_bound(cp, rng, fmt, monkeypatch):
     geo = geometry(rng)
     n = geo.size
@@ -332,12 +333,12 @@ def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm
         assert bool(launched.get(f"gc_fz_enc_{fmt}")) == fp8
         folds = algorithm == "doubling" and p & (p - 1)  # a rank folds into another: a hop
         assert bool(launched.get(f"gc_fz_dae_{fmt}")) == (fp8 and (algorithm == "ring" or bool(folds)))
-        assert bool(launched.get(f"gc_fz_dec_{fmt}")) == (fp8 and algorithm in ("ring", "direct"))
+        assert bool(launched.get(f"gc_fz_dec_{fmt}")) == (fp8 and gc.algorithms.row(algorithm).fused == "scatter")
         assert bool(launched.get("gc_fz_enc_fp32")) == bool(launched.get("gc_fz_dae_fp32")) == node
         # the apply kernel: direct's own values, the float32 route's inverse, the unfused route
         assert bool(launched.get("gc_fz_apply_f32")) == (not fused or algorithm != "ring")
     ref = simulate_gift_allreduce(xs, geo, fmt, block, **sim)[0].astype(np.float64)
-    if fmt in ("e4m3", "e5m2"):
+    if fmt in ANY_BLOCK_FORMATS:
         nodes = p // (local_size or p)
         assert np.all(np.abs(res[0] - ref) <= _sim_bound(geo, xs, fmt, algorithm, p, nodes, op)), \
             "device result outside the bound of the unfused reference"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import ANY_BLOCK_FORMATS, FIXED_BLOCK_FORMATS, PASS_THROUGH_FORMATS, native_only
 
 import giftcomm.cuda
 from giftcomm.cuda import _loader
@@ -19,7 +20,9 @@ from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equa
 
 pytestmark = pytest.mark.skipif(not giftcomm.cuda.available(), reason="no CUDA GPU")
 
-FORMATS = ("e4m3", "e5m2", "bf16", "fp16", "fp32")
+SCALED = tuple(native_only(ANY_BLOCK_FORMATS))
+PASS_FORMATS = tuple(native_only(PASS_THROUGH_FORMATS))
+FORMATS = SCALED + PASS_FORMATS
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_kernels_random(cp, fmt, rng):
             _check(cp, x, fmt, block, rng, f"{fmt} n={n} block={block}")
 
 
-MX_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+MX_FORMATS = tuple(native_only(FIXED_BLOCK_FORMATS))
 
 
 def _check_mx(cp, x, fmt, rounding, rng, label):
@@ -105,8 +108,8 @@ def _check_mx(cp, x, fmt, rounding, rng, label):
 
 
 # nearest e4m3/e5m2 are test_kernels_edge_tables / test_kernels_random
-@pytest.mark.parametrize("fmt,rounding", [(f, r) for f in MX_FORMATS + ("e4m3", "e5m2") for r in ("nearest", "stochastic")
-                                          if not (f in ("e4m3", "e5m2") and r == "nearest")])
+@pytest.mark.parametrize("fmt,rounding", [(f, r) for f in MX_FORMATS + SCALED for r in ("nearest", "stochastic")
+                                          if not (f in SCALED and r == "nearest")])
 def test_kernels_mx_formats_and_stochastic_rounding(cp, fmt, rounding, rng):
     for name, vec in edge_vectors("e4m3").items():
         _check_mx(cp, vec, fmt, rounding, rng, f"{fmt} {rounding} {name}")
@@ -204,16 +207,16 @@ def _nvrtc():
 
 def _kernel_names_used_by_codec() -> set[str]:
     names = set()
-    for f in ("e4m3", "e5m2"):
+    for f in SCALED:
         for path in ("team", "cta"):
             for variant in ("_", "_vec_", "_sr_", "_sr_vec_"):
                 names.add(f"gc_enc_{path}{variant}{f}")
         for path in ("team", "cta", "big"):
             names |= {f"gc_dae_{path}_{f}", f"gc_dae_{path}_sr_{f}"}
         names |= {f"gc_enc_amax_{f}", f"gc_enc_big_{f}", f"gc_enc_big_sr_{f}", f"gc_dae_amax_{f}", f"gc_dec_{f}", f"gc_acc_{f}"}
-    for f in ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2"):
+    for f in MX_FORMATS:
         names |= {f"gc_mx_enc_{f}", f"gc_mx_dec_{f}"}
-    return names | {"gc_pt_bf16", "gc_pt_fp16", "gc_pt_fp32", "gc_div_f32", "gc_cvt_f32_f64", "gc_cvt_f64_f32"}
+    return names | {f"gc_pt_{f}" for f in PASS_FORMATS} | {"gc_div_f32", "gc_cvt_f32_f64", "gc_cvt_f64_f32"}
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ANY_BLOCK_FORMATS, FIXED_BLOCK_FORMATS, OWN_ALGORITHMS, PASS_THROUGH_FORMATS, native_only
 
 from giftcomm.cuda import _loader
 from giftcomm.cuda import codec as cuda_codec
@@ -31,9 +32,9 @@ from tests.emulator import build, fake_cupy
 pytestmark = pytest.mark.emulated_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALED = ("e4m3", "e5m2")
-PASS = ("bf16", "fp16", "fp32")
-MX = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+SCALED = tuple(native_only(ANY_BLOCK_FORMATS))
+PASS = tuple(native_only(PASS_THROUGH_FORMATS))
+MX = tuple(native_only(FIXED_BLOCK_FORMATS))
 # team path (1..256: team widths 1..32), cta path (257..4096), big two-pass path (> 4096)
 EDGE_BLOCKS = (1, 3, 4, 8, 32, 256, 300, 4096, 5000)
 
@@ -473,7 +474,7 @@ def test_host_signatures_match_the_ptx(tmp_path):
 # shim runs them with IEEE arithmetic, which the PTX check in tests/test_gpu_plumbing.py ties to
 # the device code). So a collective equals the NumPy simulation on subnormal-heavy data only if
 # every float operation it does on device arrays goes through giftcomm's kernels.
-FTZ_ALGORITHMS = ("ring", "direct", "doubling", "oneshot", "hierarchical", "hierarchical_direct")
+FTZ_ALGORITHMS = OWN_ALGORITHMS
 FTZ_CASES = [("fp32", 8), ("e4m3", 32), ("e5m2", 256), ("bf16", 64), ("mxfp8", None), ("nvfp4", None)]
 
 
@@ -617,7 +618,7 @@ def test_device_benchmark_codec_section_runs_on_the_stand_in(monkeypatch, rng):
     res = db.measure_codec(cp, lambda fn: (fn(), 1.0)[1], 600, cases, on_case=lambda r: seen.append(len(r)))
     assert set(res) == {(f, b, op) for f, b in cases for op in db.OPS} and seen[-1] == len(res)
     launched = set(cp.runtime_state.launches)
-    for f in ("e4m3", "e5m2"):
+    for f in SCALED:
         for kernel in ("team", "cta", "big"):
             assert {f"gc_dae_{kernel}_{f}", f"gc_dae_{kernel}_sr_{f}"} <= launched
         assert {f"gc_enc_big_sr_{f}", f"gc_enc_team_sr_vec_{f}", f"gc_acc_{f}"} <= launched

@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import scale_rule_edges
+from conftest import ANY_BLOCK_FORMATS, E8M0_FORMATS, FIXED_BLOCK_FORMATS, PASS_THROUGH_FORMATS, native_only, scale_rule_edges
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
@@ -34,8 +34,8 @@ from giftcomm.reference import codec as ref
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALED = ("e4m3", "e5m2")
-EMU_FORMATS = ("e4m3", "e5m2", "bf16", "fp16", "fp32")
+SCALED = tuple(native_only(ANY_BLOCK_FORMATS))
+EMU_FORMATS = SCALED + tuple(native_only(PASS_THROUGH_FORMATS))
 
 
 class FakeDeviceArray:
@@ -228,7 +228,7 @@ def test_emulation_fp8_cast_exhaustive(emu, fmt):
             assert bad.size == 0, f"{fmt}: {v[bad[0]]!r} -> {got[bad[0]]:#x}, ml_dtypes {want[bad[0]]:#x}"
 
 
-MX_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+MX_FORMATS = tuple(native_only(FIXED_BLOCK_FORMATS))
 SR_KEY, SR_OFF = 0x0123456789ABCDEF, (1 << 32) - 9
 
 
@@ -265,7 +265,7 @@ def _mx_check(lib, x, fmt, rounding, rng, what):
 
 
 @pytest.mark.parametrize("rule", ["ceil", "floor"])
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "mxfp8_e5m2"])
+@pytest.mark.parametrize("fmt", native_only(E8M0_FORMATS))
 def test_emulation_mx_scale_rules(emu, fmt, rule, rng):
     """Both E8M0 scale rules (gc_mx.cuh gc_mx_scale_code) at the rules' edges, both roundings."""
     x = scale_rule_edges(rng, fmt)

@@ -11,7 +11,7 @@ import logging
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import FORMAT_NAMES, assert_same_error, covering, outcomes, same
+from conftest import PASS_THROUGH_FORMATS, assert_same_error, covering, outcomes, same
 
 import giftcomm as gc
 from giftcomm.algorithms import TABLE
@@ -20,7 +20,7 @@ from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times,
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.transport.base import tree_sum
 
-PASS_THROUGH = [f for f in FORMAT_NAMES if f in ("fp32", "bf16", "fp16")]
+PASS_THROUGH = PASS_THROUGH_FORMATS
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16]
 
 

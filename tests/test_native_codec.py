@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import PASS_THROUGH_FORMATS, native_only
 
 from giftcomm import _codec_native as native  # the build must have produced it
 from giftcomm import codec
@@ -305,7 +306,7 @@ NAN_INPUTS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0x7F80
               0x7FFFFFFF, 0xFFFFFFFF, 0x7F812345, 0xFF802000, 0x7F801FFF, 0x7FC01000]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", [f for f in native_only(PASS_THROUGH_FORMATS) if FORMATS[f].value_bits == 16])
 def test_16bit_exhaustive(isa, fmt, rng):
     """Every 16-bit pattern decodes exactly (NaN payload bits included); every rounding tie and
     neighbour, NaN payloads (signalling, negative), Inf, overflow and fp32 denormals encode to the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import scale_rule_edges
+from conftest import E8M0_FORMATS, FOUR_BIT_FORMATS, SCALED_SAMPLE, native_only, scale_rule_edges
 
 from giftcomm import codec
 from giftcomm.formats import Format, get_format, message_nbytes, resolve_block
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not codec.native_variants(), reason="native code
 KEYS = (0x0123456789ABCDEF, 0, (1 << 64) - 1)
 OFFSETS = (0, 1000, (1 << 32) - 5, (1 << 32) - 1024, (1 << 32) - 1030, (1 << 32) + 3, (1 << 33) - 2047,
            (1 << 64) - 3000, (1 << 64) - 1, 0x9E3779B97F4A7C15)
-FORMATS = ("e4m3", "mxfp8", "nvfp4", "mxfp4")
+FORMATS = native_only(SCALED_SAMPLE)
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -122,7 +122,7 @@ def _tiled_chunks(rng: np.random.Generator, fmt: str) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+@pytest.mark.parametrize("fmt", native_only(FOUR_BIT_FORMATS))
 @pytest.mark.parametrize("key", (None, 0x5DEECE66D))
 def test_whole_chunks_edge_values(fmt, key):
     rng = np.random.default_rng(19)
@@ -137,7 +137,7 @@ def test_whole_chunks_edge_values(fmt, key):
     _check(x, local2, fmt, key, 77, f"{fmt} edge sums")
 
 
-@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+@pytest.mark.parametrize("fmt", native_only(FOUR_BIT_FORMATS))
 def test_random_float32_patterns(fmt):
     """Finite float32 bit patterns of every exponent, whole chunks, both roundings."""
     rng = np.random.default_rng(7)
@@ -153,7 +153,7 @@ def test_random_float32_patterns(fmt):
 def test_message_sizes_unchanged():
     """The SIMD paths write exactly the reference's message (pads included) for odd sizes."""
     rng = np.random.default_rng(3)
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in native_only(FOUR_BIT_FORMATS):
         for n in (1024, 1025, 2047, 3 * 1024 + 17):
             x, local = _wide(rng, n), rng.standard_normal(n).astype(np.float32)
             assert message_nbytes(n, fmt) == ref.encode(x, fmt).size
@@ -162,7 +162,7 @@ def test_message_sizes_unchanged():
 
 
 @pytest.mark.parametrize("rule", ("ceil", "floor"))
-@pytest.mark.parametrize("fmt", ("mxfp4", "mxfp8", "mxfp8_e5m2"))
+@pytest.mark.parametrize("fmt", native_only(E8M0_FORMATS))
 @pytest.mark.parametrize("key", (None, 0xC0FFEE))
 def test_mx_scale_rules_equal_reference_on_every_variant(fmt, rule, key):
     """Both E8M0 scale rules: every variant (the scalar MX chunk and the AVX2 / AVX-512 mxfp4

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 
 import giftcomm as gc
 from giftcomm.options import OPTION_NAMES, CallOptions, options_of_call
@@ -210,7 +211,7 @@ def test_options_of_call_rejects_a_record_of_another_type():
 
 def test_an_unvalidated_record_is_validated():
     with pytest.raises(ValueError, match="X: .*format"):
-        options_of_call("X", CallOptions(fmt="e9m9"))
+        options_of_call("X", CallOptions(fmt=UNKNOWN_FORMAT))
     with pytest.raises(ValueError):
         _raise_first(_plain(gc.allreduce, options=CallOptions(block=True)))
 

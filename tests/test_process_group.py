@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 from test_torchrun import _spawn
 
 from giftcomm.reference import simulate_allgather, simulate_allreduce, simulate_reduce_scatter
@@ -290,7 +291,7 @@ def test_bad_options_raise_where_given():
     from giftcomm.adapters.torch import Policy, new_group
 
     with pytest.raises(ValueError, match="fmt|format"):
-        new_group(fmt="e9m9")
+        new_group(fmt=UNKNOWN_FORMAT)
     with pytest.raises(ValueError, match="min_elems"):
         Policy(min_elems=0)
     with pytest.raises(ValueError, match="ops"):

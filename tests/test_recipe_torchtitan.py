@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 
 from giftcomm.recipes.torchtitan import options_from_env
 
@@ -24,7 +25,7 @@ def test_options_from_env_parse_and_validate():
     with pytest.raises(ValueError, match="GIFTCOMM_BLOCK"):
         options_from_env({"GIFTCOMM_BLOCK": "x"})
     with pytest.raises(ValueError, match="GIFTCOMM_"):
-        options_from_env({"GIFTCOMM_FMT": "e9m9"})
+        options_from_env({"GIFTCOMM_FMT": UNKNOWN_FORMAT})
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ def test_module_answers_torchtitans_config_lookup(monkeypatch):
     assert cfg.model_spec.name == "toy" and cfg.model_spec.parallelize_fn.__wrapped__ is _stock_parallelize
     assert getattr(recipe, nope, None) is None  # torchtitan then reports "config not found"
     assert getattr(recipe, "_private", None) is None
-    monkeypatch.setenv("GIFTCOMM_FMT", "e9m9")  # validated when the config loads, naming the variable
+    monkeypatch.setenv("GIFTCOMM_FMT", UNKNOWN_FORMAT)  # validated when the config loads, naming the variable
     with pytest.raises(ValueError, match="GIFTCOMM_"):
         getattr(recipe, toy)
     monkeypatch.delenv("GIFTCOMM_FMT")

@@ -66,14 +66,27 @@ def test_every_result_file_is_quoted_by_a_doc():
     text = _doc_text()
 
     def quoted(name: str) -> bool:
-        stem = re.sub(r"(\.args)?\.(json|png)$", "", name)
-        names = [name] + [stem + ext for ext in (".md", ".txt") if stem != name]
+        stem = re.sub(r"(\.args)?\.(json|png)(\.gz)?$", "", name)
+        names = [name, name.removesuffix(".gz")] + [stem + ext for ext in (".md", ".txt") if stem != name]
         parts = name.split("/")[:-1]
         names += ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]  # a quoted directory above it
         return any(re.search(r"(?<![\w-])" + re.escape(n) + r"(?![\w-])", text) for n in names)
 
     assert sorted(n for n in _committed_results() if not quoted(n)) == [], \
         "result files no doc quotes (git rm them; git history keeps them)"
+
+
+#: the most perf/results may hold, in bytes of committed files (raw outputs compressed, INDEX.md)
+RESULTS_BUDGET = 3_000_000
+
+
+def test_results_stay_within_their_budget():
+    """perf/results holds what the docs quote, compactly: at most RESULTS_BUDGET bytes committed."""
+    sizes = {name: (RESULTS / name).stat().st_size for name in _committed_results() | {"INDEX.md"}
+             if (RESULTS / name).is_file()}
+    biggest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
+    assert sum(sizes.values()) <= RESULTS_BUDGET, \
+        f"perf/results holds {sum(sizes.values()):,} bytes > {RESULTS_BUDGET:,}; the biggest: {biggest}"
 
 
 def test_every_results_path_a_doc_names_exists():
@@ -86,8 +99,8 @@ def test_every_results_path_a_doc_names_exists():
                 continue
             if "*" in rel:
                 ok = any(RESULTS.glob(rel))
-            else:
-                ok = (RESULTS / rel).exists()
+            else:  # a raw output is committed gzip-compressed (INDEX.md): the doc may name either
+                ok = (RESULTS / rel).exists() or (RESULTS / (rel + ".gz")).exists()
             if not ok:
                 missing.append(f"{doc.name}: perf/results/{rel}")
     assert missing == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import UNKNOWN_FORMAT
 
 import giftcomm as gc
 from giftcomm.adapters.torch import ShardedGradSync  # noqa: E402
@@ -69,7 +70,7 @@ def test_bad_models_and_options_raise_at_once():
     with pytest.raises(ValueError, match="algorithm"):
         t.run(lambda tr: ShardedGradSync(_model(), comm=tr, algorithm="doubling"))
     with pytest.raises(ValueError, match="ShardedGradSync"):
-        t.run(lambda tr: ShardedGradSync(_model(), comm=tr, fmt="nope"))
+        t.run(lambda tr: ShardedGradSync(_model(), comm=tr, fmt=UNKNOWN_FORMAT))
 
 
 def _gather_with_one_bad_rank(t, bad_rank):
