@@ -34,9 +34,23 @@ def sweep(seed: int, p: int) -> list[tuple[int, str, list[np.ndarray]]]:
     return cases
 
 
-def run_sweep(t, seed: int, largest: int = 1 << 20, every: int = 1) -> list[tuple[int, str, str, str, bool]]:
+def _within_native_order(y: np.ndarray, xs: list[np.ndarray], want: np.ndarray, fmt: str) -> bool:
+    """``y`` equals the simulation's recursive-doubling sum ``want`` up to the order of the
+    additions: within P units of rounding (of the type the native path adds in: bf16, fp16, else
+    float32) of the sum of magnitudes, element by element (the bound giftcomm.collectives.native
+    states for gloo's ring and NCCL)."""
+    eps = {"bf16": 2.0**-7, "fp16": 2.0**-10}.get(fmt, 2.0**-23)
+    mags = np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    bound = len(xs) * eps * mags + float(np.finfo(np.float32).tiny)
+    return bool(np.all(np.abs(y.astype(np.float64) - want.astype(np.float64)) <= bound))
+
+
+def run_sweep(t, seed: int, largest: int = 1 << 20, every: int = 1,
+              native_exact: bool = True) -> list[tuple[int, str, str, str, bool]]:
     """(n, fmt, algorithm run, resolve_algorithm's, result == simulation) for every ``every``-th
-    case (counting from ``seed``) of at most ``largest`` values."""
+    case (counting from ``seed``) of at most ``largest`` values. ``native_exact`` False: a call
+    that ran the transport's own allreduce (gloo's ring, whose order of additions is not MPICH's)
+    counts as right within that order's rounding (:func:`_within_native_order`)."""
     got = []
     for i, (n, fmt, xs) in enumerate(sweep(seed, t.size)):
         if n > largest or (i + seed) % every:
@@ -46,7 +60,10 @@ def run_sweep(t, seed: int, largest: int = 1 << 20, every: int = 1) -> list[tupl
         for _ in range(2 if t.shared_memory else 1):  # the second call: the plan the first one cached
             y = gc.allreduce(xs[t.rank], comm=t, fmt=fmt)
             ran = engine.last_algorithm(t)[0]
-            got.append((n, fmt, ran, expect, y.tobytes() == want.tobytes()))
+            right = y.tobytes() == want.tobytes()
+            if not right and ran == "native" and not native_exact:
+                right = _within_native_order(np.asarray(y), xs, want, fmt)
+            got.append((n, fmt, ran, expect, right))
     return got
 
 
@@ -71,7 +88,7 @@ def _gloo_worker(rank, world, seed):
 
     # a share of the cases each, at random (every size up to 2^20 meets the sweep over the seeds;
     # gloo is slow on 2 cores, and the decision does not depend on the bytes)
-    return run_sweep(default_transport(), seed, every=2 if world <= 3 else 3)
+    return run_sweep(default_transport(), seed, every=2 if world <= 3 else 3, native_exact=False)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
