@@ -204,7 +204,7 @@ def _default_key() -> Hashable:
         from .transport import torch_dist
 
         if torch_dist.torch_world_size() > 1:
-            if torch_dist._mpi_world_size() > 1:
+            if torch_dist.mpi_world_size() > 1:
                 torch_dist.default_transport()  # raises: comm=None is ambiguous
             return _torch_key(None)
     return MPI_WORLD

@@ -75,18 +75,26 @@ def _every_adapter_worker(rank, world):
     base = _mlp(2)
     sync = GradSync(base, baseline=WIRE, bucket_mb=1)  # comm=None: torch's default group
     t = default_transport()
-    carried, isend = [0], t.isend
+    carried, isend, gather_rows, control = [0], t.isend, t._gather_rows, [False]
 
-    def counting(buf, dest, tag=0):  # the bytes the baseline's messages carry
-        carried[0] += buf.nbytes
+    def counting(buf, dest, tag=0):  # the bytes the baseline's messages carry (not the control rows')
+        if not control[0]:
+            carried[0] += buf.nbytes
         return isend(buf, dest, tag)
 
-    t.isend = counting
+    def gathering(*args, **kwargs):  # the agreement's and the per-tensor scale's rows: control words
+        control[0] = True
+        try:
+            return gather_rows(*args, **kwargs)
+        finally:
+            control[0] = False
+
+    t.isend, t._gather_rows = counting, gathering
     for step in range(2):
         sync.zero_grad()
         _backward(base, rank, step)
         sync.sync()
-    t.isend = isend
+    t.isend, t._gather_rows = isend, gather_rows
     res["baseline"], res["baseline_carried"] = sync.stats(), carried[0]
     res["baseline_n"] = [b.tensor.numel() for b in sync.buckets]
 

@@ -462,7 +462,7 @@ def torch_world_size() -> int:
     return 0
 
 
-def _mpi_world_size() -> int:
+def mpi_world_size() -> int:
     """MPI's COMM_WORLD size, without starting MPI when mpi4py was never imported and no MPI
     launcher variables are set (a torchrun process): then 1."""
     import sys
@@ -489,7 +489,7 @@ def default_transport(device: bool = False) -> Transport | None:
     n_torch = torch_world_size()
     if n_torch <= 1:
         return None
-    n_mpi = _mpi_world_size()
+    n_mpi = mpi_world_size()
     if n_mpi > 1:
         if n_mpi == n_torch:
             raise RuntimeError(
