@@ -423,7 +423,7 @@ def _run_asan(mode: str) -> subprocess.CompletedProcess:
     lib = _libasan()
     assert lib, "libasan not found (g++ -print-file-name=libasan.so)"
     env = dict(os.environ, LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=23",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", _ASAN_SCRIPT, mode], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
