@@ -172,17 +172,23 @@ def test_torch_step_scripts_run_one_rank(script, rows, groups, tmp_path):
         res.stdout
 
 
+def _two_ranks(script: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``perf/SCRIPT`` under ``mpiexec -n 2`` as on the netbed (a file rendezvous in tmp_path),
+    with ``--json tmp_path/rows.json``; fails with the job's output unless it exits 0."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / script), "--rendezvous",
+                          str(tmp_path / "rdzv"), *args, "--json", str(tmp_path / "rows.json")], env=env,
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    return res
+
+
 def test_torchtitan_step_script_runs_two_ranks(tmp_path):
     """perf/torchtitan_step.py as on the netbed (mpiexec, a file rendezvous), at P = 2 on a tiny
     step (seq_len 64, local batch 1, one round of one step): a row per configuration, and
     giftcomm's e4m3 reduce-scatters send about a quarter of stock's float32 bytes (1.0156 bytes a
     value against 4, plus the few small calls it sends uncompressed)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "torchtitan_step.py"),
-                          "--rendezvous", str(tmp_path / "rdzv"), "--seq-len", "64", "--batch", "1", "--steps", "1",
-                          "--rounds", "1", "--json", str(tmp_path / "rows.json")], env=env, capture_output=True,
-                         text=True, timeout=240, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    res = _two_ranks("torchtitan_step.py", tmp_path, "--seq-len", "64", "--batch", "1", "--steps", "1", "--rounds", "1")
     _check_step_json(tmp_path / "rows.json", {"compute-only", "gloo", "giftcomm e4m3"})
     number = r" +([0-9.]+)"
     rows = {m[1]: [float(v) for v in m.groups()[1:]] for m in
@@ -197,12 +203,7 @@ def test_megatron_step_script_runs_two_ranks(tmp_path):
     """perf/megatron_step.py as on the netbed (mpiexec, a file rendezvous) at P = 2 on a tiny
     model: both modes with compute-only, gloo and giftcomm e4m3 rows in its JSON; e4m3 sends about
     a quarter of gloo's float32 bytes."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "perf" / "megatron_step.py"),
-                          "--rendezvous", str(tmp_path / "rdzv"), "--width", "256", "--layers", "2", "--steps", "1",
-                          "--rounds", "1", "--json", str(tmp_path / "rows.json")], env=env, capture_output=True,
-                         text=True, timeout=240, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    _two_ranks("megatron_step.py", tmp_path, "--width", "256", "--layers", "2", "--steps", "1", "--rounds", "1")
     rows = _check_step_json(tmp_path / "rows.json", {"compute-only", "gloo", "giftcomm e4m3"})
     assert {r["mode"] for r in rows} == {"allreduce", "dist-opt"}
     for mode in ("allreduce", "dist-opt"):
