@@ -2,7 +2,7 @@
 
 :func:`stats` returns, for every call giftcomm made on a group -- the plain calls (allreduce,
 gift_allreduce, reduce_scatter, allgather), persistent plans (each execution), baseline wires
-(giftcomm.baselines) and the adapters' calls, whatever transport they ran on -- since the group
+(giftcomm.collectives.baselines) and the adapters' calls, whatever transport they ran on -- since the group
 was first used or :func:`reset_stats`::
 
     {"calls": int,                              # calls that ran
@@ -62,7 +62,7 @@ log = logging.getLogger("giftcomm")
 
 AUTO_NATIVE = "auto_native"
 """The fallback reason: ``auto`` predicted the transport's own uncompressed collective faster
-than every compressed algorithm for this size (giftcomm.costmodel.auto_algorithm)."""
+than every compressed algorithm for this size (giftcomm.cost.model.auto_algorithm)."""
 WARMUP = "warmup"
 """The fallback reason of an adapter's warm-up calls (the DDP hook's ``start_gift_iter``, the
 FSDP comm's ``warmup``): the framework's own uncompressed collective, as the caller asked; counted,

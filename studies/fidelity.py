@@ -950,9 +950,9 @@ def _single(t) -> Geometry:
 def cost_main(a) -> int:
     """The ``cost`` subcommand: forward + inverse time per segment and per model for each
     geometry variant, against the FP8 ring allreduce's predicted time at P = 4 on a
-    ``--bandwidth`` link (giftcomm.costmodel.predict, and the wire-only formula); fits the
+    ``--bandwidth`` link (giftcomm.cost.model.predict, and the wire-only formula); fits the
     policy's TransformTimeModel to the measurements."""
-    from giftcomm.costmodel import Calibration, LinkCost, Topology, predict
+    from giftcomm.cost.model import Calibration, LinkCost, Topology, predict
     from giftcomm.geometry import TransformTimeModel, collective_seconds
 
     rng = np.random.default_rng(a.seed)

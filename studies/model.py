@@ -7,7 +7,7 @@ Two subcommands::
 
 ``validate`` (under mpiexec) times real ``giftcomm.allreduce`` calls for every algorithm that
 applies to the rank layout and every format, at input sizes (float32 bytes) from ``-b`` to
-``-e``, and prints the cost model's prediction (``giftcomm.costmodel.predict`` with the
+``-e``, and prints the cost model's prediction (``giftcomm.cost.model.predict`` with the
 calibration in force: GIFTCOMM_CALIBRATION or the default file) beside the measurement. Time per
 call: the median over calls of the slowest rank's time (each call starts after a barrier).
 Error = (predicted - measured) / measured. It also reports, per (size, format), the algorithm
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, load_calibration, predict
+from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, load_calibration, predict
 from giftcomm.perf.common import time_calls, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
 from giftcomm.plan_cache import CACHED_MAX_BYTES
@@ -426,7 +426,7 @@ def cmd_project(args) -> int:
     a = GPU_ASSUMPTIONS
     lines = ["# Projected gradient-communication time per step", "",
              "```", "python -m studies model project " + " ".join(args.argv or []), "```", "",
-             "Formulas: giftcomm.costmodel.predict (docs/scaling.md), with these constants (assumptions, "
+             "Formulas: giftcomm.cost.model.predict (docs/scaling.md), with these constants (assumptions, "
              "not measurements):", ""]
     lines += [f"- {k}: {v}" for k, v in a.items()]
     lines += ["- codec rates from HBM traffic: encode/decode hbm/5 B, fused hop hbm/6 B, accumulate hbm/9 B "

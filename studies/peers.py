@@ -37,8 +37,8 @@ import ml_dtypes
 import numpy as np
 
 from giftcomm.accounting import sent_bytes
+from giftcomm.algorithms.partition import chunk_bounds
 from giftcomm.formats import FORMATS, ROUNDINGS, Format, bytes_per_value, get_format, resolve_block
-from giftcomm.partition import chunk_bounds
 from giftcomm.perf.common import add_json, add_out, parent_parser, split_list
 from giftcomm.perf.timing import load_average
 from giftcomm.reference import simulate_allreduce

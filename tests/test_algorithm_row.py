@@ -16,9 +16,9 @@ import pytest
 import giftcomm as gc
 from giftcomm import algorithms, api
 from giftcomm.accounting import sent_bytes
-from giftcomm.costmodel import predict
-from giftcomm.feedback import own_pieces
-from giftcomm.machine import Topology
+from giftcomm.algorithms.machine import Topology
+from giftcomm.collectives.feedback import own_pieces
+from giftcomm.cost.model import predict
 from giftcomm.reference import simulate
 
 try:  # imported before the row is registered: their choice lists are copies taken at import

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import algorithms, costmodel
+from giftcomm import algorithms
 from giftcomm.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
 from giftcomm.collectives import engine
-from giftcomm.costmodel import Calibration, Topology
+from giftcomm.cost import model as costmodel
+from giftcomm.cost.model import Calibration, Topology
 from giftcomm.options import CallOptions
 from giftcomm.reference import simulate
 

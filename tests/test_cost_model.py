@@ -1,4 +1,4 @@
-"""The cost model and error model ``algorithm="auto"`` relies on (giftcomm.costmodel, read from
+"""The cost model and error model ``algorithm="auto"`` relies on (giftcomm.cost.model, read from
 the algorithm table), and the cached planning helpers (chunk bounds, the ring's layout).
 
 Each algorithm against its simulation is tests/test_collectives.py; the table itself is
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, predict, quantizations
+from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, predict, quantizations
 from giftcomm.reference import simulate_allreduce
 
 
@@ -48,7 +48,7 @@ def test_cost_model_shapes():
 
 
 def test_chunk_bounds_is_a_fresh_array_and_the_cached_copy_is_read_only():
-    from giftcomm.partition import shared_chunk_bounds
+    from giftcomm.algorithms.partition import shared_chunk_bounds
 
     mine = gc.chunk_bounds(1000, 3, 256)
     mine[0] = 7  # the public function hands out the caller's own array

@@ -134,7 +134,7 @@ def test_the_reference_patterns_find_references_and_leave_prose_alone():
 #: the public API whose docstrings are checked: giftcomm's __all__, the adapters', the geometry
 #: package's, the baseline wires, error feedback and the call options record
 API_MODULES = ("giftcomm", "giftcomm.adapters.torch", "giftcomm.adapters.lightning", "giftcomm.adapters.jax",
-               "giftcomm.geometry", "giftcomm.feedback", "giftcomm.baselines", "giftcomm.options")
+               "giftcomm.geometry", "giftcomm.collectives.feedback", "giftcomm.collectives.baselines", "giftcomm.options")
 
 #: a literal a docstring may state: a number (an optional % after it), a quoted string, a
 #: ``code`` span, True / False / None

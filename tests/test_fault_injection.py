@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from conftest import UNKNOWN_FORMAT
 
-from giftcomm import calibration
-from giftcomm.calibration import load_calibration
-from giftcomm.costmodel import Calibration, Topology, choose
-from giftcomm.machine import BUILT_IN
+from giftcomm.algorithms.machine import BUILT_IN
+from giftcomm.cost import calibration
+from giftcomm.cost.calibration import load_calibration
+from giftcomm.cost.model import Calibration, Topology, choose
 
 # Under pytest-xdist every test of this module runs on one worker: its jobs' cleanup removes the
 # MPICH segment files no live process maps, which must not race with another test of this module

@@ -27,9 +27,9 @@ from conftest import ANY_BLOCK_FORMATS, E8M0_FORMATS, FIXED_BLOCK_FORMATS, PASS_
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
-from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, get_format, message_nbytes
 from giftcomm.formats_header import c_header
+from giftcomm.geometry.dense_plan import SegmentPair, TransformPlan
 from giftcomm.reference import codec as ref
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
@@ -474,7 +474,7 @@ def test_transform_plan_matches_numpy(rng):
 def test_transform_plan_shares_the_geometry_dense_kernel(rng):
     """TransformPlan's batched product is giftcomm.geometry.apply.dense_apply, and a Geometry
     with full (dense) sides gives the same buffer as a plan of the same operators."""
-    import giftcomm.cuda.transform as ct
+    import giftcomm.geometry.dense_plan as ct
     from giftcomm.geometry import Geometry, Layout
     from giftcomm.geometry.apply import dense_apply
 

@@ -1,7 +1,7 @@
 """The import graph between giftcomm's top-level parts has no loops.
 
 A part is a top-level subpackage (giftcomm/collectives/, giftcomm/transport/, ...) or a top-level
-module (giftcomm/formats.py, giftcomm/algorithms.py, ...). Part A imports part B when a module of
+module (giftcomm/formats.py, giftcomm/algorithms/table.py, ...). Part A imports part B when a module of
 A imports a module of B at module level (imports inside functions are deliberate late bindings
 and are not counted; neither are ``if TYPE_CHECKING:`` blocks). The parts then form floors:
 the ground floor (formats, algorithms, partition, machine, ...) imports nothing above it.

@@ -15,8 +15,8 @@ from conftest import PASS_THROUGH_FORMATS, assert_same_error, covering, outcomes
 
 import giftcomm as gc
 from giftcomm.algorithms import TABLE
-from giftcomm.calibration import forget_calibration
-from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times, choose
+from giftcomm.cost.calibration import forget_calibration
+from giftcomm.cost.model import Calibration, LinkCost, Topology, candidate_times, choose
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.transport.base import tree_sum
 
@@ -127,7 +127,7 @@ def test_native_prediction_is_the_documented_formula():
     cal = _cal(5e-6, 0.3e-9)
     n, p = 1 << 20, 4
     want = cal.call_overhead + 5e-6 + (p - 1) / p * n * 2 * (2 * cal.shm.beta + 0.6e-9)  # bf16: 2 bytes, half_beta
-    from giftcomm.costmodel import predict
+    from giftcomm.cost.model import predict
 
     assert predict("native", n, Topology(p, 1, p), "bf16", 256, cal) == pytest.approx(want)
     assert predict("native", n, Topology(p, 1, p), "e4m3", 256, cal) > predict("native", n, Topology(p, 1, p), "bf16",

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from giftcomm import costmodel
 from giftcomm.algorithms import TABLE
-from giftcomm.costmodel import Calibration, LinkCost, Topology, load_calibration, predict
+from giftcomm.cost import model as costmodel
+from giftcomm.cost.model import Calibration, LinkCost, Topology, load_calibration, predict
 from giftcomm.perf import calibrate
 from studies import errors, model
 
@@ -198,7 +198,7 @@ def test_fit_overheads_recovers_call_and_step():
 
 def test_error_growth_predicts_the_simulated_errors():
     """relerr / sqrt(error_growth) is one constant (the format's eps) for every algorithm and P."""
-    from giftcomm.costmodel import error_growth
+    from giftcomm.cost.model import error_growth
 
     rows = errors.study([2, 4, 8, 16], fmts=("e4m3",), dists=("gaussian",), n=8192, trials=1)
     eps = [r.relerr / np.sqrt(error_growth(r.algorithm, errors._topo(r.p, r.local_size))) for r in rows]
@@ -208,7 +208,7 @@ def test_error_growth_predicts_the_simulated_errors():
 
 
 def test_auto_prefers_the_more_faithful_algorithm_among_near_ties():
-    from giftcomm.costmodel import choose, error_growth
+    from giftcomm.cost.model import choose, error_growth
 
     cal = Calibration(shm=LinkCost(1e-5, 1 / 5e9), net=LinkCost(5e-5, 1 / 1.25e8))
     for p in (3, 4, 8, 16):

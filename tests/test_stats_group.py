@@ -17,7 +17,7 @@ import torch
 from test_torchrun import _spawn
 
 from giftcomm.accounting import AUTO_NATIVE, WARMUP, merged, native_sent_bytes, sent_bytes
-from giftcomm.baselines import baseline_sent_bytes
+from giftcomm.collectives.baselines import baseline_sent_bytes
 from giftcomm.reference.simulate import resolve_algorithm
 
 pytestmark = pytest.mark.xdist_group("torchrun")

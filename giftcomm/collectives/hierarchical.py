@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..algorithms.partition import shared_chunk_bounds
 from ..formats import get_format
-from ..partition import shared_chunk_bounds
 from ..transport import Transport
 from . import ring
 from .wire import Wire

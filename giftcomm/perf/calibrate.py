@@ -34,8 +34,8 @@ What is measured (all by ping-pong between two ranks; the other ranks wait witho
   when built), on ``--codec-elems`` values (default 4M: larger than the caches, as in a large
   allreduce). Also, for information, the same for bf16 (a pass-through format).
 
-The result is the JSON that :func:`giftcomm.calibration.load_calibration` reads; it is written to
-``--out`` (default: :func:`giftcomm.calibration.calibration_path`) and printed. Extra keys under
+The result is the JSON that :func:`giftcomm.cost.calibration.load_calibration` reads; it is written to
+``--out`` (default: :func:`giftcomm.cost.calibration.calibration_path`) and printed. Extra keys under
 ``"measured"`` record the raw timings, the load average and the layout.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms, codec, config
-from ..calibration import calibration_path, load_calibration
-from ..machine import BOUNDS, Calibration, LinkCost
+from ..algorithms.machine import BOUNDS, Calibration, LinkCost
+from ..cost.calibration import calibration_path, load_calibration
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
 from .timing import load_average
@@ -83,7 +83,7 @@ def fit_link(sizes, seconds, small_max: int = 1024, large_min: int = 256 * 1024)
     sizes: message sizes in bytes; seconds: one-way time of one message of that size. beta is the
     slope of the least-squares line through the points with ``size >= large_min``; alpha is the
     median over the points with ``size <= small_max`` of ``t - beta * size``. Both are clamped
-    from below at the smallest value a calibration file may hold (giftcomm.machine.BOUNDS): on a
+    from below at the smallest value a calibration file may hold (giftcomm.algorithms.machine.BOUNDS): on a
     noisy machine the slope through a few sizes can come out flat or negative. Each group needs at
     least one point (the large group two distinct sizes)."""
     s = np.asarray(sizes, np.float64)
@@ -226,7 +226,7 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
 
     import giftcomm
 
-    from ..costmodel import predict
+    from ..cost.model import predict
 
     n = nbytes // 4
     x = np.random.default_rng(comm.rank).standard_normal(n, dtype=np.float32)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                    netbed_rate=config.raw("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)
         if not args.no_write:
-            from ..calibration import write_calibration  # atomic: a temporary file, then os.replace
+            from ..cost.calibration import write_calibration  # atomic: a temporary file, then os.replace
 
             write_calibration(out_path, text + "\n")
         print(text)

@@ -63,7 +63,7 @@ import giftcomm
 from giftcomm import codec, config
 from giftcomm.algorithms import AUTO, BY_NAME, native_bytes
 from giftcomm.api import ALGORITHMS
-from giftcomm.costmodel import auto_algorithm
+from giftcomm.cost.model import auto_algorithm
 from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
 from giftcomm.reference import simulate_allreduce
 
@@ -126,7 +126,7 @@ def _half_sum(kind: str) -> Any:
 
 def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
     """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
-    (giftcomm.costmodel.auto_algorithm on the transport's node layout, as the API asks it)."""
+    (giftcomm.cost.model.auto_algorithm on the transport's node layout, as the API asks it)."""
     if algorithm != AUTO:
         return algorithm
     return auto_algorithm(count, topology(transport)[1], fmt, block)

@@ -19,7 +19,7 @@ line rate.
 4. the geometry transform: forward + inverse of one Llama-like layer (hidden 1024, MLP 2816:
    q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank), the
    unfused route (``Geometry.forward`` / ``inverse``: cuBLAS and CuPy elementwise);
-5. section ``gift``, the targets of the fused transform (giftcomm.cuda.fused; docs/gpu.md
+5. section ``gift``, the targets of the fused transform (giftcomm.geometry.fused; docs/gpu.md
    "Fused transform") on that layer, e4m3 block 256, each with its verdict:
    - device compute of one ring per rank (encode + decode_add_encode + decode of the buffer):
      GIFT fused (pass A, fused encode, fused hop, inverse pass A from the wire, fused inverse
@@ -341,7 +341,7 @@ def measure_gift(cp: Any, timed, wall, geometry) -> dict:
     from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
     from .. import codec as gc
-    from ..cuda.fused import FusedPlan
+    from ..geometry.fused import FusedPlan
 
     n, f = geometry.size, get_format("e4m3")
     x = cp.random.standard_normal(n, dtype=cp.float32)

@@ -16,9 +16,9 @@ import numpy as np
 
 from .. import algorithms
 from ..algorithms import AUTO, BY_NAME
-from ..costmodel import Topology, auto_algorithm
+from ..algorithms.partition import accumulation_dtype, chunk_bounds, shard_bounds
+from ..cost.model import Topology, auto_algorithm
 from ..formats import Format, check_rounding, get_format, resolve_block
-from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
 from .baselines import BASELINE_WIRES, simulate_baseline_allreduce
 from .codec import decode, encode
 from .rounding import call_key
@@ -78,7 +78,7 @@ def _chunk_sums(flat: list[np.ndarray], w: _Wire, direct: bool = False, parties:
     hop; rank c adds last. Direct: the contributions in rank order, each other rank's quantized
     once, the owner's own exact. ``parties``: the ranks of the members (default 0..P-1);
     ``base``: the index of flat[q][0] in the buffer; ``layout``: the chunks' layout
-    (giftcomm.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
+    (giftcomm.algorithms.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
     p = len(flat)
     parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
@@ -246,7 +246,7 @@ def simulate_reduce_scatter(
 def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
                       block: int | None = None, allow_native: bool = True, *, kind: str = "allreduce") -> str:
     """The algorithm a call with these arguments runs ("auto" resolved; another name as given):
-    giftcomm.costmodel.auto_algorithm, the one decision every live call makes, on every transport
+    giftcomm.cost.model.auto_algorithm, the one decision every live call makes, on every transport
     (MPI with or without its shared-memory paths, torch.distributed, NCCL) and whether or not the
     call's plan is cached.
 

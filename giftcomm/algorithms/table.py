@@ -8,8 +8,8 @@ inside that exchange), its cost and error-growth formulas (docs/scaling.md write
 which of a rank's own values it encodes alone (error feedback), the bytes each rank sends (the
 stats), the row a hierarchical row runs across nodes and its route for the fused device
 transform. Everything else reads the table and compares no algorithm names: the cost model's
-``predict``/``error_growth``/``choose`` (giftcomm.costmodel), argument checking and the agreed
-codes (giftcomm.collectives.call), error feedback (giftcomm.feedback), the stats
+``predict``/``error_growth``/``choose`` (giftcomm.cost.model), argument checking and the agreed
+codes (giftcomm.collectives.call), error feedback (giftcomm.collectives.feedback), the stats
 (giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
 ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from .formats import bytes_per_value, get_format, message_nbytes
+from ..formats import bytes_per_value, get_format, message_nbytes
 from .machine import Calibration, LinkCost, Topology, nic_share, overlapped
 from .partition import shared_chunk_bounds
 
@@ -49,7 +49,7 @@ __all__ = ["Algorithm", "FUSED_ROUTES", "BUILT_IN", "register", "unregister", "T
            "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE", "CODES", "NATIVE", "row", "native_bytes"]
 
 AUTO = "auto"
-"""The ``algorithm=`` value that lets the cost model choose (giftcomm.costmodel.choose)."""
+"""The ``algorithm=`` value that lets the cost model choose (giftcomm.cost.model.choose)."""
 AUTO_CODE = 0
 
 Time = Callable[[int, Topology, str, int, Calibration], float]
@@ -87,7 +87,7 @@ class Algorithm:
     only where predicted faster than every other row, and only when the call allows it).
     own_pieces(n, p, rank, chunk): (pieces, stage) -- the element ranges [lo, hi) of its own
     (n,) values that ``rank`` encodes alone, unsummed, in a call over ``p`` ranks, and the wire
-    stage they are keyed with (error feedback, giftcomm.feedback.own_pieces); ``chunk(c)`` is
+    stage they are keyed with (error feedback, giftcomm.collectives.feedback.own_pieces); ``chunk(c)`` is
     chunk c's [lo, hi) of the call's bounds. sent_bytes(n, p, rank, fmt, block): bytes of the
     messages ``rank`` sends on ``p`` > 1 ranks (giftcomm.accounting). cross: the row whose
     reduce-scatter a hierarchical row runs across nodes (None otherwise). fused: its route for
@@ -345,7 +345,7 @@ def _nodes(topo: Topology) -> int:
 # Error growth: each quantization of a partial sum of k contributions adds error variance ~ k
 # (block scales follow the values) and the sum's variance is P, so the factor is (sum over
 # quantizations of the partial sums' sizes) / P (checked against the simulation in
-# perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.costmodel.error_growth).
+# perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.cost.model.error_growth).
 _TABLE: tuple[Algorithm, ...] = (
     # hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,

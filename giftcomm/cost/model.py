@@ -2,22 +2,22 @@
 
 Constants (seconds per message, seconds per byte per link class, codec values per second) are
 the calibration in force: the file that ``python -m giftcomm.perf calibrate`` writes, read by
-giftcomm.calibration (which says where it is and what happens to a file that cannot be used),
-else the built-in calibration (giftcomm.machine.BUILT_IN).
+giftcomm.cost.calibration (which says where it is and what happens to a file that cannot be used),
+else the built-in calibration (giftcomm.algorithms.machine.BUILT_IN).
 
 The formulas are the algorithm table's (giftcomm.algorithms; docs/scaling.md writes
 them out): per pipelined phase, time = latency terms + max(wire time, codec time), plus
 (1 - overlap) times the smaller of the two. The calibration and topology records live in
-giftcomm.machine and the calibration file's functions in giftcomm.calibration; both are
+giftcomm.algorithms.machine and the calibration file's functions in giftcomm.cost.calibration; both are
 re-exported here.
 """
 from __future__ import annotations
 
 import math
 
-from . import algorithms
+from .. import algorithms
+from ..algorithms.machine import BOUNDS, Calibration, LinkCost, Topology
 from .calibration import MAX_FILE_BYTES, calibration_path, forget_calibration, in_force, load_calibration, write_calibration
-from .machine import BOUNDS, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",
            "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose", "candidate_times",
