@@ -18,7 +18,7 @@ from giftcomm import algorithms, api
 from giftcomm.accounting import sent_bytes
 from giftcomm.algorithms.machine import Topology
 from giftcomm.collectives.feedback import own_pieces
-from giftcomm.cost.model import predict
+from giftcomm.cost.model import load_calibration, predict
 from giftcomm.reference import simulate
 
 try:  # imported before the row is registered: their choice lists are copies taken at import
@@ -97,7 +97,7 @@ def test_error_feedback_reads_the_row(row, rng):
 
 def test_the_cost_model_reads_the_row(row):
     topo = Topology(4, 1, 4)
-    cal = gc.costmodel.load_calibration()
+    cal = load_calibration()
     assert predict(NAME, 1 << 20, topo, "e4m3", 256, cal) == predict("direct", 1 << 20, topo, "e4m3", 256, cal)
     assert simulate.resolve_algorithm("auto", 1 << 20, 4, None, "e4m3") != NAME  # auto=False: never chosen
 
