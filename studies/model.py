@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, load_calibration, predict
+from giftcomm.formats import get_format
 from giftcomm.perf.common import time_calls, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
 from giftcomm.plan_cache import CACHED_MAX_BYTES
@@ -96,7 +97,7 @@ def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], loc
         for fmt in fmts:
             for algo in algos:
                 # repeated small calls run their cached plan through the node-shared channel
-                pred = predict(algo, n, topo, fmt, 256, cal, channel=able and size <= CACHED_MAX_BYTES)
+                pred = predict(algo, n, topo, get_format(fmt), 256, cal, channel=able and size <= CACHED_MAX_BYTES)
                 if not math.isfinite(pred):
                     continue
                 fn = lambda: giftcomm.allreduce(x, comm=comm, fmt=fmt, algorithm=algo, local_size=local_size)
@@ -143,7 +144,7 @@ def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration
             sel = {r.algorithm: r for r in rows if r.fmt == f and r.nbytes == size}
             if not sel:
                 continue
-            pick = choose(size // 4, topo, f, 256, cal, channel=channel and size <= CACHED_MAX_BYTES)
+            pick = choose(size // 4, topo, get_format(f), 256, cal, channel=channel and size <= CACHED_MAX_BYTES)
             best = min(sel.values(), key=lambda r: r.measured_s)
             ratio = sel[pick].measured_s / best.measured_s if pick in sel else float("nan")
             base = (baselines or {}).get(size)
@@ -327,7 +328,7 @@ def project_rows(models=("llama-300m", "llama-600m"), gpus=(8, 16, 32, 64, 128, 
                 for algo in algos:
                     for fmt in fmts:
                         wire = "e4m3" if fmt == "gift" else fmt
-                        s = predict(algo, n, topo, wire, 256, cal) + (t_gift if fmt == "gift" else 0.0)
+                        s = predict(algo, n, topo, get_format(wire), 256, cal) + (t_gift if fmt == "gift" else 0.0)
                         rows.append(ProjectionRow(model, n, p, rate, algo, fmt, s))
     return rows
 
@@ -379,7 +380,7 @@ def auto_table(cal: Calibration, gpus=(8, 64, 1024), local=4, sizes=None, fmt: s
     out = ["| input size | " + " | ".join(name for name, _ in layouts) + " |",
            "| ---: |" + " --- |" * len(layouts)]
     for size in sizes:
-        out.append(f"| {format_size(size)} | " + " | ".join(choose(size // 4, t, fmt, 256, cal) for _, t in layouts) + " |")
+        out.append(f"| {format_size(size)} | " + " | ".join(choose(size // 4, t, get_format(fmt), 256, cal) for _, t in layouts) + " |")
     return "\n".join(out)
 
 

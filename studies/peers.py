@@ -435,7 +435,7 @@ def _giftcomm_simulate(fmt: Format, algorithm: str, rounding: str):
         flat = [np.asarray(x).reshape(-1) for x in inputs]
         p, n = len(flat), flat[0].size
         total = simulate_allreduce(flat, fmt.name, None, "sum", algorithm, rounding=rounding, seed=seed)[0]
-        return Reduction(total, sum(sent_bytes(algorithm, n, p, r, fmt.name, block) for r in range(p)))
+        return Reduction(total, sum(sent_bytes(algorithm, n, p, r, fmt, block) for r in range(p)))
 
     return simulate
 

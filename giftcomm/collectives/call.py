@@ -201,7 +201,7 @@ def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | N
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
-        chosen = auto_algorithm(call.arr.size, topo, call.fmt.name, call.block, allow_native=native,
+        chosen = auto_algorithm(call.arr.size, topo, call.fmt, call.block, allow_native=native,
                                 scatter=scatter)
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes
