@@ -4,11 +4,11 @@ Ring allreduce with FP8 wire messages (block-scaled E4M3/E5M2, fp32 accumulation
 over MPI, and GIFT: quantization in near-isotropic coordinates given by a per-layer geometry.
 """
 from .accounting import reset_stats, stats
+from .algorithms.partition import chunk_bounds
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .errors import CommAborted, CommClosed, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
-from .partition import chunk_bounds
 from .persistent import AllreducePlan, plan_allreduce
 from .reference.simulate import resolve_algorithm, simulate_allreduce
 from .transport import LoopbackGroup, Transport, release

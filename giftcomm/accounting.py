@@ -2,7 +2,7 @@
 
 :func:`stats` returns, for every call giftcomm made on a group -- the plain calls (allreduce,
 gift_allreduce, reduce_scatter, allgather), persistent plans (each execution), baseline wires
-(giftcomm.baselines) and the adapters' calls, whatever transport they ran on -- since the group
+(giftcomm.collectives.baselines) and the adapters' calls, whatever transport they ran on -- since the group
 was first used or :func:`reset_stats`::
 
     {"calls": int,                              # calls that ran
@@ -53,7 +53,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .algorithms import AUTO, BY_NAME, row
-from .formats import get_format, message_nbytes
+from .formats import Format, get_format, message_nbytes
 
 __all__ = ["stats", "reset_stats", "Slot", "Tally", "sent_bytes", "scatter_sent_bytes", "native_sent_bytes", "count",
            "fallback", "DEFAULT_FMT", "AUTO_NATIVE", "WARMUP", "MPI_WORLD"]
@@ -62,7 +62,7 @@ log = logging.getLogger("giftcomm")
 
 AUTO_NATIVE = "auto_native"
 """The fallback reason: ``auto`` predicted the transport's own uncompressed collective faster
-than every compressed algorithm for this size (giftcomm.costmodel.auto_algorithm)."""
+than every compressed algorithm for this size (giftcomm.cost.model.auto_algorithm)."""
 WARMUP = "warmup"
 """The fallback reason of an adapter's warm-up calls (the DDP hook's ``start_gift_iter``, the
 FSDP comm's ``warmup``): the framework's own uncompressed collective, as the caller asked; counted,
@@ -234,7 +234,7 @@ def _mpi_cached(comm: Any) -> Any:
     return None if comm == MPI.COMM_NULL else mpi.cached_transport(MPI.Comm.py2f(comm))
 
 
-def sent_bytes(algorithm: str, n: int, p: int, rank: int, fmt: str, block: int) -> int:
+def sent_bytes(algorithm: str, n: int, p: int, rank: int, fmt: Format, block: int) -> int:
     """Bytes of the messages ``algorithm`` sends from ``rank`` of ``p`` for ``n`` values of
     ``fmt`` / ``block`` (see the module docstring; 0 on one rank): the algorithm table's row
     says (giftcomm.algorithms, ``Algorithm.sent_bytes``). ring, direct, oneshot and doubling:
@@ -246,7 +246,7 @@ def sent_bytes(algorithm: str, n: int, p: int, rank: int, fmt: str, block: int) 
     return row(algorithm).sent_bytes(n, p, rank, fmt, block)
 
 
-def scatter_sent_bytes(bounds: tuple[int, ...] | list[int], rank: int, fmt: str, block: int) -> int:
+def scatter_sent_bytes(bounds: tuple[int, ...] | list[int], rank: int, fmt: Format, block: int) -> int:
     """Bytes giftcomm's reduce-scatter (ring or direct) sends from ``rank`` for chunk bounds
     ``bounds`` (P + 1 ints, chunk c = values ``[bounds[c], bounds[c + 1])``, owned by rank c):
     one message of every chunk but its own (the ring passes each partial sum on once, the
@@ -310,12 +310,13 @@ def fallback(where: Any, reason: str, message: str, *args: Any) -> bool:
 
 def slot_of(t: Any, fmt: str, algorithm: str, n: int, block: int, reason: str | None) -> Slot:
     """The slot a call of ``n`` values of ``fmt`` running ``algorithm`` on ``t`` counts in."""
-    native = algorithm in BY_NAME and BY_NAME[algorithm].native and get_format(fmt).scaled
     key = (fmt, algorithm, n, block, reason)
     rec = _record(t)
     slot = rec.slots.get(key)
     if slot is None:
-        nbytes = sent_bytes(algorithm, n, t.size, t.rank, fmt, block)
+        f = get_format(fmt)
+        native = algorithm in BY_NAME and BY_NAME[algorithm].native and f.scaled
+        nbytes = sent_bytes(algorithm, n, t.size, t.rank, f, block)
         slot = rec.slots[key] = Slot("native" if native else fmt, algorithm, nbytes, reason)
     return slot
 
@@ -350,7 +351,7 @@ def agreed(t: Any, job: Any, explicit: bool) -> Slot:
         rec = _record(t)
         slot = rec.slots.get(skey)
         if slot is None:
-            nbytes = scatter_sent_bytes(bounds, t.rank, call.fmt.name, call.block)
+            nbytes = scatter_sent_bytes(bounds, t.rank, call.fmt, call.block)
             slot = rec.slots[skey] = Slot(call.fmt.name, algorithm.name, nbytes, None)
         return slot
     return slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, reason)

@@ -254,25 +254,22 @@ def num_groups(count: int) -> int:
     return -(-count // NVFP4_GROUP)
 
 
-def payload_nbytes(count: int, fmt: str | Format) -> int:
+def payload_nbytes(count: int, fmt: Format) -> int:
     """Bytes of the payload part of a message, before any padding."""
-    f = get_format(fmt)
-    return (count + 1) // 2 if f.packed else count * f.itemsize
+    return (count + 1) // 2 if fmt.packed else count * fmt.itemsize
 
 
-def scales_offset(count: int, fmt: str | Format) -> int:
+def scales_offset(count: int, fmt: Format) -> int:
     """Byte offset of the block scales: the payload padded to 4 bytes for e4m3/e5m2 (float32
     scales), the payload itself for the MX formats and nvfp4 (one byte per scale)."""
-    f = get_format(fmt)
-    p = payload_nbytes(count, f)
-    return -(-p // 4) * 4 if f.scale_kind in ("f32", "") else p
+    p = payload_nbytes(count, fmt)
+    return -(-p // 4) * 4 if fmt.scale_kind in ("f32", "") else p
 
 
-def group_scales_offset(count: int, fmt: str | Format = "nvfp4", block: int | None = None) -> int:
+def group_scales_offset(count: int, fmt: Format, block: int | None = None) -> int:
     """nvfp4: byte offset of the float32 group scales (after the E4M3 block scales, padded to 4)."""
-    f = get_format(fmt)
-    b = resolve_block(f, block)
-    return -(-(scales_offset(count, f) + num_blocks(count, b)) // 4) * 4
+    b = resolve_block(fmt, block)
+    return -(-(scales_offset(count, fmt) + num_blocks(count, b)) // 4) * 4
 
 
 def message_nbytes(count: int, fmt: str | Format = "e4m3", block: int | None = None) -> int:

@@ -53,11 +53,11 @@ def format_facts(f: Format) -> str:
             f"{f.fixed_block or 0}:{_f32_bits(f.max_value):#x}:{f.nan_code:#x}:{f.emax}")
 
 
-def _ternary(values: list[int | str], fmt: str = "{}") -> str:
+def _ternary(values: list[int | str], template: str = "{}") -> str:
     """``((ek) == 0 ? v0 : (ek) == 1 ? v1 : v2)`` over the element kinds in order."""
-    out = fmt.format(values[-1])
+    out = template.format(values[-1])
     for k in range(len(values) - 2, -1, -1):
-        out = f"(ek) == {k} ? {fmt.format(values[k])} : {out}"
+        out = f"(ek) == {k} ? {template.format(values[k])} : {out}"
     return f"({out})"
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from . import _xp
 from . import accounting as _stats
 from .algorithms import Algorithm
+from .algorithms.partition import accumulation_dtype
 from .codec import native_available, native_supports
 from .collectives import call as calls
 from .collectives import engine, native, oneshot
@@ -39,7 +40,6 @@ from .collectives.hold import held
 from .errors import CommAborted, CommClosed, CommError
 from .formats import check_key
 from .options import CallOptions, Entry, call_options
-from .partition import accumulation_dtype
 from .transport import HOST, Transport, resolve
 from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
 
@@ -425,7 +425,7 @@ def plan_allreduce(
     """Plan repeated allreduces of arrays like ``x`` (collective; the arguments and options of
     :func:`giftcomm.allreduce`, but ``seed``: with ``rounding="stochastic"`` every call passes
     its own ``seed=``, so the plan's stays None). ``algorithm="auto"`` is the plain call's choice
-    (giftcomm.costmodel.auto_algorithm; giftcomm.resolve_algorithm says which).
+    (giftcomm.cost.model.auto_algorithm; giftcomm.resolve_algorithm says which).
 
     geometry: None, or a geometry as :func:`giftcomm.gift_allreduce` takes it (e.g.
     ``Geometry.preset("paper", layout, factors)``): every call is then that call,

@@ -20,7 +20,7 @@ is therefore never run against another signature: its word (the agreed signature
 number) differs from every other plan's, so ranks on different cached plans (made in different
 calls) agree afresh, as after a miss. Results are those of the plan: bit-identical on every rank and equal to
 ``simulate_allreduce(..., algorithm=...)`` of the algorithm the agreement chose (``auto``: the
-one decision of giftcomm.costmodel.auto_algorithm, whether or not the plan is cached).
+one decision of giftcomm.cost.model.auto_algorithm, whether or not the plan is cached).
 """
 from __future__ import annotations
 

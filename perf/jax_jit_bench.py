@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from giftcomm.adapters import jax as gj
-    from giftcomm.adapters.jax_jit import wire_bytes
+    from giftcomm.adapters.jax.jit import wire_bytes
 
     devices = jax.devices()
     p = len(devices)

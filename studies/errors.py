@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from giftcomm.costmodel import Topology, error_growth, quantizations
+from giftcomm.cost.model import Topology, error_growth, quantizations
 from giftcomm.formats import bytes_per_value
 from giftcomm.perf.common import Progress, add_fmt, parent_parser
 from giftcomm.reference import simulate_allreduce

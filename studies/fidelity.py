@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import giftcomm
-from giftcomm.formats import bytes_per_value, check_block, message_nbytes, resolve_block
+from giftcomm.formats import bytes_per_value, check_block, get_format, message_nbytes, resolve_block
 from giftcomm.geometry import Geometry, Layout, SelectivePolicy, select
 from giftcomm.perf.common import add_json, add_out, parent_parser
 from giftcomm.perf.timing import load_average, time_calls
@@ -950,9 +950,9 @@ def _single(t) -> Geometry:
 def cost_main(a) -> int:
     """The ``cost`` subcommand: forward + inverse time per segment and per model for each
     geometry variant, against the FP8 ring allreduce's predicted time at P = 4 on a
-    ``--bandwidth`` link (giftcomm.costmodel.predict, and the wire-only formula); fits the
+    ``--bandwidth`` link (giftcomm.cost.model.predict, and the wire-only formula); fits the
     policy's TransformTimeModel to the measurements."""
-    from giftcomm.costmodel import Calibration, LinkCost, Topology, predict
+    from giftcomm.cost.model import Calibration, LinkCost, Topology, predict
     from giftcomm.geometry import TransformTimeModel, collective_seconds
 
     rng = np.random.default_rng(a.seed)
@@ -971,7 +971,7 @@ def cost_main(a) -> int:
     for mdl in cost_models(a.models, a.data, seed=a.seed):
         layout, rep = mdl["layout"], mdl["repeat"]
         n_total = layout.size * rep
-        t_pred = predict("ring", n_total, Topology(4, 4, 1), "e4m3", 256, cal)
+        t_pred = predict("ring", n_total, Topology(4, 4, 1), get_format("e4m3"), 256, cal)
         t_wire = collective_seconds(n_total, 4, a.bandwidth)
         geos = cost_geometries(layout, mdl["spectra"], a.ks, a.budget, a.bandwidth)
         if a.methods:

@@ -7,7 +7,7 @@ Two subcommands::
 
 ``validate`` (under mpiexec) times real ``giftcomm.allreduce`` calls for every algorithm that
 applies to the rank layout and every format, at input sizes (float32 bytes) from ``-b`` to
-``-e``, and prints the cost model's prediction (``giftcomm.costmodel.predict`` with the
+``-e``, and prints the cost model's prediction (``giftcomm.cost.model.predict`` with the
 calibration in force: GIFTCOMM_CALIBRATION or the default file) beside the measurement. Time per
 call: the median over calls of the slowest rank's time (each call starts after a barrier).
 Error = (predicted - measured) / measured. It also reports, per (size, format), the algorithm
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, load_calibration, predict
+from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, load_calibration, predict
+from giftcomm.formats import get_format
 from giftcomm.perf.common import time_calls, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
 from giftcomm.plan_cache import CACHED_MAX_BYTES
@@ -96,7 +97,7 @@ def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], loc
         for fmt in fmts:
             for algo in algos:
                 # repeated small calls run their cached plan through the node-shared channel
-                pred = predict(algo, n, topo, fmt, 256, cal, channel=able and size <= CACHED_MAX_BYTES)
+                pred = predict(algo, n, topo, get_format(fmt), 256, cal, channel=able and size <= CACHED_MAX_BYTES)
                 if not math.isfinite(pred):
                     continue
                 fn = lambda: giftcomm.allreduce(x, comm=comm, fmt=fmt, algorithm=algo, local_size=local_size)
@@ -143,7 +144,7 @@ def validation_table(rows: list[ValidationRow], topo: Topology, cal: Calibration
             sel = {r.algorithm: r for r in rows if r.fmt == f and r.nbytes == size}
             if not sel:
                 continue
-            pick = choose(size // 4, topo, f, 256, cal, channel=channel and size <= CACHED_MAX_BYTES)
+            pick = choose(size // 4, topo, get_format(f), 256, cal, channel=channel and size <= CACHED_MAX_BYTES)
             best = min(sel.values(), key=lambda r: r.measured_s)
             ratio = sel[pick].measured_s / best.measured_s if pick in sel else float("nan")
             base = (baselines or {}).get(size)
@@ -327,7 +328,7 @@ def project_rows(models=("llama-300m", "llama-600m"), gpus=(8, 16, 32, 64, 128, 
                 for algo in algos:
                     for fmt in fmts:
                         wire = "e4m3" if fmt == "gift" else fmt
-                        s = predict(algo, n, topo, wire, 256, cal) + (t_gift if fmt == "gift" else 0.0)
+                        s = predict(algo, n, topo, get_format(wire), 256, cal) + (t_gift if fmt == "gift" else 0.0)
                         rows.append(ProjectionRow(model, n, p, rate, algo, fmt, s))
     return rows
 
@@ -379,7 +380,7 @@ def auto_table(cal: Calibration, gpus=(8, 64, 1024), local=4, sizes=None, fmt: s
     out = ["| input size | " + " | ".join(name for name, _ in layouts) + " |",
            "| ---: |" + " --- |" * len(layouts)]
     for size in sizes:
-        out.append(f"| {format_size(size)} | " + " | ".join(choose(size // 4, t, fmt, 256, cal) for _, t in layouts) + " |")
+        out.append(f"| {format_size(size)} | " + " | ".join(choose(size // 4, t, get_format(fmt), 256, cal) for _, t in layouts) + " |")
     return "\n".join(out)
 
 
@@ -426,7 +427,7 @@ def cmd_project(args) -> int:
     a = GPU_ASSUMPTIONS
     lines = ["# Projected gradient-communication time per step", "",
              "```", "python -m studies model project " + " ".join(args.argv or []), "```", "",
-             "Formulas: giftcomm.costmodel.predict (docs/scaling.md), with these constants (assumptions, "
+             "Formulas: giftcomm.cost.model.predict (docs/scaling.md), with these constants (assumptions, "
              "not measurements):", ""]
     lines += [f"- {k}: {v}" for k, v in a.items()]
     lines += ["- codec rates from HBM traffic: encode/decode hbm/5 B, fused hop hbm/6 B, accumulate hbm/9 B "

@@ -37,8 +37,8 @@ import ml_dtypes
 import numpy as np
 
 from giftcomm.accounting import sent_bytes
+from giftcomm.algorithms.partition import chunk_bounds
 from giftcomm.formats import FORMATS, ROUNDINGS, Format, bytes_per_value, get_format, resolve_block
-from giftcomm.partition import chunk_bounds
 from giftcomm.perf.common import add_json, add_out, parent_parser, split_list
 from giftcomm.perf.timing import load_average
 from giftcomm.reference import simulate_allreduce
@@ -435,7 +435,7 @@ def _giftcomm_simulate(fmt: Format, algorithm: str, rounding: str):
         flat = [np.asarray(x).reshape(-1) for x in inputs]
         p, n = len(flat), flat[0].size
         total = simulate_allreduce(flat, fmt.name, None, "sum", algorithm, rounding=rounding, seed=seed)[0]
-        return Reduction(total, sum(sent_bytes(algorithm, n, p, r, fmt.name, block) for r in range(p)))
+        return Reduction(total, sum(sent_bytes(algorithm, n, p, r, fmt, block) for r in range(p)))
 
     return simulate
 

@@ -51,7 +51,7 @@ COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err
 PASSTHROUGH = ("fp32", "bf16", "fp16")
 DEFAULT_MODES = ("fp32,bf16,e4m3-n,e4m3-s,e4m3-n-gift,e4m3-s-gift,nvfp4-n,nvfp4-s,nvfp4-n-gift,nvfp4-s-gift,"
                  "mxfp4-n,mxfp4-n-gift")
-# baseline wires (giftcomm.baselines, opt-in, not giftcomm's method): the mode's FMT -> the wire
+# baseline wires (giftcomm.collectives.baselines, opt-in, not giftcomm's method): the mode's FMT -> the wire
 BASELINES = {"e5m2t": "e5m2/tensor-nccl", "e4m3t": "e4m3/tensor-nccl"}
 MEASURE_DAMPING = 1e-3  # the metric of the whitened error: full KFAC whitening (G+dI)^-1/2 X (A+dI)^-1/2
 
@@ -273,15 +273,15 @@ class PaperInputs:
 
 
 class BaselineSync:
-    """GradSync's buckets reduced with a baseline wire (``giftcomm.baselines.baseline_allreduce``,
+    """GradSync's buckets reduced with a baseline wire (``giftcomm.collectives.baselines.baseline_allreduce``,
     op avg), each bucket through its geometry; ``ef``: the paper's error feedback, kept in the
     transformed coordinates of the transformed segments only and re-expressed when the geometry
-    changes (``giftcomm.feedback.TransformedFeedback(euclidean=False)``). The residual is what this
+    changes (``giftcomm.collectives.feedback.TransformedFeedback(euclidean=False)``). The residual is what this
     rank's own encoding lost: ``y - Q(y)`` with the MAX-agreed per-tensor scale (the later fp16
     pairwise sums' roundings are not this rank's alone and are not compensated)."""
 
     def __init__(self, ctx, sync, wire: str, ef: bool) -> None:
-        from giftcomm.feedback import TransformedFeedback
+        from giftcomm.collectives.feedback import TransformedFeedback
         from giftcomm.reference.baselines import baseline_wire
 
         self.ctx, self.gs, self.wire = ctx, sync, baseline_wire(wire)
@@ -289,7 +289,7 @@ class BaselineSync:
 
     def sync(self, step: int):
         from giftcomm.adapters.torch.grad_sync import SyncTimes
-        from giftcomm.baselines import baseline_allreduce
+        from giftcomm.collectives.baselines import baseline_allreduce
         from giftcomm.reference.baselines import fp8_codes, local_scale
 
         times = SyncTimes()

@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from giftcomm.adapters import jax as gj  # noqa: E402
-from giftcomm.adapters import jax_codec  # noqa: E402
+from giftcomm.adapters.jax import codec as jax_codec  # noqa: E402
 from giftcomm.adapters.jax import tree_spec  # noqa: E402
-from giftcomm.adapters.jax_geometry import JaxGeometry  # noqa: E402
-from giftcomm.feedback import ErrorFeedback, own_pieces  # noqa: E402
+from giftcomm.adapters.jax.geometry import JaxGeometry  # noqa: E402
+from giftcomm.collectives.feedback import ErrorFeedback, own_pieces  # noqa: E402
 from giftcomm.formats import FORMATS, SCALE_RULES, get_format, resolve_block  # noqa: E402
 from giftcomm.geometry import Geometry  # noqa: E402
 from giftcomm.reference import codec as ref_codec  # noqa: E402
@@ -214,7 +214,7 @@ def flat_of(tree) -> np.ndarray:
 
 
 def ref_feedback(comp: list[np.ndarray], fmt: str, seed, algorithm: str, geometry=None, bounds=None) -> list[np.ndarray]:
-    """Every device's new residual by giftcomm.feedback.ErrorFeedback.record (the host path);
+    """Every device's new residual by giftcomm.collectives.feedback.ErrorFeedback.record (the host path);
     bounds: a reduce-scatter's chunk bounds (None: the allreduce's)."""
     p, n = len(comp), comp[0].size
     f = get_format(fmt)

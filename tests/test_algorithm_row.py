@@ -16,15 +16,18 @@ import pytest
 import giftcomm as gc
 from giftcomm import algorithms, api
 from giftcomm.accounting import sent_bytes
-from giftcomm.costmodel import predict
-from giftcomm.feedback import own_pieces
-from giftcomm.machine import Topology
+from giftcomm.algorithms.machine import Topology
+from giftcomm.collectives.feedback import own_pieces
+from giftcomm.cost.model import load_calibration, predict
+from giftcomm.formats import get_format
 from giftcomm.reference import simulate
 
 try:  # imported before the row is registered: their choice lists are copies taken at import
     from giftcomm.adapters.torch import fsdp, process_group, sharded_sync
 except ImportError:  # no torch: the adapters' lists are not checked
     fsdp = process_group = sharded_sync = None
+
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 
 NAME = "direct_again"
 
@@ -66,7 +69,7 @@ def test_the_row_runs_every_collective_as_its_twin(row, rng):
         assert planned.tobytes() == sim_nearest[r].tobytes()
         assert shard.tobytes() == shards[r].tobytes()
         assert stats["algorithms"].get(NAME, 0) >= 2
-    assert sent_bytes(NAME, 4099, p, 1, "e4m3", 256) == sent_bytes("direct", 4099, p, 1, "e4m3", 256) > 0
+    assert sent_bytes(NAME, 4099, p, 1, E4M3, 256) == sent_bytes("direct", 4099, p, 1, E4M3, 256) > 0
 
 
 def test_error_feedback_reads_the_row(row, rng):
@@ -97,8 +100,8 @@ def test_error_feedback_reads_the_row(row, rng):
 
 def test_the_cost_model_reads_the_row(row):
     topo = Topology(4, 1, 4)
-    cal = gc.costmodel.load_calibration()
-    assert predict(NAME, 1 << 20, topo, "e4m3", 256, cal) == predict("direct", 1 << 20, topo, "e4m3", 256, cal)
+    cal = load_calibration()
+    assert predict(NAME, 1 << 20, topo, E4M3, 256, cal) == predict("direct", 1 << 20, topo, E4M3, 256, cal)
     assert simulate.resolve_algorithm("auto", 1 << 20, 4, None, "e4m3") != NAME  # auto=False: never chosen
 
 

@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import algorithms, costmodel
+from giftcomm import algorithms
 from giftcomm.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
 from giftcomm.collectives import engine
-from giftcomm.costmodel import Calibration, Topology
+from giftcomm.cost import model as costmodel
+from giftcomm.cost.model import Calibration, Topology
+from giftcomm.formats import get_format
 from giftcomm.options import CallOptions
 from giftcomm.reference import simulate
+
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -53,7 +57,7 @@ def test_every_rows_formulas_evaluate(name):
     for topo in (Topology(1, 1, 1), Topology(2, 1, 2), Topology(5, 1, 5), Topology(8, 2, 4), Topology(6, 3, 2)):
         multi_node = topo.nodes > 1 and topo.local_size > 1
         for n in (1, 1000, 1 << 22):
-            t = costmodel.predict(name, n, topo, "e4m3", 256, cal)
+            t = costmodel.predict(name, n, topo, E4M3, 256, cal)
             assert t > 0 and (math.isfinite(t) or (row.needs_nodes and not multi_node)), (topo, n, t)
         growth = costmodel.error_growth(name, topo)
         assert 1.0 <= growth <= topo.ranks + 1 and math.isfinite(growth)
@@ -63,12 +67,12 @@ def test_every_rows_formulas_evaluate(name):
             assert isinstance(row.steps(topo.ranks), int) and row.steps(topo.ranks) >= 1
     # more bytes never cost less
     topo = Topology(4, 1, 4)
-    times = [costmodel.predict(name, n, topo, "e4m3", 256, cal) for n in (1 << 10, 1 << 16, 1 << 22)]
+    times = [costmodel.predict(name, n, topo, E4M3, 256, cal) for n in (1 << 10, 1 << 16, 1 << 22)]
     assert times == sorted(times)
 
 
 def test_unknown_names_raise_listing_the_table():
-    for call in (lambda: costmodel.predict("nonsense", 10, Topology(2, 1, 2), "e4m3"),
+    for call in (lambda: costmodel.predict("nonsense", 10, Topology(2, 1, 2), E4M3),
                  lambda: costmodel.error_growth("nonsense", Topology(2, 1, 2)),
                  lambda: CallOptions.of(algorithm="nonsense")):
         with pytest.raises(ValueError, match="nonsense") as info:
@@ -81,7 +85,7 @@ def test_every_choice_is_a_valid_option_and_auto_picks_a_row():
         assert CallOptions.of(algorithm=name).algorithm == name
     for topo in (Topology(2, 1, 2), Topology(8, 2, 4), Topology(16, 4, 4)):
         for n in (16, 1 << 14, 1 << 24):
-            pick = costmodel.choose(n, topo, "e4m3", 256, Calibration())
+            pick = costmodel.choose(n, topo, E4M3, 256, Calibration())
             assert BY_NAME[pick].auto
 
 

@@ -18,7 +18,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def scales_of(msg: np.ndarray, n: int, fmt: str) -> np.ndarray:
-    return msg[scales_offset(n, fmt):].view(np.float32)
+    return msg[scales_offset(n, get_format(fmt)):].view(np.float32)
 
 
 def codes_of(msg: np.ndarray, n: int) -> np.ndarray:

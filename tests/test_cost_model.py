@@ -1,4 +1,4 @@
-"""The cost model and error model ``algorithm="auto"`` relies on (giftcomm.costmodel, read from
+"""The cost model and error model ``algorithm="auto"`` relies on (giftcomm.cost.model, read from
 the algorithm table), and the cached planning helpers (chunk bounds, the ring's layout).
 
 Each algorithm against its simulation is tests/test_collectives.py; the table itself is
@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm.costmodel import Calibration, LinkCost, Topology, choose, predict, quantizations
+from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, predict, quantizations
+from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce
+
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 
 
 def relative_error(xs, **kw):
@@ -35,20 +38,20 @@ def test_cost_model_shapes():
     cal = Calibration(shm=LinkCost(1e-5, 1 / 5e9), net=LinkCost(5e-5, 1 / 1.25e8))
     one_node, two_nodes = Topology(8, 1, 8), Topology(8, 2, 4)
     # latency-bound sizes favour one exchange or recursive doubling, bandwidth-bound ones neither
-    assert choose(64, one_node, "e4m3", cal=cal) in ("oneshot", "doubling")
-    assert choose(1 << 24, one_node, "e4m3", cal=cal) not in ("oneshot", "doubling")
+    assert choose(64, one_node, E4M3, cal=cal) in ("oneshot", "doubling")
+    assert choose(1 << 24, one_node, E4M3, cal=cal) not in ("oneshot", "doubling")
     # the one-shot exchange's bytes grow with P: many ranks move it to doubling sooner
-    assert choose(1 << 14, Topology(2, 1, 2), "e4m3", cal=cal) == "oneshot"
-    assert choose(1 << 14, Topology(64, 1, 64), "e4m3", cal=cal) != "oneshot"
+    assert choose(1 << 14, Topology(2, 1, 2), E4M3, cal=cal) == "oneshot"
+    assert choose(1 << 14, Topology(64, 1, 64), E4M3, cal=cal) != "oneshot"
     # over a slow network, the hierarchical algorithms win for large buffers
-    assert choose(1 << 24, two_nodes, "e4m3", cal=cal).startswith("hierarchical")
+    assert choose(1 << 24, two_nodes, E4M3, cal=cal).startswith("hierarchical")
     # bytes matter: e4m3 is predicted faster than fp32 on a slow link
-    assert predict("ring", 1 << 24, two_nodes, "e4m3", cal=cal) < predict("ring", 1 << 24, two_nodes, "fp32", cal=cal) / 3
+    assert predict("ring", 1 << 24, two_nodes, E4M3, cal=cal) < predict("ring", 1 << 24, two_nodes, get_format("fp32"), cal=cal) / 3
     assert quantizations("direct", one_node) < quantizations("ring", one_node)
 
 
 def test_chunk_bounds_is_a_fresh_array_and_the_cached_copy_is_read_only():
-    from giftcomm.partition import shared_chunk_bounds
+    from giftcomm.algorithms.partition import shared_chunk_bounds
 
     mine = gc.chunk_bounds(1000, 3, 256)
     mine[0] = 7  # the public function hands out the caller's own array
@@ -60,9 +63,8 @@ def test_chunk_bounds_is_a_fresh_array_and_the_cached_copy_is_read_only():
 @pytest.mark.parametrize("counts", [[512, 512], [768, 512, 0, 3], [1]])
 def test_ring_layout_is_cached_and_agrees_with_slice_chunk(counts):
     from giftcomm.collectives import ring
-    from giftcomm.formats import get_format
 
-    f = get_format("e4m3")
+    f = E4M3
     layout = ring.layout_of(np.array(counts), f, 256, 256)
     assert ring.layout_of(np.array(counts, np.int32), f, 256, 256) is layout  # same key whatever the int dtype
     sizes = [ring.slice_chunk(n, f, 256, 256).nbytes for n in counts]
@@ -81,10 +83,10 @@ def test_an_alltoall_across_nodes_gets_its_share_of_the_link():
     nodes, one = Topology(4, 4, 1), Topology(4, 1, 4)
     n = 1 << 24
     for algo in ("direct", "oneshot"):
-        assert predict(algo, n, nodes, "e4m3", cal=lossy) > predict(algo, n, nodes, "e4m3", cal=base)
-        assert predict(algo, n, one, "e4m3", cal=lossy) == predict(algo, n, one, "e4m3", cal=base)
-    assert predict("ring", n, nodes, "e4m3", cal=lossy) == predict("ring", n, nodes, "e4m3", cal=base)
-    assert choose(n, nodes, "e4m3", 256, base) == "direct" and choose(n, nodes, "e4m3", 256, lossy) == "ring"
+        assert predict(algo, n, nodes, E4M3, cal=lossy) > predict(algo, n, nodes, E4M3, cal=base)
+        assert predict(algo, n, one, E4M3, cal=lossy) == predict(algo, n, one, E4M3, cal=base)
+    assert predict("ring", n, nodes, E4M3, cal=lossy) == predict("ring", n, nodes, E4M3, cal=base)
+    assert choose(n, nodes, E4M3, 256, base) == "direct" and choose(n, nodes, E4M3, 256, lossy) == "ring"
     with pytest.raises(ValueError, match="alltoall_efficiency"):
         Calibration.from_dict({**json.loads(base.to_json()), "alltoall_efficiency": 0.0})
 
@@ -98,8 +100,8 @@ def test_over_the_channel_the_oneshot_and_native_rows_pay_no_call_overhead():
     heavy = replace(cal, call_overhead=1e-3)
     topo, n = Topology(2, 1, 2), 256
     for algo in ("oneshot", "native"):
-        assert predict(algo, n, topo, "e4m3", cal=heavy, channel=True) == predict(algo, n, topo, "e4m3", cal=cal,
+        assert predict(algo, n, topo, E4M3, cal=heavy, channel=True) == predict(algo, n, topo, E4M3, cal=cal,
                                                                                   channel=True)
-        assert predict(algo, n, topo, "e4m3", cal=heavy) == pytest.approx(predict(algo, n, topo, "e4m3", cal=cal) + 1e-3)
-    assert predict("ring", n, topo, "e4m3", cal=heavy, channel=True) == pytest.approx(
-        predict("ring", n, topo, "e4m3", cal=cal, channel=True) + 1e-3)
+        assert predict(algo, n, topo, E4M3, cal=heavy) == pytest.approx(predict(algo, n, topo, E4M3, cal=cal) + 1e-3)
+    assert predict("ring", n, topo, E4M3, cal=heavy, channel=True) == pytest.approx(
+        predict("ring", n, topo, E4M3, cal=cal, channel=True) + 1e-3)

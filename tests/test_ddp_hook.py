@@ -15,6 +15,7 @@ from conftest import UNKNOWN_FORMAT
 from giftcomm.accounting import sent_bytes
 from giftcomm.adapters.torch import GiftState, gift_hook
 from giftcomm.adapters.torch.kfac import KfacCapture
+from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce
 from giftcomm.reference.simulate import resolve_algorithm
 from giftcomm.transport.device_loopback import DeviceLoopbackGroup
@@ -73,7 +74,7 @@ def test_device_route_grouped_no_host_copy(rng, dtype, P, monkeypatch):
         algo = resolve_algorithm("auto", n, P, None, "e4m3")  # stats(): also the dict every adapter's has
         assert dict(s) == {"calls": 1, "algorithms": {algo: 1}, "fallbacks": {},
                            "bytes_sent": {"native" if algo == "native" else "e4m3": sent_bytes(algo, n, P, rank,
-                                                                                              "e4m3", 256)}}
+                                                                                              get_format("e4m3"), 256)}}
         st.shutdown()
     ref = simulate_allreduce([x.float().numpy() for x in xs], "e4m3", 256, "avg")[0]
     expect = torch.from_numpy(ref).to(dtype)

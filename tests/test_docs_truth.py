@@ -6,6 +6,8 @@
 - A docstring that states a parameter's default as a literal (``default 256``, ``(default: "e4m3")``,
   ``defaults to False``, ``"ceil" (default)``) states the signature's default.
 - docs/install.md names every MPI function the MPI transports call.
+- docs/architecture.md's map of giftcomm/ names every module file there is and none that is
+  gone, and gives each room the floor tests/test_layers.py holds.
 """
 from __future__ import annotations
 
@@ -134,7 +136,7 @@ def test_the_reference_patterns_find_references_and_leave_prose_alone():
 #: the public API whose docstrings are checked: giftcomm's __all__, the adapters', the geometry
 #: package's, the baseline wires, error feedback and the call options record
 API_MODULES = ("giftcomm", "giftcomm.adapters.torch", "giftcomm.adapters.lightning", "giftcomm.adapters.jax",
-               "giftcomm.geometry", "giftcomm.feedback", "giftcomm.baselines", "giftcomm.options")
+               "giftcomm.geometry", "giftcomm.collectives.feedback", "giftcomm.collectives.baselines", "giftcomm.options")
 
 #: a literal a docstring may state: a number (an optional % after it), a quoted string, a
 #: ``code`` span, True / False / None
@@ -399,3 +401,62 @@ def test_install_md_names_every_mpi_call_of_the_transports():
     missing += [f"giftcomm/transport/device_mpi.py: {q}" for q in ("MPIX_GPU_query_support", "MPIX_Query_cuda_support")
                 if q not in text]
     assert sorted(set(missing)) == []
+
+
+# ----------------------------------------------------------------------------- the module map
+
+def architecture_map(text: str) -> tuple[set[str], dict[str, int]]:
+    """(the paths under giftcomm/ that docs/architecture.md's map names, {room: floor}). The map
+    is the code block that starts with ``giftcomm/``: an entry a line (a file, or a folder ending
+    in ``/``), indented two spaces per folder level; a line indented past the entries' column
+    (more than 12 spaces) continues the description above it. A folder whose description names
+    ``*.py`` files (``__init__.py (face), ddp.py (...), ...``, continued or not) lists them
+    there instead of an entry each. A top-level room's description starts ``(floor N)``."""
+    block = re.search(r"^```\ngiftcomm/\n(.*?)^```", text, flags=re.M | re.S)
+    assert block, "docs/architecture.md has no map of giftcomm/"
+    named: set[str] = set()
+    floors: dict[str, int] = {}
+    folders: list[tuple[int, str]] = []   # (indent, path) of the folders the entries are in
+    last_folder = ""                      # the folder of the last entry when it was a folder
+    for line in block.group(1).splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if indent > 12:                   # a description's continuation
+            if last_folder:
+                named |= {last_folder + f for f in re.findall(r"\b(\w+\.py)\b", line)}
+            continue
+        if indent < 2:
+            break                         # past giftcomm/ (studies/, native/, ...)
+        word, _, rest = line.strip().partition(" ")
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        path = (folders[-1][1] if folders else "") + word
+        if indent == 2 and (m := re.match(r"\(floor (\d+)\)", rest.strip())):
+            floors[word.removesuffix("/").removesuffix(".py")] = int(m.group(1))
+        last_folder = path if word.endswith("/") else ""
+        if last_folder:
+            folders.append((indent, path))
+            named |= {path + f for f in re.findall(r"\b(\w+\.py)\b", rest)}
+        else:
+            named.add(path)
+    return named, floors
+
+
+def test_architecture_map_names_every_module_and_the_floors():
+    from test_layers import FLOORS
+
+    named, floors = architecture_map((ROOT / "docs" / "architecture.md").read_text())
+    pkg = ROOT / "giftcomm"
+    modules = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")}
+    assert modules - named == set(), f"modules missing from docs/architecture.md's map: {sorted(modules - named)}"
+    gone = {n for n in named if n.endswith(".py") and n not in modules}
+    assert gone == set(), f"docs/architecture.md's map names modules that are gone: {sorted(gone)}"
+    assert floors == FLOORS
+
+
+def test_the_map_reader_reads_nesting_and_inline_lists():
+    text = ("```\ngiftcomm/\n  a.py            (floor 1) one\n  b/              (floor 2) a room\n"
+            "    c.py          two\n    d/            e.py (x), f.py (y),\n"
+            "                  g.py\n  h.py            (floor 3) three\nother/   no\n```\n")
+    named, floors = architecture_map(text)
+    assert named == {"a.py", "b/c.py", "b/d/e.py", "b/d/f.py", "b/d/g.py", "h.py"}
+    assert floors == {"a": 1, "b": 2, "h": 3}

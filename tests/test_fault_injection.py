@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from conftest import UNKNOWN_FORMAT
 
-from giftcomm import calibration
-from giftcomm.calibration import load_calibration
-from giftcomm.costmodel import Calibration, Topology, choose
-from giftcomm.machine import BUILT_IN
+from giftcomm.algorithms.machine import BUILT_IN
+from giftcomm.cost import calibration
+from giftcomm.cost.calibration import load_calibration
+from giftcomm.cost.model import Calibration, Topology, choose
+from giftcomm.formats import get_format
 
 # Under pytest-xdist every test of this module runs on one worker: its jobs' cleanup removes the
 # MPICH segment files no live process maps, which must not race with another test of this module
@@ -554,7 +555,7 @@ def test_a_bad_calibration_file_warns_once_and_uses_the_built_in_constants(tmp_p
         warnings.simplefilter("always")
         for _ in range(3):  # planned calls: read once, warned once
             cal = load_calibration()
-            assert choose(1 << 20, Topology(4, 1, 4), "e4m3") in ("ring", "direct", "doubling")
+            assert choose(1 << 20, Topology(4, 1, 4), get_format("e4m3")) in ("ring", "direct", "doubling")
     assert (cal.shm, cal.net, cal.encode_rate, cal.overlap) == (built_in.shm, built_in.net, built_in.encode_rate,
                                                                  built_in.overlap)
     ours = [w for w in caught if "calibration file" in str(w.message)]

@@ -1,4 +1,4 @@
-"""Error feedback (giftcomm.feedback): the residual is exactly this rank's own encoding error, and
+"""Error feedback (giftcomm.collectives.feedback): the residual is exactly this rank's own encoding error, and
 feeding it back removes the bias of repeated quantization."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from conftest import PASS_THROUGH_FORMATS, SCALED_SAMPLE
 
 import giftcomm as gc
-from giftcomm.feedback import ErrorFeedback, check_feedback_format, direct_pieces, own_quantization_error
+from giftcomm.collectives.feedback import ErrorFeedback, check_feedback_format, direct_pieces, own_quantization_error
 from giftcomm.formats import FORMATS, get_format, resolve_block
 
 SCALED = [name for name, f in FORMATS.items() if f.scaled]
@@ -113,7 +113,7 @@ def test_feedback_with_a_pass_through_format_raises(fmt):
 def test_ring_residual_is_the_exact_error_of_its_first_hop(rng, rounding):
     """At P = 2 the ring reduce-scatter sends each rank's own chunk ``rank - 1`` once and the owner
     adds it to its own values in float32: ``own_pieces("ring")`` is exactly what was quantized."""
-    from giftcomm.feedback import own_pieces
+    from giftcomm.collectives.feedback import own_pieces
 
     p, n, fmt = 2, 700, get_format("nvfp4")
     block = resolve_block(fmt, None)

@@ -118,7 +118,7 @@ def test_gift_state_pickles_this_ranks_residuals_and_resumes(results):
     still telescope across the checkpoint, ``sum(out_t) = 12 * exact - mean_r(residual_r)``,
     which holds only if every rank's residual was carried over (a new DDP starts with its
     initial bucket order, and the residual follows its named parameters into it and back)."""
-    from giftcomm.feedback import reordered
+    from giftcomm.collectives.feedback import reordered
 
     res = [r["residuals"] for r in results]
     assert res[0] and set(res[0]) == set(res[1])

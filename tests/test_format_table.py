@@ -23,9 +23,9 @@ import giftcomm as gc
 from giftcomm import codec, formats
 from giftcomm.cuda import _loader
 from giftcomm.cuda import codec as cuda_codec
-from giftcomm.cuda import fused as cuda_fused
 from giftcomm.formats import FORMATS, FORMATS_BY_CODE, get_format, message_nbytes
 from giftcomm.formats_header import HEADER_PATH, c_header, format_facts
+from giftcomm.geometry import fused as cuda_fused
 from giftcomm.reference import codec as ref
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 
@@ -277,7 +277,7 @@ def test_reference_only_row_codec_and_rounding(e3m4_row, rng):
 def test_reference_only_row_runs_everywhere(e3m4_row, rng):
     """Plain calls (allreduce over several algorithms, reduce_scatter), the simulation, a
     persistent plan and error feedback take the row by name, with the same bytes."""
-    from giftcomm.feedback import own_quantization_error
+    from giftcomm.collectives.feedback import own_quantization_error
 
     f, p, n = e3m4_row, 3, 777
     xs = [(rng.standard_normal(n) * 2).astype(np.float32) for _ in range(p)]

@@ -1,7 +1,7 @@
 """The fused GIFT transform + codec kernels (giftcomm/cuda/kernels/gc_fused.cu) on the CPU: the
 real kernel bodies through the SIMT shim and the CuPy stand-in (tests/emulator), against
 
-- the host model of the same operation order (giftcomm.cuda.fused_model): bit for bit;
+- the host model of the same operation order (giftcomm.geometry.fused_model): bit for bit;
 - the exact transform (float64, the geometry's own float32 parameters) within the rounding bound
   of docs/gpu.md "Fused transform" (gamma_K times the transform evaluated in absolute values),
   and giftcomm.geometry + giftcomm.reference within that bound plus one FP8 step.
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import ANY_BLOCK_FORMATS, native_only
 
-from giftcomm.cuda import fused as cuda_fused
-from giftcomm.cuda.fused_model import FusedLayout, apply_model, project
 from giftcomm.formats import get_format, message_nbytes
 from giftcomm.geometry import Geometry
+from giftcomm.geometry import fused as cuda_fused
+from giftcomm.geometry.fused_model import FusedLayout, apply_model, project
 from giftcomm.geometry.layout import Layout
 from giftcomm.geometry.spectral import Spectrum
 from giftcomm.geometry.transform import identity_transform, kfac_transform
@@ -265,7 +265,7 @@ def _sim_bound(geo, xs, fmt, algorithm, p, nodes, op):
     e4m3, 2^-2 e5m2) on top of the difference it is given; the inverse maps the difference with
     |S^-1| and adds its own rounding (both inverses)."""
     from giftcomm.algorithms import BY_NAME
-    from giftcomm.machine import Topology
+    from giftcomm.algorithms.machine import Topology
 
     q = BY_NAME[algorithm].quantizations(Topology(p, nodes, p // nodes))
     s = 2.0 ** (-3 if fmt == "e4m3" else -2)
@@ -307,7 +307,7 @@ def test_gift_allreduce_device_equals_host_model(cp, rng, monkeypatch, algorithm
     once by the apply kernel; the inverse inside the final decode for ring and direct."""
     import giftcomm as gc
     from giftcomm.collectives import gift
-    from giftcomm.cuda.fused_model import ModelGeometry
+    from giftcomm.geometry.fused_model import ModelGeometry
     from giftcomm.reference import simulate_gift_allreduce
     from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 

@@ -163,7 +163,7 @@ def test_dlpack_torch_cuda_zero_copy(cp):
 
 
 def test_transform_plan_gpu_matches_cpu(cp, rng):
-    from giftcomm.cuda.transform import SegmentPair, TransformPlan
+    from giftcomm.geometry.dense_plan import SegmentPair, TransformPlan
 
     pairs = [SegmentPair(0, 128, 96, np.eye(128, dtype=np.float32) + rng.standard_normal((128, 128)).astype(np.float32) / 12,
                          np.eye(96, dtype=np.float32) + rng.standard_normal((96, 96)).astype(np.float32) / 10)]

@@ -27,12 +27,13 @@ from conftest import ANY_BLOCK_FORMATS, E8M0_FORMATS, FIXED_BLOCK_FORMATS, PASS_
 
 from giftcomm import _xp
 from giftcomm.cuda import _loader
-from giftcomm.cuda.transform import SegmentPair, TransformPlan
 from giftcomm.formats import FORMATS, get_format, message_nbytes
 from giftcomm.formats_header import c_header
+from giftcomm.geometry.dense_plan import SegmentPair, TransformPlan
 from giftcomm.reference import codec as ref
 from studies.device.edge_cases import BLOCKS, LENGTHS, edge_vectors, floats_equal, messages_equal, random_vector
 
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = tuple(native_only(ANY_BLOCK_FORMATS))
 EMU_FORMATS = SCALED + tuple(native_only(PASS_THROUGH_FORMATS))
@@ -474,7 +475,7 @@ def test_transform_plan_matches_numpy(rng):
 def test_transform_plan_shares_the_geometry_dense_kernel(rng):
     """TransformPlan's batched product is giftcomm.geometry.apply.dense_apply, and a Geometry
     with full (dense) sides gives the same buffer as a plan of the same operators."""
-    import giftcomm.cuda.transform as ct
+    import giftcomm.geometry.dense_plan as ct
     from giftcomm.geometry import Geometry, Layout
     from giftcomm.geometry.apply import dense_apply
 
@@ -515,10 +516,11 @@ def test_device_bench_arguments_and_tables():
     n = 1 << 20
     # bytes per value: e4m3 block 256 = 1 + 4/256 on the wire
     w = 1 + 4 / 256
-    assert db.bytes_per_value("encode", "e4m3", 256, n) == pytest.approx(4 + w)
-    assert db.bytes_per_value("decode_add_encode", "e4m3", 256, n) == pytest.approx(4 + 2 * w)
-    assert db.bytes_per_value("decode_accumulate", "e4m3", 256, n) == pytest.approx(8 + w)
-    assert db.bytes_per_value("decode", "nvfp4", None, n) == pytest.approx(4 + db.wire_bytes_per_value("nvfp4", None, n))
+    assert db.bytes_per_value("encode", E4M3, 256, n) == pytest.approx(4 + w)
+    assert db.bytes_per_value("decode_add_encode", E4M3, 256, n) == pytest.approx(4 + 2 * w)
+    assert db.bytes_per_value("decode_accumulate", E4M3, 256, n) == pytest.approx(8 + w)
+    nvfp4 = get_format("nvfp4")
+    assert db.bytes_per_value("decode", nvfp4, None, n) == pytest.approx(4 + db.wire_bytes_per_value(nvfp4, None, n))
     copy_gbs, line = db.format_copy(0.5, 4 * n)  # 8 MiB read + written in 0.5 ms
     assert copy_gbs == pytest.approx(2 * 4 * n / 0.5 / 1e6) and "GB/s" in line
     times = {(f, b, op): 0.01 for f, b in (("e4m3", 256), ("e4m3", 8192), ("nvfp4", None)) for op in db.OPS}
@@ -531,8 +533,8 @@ def test_device_bench_arguments_and_tables():
     # the two-pass kernels: encode above block 4096, decode_add_encode above 8192 (stochastic alike)
     assert "| e4m3 | 8192 (two-pass) | encode |" in table and "| e4m3 | 8192 (two-pass) | encode_sr |" in table
     assert "| e4m3 | 8192 | decode_add_encode |" in table and "| e4m3 | 8192 | decode_add_encode_sr |" in table
-    assert db.two_pass("decode_add_encode_sr", "e5m2", 16384) and not db.two_pass("decode", "e4m3", 16384)
-    assert db.bytes_per_value("decode_add_encode_sr", "e4m3", 256, n) == db.bytes_per_value("decode_add_encode", "e4m3", 256, n)
+    assert db.two_pass("decode_add_encode_sr", get_format("e5m2"), 16384) and not db.two_pass("decode", E4M3, 16384)
+    assert db.bytes_per_value("decode_add_encode_sr", E4M3, 256, n) == db.bytes_per_value("decode_add_encode", E4M3, 256, n)
     assert any(r.startswith("| nvfp4 | 16 |") for r in rows)
     peer = {"giftcomm encode": 0.4, "torch.compile encode": 0.3, "eager encode": 2.0, "giftcomm decode": 0.5,
             "eager decode": 1.5, "giftcomm decode_add_encode": 0.6, "torch.compile decode_add_encode": 0.9}

@@ -1,10 +1,10 @@
 """The import graph between giftcomm's top-level parts has no loops.
 
 A part is a top-level subpackage (giftcomm/collectives/, giftcomm/transport/, ...) or a top-level
-module (giftcomm/formats.py, giftcomm/algorithms.py, ...). Part A imports part B when a module of
-A imports a module of B at module level (imports inside functions are deliberate late bindings
-and are not counted; neither are ``if TYPE_CHECKING:`` blocks). The parts then form floors:
-the ground floor (formats, algorithms, partition, machine, ...) imports nothing above it.
+module (giftcomm/formats.py, giftcomm/api.py, ...). Part A imports part B when a module of A
+imports a module of B at module level (imports inside functions are deliberate late bindings
+and are not counted; neither are ``if TYPE_CHECKING:`` blocks). The floors themselves, lazy
+imports included, are tests/test_layers.py's table.
 """
 from __future__ import annotations
 

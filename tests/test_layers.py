@@ -128,3 +128,73 @@ def test_every_environment_variable_is_in_the_docs_table():
     for path in PKG.rglob("*.py"):
         if path.name != "config.py":
             assert not re.search(r"environ(\.get)?[\[(]\s*[\"']GIFTCOMM_", path.read_text()), path
+
+
+# ----------------------------------------------------------------------------- floors
+
+FLOORS: dict[str, int] = {
+    # the tables and the plumbing under everything
+    "formats": 1, "config": 1, "errors": 1,
+    "algorithms": 2, "formats_header": 2,       # the algorithm table (+ machine records, shard layout); the C view of the formats
+    "cost": 3, "cuda": 3, "options": 3,         # the cost model; the codec's CUDA kernels; the call options
+    "_xp": 4, "reference": 4,                   # the array backend (device arithmetic: cuda); the NumPy ground truth
+    "codec": 5,
+    "transport": 6,
+    "accounting": 7, "geometry": 7,
+    "collectives": 8,
+    "persistent": 9,
+    "plan_cache": 10,
+    "api": 11,
+    "adapters": 12,
+    "perf": 13, "recipes": 13,
+}
+"""The rooms of giftcomm (its top-level modules and subpackages; the package's own __init__, a face,
+is none) and their floors: a room imports, lazily or not, only rooms on lower floors
+(docs/architecture.md draws the same floors)."""
+
+UP_ALLOWED: set[tuple[str, str]] = {("giftcomm.geometry.paper", "giftcomm.collectives.agree")}
+"""Imports that run back up a floor: one. The paper preset's refresh agrees through the
+collectives' agreement (geometry.paper.agree_refresh, a late import)."""
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "giftcomm" and len(parts) > 1 else None
+
+
+def upward_imports(edges: dict[str, set[str]], floors: dict[str, int]) -> list[tuple[str, str]]:
+    """(module, module it imports) pairs between two rooms where the importer's floor is not above
+    the imported one's (a room missing from ``floors`` counts as floor 0)."""
+    bad = []
+    for mod, targets in edges.items():
+        here = _room(mod)
+        for target in targets:
+            there = _room(target)
+            if here and there and here != there and floors.get(here, 0) <= floors.get(there, 0):
+                bad.append((mod, target))
+    return sorted(bad)
+
+
+def test_every_room_has_a_floor():
+    rooms = {p.stem for p in PKG.glob("*.py") if p.name != "__init__.py"} | {
+        p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert rooms == set(FLOORS), f"rooms without a floor: {sorted(rooms - set(FLOORS))}; " \
+                                 f"floors of no room: {sorted(set(FLOORS) - rooms)}"
+
+
+def test_no_import_runs_back_up_a_floor():
+    edges, _ = import_graph()
+    assert len(UP_ALLOWED) <= 1
+    assert upward_imports(edges, FLOORS) == sorted(UP_ALLOWED)
+
+
+def test_the_floor_check_finds_a_planted_upward_import():
+    """A late import from a ground-floor room into a higher one is reported; the same import
+    downward is not."""
+    planted = {
+        "giftcomm.formats": (ast.parse("def f():\n    from .api import allreduce\n"), False),
+        "giftcomm.api": (ast.parse("from .formats import Format\n"), False),
+    }
+    edges, _ = import_graph(planted)
+    assert upward_imports(edges, {"formats": 1, "api": 2}) == [("giftcomm.formats", "giftcomm.api")]
+    assert upward_imports(edges, {"formats": 3, "api": 2}) == [("giftcomm.api", "giftcomm.formats")]

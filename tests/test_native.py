@@ -15,12 +15,15 @@ from conftest import PASS_THROUGH_FORMATS, assert_same_error, covering, outcomes
 
 import giftcomm as gc
 from giftcomm.algorithms import TABLE
-from giftcomm.calibration import forget_calibration
-from giftcomm.costmodel import Calibration, LinkCost, Topology, candidate_times, choose
+from giftcomm.cost.calibration import forget_calibration
+from giftcomm.cost.model import Calibration, LinkCost, Topology, candidate_times, choose
+from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce, simulate_reduce_scatter
 from giftcomm.transport.base import tree_sum
 
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 PASS_THROUGH = PASS_THROUGH_FORMATS
+
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16]
 
 
@@ -114,23 +117,23 @@ def test_auto_takes_native_exactly_where_predicted_faster():
             for cal in (wins, loses):
                 times = candidate_times(n, topo, "e4m3", 256, cal)
                 faster = times["native"] < min(t for a, t in times.items() if a != "native")
-                assert (choose(n, topo, "e4m3", 256, cal) == "native") == faster
-                assert choose(n, topo, "e4m3", 256, cal, native=False) != "native"
+                assert (choose(n, topo, E4M3, 256, cal) == "native") == faster
+                assert choose(n, topo, E4M3, 256, cal, native=False) != "native"
                 assert "native" not in candidate_times(n, topo, "e4m3", 256, cal, native=False)
     big = 1 << 22
-    assert choose(big, Topology(2, 1, 2), "e4m3", 256, wins) == "native"
-    assert choose(big, Topology(2, 1, 2), "e4m3", 256, loses) != "native"
-    assert choose(big, Topology(2, 1, 2), "e4m3", 256, Calibration()) != "native"  # built-in defaults: compression
+    assert choose(big, Topology(2, 1, 2), E4M3, 256, wins) == "native"
+    assert choose(big, Topology(2, 1, 2), E4M3, 256, loses) != "native"
+    assert choose(big, Topology(2, 1, 2), E4M3, 256, Calibration()) != "native"  # built-in defaults: compression
 
 
 def test_native_prediction_is_the_documented_formula():
     cal = _cal(5e-6, 0.3e-9)
     n, p = 1 << 20, 4
     want = cal.call_overhead + 5e-6 + (p - 1) / p * n * 2 * (2 * cal.shm.beta + 0.6e-9)  # bf16: 2 bytes, half_beta
-    from giftcomm.costmodel import predict
+    from giftcomm.cost.model import predict
 
-    assert predict("native", n, Topology(p, 1, p), "bf16", 256, cal) == pytest.approx(want)
-    assert predict("native", n, Topology(p, 1, p), "e4m3", 256, cal) > predict("native", n, Topology(p, 1, p), "bf16",
+    assert predict("native", n, Topology(p, 1, p), get_format("bf16"), 256, cal) == pytest.approx(want)
+    assert predict("native", n, Topology(p, 1, p), E4M3, 256, cal) > predict("native", n, Topology(p, 1, p), get_format("bf16"),
                                                                                256, cal)
 
 

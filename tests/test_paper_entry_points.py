@@ -210,7 +210,7 @@ def test_grad_sync_paper_error_feedback_re_expressed_at_a_refresh(rng, reexpress
     """error_feedback=True with geometry="paper": the residual lives in the map's coordinates
     (TransformedFeedback); at a refresh (factor EMA on) it is re-expressed so that in ordinary
     coordinates it is unchanged to float32 rounding; reexpress=False keeps it as it is (moves)."""
-    from giftcomm.feedback import TransformedFeedback
+    from giftcomm.collectives.feedback import TransformedFeedback
 
     seed = int(rng.integers(2**31))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from giftcomm.baselines import baseline_allreduce
+from giftcomm.collectives.baselines import baseline_allreduce
 from giftcomm.geometry import Geometry, InputFactorEstimator, Layout, refresh_geometry
 from giftcomm.reference.simulate import simulate_allreduce
 

@@ -1,6 +1,6 @@
 """The GIFT paper's method as a preset (giftcomm.geometry.paper), its error feedback in the
-transformed coordinates (giftcomm.feedback.TransformedFeedback) and the baseline wires peers run
-(giftcomm.reference.baselines, giftcomm.baselines). Definitions are restated here in plain NumPy,
+transformed coordinates (giftcomm.collectives.feedback.TransformedFeedback) and the baseline wires peers run
+(giftcomm.reference.baselines, giftcomm.collectives.baselines). Definitions are restated here in plain NumPy,
 independently of the library's code."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from giftcomm import LoopbackGroup
-from giftcomm.baselines import BASELINE_WIRES, baseline_allreduce
-from giftcomm.feedback import ErrorFeedback, TransformedFeedback, own_quantization_error
+from giftcomm.collectives.baselines import BASELINE_WIRES, baseline_allreduce
+from giftcomm.collectives.feedback import ErrorFeedback, TransformedFeedback, own_quantization_error
 from giftcomm.formats import get_format
 from giftcomm.geometry import Geometry, InputFactorEstimator, Layout, PaperOptions, paper_sharded, refresh_geometry
 from giftcomm.geometry.paper import SaturationProfile, saturation_fraction, select_saturated

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from giftcomm import costmodel
 from giftcomm.algorithms import TABLE
-from giftcomm.costmodel import Calibration, LinkCost, Topology, load_calibration, predict
+from giftcomm.cost import model as costmodel
+from giftcomm.cost.model import Calibration, LinkCost, Topology, load_calibration, predict
+from giftcomm.formats import get_format
 from giftcomm.perf import calibrate
 from studies import errors, model
 
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,7 +82,7 @@ def test_calibration_file_round_trips_through_load_calibration(tmp_path, monkeyp
     assert got.source == str(path)
     # the predictions use it
     topo = Topology(4, 1, 4)
-    assert predict("ring", 1 << 20, topo, "e4m3") == predict("ring", 1 << 20, topo, "e4m3", cal=got)
+    assert predict("ring", 1 << 20, topo, E4M3) == predict("ring", 1 << 20, topo, E4M3, cal=got)
 
 
 def test_build_calibration_keeps_what_was_not_measured():
@@ -198,7 +200,7 @@ def test_fit_overheads_recovers_call_and_step():
 
 def test_error_growth_predicts_the_simulated_errors():
     """relerr / sqrt(error_growth) is one constant (the format's eps) for every algorithm and P."""
-    from giftcomm.costmodel import error_growth
+    from giftcomm.cost.model import error_growth
 
     rows = errors.study([2, 4, 8, 16], fmts=("e4m3",), dists=("gaussian",), n=8192, trials=1)
     eps = [r.relerr / np.sqrt(error_growth(r.algorithm, errors._topo(r.p, r.local_size))) for r in rows]
@@ -208,14 +210,14 @@ def test_error_growth_predicts_the_simulated_errors():
 
 
 def test_auto_prefers_the_more_faithful_algorithm_among_near_ties():
-    from giftcomm.costmodel import choose, error_growth
+    from giftcomm.cost.model import choose, error_growth
 
     cal = Calibration(shm=LinkCost(1e-5, 1 / 5e9), net=LinkCost(5e-5, 1 / 1.25e8))
     for p in (3, 4, 8, 16):
         topo = Topology(p, 1, p)
         for n in (1 << 10, 1 << 16, 1 << 22):
-            pick = choose(n, topo, "e4m3", cal=cal, native=False)  # giftcomm's own rows (test_native: the native one)
-            times = {a.name: predict(a.name, n, topo, "e4m3", cal=cal) for a in TABLE
+            pick = choose(n, topo, E4M3, cal=cal, native=False)  # giftcomm's own rows (test_native: the native one)
+            times = {a.name: predict(a.name, n, topo, E4M3, cal=cal) for a in TABLE
                      if a.auto and not a.needs_nodes and not a.native}
             near = [a for a, t in times.items() if t <= 1.10 * min(times.values())]
             assert pick in near
@@ -227,11 +229,11 @@ def test_fit_overlap_inverts_the_prediction():
 
     cal = Calibration(shm=LinkCost(2e-6, 1 / 2e9), fused_rate=1e9, encode_rate=2e9, decode_rate=2e9)
     topo, n = Topology(2, 1, 2), 1 << 22
-    full = predict("ring", n, topo, "e4m3", cal=replace(cal, overlap=1.0))
-    none = predict("ring", n, topo, "e4m3", cal=replace(cal, overlap=0.0))
+    full = predict("ring", n, topo, E4M3, cal=replace(cal, overlap=1.0))
+    none = predict("ring", n, topo, E4M3, cal=replace(cal, overlap=0.0))
     assert none > full
     for ov in (0.0, 0.3, 1.0):
-        measured = predict("ring", n, topo, "e4m3", cal=replace(cal, overlap=ov))
+        measured = predict("ring", n, topo, E4M3, cal=replace(cal, overlap=ov))
         assert calibrate.fit_overlap(measured, full, none) == pytest.approx(ov)
     assert calibrate.fit_overlap(10 * none, full, none) == 0.0 and calibrate.fit_overlap(0.0, full, none) == 1.0
 

@@ -404,9 +404,9 @@ def _stats_worker(rank, world):
 
 
 def test_stats_warnings_and_one_agreement_per_call(tmp_path):
+    from giftcomm.algorithms.partition import chunk_bounds
     from giftcomm.formats import message_nbytes
     from giftcomm.options import CallOptions
-    from giftcomm.partition import chunk_bounds
 
     res = _spawn(_stats_worker, 2, tmp_path)
     block = CallOptions(fmt="e4m3").validated().resolved_block

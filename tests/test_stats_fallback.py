@@ -15,8 +15,10 @@ import giftcomm as gc
 from giftcomm.accounting import AUTO_NATIVE, scatter_sent_bytes, sent_bytes
 from giftcomm.collectives import engine
 from giftcomm.collectives.hold import held
-from giftcomm.formats import message_nbytes
+from giftcomm.formats import get_format, message_nbytes
 from giftcomm.options import call_options
+
+E4M3 = get_format("e4m3")  # the cost and byte formulas take the Format
 
 
 def _warnings(caplog):
@@ -49,7 +51,7 @@ def test_fallback_warns_once_per_communicator_and_counts(caplog, rng):
             assert st["calls"] == 5 and st["fallbacks"] == {AUTO_NATIVE: 3}
             assert st["algorithms"] == {"native": 4, forced: 1}
             assert st["bytes_sent"] == {"native": 4 * (2 * (p - 1) * n * 4 // p),
-                                        "e4m3": sent_bytes(forced, n, p, r, "e4m3", 256)}
+                                        "e4m3": sent_bytes(forced, n, p, r, E4M3, 256)}
 
 
 def test_no_warning_without_an_explicit_format_or_on_compressed_paths(caplog, rng):
@@ -95,8 +97,8 @@ def test_stats_count_a_real_run_under_mpi():
     st = gc.stats(comm)
     algo = gc.resolve_algorithm("auto", 1024, p, None, "e4m3")
     assert st["calls"] == 4 and st["algorithms"] == {algo: 4}
-    assert st["bytes_sent"] == {"e4m3": 4 * sent_bytes(algo, 1024, p, comm.rank, "e4m3", 256)}
-    assert sent_bytes(algo, 1024, p, comm.rank, "e4m3", 256) > 0
+    assert st["bytes_sent"] == {"e4m3": 4 * sent_bytes(algo, 1024, p, comm.rank, E4M3, 256)}
+    assert sent_bytes(algo, 1024, p, comm.rank, E4M3, 256) > 0
 
 
 @pytest.mark.mpi
@@ -120,9 +122,9 @@ def test_persistent_plans_count_every_execution_under_mpi():
     st = gc.stats()
     assert st == gc.stats(comm)
     assert st["calls"] == 7 and st["algorithms"] == {"oneshot": 3, "native": 3, "ring": 1} and st["fallbacks"] == {}
-    assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes("oneshot", 1024, p, r, "e4m3", 256),
+    assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes("oneshot", 1024, p, r, E4M3, 256),
                                 "native": 3 * (2 * (p - 1) * 1024 * 4 // p),
-                                "e5m2": sent_bytes("ring", 1024, p, r, "e5m2", 256)}
+                                "e5m2": sent_bytes("ring", 1024, p, r, get_format("e5m2"), 256)}
 
 
 def _gloo_worker(rank, world):
@@ -138,7 +140,7 @@ def test_stats_count_a_real_run_over_gloo(tmp_path):
     algo = gc.resolve_algorithm("auto", 1024, 2, None, "e4m3")
     for r, st in enumerate(_spawn(_gloo_worker, 2, str(tmp_path))):
         assert st["calls"] == 3 and st["algorithms"] == {algo: 3}
-        assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes(algo, 1024, 2, r, "e4m3", 256)}
+        assert st["bytes_sent"] == {"e4m3": 3 * sent_bytes(algo, 1024, 2, r, E4M3, 256)}
 
 
 def _model(seed: int):
@@ -182,7 +184,7 @@ def test_adapters_count_what_they_sent_and_warn_once(caplog):
         algo = gc.resolve_algorithm("auto", n, p, None, "e4m3")
         assert grad["calls"] == 2 and grad["algorithms"] == {algo: 2}
         key = "native" if algo == "native" else "e4m3"
-        assert grad["bytes_sent"] == {key: 2 * sent_bytes(algo, n, p, r, "e4m3", 256)} and grad["bytes_sent"][key] > 0
+        assert grad["bytes_sent"] == {key: 2 * sent_bytes(algo, n, p, r, E4M3, 256)} and grad["bytes_sent"][key] > 0
         assert sharded["calls"] == 2 and sharded["fallbacks"] == {} and sharded["algorithms"]["allgather"] == 1
         assert sum(sharded["algorithms"].get(a, 0) for a in ("ring", "direct")) == 1  # allow_native=False
         assert set(sharded["bytes_sent"]) == {"e5m2", "fp32"}  # its parameters gather on the fp32 wire
@@ -250,7 +252,7 @@ def test_sent_bytes_is_what_the_message_path_sends(rng, p):
 
     for r, got in enumerate(gc.LoopbackGroup(p).run(body)):
         for algo in algos:
-            assert got[algo][0] == sent_bytes(algo, n, p, r, "e4m3", 256), (algo, r, got[algo])
+            assert got[algo][0] == sent_bytes(algo, n, p, r, E4M3, 256), (algo, r, got[algo])
 
 
 def gc_opts(algo):
@@ -291,6 +293,6 @@ def test_reduce_scatter_counts_what_its_message_path_sends(rng, p):
     for r, got in enumerate(gc.LoopbackGroup(p).run(body)):
         for case in cases:
             ran, bounds, counted = got[case]
-            assert ran == scatter_sent_bytes(bounds, r, "e4m3", 256) > 0, (case, r)
+            assert ran == scatter_sent_bytes(bounds, r, E4M3, 256) > 0, (case, r)
             assert counted == {"e4m3": ran}, (case, r)
-            assert 2 * ran < sent_bytes(case[0], n, p, r, "e4m3", 256) + 2 * message_nbytes(n // p + 256, "e4m3")
+            assert 2 * ran < sent_bytes(case[0], n, p, r, E4M3, 256) + 2 * message_nbytes(n // p + 256, "e4m3")

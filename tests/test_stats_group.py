@@ -17,12 +17,14 @@ import torch
 from test_torchrun import _spawn
 
 from giftcomm.accounting import AUTO_NATIVE, WARMUP, merged, native_sent_bytes, sent_bytes
-from giftcomm.baselines import baseline_sent_bytes
+from giftcomm.collectives.baselines import baseline_sent_bytes
+from giftcomm.formats import get_format
 from giftcomm.reference.simulate import resolve_algorithm
 
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 WIRE = "e5m2/tensor-nccl"
+
 N = 4099  # plain calls and the plan: values per call
 
 
@@ -125,7 +127,7 @@ def test_stats_of_the_default_group_sum_every_adapter(tmp_path):
     for r, v in enumerate(_spawn(_every_adapter_worker, 2, str(tmp_path))):
         p = 2
         plain = {"calls": 5, "algorithms": {v["plan_algorithm"]: 5}, "fallbacks": {},
-                 "bytes_sent": {"e4m3": 5 * sent_bytes(v["plan_algorithm"], N, p, r, "e4m3", 256)}}
+                 "bytes_sent": {"e4m3": 5 * sent_bytes(v["plan_algorithm"], N, p, r, get_format("e4m3"), 256)}}
         parts = [plain, dict(v["hook"]), v["baseline"], v["sharded"], v["fsdp"], v["tree"]]
         assert v["world"] == merged(*parts), (v["world"], parts)
         assert v["by_group"] == v["world"] and v["by_transport"] == v["world"]
@@ -136,7 +138,7 @@ def test_stats_of_the_default_group_sum_every_adapter(tmp_path):
         assert algo != "native"
         assert dict(hook) == {"calls": 3, "algorithms": {"native": 1, algo: 2}, "fallbacks": {WARMUP: 1},
                               "bytes_sent": {"native": native_sent_bytes(n, p, 4),
-                                             "e4m3": 2 * sent_bytes(algo, n, p, r, "e4m3", 256)}}
+                                             "e4m3": 2 * sent_bytes(algo, n, p, r, get_format("e4m3"), 256)}}
         # one byte counter: bytes_sent (bytes_wire is a deprecated alias of its total)
         assert v["fields"] == ["bytes_in", "bytes_sent"]
         with pytest.warns(DeprecationWarning):

@@ -54,14 +54,14 @@ def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, d
     """Say at INFO on the "giftcomm.adapters" logger, once per buffer size (``n`` values; ``seen``
     holds the sizes already told), which path the last call over ``comm`` took -- the transport's
     own allreduce (``native``) or one of giftcomm's compressed algorithms -- and why: the option
-    that forced it, or the cost model's predictions (giftcomm.costmodel.candidate_times) and the
+    that forced it, or the cost model's predictions (giftcomm.cost.model.candidate_times) and the
     calibration they come from. Local: no communication."""
     if n in seen or not logger.isEnabledFor(logging.INFO):
         return
-    from ..calibration import load_calibration
     from ..collectives import call as calls
     from ..collectives import engine
-    from ..costmodel import candidate_times
+    from ..cost.calibration import load_calibration
+    from ..cost.model import candidate_times
     from ..transport import resolve
 
     t = resolve(comm, device=device)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _xp, algorithms
 from ..algorithms import AUTO, BY_CODE, BY_NAME, CODES, Algorithm
-from ..costmodel import Topology, auto_algorithm
+from ..cost.model import Topology, auto_algorithm
 from ..formats import Format
 from ..options import CallOptions
 from ..transport.base import ANY, DEVICE, GROUPED, HOST, PIPELINED, Transport
@@ -192,7 +192,7 @@ def topology(t: Transport, local_size: int | None) -> tuple[np.ndarray, Topology
 def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | None,
                    scatter: bool = False, native: bool = True) -> np.ndarray:
     """Validate ``algorithm``/``local_size``, record the choice (auto:
-    giftcomm.costmodel.auto_algorithm of the call's size, format and block on the node layout,
+    giftcomm.cost.model.auto_algorithm of the call's size, format and block on the node layout,
     among the reduce-scatter rows with ``scatter``; ``native``: the call's allow_native) in the
     signature; returns the node layout."""
     allowed = algorithms.SCATTER_CHOICES if scatter else algorithms.CHOICES  # read now: registered rows count
@@ -201,7 +201,7 @@ def plan_algorithm(t: Transport, call: Call, algorithm: str, local_size: int | N
     nodes, topo = topology(t, local_size)
     chosen = algorithm
     if algorithm == AUTO:
-        chosen = auto_algorithm(call.arr.size, topo, call.fmt.name, call.block, allow_native=native,
+        chosen = auto_algorithm(call.arr.size, topo, call.fmt, call.block, allow_native=native,
                                 scatter=scatter)
     elif topo.local_size == 0 and BY_NAME[algorithm].needs_nodes:
         check_uniform(nodes)  # raises, naming the node sizes

@@ -31,8 +31,8 @@ import numpy as np
 
 from .. import _xp
 from ..algorithms import BY_NAME, Algorithm
+from ..algorithms.partition import accumulation_dtype, shared_chunk_bounds
 from ..options import CallOptions
-from ..partition import accumulation_dtype, shared_chunk_bounds
 from ..transport import DEVICE, Transport
 from . import call as calls
 from . import direct, doubling, gift, hierarchical, native, oneshot, ring, shared
@@ -69,7 +69,7 @@ def last_algorithm(t: Transport) -> tuple[str, np.ndarray | None] | None:
     agreed on ``t`` (the same on every rank), or None before the first: what the call really
     ran, ``auto`` resolved. bounds: a reduce-scatter's agreed chunk bounds (P + 1 ints), None
     for an allreduce (its chunks are ``shared_chunk_bounds(n, P, block)``). Error feedback reads
-    it to know which of a rank's values it encoded alone (giftcomm.feedback)."""
+    it to know which of a rank's values it encoded alone (giftcomm.collectives.feedback)."""
     return t.last_run
 
 
@@ -375,7 +375,7 @@ def _scatter_run(t: Transport, job: Job, out: Any) -> Any:
 REDUCE_SCATTERS = {layout: Kind("giftcomm.reduce_scatter", "x", True, scatter_layout.SCATTER_FIELDS,
                                 scatter_layout.SCATTER_MATCH, functools.partial(_scatter_prepare, layout=layout),
                                 _scatter_agreed, _scatter_run) for layout in scatter_layout.LAYOUTS}
-"""reduce_scatter, one Kind per shard layout (giftcomm.partition.LAYOUTS); the layout is agreed."""
+"""reduce_scatter, one Kind per shard layout (giftcomm.algorithms.partition.LAYOUTS); the layout is agreed."""
 REDUCE_SCATTER = REDUCE_SCATTERS["blocks"]
 
 

@@ -1,4 +1,4 @@
-"""gift_allreduce on device arrays with the GIFT transform in the fused kernels (giftcomm.cuda.fused;
+"""gift_allreduce on device arrays with the GIFT transform in the fused kernels (giftcomm.geometry.fused;
 design: docs/gpu.md "Fused transform").
 
 Taken by the engine (giftcomm.collectives.engine.run_allreduce) for a device (CuPy) array and a
@@ -38,7 +38,7 @@ float32 buffer (hierarchical: the node-local allgather's) and the inverse is ``F
 of it (with the division).
 
 Host model: ``giftcomm.reference.simulate_gift_allreduce`` with
-``giftcomm.cuda.fused_model.ModelGeometry(geometry)``, the transforms of the kernels' operation
+``giftcomm.geometry.fused_model.ModelGeometry(geometry)``, the transforms of the kernels' operation
 order, equals this path bit for bit.
 
 State: :class:`FusedGift` (the forward and inverse plans of one geometry, the wire tables of the
@@ -56,8 +56,8 @@ import numpy as np
 
 from .. import _xp
 from ..algorithms import BY_NAME
+from ..algorithms.partition import shared_chunk_bounds
 from ..formats import Format
-from ..partition import shared_chunk_bounds
 from ..transport import Transport
 from . import doubling, hierarchical, oneshot, ring
 from .hierarchical import check_uniform
@@ -73,11 +73,11 @@ and then: the old one's state is dropped)."""
 
 def takes(device: bool, geometry: Any) -> bool:
     """Whether gift_allreduce of a device array with ``geometry`` runs here: a giftcomm Geometry
-    with low-rank or identity sides on every segment (giftcomm.cuda.fused_model.supports)."""
+    with low-rank or identity sides on every segment (giftcomm.geometry.fused_model.supports)."""
     if not device:
         return False
-    from ..cuda.fused_model import supports
     from ..geometry import Geometry
+    from ..geometry.fused_model import supports
 
     return isinstance(geometry, Geometry) and supports(geometry)
 
@@ -87,7 +87,7 @@ def fused_encode(algorithm: str, fmt: Format, block: int, seed: int | None) -> b
     the row's ``fused`` route (giftcomm.algorithms) says where -- "nodes" inside the node-local
     fp32 ring (any format); the others inside the FP8 encodes (e4m3 / e5m2, rounding to nearest,
     block <= 256); a row without a route never."""
-    from ..cuda.fused import FORMATS, MAX_BLOCK
+    from ..geometry.fused import FORMATS, MAX_BLOCK
 
     route = BY_NAME[algorithm].fused
     if route == "nodes":
@@ -96,11 +96,11 @@ def fused_encode(algorithm: str, fmt: Format, block: int, seed: int | None) -> b
 
 
 class FusedGift:
-    """The device state of one geometry: ``fwd``, ``inv`` (giftcomm.cuda.fused.FusedPlan) and
+    """The device state of one geometry: ``fwd``, ``inv`` (giftcomm.geometry.fused.FusedPlan) and
     the wire tables of the gathered layouts (per chunk bounds, format, block and slice)."""
 
     def __init__(self, geometry: Any, xp: Any) -> None:
-        from ..cuda.fused import FusedPlan
+        from ..geometry.fused import FusedPlan
 
         self.fwd, self.inv = FusedPlan(geometry, xp), FusedPlan(geometry, xp, inverse=True)
         self.xp = xp
@@ -112,7 +112,7 @@ class FusedGift:
         key = (bounds.tobytes(), fmt.name, block, slice_n)
         table = self._tables.get(key)
         if table is None:
-            from ..cuda.fused import wire_table
+            from ..geometry.fused import wire_table
 
             lay = ring.layout_of(np.diff(bounds), fmt, block, slice_n)
             starts, offsets = [], []

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..formats import get_format
-from ..partition import shared_chunk_bounds
+from ..algorithms.partition import shared_chunk_bounds
+from ..formats import Format, get_format
 from ..transport import Transport
 from . import ring
 from .wire import Wire
@@ -52,7 +52,7 @@ def contiguous_nodes(p: int, local_size: int) -> np.ndarray:
 
 def allreduce(
     t: Transport, x: Any, node_of: np.ndarray, wire: Wire, acc_t: np.dtype,
-    slice_elems: int, local_fmt: str = "fp32", scatter: ReduceScatter = ring.reduce_scatter,
+    slice_elems: int, local_fmt: Format = get_format("fp32"), scatter: ReduceScatter = ring.reduce_scatter,
     local_own: Callable[[Wire], ring.Own] | None = None,
 ) -> Any:
     """Sum of the flat vector ``x`` over all ranks (float32, identical on every rank);
@@ -65,7 +65,7 @@ def allreduce(
     lr = mine.index(t.rank)
     local = t.split(mine, "hier-local")
     cross = t.split([g[lr] for g in groups], "hier-cross")
-    local_wire = wire.with_format(get_format(local_fmt))
+    local_wire = wire.with_format(local_fmt)
     local_bounds = shared_chunk_bounds(x.size, local_size, wire.block)
     node_sum, _ = ring.reduce_scatter(local, x, local_bounds, local_wire, acc_t, slice_elems,
                                       own=None if local_own is None else local_own(local_wire))

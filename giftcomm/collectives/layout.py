@@ -1,5 +1,5 @@
 """reduce_scatter's shard layout in one call: the bounds of every rank's shard, and the field
-that makes every rank agree on the layout (giftcomm.partition has the layouts themselves).
+that makes every rank agree on the layout (giftcomm.algorithms.partition has the layouts themselves).
 
 A reduce-scatter's agreed signature is the collectives' (call.FIELDS) plus ``layout``, so that
 ranks asking for different layouts raise on every rank instead of exchanging mismatched chunks.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..algorithms import BY_CODE, Algorithm
-from ..partition import LAYOUTS, shard_bounds
+from ..algorithms.partition import LAYOUTS, shard_bounds
 from .call import MATCH, Call
 
 __all__ = ["LAYOUTS", "SCATTER_FIELDS", "SCATTER_MATCH", "plan_layout", "chosen_algorithm", "unknown_layout"]

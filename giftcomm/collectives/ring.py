@@ -1,6 +1,6 @@
 """Pipelined ring reduce-scatter with in-ring FP8 requantization, and the ring allgather.
 
-Chunk layout: :func:`giftcomm.partition.chunk_bounds`. Chunk ``c`` starts at rank ``c+1`` and
+Chunk layout: :func:`giftcomm.algorithms.partition.chunk_bounds`. Chunk ``c`` starts at rank ``c+1`` and
 travels right around the ring; each rank on the way decodes it, adds its own values in the
 accumulation dtype and re-encodes it; rank ``c`` adds last and keeps the high-precision sum. In
 the allgather, each owner's encoded chunk travels P-1 hops unchanged, so every rank decodes the

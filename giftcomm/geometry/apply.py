@@ -16,7 +16,7 @@ about two reads and one write of the segment per direction instead of the six sw
 side-by-side application. A right-side-only transform finishes each row tile on its own: one
 sweep per direction. Rank-1 sides are padded with a zero-weight column (exact). Groups with dense
 sides use ``S_L @ X @ S_R`` as one batched matmul per side (the same kernel as
-``giftcomm.cuda.transform.TransformPlan``); other kinds (diagonal, Hadamard, mixes) go segment by
+``giftcomm.geometry.dense_plan.TransformPlan``); other kinds (diagonal, Hadamard, mixes) go segment by
 segment through the sides' own ``left`` / ``right``.
 
 Batching: on NumPy only segments adjacent in the buffer are batched (a view, no gather); on other

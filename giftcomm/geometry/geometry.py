@@ -286,8 +286,8 @@ class Geometry:
         return plan.apply(x, inverse, out)
 
 
-def _fmt_pair(v, fmt: str) -> str:
-    return "-" if v is None else "/".join(format(x, fmt) for x in v)
+def _fmt_pair(v, spec: str) -> str:
+    return "-" if v is None else "/".join(format(x, spec) for x in v)
 
 
 def _summary(geom: Geometry) -> str:

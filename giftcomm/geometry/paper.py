@@ -81,7 +81,7 @@ class PaperOptions:
     threshold: the selection rule's settings (:meth:`SaturationProfile.select`: the top_n highest
     scores, and/or those with a score >= threshold; both None: all). profile_steps: the length of
     the profile window. reexpress: error feedback re-expressed in the new coordinates at a
-    refresh (:class:`giftcomm.feedback.TransformedFeedback`); False is the artifact's behaviour.
+    refresh (:class:`giftcomm.collectives.feedback.TransformedFeedback`); False is the artifact's behaviour.
     factor_decay: the EMA of the factor itself across refreshes, in [0, 1) (the paper's 0.95;
     0: each refresh uses its fresh factor; :class:`FactorEMA`).
     """

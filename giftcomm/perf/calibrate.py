@@ -34,8 +34,8 @@ What is measured (all by ping-pong between two ranks; the other ranks wait witho
   when built), on ``--codec-elems`` values (default 4M: larger than the caches, as in a large
   allreduce). Also, for information, the same for bf16 (a pass-through format).
 
-The result is the JSON that :func:`giftcomm.calibration.load_calibration` reads; it is written to
-``--out`` (default: :func:`giftcomm.calibration.calibration_path`) and printed. Extra keys under
+The result is the JSON that :func:`giftcomm.cost.calibration.load_calibration` reads; it is written to
+``--out`` (default: :func:`giftcomm.cost.calibration.calibration_path`) and printed. Extra keys under
 ``"measured"`` record the raw timings, the load average and the layout.
 """
 from __future__ import annotations
@@ -53,8 +53,9 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms, codec, config
-from ..calibration import calibration_path, load_calibration
-from ..machine import BOUNDS, Calibration, LinkCost
+from ..algorithms.machine import BOUNDS, Calibration, LinkCost
+from ..cost.calibration import calibration_path, load_calibration
+from ..formats import FORMATS, Format
 from .common import time_calls, topology
 from .sizes import parse_size, size_range
 from .timing import load_average
@@ -83,7 +84,7 @@ def fit_link(sizes, seconds, small_max: int = 1024, large_min: int = 256 * 1024)
     sizes: message sizes in bytes; seconds: one-way time of one message of that size. beta is the
     slope of the least-squares line through the points with ``size >= large_min``; alpha is the
     median over the points with ``size <= small_max`` of ``t - beta * size``. Both are clamped
-    from below at the smallest value a calibration file may hold (giftcomm.machine.BOUNDS): on a
+    from below at the smallest value a calibration file may hold (giftcomm.algorithms.machine.BOUNDS): on a
     noisy machine the slope through a few sizes can come out flat or negative. Each group needs at
     least one point (the large group two distinct sizes)."""
     s = np.asarray(sizes, np.float64)
@@ -226,14 +227,16 @@ def measure_overlap(comm, cal: Calibration, topo, nbytes: int, reps: int = 5) ->
 
     import giftcomm
 
-    from ..costmodel import predict
+    from ..cost.model import predict
+    from ..formats import get_format
 
     n = nbytes // 4
     x = np.random.default_rng(comm.rank).standard_normal(n, dtype=np.float32)
     measured = time_calls(lambda: giftcomm.allreduce(x, comm=comm, algorithm="ring"), reps, warmup=1,
                           comm=comm, stat=STAT_NAME[0])[0]
-    t_full = predict("ring", n, topo, "e4m3", 256, replace(cal, overlap=1.0))
-    t_none = predict("ring", n, topo, "e4m3", 256, replace(cal, overlap=0.0))
+    e4m3 = get_format("e4m3")
+    t_full = predict("ring", n, topo, e4m3, 256, replace(cal, overlap=1.0))
+    t_none = predict("ring", n, topo, e4m3, 256, replace(cal, overlap=0.0))
     ov = fit_overlap(measured, t_full, t_none)
     return ov, {"bytes": nbytes, "measured_s": measured, "predicted_full_overlap_s": t_full,
                 "predicted_no_overlap_s": t_none, "overlap": ov}
@@ -276,9 +279,10 @@ def _rate(fn, n: int, budget_s: float) -> float:
     return n / time_calls(fn, 200, warmup=1, stat=STAT_NAME[0], budget_s=budget_s, min_iters=5)[0]
 
 
-def measure_codec_rates(n: int = 1 << 22, fmt: str = "e4m3", block: int = 256, budget_s: float = 0.5,
+def measure_codec_rates(n: int = 1 << 22, fmt: Format = FORMATS["e4m3"], block: int = 256, budget_s: float = 0.5,
                         seed: int = 0) -> dict[str, float]:
-    """Codec throughput in float32 values per second (one call at a time, this process's core).
+    """Codec throughput in float32 values per second (one call at a time, this process's core)
+    for wire format ``fmt``.
 
     Keys: encode, decode, fused (decode_add_encode), accumulate (decode_accumulate)."""
     rng = np.random.default_rng(seed)
@@ -396,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_codec:
         n = parse_size(args.codec_elems)
         if comm.rank == 0:
-            rates = measure_codec_rates(n, "e4m3")
+            rates = measure_codec_rates(n, FORMATS["e4m3"])
             raw["codec_e4m3"] = rates
-            raw["codec_bf16 (information)"] = measure_codec_rates(n, "bf16")
+            raw["codec_bf16 (information)"] = measure_codec_rates(n, FORMATS["bf16"])
             raw["codec_elems"] = n
             raw["native"] = codec.native_available()
         _idle(comm)
@@ -419,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                    netbed_rate=config.raw("GIFTCOMM_NETBED_RATE"))
         text = calibration_json(cal, raw)
         if not args.no_write:
-            from ..calibration import write_calibration  # atomic: a temporary file, then os.replace
+            from ..cost.calibration import write_calibration  # atomic: a temporary file, then os.replace
 
             write_calibration(out_path, text + "\n")
         print(text)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import codec
-from ..formats import get_format, message_nbytes, resolve_block
+from ..formats import Format, get_format, message_nbytes, resolve_block
 from ..reference import codec as ref
 from .common import Progress, add_fmt, add_json, add_out, parent_parser, split_list, time_calls
 from .sizes import parse_size
@@ -46,10 +46,9 @@ def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float) -> 
     return time_calls(fn, 10 * repeats, warmup=1, budget_s=min_time, min_iters=repeats)[0]
 
 
-def _kernels(impl: str, fmt: str, block: int, x: np.ndarray, local: np.ndarray) -> dict[str, Callable[[], object]]:
+def _kernels(impl: str, f: Format, block: int, x: np.ndarray, local: np.ndarray) -> dict[str, Callable[[], object]]:
     """Closures for the four operations on preallocated buffers, for impl 'native' or 'numpy': the
     trusted kernels giftcomm runs on the host (codec.NativeKernels, codec.ReferenceKernels)."""
-    f = get_format(fmt)
     n = x.size
     msg = ref.encode(x, f, block)
     msg_out = np.empty(message_nbytes(n, f, block), np.uint8)
@@ -93,9 +92,9 @@ def run(sizes: list[int], formats: list[str], block: int, repeats: int, min_time
             impls = {}
             fblock = resolve_block(fmt, block)
             if _native():
-                impls["native"] = _kernels("native", fmt, fblock, x, local)
+                impls["native"] = _kernels("native", get_format(fmt), fblock, x, local)
             if with_numpy:
-                impls["numpy"] = _kernels("numpy", fmt, fblock, x, local)
+                impls["numpy"] = _kernels("numpy", get_format(fmt), fblock, x, local)
             for op in OPS:
                 bar.update(f"{fmt} n={n} {op}")
                 row = {"fmt": fmt, "n": n, "op": op, "native": None, "numpy": None, "copy": copy}

@@ -61,13 +61,12 @@ import numpy as np
 
 import giftcomm
 from giftcomm import codec, config
-from giftcomm.algorithms import AUTO, BY_NAME, native_bytes
+from giftcomm.algorithms import BY_NAME, native_bytes
 from giftcomm.api import ALGORITHMS
-from giftcomm.costmodel import auto_algorithm
-from giftcomm.formats import FORMATS, bytes_per_value, resolve_block
+from giftcomm.formats import FORMATS, bytes_per_value, get_format, resolve_block
 from giftcomm.reference import simulate_allreduce
 
-from .common import Progress, add_fmt, add_json, parent_parser, split_list, time_calls, topology
+from .common import Progress, add_fmt, add_json, parent_parser, split_list, time_calls
 from .sizes import format_size, parse_size, size_range
 
 SHARED_MEMORY = {"auto": None, "on": True, "off": False}  # --shared-memory -> MpiTransport(shared_memory=)
@@ -122,14 +121,6 @@ def _half_sum(kind: str) -> Any:
     from giftcomm.transport.mpi import half_sum  # lazily: mpi4py, as everywhere in the perf tools
 
     return half_sum(kind)
-
-
-def chosen_algorithm(transport: Any, algorithm: str, count: int, fmt: str, block: int) -> str:
-    """The algorithm a call uses: ``algorithm`` itself, or for ``auto`` the cost model's choice
-    (giftcomm.costmodel.auto_algorithm on the transport's node layout, as the API asks it)."""
-    if algorithm != AUTO:
-        return algorithm
-    return auto_algorithm(count, topology(transport)[1], fmt, block)
 
 
 BASELINES = ("mpi", "mpibf", "ring-bf16")
@@ -252,7 +243,7 @@ def run_allreduce_sweep(comm: Any, sizes: list[int], fmts: list[str], dtype_name
                 last = giftcomm.api.last_algorithm(transport)
                 assert last is not None  # the calls above ran
                 algo = last[0]  # what the call ran
-                wire = float(native_bytes(name)) if BY_NAME[algo].native else bytes_per_value(name, fblock)
+                wire = float(native_bytes(get_format(name))) if BY_NAME[algo].native else bytes_per_value(name, fblock)
                 if check:
                     # Every rank's result must equal rank 0's (checked by digest), so only rank 0
                     # runs the single-process simulation: P times less work on a shared machine.

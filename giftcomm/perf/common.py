@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..costmodel import Topology
+from ..cost.model import Topology
 from .timing import STATS, time_calls, time_rounds
 
 __all__ = ["time_calls", "time_rounds", "Progress", "topology", "split_list", "parent_parser", "add_fmt", "add_json",

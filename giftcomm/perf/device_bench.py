@@ -19,7 +19,7 @@ line rate.
 4. the geometry transform: forward + inverse of one Llama-like layer (hidden 1024, MLP 2816:
    q, k, v, o, gate, up, down; 12.8M values) with a low-rank KFAC geometry (rank --rank), the
    unfused route (``Geometry.forward`` / ``inverse``: cuBLAS and CuPy elementwise);
-5. section ``gift``, the targets of the fused transform (giftcomm.cuda.fused; docs/gpu.md
+5. section ``gift``, the targets of the fused transform (giftcomm.geometry.fused; docs/gpu.md
    "Fused transform") on that layer, e4m3 block 256, each with its verdict:
    - device compute of one ring per rank (encode + decode_add_encode + decode of the buffer):
      GIFT fused (pass A, fused encode, fused hop, inverse pass A from the wire, fused inverse
@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import get_format, message_nbytes, resolve_block
+from ..formats import Format, get_format, message_nbytes, resolve_block
 from .timing import time_calls
 
 SCALED_BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 8192, 16384)
@@ -98,12 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------ byte accounting
-def wire_bytes_per_value(fmt: str, block: int | None, n: int) -> float:
-    f = get_format(fmt)
-    return message_nbytes(n, f, resolve_block(f, block)) / n
+def wire_bytes_per_value(fmt: Format, block: int | None, n: int) -> float:
+    return message_nbytes(n, fmt, resolve_block(fmt, block)) / n
 
 
-def bytes_per_value(op: str, fmt: str, block: int | None, n: int) -> float:
+def bytes_per_value(op: str, fmt: Format, block: int | None, n: int) -> float:
     """Bytes an op must move per value: float32 reads/writes plus wire message reads/writes
     (the stochastic ops ``*_sr`` move what their nearest twins move)."""
     w = wire_bytes_per_value(fmt, block, n)
@@ -111,10 +110,10 @@ def bytes_per_value(op: str, fmt: str, block: int | None, n: int) -> float:
             "decode_accumulate": w + 8}[op.removesuffix("_sr")]
 
 
-def two_pass(op: str, fmt: str, block: int) -> bool:
+def two_pass(op: str, fmt: Format, block: int) -> bool:
     """Whether the e4m3/e5m2 ``op`` at ``block`` runs the two-pass kernels (its input read twice)."""
     limit = ONE_PASS_MAX_BLOCK.get(op.removesuffix("_sr"))
-    return get_format(fmt).scale_kind == "f32" and limit is not None and block > limit
+    return fmt.scale_kind == "f32" and limit is not None and block > limit
 
 
 def codec_cases(formats: list[str], blocks: list[int]) -> list[tuple[str, int | None]]:
@@ -143,10 +142,11 @@ def format_codec_table(times: dict[tuple[str, int | None, str], float], n: int, 
     lines = ["| fmt | block | op | ms | Gvalues/s | bytes/value | GB/s | % of copy roofline |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (fmt, block, op), ms in times.items():
-        bpv = bytes_per_value(op, fmt, block, n)
+        f = get_format(fmt)
+        bpv = bytes_per_value(op, f, block, n)
         gbs = bpv * n / ms / 1e6
-        shown = block if block is not None else resolve_block(get_format(fmt), None)
-        lines.append(f"| {fmt} | {shown}{' (two-pass)' if two_pass(op, fmt, shown) else ''} | {op} | {ms:.3f} | "
+        shown = block if block is not None else resolve_block(f, None)
+        lines.append(f"| {fmt} | {shown}{' (two-pass)' if two_pass(op, f, shown) else ''} | {op} | {ms:.3f} | "
                      f"{n / ms / 1e6:.1f} | {bpv:.3f} | {gbs:.0f} | {_pct(gbs / copy_gbs)} |")
     return "\n".join(lines)
 
@@ -162,7 +162,7 @@ def format_peer_table(peer: dict[str, float], n: int, copy_gbs: float) -> str:
             ms = peer.get(f"{impl} {op}")
             if ms is None:
                 continue
-            gbs = bytes_per_value(op, "e4m3", 256, n) * n / ms / 1e6
+            gbs = bytes_per_value(op, get_format("e4m3"), 256, n) * n / ms / 1e6
             rel = f"{ms / g:.2f}x" if g else "-"
             lines.append(f"| {impl} | {op} | {ms:.3f} | {gbs:.0f} | {_pct(gbs / copy_gbs)} | {rel} |")
     return "\n".join(lines)
@@ -341,7 +341,7 @@ def measure_gift(cp: Any, timed, wall, geometry) -> dict:
     from giftcomm.transport.device_loopback import DeviceLoopbackGroup
 
     from .. import codec as gc
-    from ..cuda.fused import FusedPlan
+    from ..geometry.fused import FusedPlan
 
     n, f = geometry.size, get_format("e4m3")
     x = cp.random.standard_normal(n, dtype=cp.float32)

@@ -229,7 +229,7 @@ def split_message(message: np.ndarray, count: int, fmt: Format,
 
 def group_scales(message: np.ndarray, count: int) -> np.ndarray:
     """The float32 group scales of an nvfp4 message (a view)."""
-    off = group_scales_offset(count, "nvfp4")
+    off = group_scales_offset(count, get_format("nvfp4"))
     return message[off : off + 4 * num_groups(count)].view(np.float32)
 
 

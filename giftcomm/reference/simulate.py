@@ -16,9 +16,9 @@ import numpy as np
 
 from .. import algorithms
 from ..algorithms import AUTO, BY_NAME
-from ..costmodel import Topology, auto_algorithm
+from ..algorithms.partition import accumulation_dtype, chunk_bounds, shard_bounds
+from ..cost.model import Topology, auto_algorithm
 from ..formats import Format, check_rounding, get_format, resolve_block
-from ..partition import accumulation_dtype, chunk_bounds, shard_bounds
 from .baselines import BASELINE_WIRES, simulate_baseline_allreduce
 from .codec import decode, encode
 from .rounding import call_key
@@ -36,15 +36,14 @@ class _Wire:
     seed: int | None = None
 
     @classmethod
-    def of(cls, fmt: str | Format, block: int | None, rounding: str = "nearest", seed: int | None = None) -> "_Wire":
-        f = get_format(fmt)
+    def of(cls, f: Format, block: int | None, rounding: str = "nearest", seed: int | None = None) -> "_Wire":
         check_rounding(rounding, f)
         if rounding == "stochastic" and seed is None:
             raise ValueError("stochastic rounding needs seed= (an int identifying the call)")
         return cls(f, resolve_block(f, block), seed if rounding == "stochastic" and f.scaled else None)
 
-    def passthrough(self, fmt: str) -> "_Wire":
-        return _Wire(get_format(fmt), self.block, None)
+    def passthrough(self, fmt: Format) -> "_Wire":
+        return _Wire(fmt, self.block, None)
 
     def encode(self, v: np.ndarray, party: int, offset: int, stage: int = 0) -> np.ndarray:
         if self.seed is None:
@@ -78,7 +77,7 @@ def _chunk_sums(flat: list[np.ndarray], w: _Wire, direct: bool = False, parties:
     hop; rank c adds last. Direct: the contributions in rank order, each other rank's quantized
     once, the owner's own exact. ``parties``: the ranks of the members (default 0..P-1);
     ``base``: the index of flat[q][0] in the buffer; ``layout``: the chunks' layout
-    (giftcomm.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
+    (giftcomm.algorithms.partition.shard_bounds; each chunk's messages count their blocks from its start)."""
     p = len(flat)
     parties = list(range(p)) if parties is None else list(parties)
     acc_t = accumulation_dtype(flat[0].dtype)
@@ -130,7 +129,7 @@ def _doubling_sum(flat: list[np.ndarray], w: _Wire) -> np.ndarray:
     return w.q(acc[0], 0, 0, 1 + rounds).astype(acc_t)
 
 
-def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str, direct: bool) -> np.ndarray:
+def _hierarchical_sum(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format, direct: bool) -> np.ndarray:
     """Node-local pass-through ring reduce-scatter, FP8 ring (``direct``: direct) reduce-scatter
     and allgather across nodes, node-local allgather."""
     p = len(flat)
@@ -231,10 +230,10 @@ def simulate_reduce_scatter(
     :func:`resolve_algorithm` with ``kind="reduce_scatter"``; allow_native: its option). layout: "blocks" or "equal", as for
     giftcomm.reduce_scatter.
     """
-    w = _Wire.of(fmt, block, rounding, seed)
+    w = _Wire.of(get_format(fmt), block, rounding, seed)
     flat, dtype, _ = _flat_inputs(inputs)
     if algorithm == AUTO:  # the live call's choice (allow_native: its option)
-        algorithm = resolve_algorithm(AUTO, flat[0].size, len(flat), None, w.fmt.name, w.block, allow_native,
+        algorithm = resolve_algorithm(AUTO, flat[0].size, len(flat), None, w.fmt, w.block, allow_native,
                                       kind="reduce_scatter")
     if algorithm not in algorithms.SCATTER_CHOICES[1:]:
         raise ValueError(f"reduce_scatter algorithm must be one of {', '.join(algorithms.SCATTER_CHOICES[1:])}, "
@@ -243,16 +242,16 @@ def simulate_reduce_scatter(
     return [_finish(s, op, len(flat), dtype) for s in sums]
 
 
-def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str,
+def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fmt: str | Format,
                       block: int | None = None, allow_native: bool = True, *, kind: str = "allreduce") -> str:
     """The algorithm a call with these arguments runs ("auto" resolved; another name as given):
-    giftcomm.costmodel.auto_algorithm, the one decision every live call makes, on every transport
+    giftcomm.cost.model.auto_algorithm, the one decision every live call makes, on every transport
     (MPI with or without its shared-memory paths, torch.distributed, NCCL) and whether or not the
     call's plan is cached.
 
     n: values in the buffer. p: ranks. local_size: ranks per node (None: all ``p`` on one node,
     the layout of a single host; pass the transport's own on several nodes). fmt, block: the
-    wire format and block (None: the format's own). allow_native: the call's option. kind:
+    wire format (a Format or its name) and block (None: the format's own). allow_native: the call's option. kind:
     "allreduce" (also gift_allreduce and giftcomm.plan_allreduce) or "reduce_scatter" (chooses
     among its rows). The live call's choice is reported by
     ``giftcomm.collectives.engine.last_algorithm(transport)``."""
@@ -264,7 +263,7 @@ def resolve_algorithm(algorithm: str, n: int, p: int, local_size: int | None, fm
     if algorithm != AUTO:
         return algorithm
     k = local_size or p
-    return auto_algorithm(n, Topology(p, p // k, k), get_format(fmt).name, resolve_block(fmt, block),
+    return auto_algorithm(n, Topology(p, p // k, k), get_format(fmt), resolve_block(fmt, block),
                           allow_native=allow_native, scatter=kind == "reduce_scatter")
 
 
@@ -303,16 +302,16 @@ def simulate_allreduce(
             raise ValueError(f"baseline wire {fmt!r} has its own ring order, one scale per tensor and rounding to "
                              "nearest: algorithm 'auto'/'ring', block None, rounding 'nearest', no local_size")
         return simulate_baseline_allreduce(inputs, fmt, op)
-    w = _Wire.of(fmt, block, rounding, seed)
-    get_format(local_fmt)
+    w = _Wire.of(get_format(fmt), block, rounding, seed)
+    local = get_format(local_fmt)
     flat, dtype, shape = _flat_inputs(inputs)
     p = len(flat)
-    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, w.fmt.name, w.block, allow_native)
+    algorithm = resolve_algorithm(algorithm, flat[0].size, p, local_size, w.fmt, w.block, allow_native)
     acc_t = accumulation_dtype(dtype)
     if flat[0].size == 0:
         result = np.zeros(0, acc_t)
     else:
-        result = BY_NAME[algorithm].part("simulation")(flat, w, local_size or p, local_fmt)
+        result = BY_NAME[algorithm].part("simulation")(flat, w, local_size or p, local)
     out = _finish(result.astype(acc_t, copy=False), op, p, dtype).reshape(shape)
     return [out.copy() for _ in range(p)]
 
@@ -321,7 +320,7 @@ def simulate_allgather(shards: Sequence[np.ndarray], fmt: str = "e4m3", block: i
                        rounding: str = "nearest", seed: int | None = None) -> list[np.ndarray]:
     """Every rank's allgather output: the concatenation of every shard, each encoded once by its
     owner (stochastic rounding: keyed by the owner, counted from the shard's place in the result)."""
-    w = _Wire.of(fmt, block, rounding, seed)
+    w = _Wire.of(get_format(fmt), block, rounding, seed)
     arrays = [np.asarray(s).reshape(-1) for s in shards]
     dtype = arrays[0].dtype
     starts = np.concatenate([[0], np.cumsum([a.size for a in arrays])])
@@ -331,7 +330,7 @@ def simulate_allgather(shards: Sequence[np.ndarray], fmt: str = "e4m3", block: i
     return [out.copy() for _ in arrays]
 
 
-Simulation = Callable[[list[np.ndarray], _Wire, int, str], np.ndarray]
+Simulation = Callable[[list[np.ndarray], _Wire, int, Format], np.ndarray]
 """simulation(every rank's flat input, wire, local_size, local_fmt) -> the allreduce's sum
 (the accumulation dtype, before ``avg``)."""
 
@@ -355,7 +354,7 @@ def scatter_native(flat: list[np.ndarray], w: _Wire, layout: str = "blocks") -> 
 
 
 def _scatter_gather(name: str) -> Simulation:
-    def sim(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+    def sim(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
         sums, bounds = BY_NAME[name].part("scatter_simulation")(flat, w)
         return _gathered(sums, bounds, w, accumulation_dtype(flat[0].dtype))
 
@@ -368,26 +367,26 @@ allreduce_direct = _scatter_gather("direct")
 """The ``direct`` row's simulation."""
 
 
-def allreduce_doubling(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+def allreduce_doubling(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
     """The ``doubling`` row's simulation."""
     return _doubling_sum(flat, w)
 
 
-def allreduce_hierarchical(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+def allreduce_hierarchical(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
     """The ``hierarchical`` row's simulation (ring across nodes)."""
     return _hierarchical_sum(flat, w, local_size, local_fmt, False)
 
 
-def allreduce_hierarchical_direct(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+def allreduce_hierarchical_direct(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
     """The ``hierarchical_direct`` row's simulation (direct across nodes)."""
     return _hierarchical_sum(flat, w, local_size, local_fmt, True)
 
 
-def allreduce_oneshot(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+def allreduce_oneshot(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
     """The ``oneshot`` row's simulation."""
     return _oneshot_sum(flat, w)
 
 
-def allreduce_native(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: str) -> np.ndarray:
+def allreduce_native(flat: list[np.ndarray], w: _Wire, local_size: int, local_fmt: Format) -> np.ndarray:
     """The ``native`` row's simulation (MPICH's recursive-doubling order)."""
     return _native_sum(flat, w)

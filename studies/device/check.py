@@ -216,7 +216,7 @@ def sec_collectives(rep: Report, quick: bool) -> None:
 def sec_transform(rep: Report, quick: bool) -> None:
     import cupy as cp
 
-    from giftcomm.cuda.transform import SegmentPair, TransformPlan
+    from giftcomm.geometry.dense_plan import SegmentPair, TransformPlan
 
     rng = np.random.default_rng(3)
     rep.add("| model | layers | params/layer (M) | transform fwd+inv ms | bytes saved (MB) | "

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ... import accounting, api
 from ...accounting import Tally, native_sent_bytes
-from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
+from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
 from ...geometry.paper import FactorEMA, agree_refresh, refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
@@ -258,7 +258,7 @@ class GiftState:
     fields: rank, damping (absolute), decay (the capture's EMA), refresh_every (replaces this
     state's refresh_every), factor, names (the segments to transform, e.g. from a
     SaturationProfile), reexpress (error feedback); with ``error_feedback=True`` the residuals
-    are kept in the transformed coordinates, giftcomm.feedback.TransformedFeedback; at the end of
+    are kept in the transformed coordinates, giftcomm.collectives.feedback.TransformedFeedback; at the end of
     every iteration the geometry thread first agrees with the other ranks on the iteration count
     and the settings -- one int64 allgather, giftcomm.geometry.paper.agree_refresh -- and only
     then refreshes when due, so ranks that would refresh at different iterations raise the same
@@ -276,7 +276,7 @@ class GiftState:
     ``process_group`` (a GROUPED one takes the device route; tests drive it with the device
     loopback). sync_transport: the transport for KFAC factor sync (default: a private gloo group).
     error_feedback: keep, per bucket, what this rank's own encoding lost and add it to that
-    bucket's next gradient (giftcomm.feedback; docs/method.md "Error feedback"); a block-scaled
+    bucket's next gradient (giftcomm.collectives.feedback; docs/method.md "Error feedback"); a block-scaled
     fmt only (ValueError otherwise). Not applied in the plain warm-up iterations
     (start_gift_iter) nor with one rank. A residual is dropped when its bucket's layout changes;
     with named parameters (``param_names``, or :meth:`bind` / :meth:`register` after a restore)
@@ -290,7 +290,7 @@ class GiftState:
     one rank (a world size 1 group, or no process group at all) the hook passes buckets through
     unchanged.
 
-    baseline: None, or a baseline wire (giftcomm.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl":
+    baseline: None, or a baseline wire (giftcomm.collectives.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl":
     one scale per tensor, NCCL's FP8 ring sum, the paper's wire) that every bucket past the warm-up
     then goes through instead of giftcomm's collective, as GradSync's ``baseline`` (host buckets of
     float32/float64/float16 only: TypeError at the bucket otherwise; reference speed; the wire
@@ -326,7 +326,7 @@ class GiftState:
             self.feedback = TransformedFeedback(reexpress=self.paper.reexpress) if self.paper else ErrorFeedback()
         self.baseline: Optional[str] = None
         if baseline is not None:
-            from ...baselines import baseline_wire
+            from ...collectives.baselines import baseline_wire
 
             try:
                 self.baseline = baseline_wire(baseline).name
@@ -738,9 +738,9 @@ _BASELINE_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 def _reduce_baseline(state: GiftState, index: int, buf: torch.Tensor, geo, transport: Any, signature: tuple) -> None:
     """One host bucket averaged in place through the state's baseline wire
-    (giftcomm.baselines.baseline_allreduce, ``geo`` mapped around the encoding), with the
+    (giftcomm.collectives.baselines.baseline_allreduce, ``geo`` mapped around the encoding), with the
     transformed-coordinate error feedback around it when the state keeps one."""
-    from ...baselines import baseline_allreduce
+    from ...collectives.baselines import baseline_allreduce
 
     if buf.device.type != "cpu" or buf.dtype not in _BASELINE_DTYPES:
         raise TypeError(f"gift_hook: the baseline wire {state.baseline} runs on host buckets of float32, float64 or "
@@ -760,7 +760,7 @@ def _bucket_signature(state: GiftState, bucket: dist.GradBucket) -> tuple:
     """What identifies a bucket's layout for its residual (rank-independent, picklable): with
     every parameter named (``param_names``), its ``(dtype:name, numel)`` pieces in buffer order,
     so that a residual follows its parameters when DDP rebuilds the bucket in another order
-    (giftcomm.feedback.reordered); else the dtype and the parameters' shapes (a new order drops
+    (giftcomm.collectives.feedback.reordered); else the dtype and the parameters' shapes (a new order drops
     the residual)."""
     params, dtype = bucket.parameters(), str(bucket.buffer().dtype)
     names = [state.param_names.get(id(p)) for p in params]

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ... import accounting, api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
-from ...feedback import ErrorFeedback, check_feedback_format
+from ...collectives.feedback import ErrorFeedback, check_feedback_format
 from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh
 from ...geometry.sharded import ShardedGeometry
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
@@ -108,7 +108,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     parameters. damping: the geometry's. Built by :func:`register_reduce_scatter`, which binds
     each comm to its module's parameters (``bind``); ValueError/TypeError at once for bad options.
     error_feedback: keep what this rank's own encoding of the reduce-scatter input lost and add it
-    to the next call's input (giftcomm.feedback; exact for "direct"; block-scaled fmt only). The
+    to the next call's input (giftcomm.collectives.feedback; exact for "direct"; block-scaled fmt only). The
     input FSDP passes is left alone (the compensated values are a copy). With a geometry the
     residual stays in the geometry's coordinates and is dropped when the geometry is rebuilt.
     ``algorithm_used``: what the last call really ran; :meth:`state_dict` holds this rank's
@@ -118,7 +118,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     group in which the ranks agree on the call count and the settings
     (giftcomm.geometry.paper.agree_refresh), so ranks that would refresh at different calls raise
     the same ValueError at once. baseline: None, or a baseline wire
-    (giftcomm.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8
+    (giftcomm.collectives.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8
     ring sum, the paper's wire) that every call past the warm-up then goes through instead of
     giftcomm's collective, as GradSync's ``baseline``: the wire's allreduce of the whole input (the
     rows mapped by the geometry first, when there is one), of which this rank keeps its shard
@@ -142,7 +142,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
         self.baseline: str | None = None
         if baseline is not None:
-            from ...baselines import baseline_wire
+            from ...collectives.baselines import baseline_wire
 
             try:
                 self.baseline = baseline_wire(baseline).name
@@ -321,7 +321,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         """This rank's (N/P,) float32 shard of the baseline wire's allreduce of ``x`` (N,): rows
         mapped forward by ``geo`` first (when given), this shard of the sum mapped back after,
         then divided by P for ``how="avg"`` (the order of GradSync's baseline)."""
-        from ...baselines import baseline_allreduce
+        from ...collectives.baselines import baseline_allreduce
 
         if x.device.type != "cpu":
             raise TypeError(f"GiftReduceScatter: the baseline wire {self.baseline} runs on host tensors only; this "

@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import api
 from ...accounting import Tally
-from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
+from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...options import CallOptions, options_of_call
 from ...transport import resolve
 from ..calls import call_kwargs, log_path
@@ -88,7 +88,7 @@ class GradSync:
     sync calls, the same on every rank that calls sync in step).
 
     error_feedback: keep, per bucket, what this rank's own encoding lost and add it to the
-    bucket's next gradient (:mod:`giftcomm.feedback`, docs/method.md "Error feedback"; a
+    bucket's next gradient (:mod:`giftcomm.collectives.feedback`, docs/method.md "Error feedback"; a
     block-scaled fmt only, else ValueError here). The residuals are this rank's own:
     :meth:`state_dict` holds them for a per-rank checkpoint. ``sync.algorithms``: the algorithm
     each bucket's last call really ran (``auto`` resolved).
@@ -107,10 +107,10 @@ class GradSync:
     feedback: where the residuals live with ``error_feedback=True``: None (default: "transformed"
     with geometry="paper" -- "transformed-kept" when its reexpress is False -- else "ordinary"),
     "ordinary" (gradient
-    coordinates, :class:`~giftcomm.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
+    coordinates, :class:`~giftcomm.collectives.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
     coordinates, re-expressed when the geometry changes: the paper's method with the re-expression,
-    :class:`~giftcomm.feedback.TransformedFeedback`) or "transformed-kept" (not re-expressed: the
-    paper's artifact). baseline: None, or a baseline wire (giftcomm.baselines.BASELINE_WIRES, e.g.
+    :class:`~giftcomm.collectives.feedback.TransformedFeedback`) or "transformed-kept" (not re-expressed: the
+    paper's artifact). baseline: None, or a baseline wire (giftcomm.collectives.baselines.BASELINE_WIRES, e.g.
     "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8 ring sum) that every bucket then goes
     through instead of giftcomm's collective (host buckets only; reference speed; fmt, block and
     the other call options are not used; op is); with error_feedback it needs a "transformed"
@@ -140,7 +140,7 @@ class GradSync:
             raise ValueError(f"GradSync: feedback must be one of {_FEEDBACK}, got {feedback!r}")
         self.baseline = None
         if baseline is not None:
-            from ...baselines import baseline_wire
+            from ...collectives.baselines import baseline_wire
 
             try:
                 self.baseline = baseline_wire(baseline).name
@@ -243,7 +243,7 @@ class GradSync:
 
     def _baseline(self, b: GradBucket, g: Any, tg: Any) -> str:
         """One bucket through the baseline wire (host), with the transformed-coordinate feedback."""
-        from ...baselines import baseline_allreduce
+        from ...collectives.baselines import baseline_allreduce
 
         values = b.buffer
         if self.feedback is not None:
@@ -260,7 +260,7 @@ class GradSync:
         """What this GradSync's reductions sent (this rank): ``{"calls", "bytes_sent": {fmt or
         "native": bytes}, "algorithms": {name: count}, "fallbacks": {reason: count}}``, as
         :func:`giftcomm.stats` counts them (docs/api.md, "What was sent"); a baseline wire's
-        buckets count under the wire's name (giftcomm.baselines.baseline_sent_bytes)."""
+        buckets count under the wire's name (giftcomm.collectives.baselines.baseline_sent_bytes)."""
         return self._tally.as_dict()
 
     def state_dict(self) -> dict[str, Any]:

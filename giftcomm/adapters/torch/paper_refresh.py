@@ -13,7 +13,7 @@ the capture of A and of the refresh.
   giftcomm.geometry.paper.refresh_geometries), so every rank applies the same map (fingerprints
   agreed; a rank missing a factor raises on every rank).
   Between refreshes the map stays fixed; an error feedback in the transformed coordinates is
-  re-expressed by its owner when the map changes (giftcomm.feedback.TransformedFeedback).
+  re-expressed by its owner when the map changes (giftcomm.collectives.feedback.TransformedFeedback).
 - **Agreement** (:meth:`PaperRefresh.agree`): at EVERY sync, before anything else, one int64
   allgather checks that the ranks have the same sync counter and the same settings
   (giftcomm.geometry.paper.agree_refresh), so ranks that would refresh at different syncs, or

@@ -62,7 +62,7 @@ A call the policy sends to the inner group is logged once per group and reason (
 a WARNING on the "giftcomm" logger) and every one is counted: :meth:`GiftProcessGroup.stats`
 (also :func:`group_stats` of any torch handle of the group) is the dict of ``giftcomm.stats``
 over the calls the policy decided on, on either route. ``baseline=`` sends the compressed
-all-reduces through a baseline wire (giftcomm.baselines) instead of giftcomm's format.
+all-reduces through a baseline wire (giftcomm.collectives.baselines) instead of giftcomm's format.
 
 Results are bit-identical on every rank (giftcomm's guarantee); a rank that gets a bad input
 or a failure gets giftcomm's exception, raised on every rank (docs/robustness.md). The call
@@ -245,7 +245,7 @@ class GiftProcessGroup(dist.ProcessGroup):
     members' private gloo group (the route agreement; the data of CPU tensors). ``options``: the
     giftcomm calls' :class:`CallOptions` (its ``op`` is ignored: each call's ReduceOp decides).
     ``policy``: what is compressed. ``baseline``: None, or the baseline wire every compressed
-    all-reduce goes through instead (giftcomm.baselines). ``explicit``: the format was named
+    all-reduce goes through instead (giftcomm.collectives.baselines). ``explicit``: the format was named
     (auto's fallback to native is then warned about). ``counts``: calls so far, by route
     ("giftcomm", "inner": the pass-through calls included); :meth:`stats`: what was sent.
     """
@@ -528,7 +528,7 @@ class GiftProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ the routes' ends
     def _baseline(self, buf: torch.Tensor, op: str) -> None:
         """``buf`` (CPU, flat) all-reduced in place through the baseline wire, counted under its name."""
-        from ...baselines import baseline_allreduce
+        from ...collectives.baselines import baseline_allreduce
         assert self.baseline is not None
         values = buf if buf.dtype != torch.bfloat16 else buf.float()  # NumPy has no bfloat16: float32 is exact
         baseline_allreduce(values, self.baseline, comm=self.host, op=op, out=values)
@@ -667,7 +667,7 @@ def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None,
     giftcomm call's waits, its agreement included, are bounded by giftcomm's call timeout
     instead (``call_timeout=`` seconds; None: ``GIFTCOMM_TIMEOUT``). policy: a :class:`Policy`,
     or min_elems / allgather to build one. baseline: None, or a baseline wire
-    (giftcomm.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor, NCCL's
+    (giftcomm.collectives.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor, NCCL's
     FP8 ring sum) that every compressed all-reduce goes through instead of giftcomm's format
     (CPU tensors; reference speed; a reduce-scatter or compressed all-gather then raises
     ValueError on every rank). options: giftcomm's call options (fmt, block, rounding, seed,
@@ -692,7 +692,7 @@ def new_group(ranks: Sequence[int] | None = None, *, backend: str | None = None,
     if not isinstance(policy, Policy):
         raise TypeError(f"new_group: policy must be a giftcomm Policy, got {type(policy).__name__}")
     if baseline is not None:
-        from ...baselines import baseline_wire
+        from ...collectives.baselines import baseline_wire
 
         try:
             baseline = baseline_wire(baseline).name

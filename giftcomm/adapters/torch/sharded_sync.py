@@ -28,7 +28,7 @@ import torch
 from ... import api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
-from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format, own_pieces, own_quantization_error
+from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format, own_pieces, own_quantization_error
 from ...geometry import Geometry, Layout
 from ...geometry.sharded import inverse_flat_shard
 from ...options import CallOptions, options_of_call
@@ -49,7 +49,7 @@ class ShardedGradSync:
     ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
     error_feedback=True: keep what this rank's own encoding lost and add it to the next
-    gradient (giftcomm.feedback: exact for "direct", whose every message is this rank's own
+    gradient (giftcomm.collectives.feedback: exact for "direct", whose every message is this rank's own
     values; docs/method.md "Error feedback"); block-scaled fmt only; with geometry="paper" in the
     map's coordinates (below). :meth:`state_dict` holds the
     residual (this rank's own) for a per-rank checkpoint; ``algorithm_used``: what the last
@@ -67,7 +67,7 @@ class ShardedGradSync:
     split cuts from the pieces the ranks exchange (giftcomm.geometry.sharded.inverse_flat_shard,
     exact: raw float32). ``geometry_of``: the current map over the padded buffer. Host (CPU)
     parameters only (NotImplementedError otherwise). With error_feedback=True the residual lives
-    in the map's coordinates (giftcomm.feedback.TransformedFeedback, as GradSync's default):
+    in the map's coordinates (giftcomm.collectives.feedback.TransformedFeedback, as GradSync's default):
     ``e = y - Q(y)`` for ``y = T(g) + e_prev`` (float32, (padded,)), the pieces of y this rank
     encodes alone in the reduce-scatter the call ran (exact for "direct": every chunk but its own;
     ring: hop 0's chunk), added to the next sync's ``T(g)``; at a refresh it is re-expressed,

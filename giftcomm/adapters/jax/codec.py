@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..formats import (
+from ...formats import (
     NVFP4_GROUP,
     Format,
     get_format,
@@ -40,8 +40,8 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
-from ..reference.codec import NVFP4_TINY, element_facts
-from ..reference.rounding import mix64
+from ...reference.codec import NVFP4_TINY, element_facts
+from ...reference.rounding import mix64
 
 __all__ = ["divisor", "encode", "decode", "decode_add_encode", "philox_bits", "key_words", "mix64_words",
            "call_key_words", "PASS_DTYPES"]

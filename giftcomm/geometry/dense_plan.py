@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _xp
-from ..geometry.apply import dense_apply
+from .apply import dense_apply
 
 __all__ = ["SegmentPair", "TransformPlan"]
 

@@ -1,6 +1,6 @@
 """Values per second of the native codec kernels for every block-scaled format and both roundings.
 
-    python native/bench_formats.py [--n 4M] [--repeats 7] [--rounds 1] [--isa avx512vbmi]
+    python perf/bench_formats.py [--n 4M] [--repeats 7] [--rounds 1] [--isa avx512vbmi]
                                    [--data wide|normal] [--formats e4m3,nvfp4,mxfp4]
 
 One row per (format, rounding, kernel): the median time of ``repeats`` calls on ``n`` values

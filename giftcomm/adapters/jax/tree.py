@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import api
-from ..accounting import Tally
-from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
-from ..options import DEFAULT_DAMPING, CallOptions, options_of_call
-from .calls import call_kwargs
-from .jax_geometry import JaxGeometry
-from .jax_jit import feedback_init, pmean, psum, psum_scatter
+from ... import api
+from ...accounting import Tally
+from ...geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
+from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
+from ..calls import call_kwargs
+from .geometry import JaxGeometry
+from .jit import feedback_init, pmean, psum, psum_scatter
 
 __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "JaxGeometry", "TreeSpec", "tree_spec", "flatten_tree", "flatten_tree_jnp",
            "unflatten_tree", "allreduce_tree", "TreeSync", "on_gpu"]

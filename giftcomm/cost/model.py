@@ -2,31 +2,33 @@
 
 Constants (seconds per message, seconds per byte per link class, codec values per second) are
 the calibration in force: the file that ``python -m giftcomm.perf calibrate`` writes, read by
-giftcomm.calibration (which says where it is and what happens to a file that cannot be used),
-else the built-in calibration (giftcomm.machine.BUILT_IN).
+giftcomm.cost.calibration (which says where it is and what happens to a file that cannot be used),
+else the built-in calibration (giftcomm.algorithms.machine.BUILT_IN).
 
 The formulas are the algorithm table's (giftcomm.algorithms; docs/scaling.md writes
 them out): per pipelined phase, time = latency terms + max(wire time, codec time), plus
 (1 - overlap) times the smaller of the two. The calibration and topology records live in
-giftcomm.machine and the calibration file's functions in giftcomm.calibration; both are
+giftcomm.algorithms.machine and the calibration file's functions in giftcomm.cost.calibration; both are
 re-exported here.
 """
 from __future__ import annotations
 
 import math
 
-from . import algorithms
+from .. import algorithms
+from ..algorithms.machine import BOUNDS, Calibration, LinkCost, Topology
+from ..formats import Format, get_format
 from .calibration import MAX_FILE_BYTES, calibration_path, forget_calibration, in_force, load_calibration, write_calibration
-from .machine import BOUNDS, Calibration, LinkCost, Topology
 
 __all__ = ["Calibration", "LinkCost", "Topology", "BOUNDS", "MAX_FILE_BYTES", "calibration_path", "load_calibration",
            "forget_calibration", "write_calibration", "predict", "quantizations", "error_growth", "choose", "candidate_times",
            "FIDELITY_SLACK", "auto_algorithm", "ONE_NODE_CHANNEL_VALUES"]
 
 
-def predict(algorithm: str, n: int, topo: Topology, fmt: str, block: int = 256,
+def predict(algorithm: str, n: int, topo: Topology, fmt: Format, block: int = 256,
             cal: Calibration | None = None, channel: bool = False) -> float:
-    """Predicted seconds for one allreduce of ``n`` values (float32 input) with this algorithm.
+    """Predicted seconds for one allreduce of ``n`` values (float32 input) of wire format ``fmt``
+    (giftcomm.formats.get_format gives it from a name) with this algorithm.
 
     ``call_overhead`` plus the algorithm's formula (:attr:`Algorithm.time`, or with ``channel``
     -- a persistent plan's calls through the node-shared channel -- :attr:`Algorithm.channel_time`
@@ -66,7 +68,7 @@ _choices: dict[tuple, str] = {}  # choose() memo for the loaded calibration (key
 FIDELITY_SLACK = 1.10  # accept up to 10% more predicted time for fewer quantizations
 
 
-def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None,
+def choose(n: int, topo: Topology, fmt: Format, block: int = 256, cal: Calibration | None = None,
            channel: bool = False, native: bool = True) -> str:
     """The ``auto`` algorithm: among the table's rows that ``auto`` may choose and that can run on
     ``topo`` (the hierarchical ones need at least 2 nodes of at least 2 ranks), those predicted
@@ -79,7 +81,7 @@ def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration 
     node-shared channel (:func:`predict`)."""
     if cal is None:  # the calibration in force: remember the answers it gave
         cal = in_force()
-        key = (n, topo, fmt, block, id(cal), channel, native)
+        key = (n, topo, fmt.name, block, id(cal), channel, native)
         if key not in _choices:
             if len(_choices) > 4096:
                 _choices.clear()
@@ -94,12 +96,13 @@ def choose(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration 
     return algorithms.NATIVE if native_t is not None and native_t < best else pick
 
 
-def candidate_times(n: int, topo: Topology, fmt: str, block: int = 256, cal: Calibration | None = None,
+def candidate_times(n: int, topo: Topology, fmt: str | Format, block: int = 256, cal: Calibration | None = None,
                     channel: bool = False, native: bool = True) -> dict[str, float]:
     """Predicted seconds (:func:`predict`) of every row ``auto`` considers for this call, in table
     order (``native``: with the transport's own allreduce): what :func:`choose` compares, and what
-    the adapters log when they say which path a bucket took."""
+    the adapters log when they say which path a bucket took (``fmt``: a Format or its name)."""
     cal = cal or load_calibration()
+    fmt = get_format(fmt)
     multi_node = topo.nodes > 1 and topo.local_size > 1
     return {a.name: predict(a.name, n, topo, fmt, block, cal, channel) for a in algorithms.TABLE
             if a.auto and (multi_node or not a.needs_nodes) and (native or not a.native)}
@@ -110,7 +113,7 @@ ONE_NODE_CHANNEL_VALUES = 1 << 18
 the node-shared channel's cost (:func:`auto_algorithm`)."""
 
 
-def auto_algorithm(n: int, topo: Topology, fmt: str, block: int, *, allow_native: bool = True,
+def auto_algorithm(n: int, topo: Topology, fmt: Format, block: int, *, allow_native: bool = True,
                    scatter: bool = False) -> str:
     """THE ``algorithm="auto"`` decision: every live call (giftcomm.allreduce, gift_allreduce,
     reduce_scatter, their cached plans and giftcomm.plan_allreduce, on every transport) and
@@ -118,8 +121,8 @@ def auto_algorithm(n: int, topo: Topology, fmt: str, block: int, *, allow_native
     but the call's own arguments, so that what a call runs is what they say.
 
     n: values in the call's buffer (any dtype). topo: the ranks and their nodes (the transport's
-    node layout, or ``local_size`` when the call gives one). fmt, block: the wire format's name
-    and its resolved block. allow_native: the call's option (False: never the native row).
+    node layout, or ``local_size`` when the call gives one). fmt, block: the wire format
+    (giftcomm.formats.Format) and its resolved block. allow_native: the call's option (False: never the native row).
     scatter: a reduce_scatter, which chooses among the rows with a reduce-scatter (``ring``,
     ``direct``, ``native``; the first of them when the cost model's pick has none).
 

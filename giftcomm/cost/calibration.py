@@ -1,17 +1,17 @@
 """The calibration file: where it is, reading it (checked, re-read when it changes) and writing it.
 
-The cost model's constants (giftcomm.machine.Calibration: seconds per message, seconds per byte
+The cost model's constants (giftcomm.algorithms.machine.Calibration: seconds per message, seconds per byte
 per link class, codec values per second) come from a small JSON file written by
 ``python -m giftcomm.perf calibrate``: the file named by the environment variable
 GIFTCOMM_CALIBRATION, else $XDG_CACHE_HOME/giftcomm/calibration.json
 (~/.cache/giftcomm/calibration.json when XDG_CACHE_HOME is unset), else the built-in calibration
-(giftcomm.machine.BUILT_IN: measured on a 2-core development VM over MPICH shared memory; a
+(giftcomm.algorithms.machine.BUILT_IN: measured on a 2-core development VM over MPICH shared memory; a
 10 Gbit/s network link for "net"). A file that cannot be used -- unreadable, not a regular file, too large, not JSON, missing
-fields, values that are not finite numbers within giftcomm.machine.BOUNDS -- gives one warning naming the
+fields, values that are not finite numbers within giftcomm.algorithms.machine.BOUNDS -- gives one warning naming the
 file and the reason, and the built-in defaults are used (never an exception: the file is read
 while planning every ``algorithm="auto"`` call, on every rank).
 
-giftcomm.costmodel predicts with the calibration in force (and re-exports the functions here).
+giftcomm.cost.model predicts with the calibration in force (and re-exports the functions here).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import time
 import warnings
 from pathlib import Path
 
-from . import config
-from .machine import BUILT_IN, Calibration
+from .. import config
+from ..algorithms.machine import BUILT_IN, Calibration
 
 __all__ = ["MAX_FILE_BYTES", "calibration_path", "load_calibration", "in_force", "forget_calibration",
            "write_calibration"]
@@ -82,7 +82,7 @@ def load_calibration() -> Calibration:
 
 
 def in_force() -> Calibration:
-    """:func:`load_calibration` for the per-call path of ``auto`` (giftcomm.costmodel.choose): at
+    """:func:`load_calibration` for the per-call path of ``auto`` (giftcomm.cost.model.choose): at
     most once a second; in between, the calibration it gave last, without reading the
     environment or the file (so a changed GIFTCOMM_CALIBRATION, like a changed file, is noticed
     within a second)."""

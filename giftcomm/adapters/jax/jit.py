@@ -57,13 +57,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..algorithms import AUTO
-from ..formats import message_nbytes
-from ..options import CallOptions, options_of_call
-from ..partition import shared_chunk_bounds
-from ..reference.rounding import call_key
-from . import jax_codec
-from .jax_geometry import JaxGeometry
+from ...algorithms import AUTO
+from ...algorithms.partition import shared_chunk_bounds
+from ...formats import message_nbytes
+from ...options import CallOptions, options_of_call
+from ...reference.rounding import call_key
+from . import codec as jax_codec
+from .geometry import JaxGeometry
 
 _all_gather_invariant: Any
 try:  # Varying -> Invariant all_gather (not in jax.lax's public names yet)

@@ -8,8 +8,8 @@ inside that exchange), its cost and error-growth formulas (docs/scaling.md write
 which of a rank's own values it encodes alone (error feedback), the bytes each rank sends (the
 stats), the row a hierarchical row runs across nodes and its route for the fused device
 transform. Everything else reads the table and compares no algorithm names: the cost model's
-``predict``/``error_growth``/``choose`` (giftcomm.costmodel), argument checking and the agreed
-codes (giftcomm.collectives.call), error feedback (giftcomm.feedback), the stats
+``predict``/``error_growth``/``choose`` (giftcomm.cost.model), argument checking and the agreed
+codes (giftcomm.collectives.call), error feedback (giftcomm.collectives.feedback), the stats
 (giftcomm.accounting), the fused route (giftcomm.collectives.gift). The table sits on the
 ground floor beside giftcomm.formats: it imports only formats, partition and machine.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from .formats import bytes_per_value, get_format, message_nbytes
+from ..formats import Format, bytes_per_value, message_nbytes
 from .machine import Calibration, LinkCost, Topology, nic_share, overlapped
 from .partition import shared_chunk_bounds
 
@@ -49,13 +49,13 @@ __all__ = ["Algorithm", "FUSED_ROUTES", "BUILT_IN", "register", "unregister", "T
            "SCATTER_CHOICES", "AUTO", "AUTO_CODE", "BY_NAME", "BY_CODE", "CODES", "NATIVE", "row", "native_bytes"]
 
 AUTO = "auto"
-"""The ``algorithm=`` value that lets the cost model choose (giftcomm.costmodel.choose)."""
+"""The ``algorithm=`` value that lets the cost model choose (giftcomm.cost.model.choose)."""
 AUTO_CODE = 0
 
-Time = Callable[[int, Topology, str, int, Calibration], float]
+Time = Callable[[int, Topology, Format, int, Calibration], float]
 Chunk = Callable[[int], tuple[int, int]]
 Pieces = Callable[[int, int, int, Chunk], tuple[list[tuple[int, int]], int]]
-Sent = Callable[[int, int, int, str, int], int]
+Sent = Callable[[int, int, int, Format, int], int]
 
 FUSED_ROUTES = ("scatter", "nodes", "rounds", "exchange")
 """How a row runs gift_allreduce's fused device transform (giftcomm.collectives.gift): "scatter"
@@ -75,8 +75,9 @@ class Algorithm:
     allgather, and reduce_scatter runs the first half). needs_nodes: runs on nodes of
     equal size (``local_size`` or the transport's node layout). one_exchange: every rank's whole
     encoded vector travels in one exchange. time(n, topo, fmt, block, cal): predicted seconds of
-    messages and codec for ``n`` float32 values (without the per-call overhead; ``inf`` where it
-    cannot run). growth(topo): squared relative error in units of one quantization of one
+    messages and codec for ``n`` float32 values of wire format ``fmt`` (a
+    :class:`~giftcomm.formats.Format`, as every formula here takes it) and resolved ``block``
+    (without the per-call overhead; ``inf`` where it cannot run). growth(topo): squared relative error in units of one quantization of one
     rank's values. quantizations(topo): how often a value is (re)quantized, at most. steps(p):
     sequential message steps on ``p`` ranks, each costing alpha + step_overhead (None: not a
     chain of such steps -- the hierarchical ones depend on the node layout, oneshot posts its
@@ -87,7 +88,7 @@ class Algorithm:
     only where predicted faster than every other row, and only when the call allows it).
     own_pieces(n, p, rank, chunk): (pieces, stage) -- the element ranges [lo, hi) of its own
     (n,) values that ``rank`` encodes alone, unsummed, in a call over ``p`` ranks, and the wire
-    stage they are keyed with (error feedback, giftcomm.feedback.own_pieces); ``chunk(c)`` is
+    stage they are keyed with (error feedback, giftcomm.collectives.feedback.own_pieces); ``chunk(c)`` is
     chunk c's [lo, hi) of the call's bounds. sent_bytes(n, p, rank, fmt, block): bytes of the
     messages ``rank`` sends on ``p`` > 1 ranks (giftcomm.accounting). cross: the row whose
     reduce-scatter a hierarchical row runs across nodes (None otherwise). fused: its route for
@@ -185,23 +186,23 @@ def _alltoall(topo: Topology, cal: Calibration) -> LinkCost:
     return shared if topo.nodes == 1 else LinkCost(shared.alpha, shared.beta / cal.alltoall_efficiency)
 
 
-def _fused_rate(fmt: str, cal: Calibration) -> float:
+def _fused_rate(fmt: Format, cal: Calibration) -> float:
     """decode_add_encode values per second (raw formats: a plain add, ~4x faster)."""
-    return cal.fused_rate if get_format(fmt).scaled else cal.fused_rate * 4
+    return cal.fused_rate if fmt.scaled else cal.fused_rate * 4
 
 
 def _ring_steps(p: int) -> int:
     return 2 * (p - 1)
 
 
-def _ring_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _ring_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     p, (link, _) = topo.ranks, _links(topo, cal)
     wire = 2 * (p - 1) / p * n * bytes_per_value(fmt, block) * link.beta
     codec = (p - 1) / p * n / _fused_rate(fmt, cal) + n / p / cal.encode_rate + n / cal.decode_rate
     return _ring_steps(p) * (link.alpha + cal.step_overhead) + overlapped(cal, wire, codec)
 
 
-def _direct_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _direct_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     """All-to-all reduce-scatter (NICs shared), then the ring allgather (one stream per node)."""
     p, (link, _), shared = topo.ranks, _links(topo, cal), _alltoall(topo, cal)
     wire = (p - 1) / p * n * bytes_per_value(fmt, block) * (shared.beta + link.beta)
@@ -218,14 +219,14 @@ def _doubling_steps(p: int) -> int:
     return p2.bit_length() - 1 + (2 if p2 != p else 0)
 
 
-def _doubling_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _doubling_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     link, shared = _links(topo, cal)
     per_round = (link.alpha + cal.step_overhead + n * bytes_per_value(fmt, block) * shared.beta
                  + n / cal.encode_rate + 2 * n / cal.decode_rate)
     return _doubling_steps(topo.ranks) * per_round
 
 
-def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _oneshot_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     """One exchange: every rank posts its P-1 messages of the whole encoded vector at once, so
     one latency (alpha) and P-1 messages' software cost (step_overhead each); every rank sends
     at once (NICs shared); encode once, decode one message and accumulate P-1; not pipelined
@@ -236,7 +237,7 @@ def _oneshot_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration
     return link.alpha + (p - 1) * cal.step_overhead + wire + codec
 
 
-def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _oneshot_channel_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     """Through a plan's node-shared channel: each rank encodes into its own slot, one handshake
     (a shared-memory latency, no message software), then decodes every other slot where it lies
     (P-1 messages' bytes read over the node's memory at the shm rate) and the codec work."""
@@ -244,14 +245,13 @@ def _oneshot_channel_time(n: int, topo: Topology, fmt: str, block: int, cal: Cal
     return cal.shm.alpha + wire + n / cal.encode_rate + n / cal.decode_rate + (topo.ranks - 1) * n / cal.accumulate_rate
 
 
-def native_bytes(fmt: str) -> int:
+def native_bytes(fmt: Format) -> int:
     """Bytes per value that ``algorithm="native"`` sums: a pass-through format's (bf16, fp16:
     2; fp32: 4), else 4 (the float32 values uncompressed; giftcomm.collectives.native)."""
-    f = get_format(fmt)
-    return 4 if f.scaled else f.itemsize
+    return 4 if fmt.scaled else fmt.itemsize
 
 
-def _native_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+def _native_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
     """The transport's own allreduce: ``native_alpha`` per call, and for the (P-1)/P share of
     the bytes each rank reduces, twice the link's time (its reduce-scatter and allgather halves)
     plus ``native_beta`` (its reduction and copies; ``native_half_beta`` for 16-bit values)."""
@@ -261,7 +261,7 @@ def _native_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration)
 
 
 def _hierarchical_time(inner: str) -> Time:
-    def time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
+    def time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
         """fp32 ring reduce-scatter and allgather inside each node of L ranks; the ``inner``
         algorithm across the N nodes on 1/L of the buffer (the L cross-node rings of a node at
         once, sharing its NICs); ``inf`` without at least 2 nodes of at least 2 ranks."""
@@ -310,7 +310,7 @@ def _nothing(n: int, p: int, rank: int, chunk: Chunk) -> tuple[list[tuple[int, i
     return [], 0
 
 
-def _ring_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+def _ring_sent(n: int, p: int, rank: int, fmt: Format, block: int) -> int:
     """The reduce-scatter sends every chunk but the one this rank owns; the ring allgather every
     chunk but the next rank's (its own first, then what it received, up to that one). The
     hierarchical rows are counted so too (an estimate: they send float32 inside nodes and the
@@ -320,7 +320,7 @@ def _ring_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
     return 2 * sum(m) - m[rank] - m[(rank + 1) % p]
 
 
-def _doubling_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+def _doubling_sent(n: int, p: int, rank: int, fmt: Format, block: int) -> int:
     """Ranks >= P2 (the largest power of two <= P) fold their vector in, one message; the others
     exchange log2(P2) times, and send the result to their folded rank when they have one."""
     p2 = _largest_power_of_two(p)
@@ -328,12 +328,12 @@ def _doubling_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
     return count * message_nbytes(n, fmt, block)
 
 
-def _oneshot_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+def _oneshot_sent(n: int, p: int, rank: int, fmt: Format, block: int) -> int:
     """P - 1 messages of the whole vector, each 8-byte aligned."""
     return (p - 1) * (-(-message_nbytes(n, fmt, block) // 8) * 8)
 
 
-def _native_sent(n: int, p: int, rank: int, fmt: str, block: int) -> int:
+def _native_sent(n: int, p: int, rank: int, fmt: Format, block: int) -> int:
     """The transport's reduce-scatter and allgather halves of the values it sums."""
     return (2 * (p - 1) * n * native_bytes(fmt)) // p
 
@@ -345,7 +345,7 @@ def _nodes(topo: Topology) -> int:
 # Error growth: each quantization of a partial sum of k contributions adds error variance ~ k
 # (block scales follow the values) and the sum's variance is P, so the factor is (sum over
 # quantizations of the partial sums' sizes) / P (checked against the simulation in
-# perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.costmodel.error_growth).
+# perf/results/errors-study.md). P = 1 is 1 for every algorithm (giftcomm.cost.model.error_growth).
 _TABLE: tuple[Algorithm, ...] = (
     # hops quantize sums of 1, 2, .., P-1 ranks, then the owner's sum once: (P + 1) / 2
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,

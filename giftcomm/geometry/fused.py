@@ -1,6 +1,6 @@
 """The GIFT low-rank transform fused into the e4m3/e5m2 codec on the device (kernels/gc_fused.cu;
 design: docs/gpu.md "Fused transform"; host model of the same operation order:
-giftcomm.cuda.fused_model).
+giftcomm.geometry.fused_model).
 
 :class:`FusedPlan` (one Geometry, one direction, one CuPy-like backend) uploads its parameter
 pool and piece table once and keeps every work buffer, so a call allocates nothing:
@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from ..cuda import _loader
 from ..formats import FORMATS as _TABLE
 from ..formats import Format, num_blocks, scales_offset
-from . import _loader
 from .fused_model import FusedLayout
 
 __all__ = ["FusedPlan", "WireTable", "wire_table", "FORMATS", "MAX_BLOCK"]

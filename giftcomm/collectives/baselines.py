@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .reference.baselines import (
+from ..reference.baselines import (
     BASELINE_WIRES,
     BaselineWire,
     baseline_wire,
@@ -25,7 +25,7 @@ from .reference.baselines import (
     ring_bounds,
     simulate_baseline_allreduce,
 )
-from .transport.base import wait_all
+from ..transport.base import wait_all
 
 __all__ = ["BASELINE_WIRES", "BaselineWire", "baseline_allreduce", "baseline_sent_bytes", "simulate_baseline_allreduce"]
 
@@ -81,10 +81,10 @@ def baseline_allreduce(x: Any, wire: str | BaselineWire = "e5m2/tensor-nccl", *,
     for non-finite input on any rank). The ``-local`` wires leave the ranks with different results
     by design (the artifact's defect). own_error: return ``(result, e)`` instead, ``e`` the float32
     (n,) error of this rank's own encoding in the geometry's coordinates, ``y - float32(q) s`` (what
-    error feedback keeps: giftcomm.feedback.TransformedFeedback.record_error). Each call counts in
+    error feedback keeps: giftcomm.collectives.feedback.TransformedFeedback.record_error). Each call counts in
     giftcomm.stats under the wire's name (bytes_sent and algorithms; :func:`baseline_sent_bytes`)."""
-    from . import accounting
-    from .transport import resolve
+    from .. import accounting
+    from ..transport import resolve
 
     w = baseline_wire(wire)
     if op not in ("sum", "avg"):

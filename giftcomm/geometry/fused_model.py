@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..geometry.sides import IdentitySide, LowRankSide
+from .sides import IdentitySide, LowRankSide
 
 __all__ = ["FusedLayout", "GroupLayout", "ModelGeometry", "supports", "project", "small", "apply_model",
            "transform_model"]

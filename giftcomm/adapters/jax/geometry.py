@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..geometry import Geometry
-from ..geometry.sides import DiagonalSide, IdentitySide, Side
+from ...geometry import Geometry
+from ...geometry.sides import DiagonalSide, IdentitySide, Side
 
 __all__ = ["JaxGeometry", "SideArrays"]
 

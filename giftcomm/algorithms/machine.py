@@ -2,7 +2,7 @@
 :class:`LinkCost` per link class, :data:`BOUNDS` for checking a calibration file) and the rank
 layout (:class:`Topology`), plus the two helpers every algorithm's cost formula shares.
 
-giftcomm.calibration reads and writes the calibration file; giftcomm.costmodel predicts with the
+giftcomm.cost.calibration reads and writes the calibration file; giftcomm.cost.model predicts with the
 algorithm table (giftcomm.algorithms), whose formulas take these records.
 """
 from __future__ import annotations

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from ._xp import array_module
-from .algorithms import row
-from .collectives.wire import Wire
-from .formats import Format, get_format
-from .partition import shared_chunk_bounds
+from .._xp import array_module
+from ..algorithms import row
+from ..algorithms.partition import shared_chunk_bounds
+from ..formats import Format, get_format
+from .wire import Wire
 
 __all__ = ["ErrorFeedback", "TransformedFeedback",
            "own_quantization_error", "own_pieces", "direct_pieces", "feedback_view", "reordered", "check_feedback_format"]
@@ -220,7 +220,7 @@ class ErrorFeedback:
         """:meth:`record` for the call just made on transport ``t`` with ``sent`` (this rank's
         compensated values, as passed to it): the pieces follow the algorithm that call really
         ran (:func:`giftcomm.collectives.engine.last_algorithm`). Returns that algorithm's name."""
-        from .collectives.engine import last_algorithm
+        from .engine import last_algorithm
 
         last = last_algorithm(t)
         if last is None:
@@ -365,7 +365,7 @@ class TransformedFeedback:
                seed: int | None, geometry: Any = None, signature: Any = None, in_place: bool = True) -> str:
         """As :meth:`ErrorFeedback.around` (same arguments), with the residual in ``geometry``'s
         coordinates. Returns the algorithm the call ran."""
-        from .collectives.engine import last_algorithm
+        from .engine import last_algorithm
 
         values = feedback_view(buffer)
         if not in_place:

@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from .formats import num_blocks
+from ..formats import num_blocks
 
 
 def chunk_bounds(n: int, nranks: int, block: int) -> np.ndarray:
