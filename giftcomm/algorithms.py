@@ -21,7 +21,7 @@ themselves, so an experiment or a test adds an algorithm in one file
 (tests/test_algorithm_row.py does).
 
 Adding a built-in algorithm: its module under giftcomm/collectives/ (its runner, e.g. in
-giftcomm.collectives.engine), its simulation in giftcomm.reference.simulate, and a row here
+giftcomm.collectives.runners), its simulation in giftcomm.reference.simulate, and a row here
 naming both (and docs/scaling.md).
 
 The name lists (:data:`NAMES`, :data:`CHOICES`, :data:`SCATTER_CHOICES`) and :data:`TABLE`
@@ -351,13 +351,13 @@ _TABLE: tuple[Algorithm, ...] = (
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,
               growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps,
               own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter",
-              runner="giftcomm.collectives.engine:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
+              runner="giftcomm.collectives.runners:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
               simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring"),
     # P-1 single contributions, then the sum: 2 - 1/P
     Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
               growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps,
               own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter",
-              runner="giftcomm.collectives.engine:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
+              runner="giftcomm.collectives.runners:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
               simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct"),
     # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
     # (P2: the largest power of two <= P), plus the folded ranks and the final message
@@ -366,32 +366,32 @@ _TABLE: tuple[Algorithm, ...] = (
                                    + (topo.ranks - _largest_power_of_two(topo.ranks)) / topo.ranks),
               quantizations=lambda topo: int(math.log2(_largest_power_of_two(topo.ranks))) + 2,
               steps=_doubling_steps, own_pieces=_doubling_pieces, sent_bytes=_doubling_sent, fused="rounds",
-              runner="giftcomm.collectives.engine:run_doubling", simulation="giftcomm.reference.simulate:allreduce_doubling"),
+              runner="giftcomm.collectives.runners:run_doubling", simulation="giftcomm.reference.simulate:allreduce_doubling"),
     # fp32 inside nodes, the ring across N nodes: (N + 1) / 2
     Algorithm("hierarchical", 4, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("ring"), growth=lambda topo: (_nodes(topo) + 1) / 2,
               quantizations=lambda topo: topo.nodes, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
               cross="ring", fused="nodes",
-              runner="giftcomm.collectives.engine:run_hierarchical", simulation="giftcomm.reference.simulate:allreduce_hierarchical"),
+              runner="giftcomm.collectives.runners:run_hierarchical", simulation="giftcomm.reference.simulate:allreduce_hierarchical"),
     # fp32 inside nodes, direct across N nodes: 2 - 1/N
     Algorithm("hierarchical_direct", 5, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
               quantizations=lambda topo: 2, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
               cross="direct", fused="nodes",
-              runner="giftcomm.collectives.engine:run_hierarchical_direct",
+              runner="giftcomm.collectives.runners:run_hierarchical_direct",
               simulation="giftcomm.reference.simulate:allreduce_hierarchical_direct"),
     # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
     Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
               own_pieces=_everything, sent_bytes=_oneshot_sent, channel_time=_oneshot_channel_time, fused="exchange",
-              runner="giftcomm.collectives.engine:run_oneshot", simulation="giftcomm.reference.simulate:allreduce_oneshot"),
+              runner="giftcomm.collectives.runners:run_oneshot", simulation="giftcomm.reference.simulate:allreduce_oneshot"),
     # the transport's own allreduce: nothing quantized (a scaled format sums float32 values); a
     # pass-through format rounds each rank's values once, and the transport rounds its partial
     # sums to that format (docs/scaling.md), counted as one quantization
     Algorithm("native", 7, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_native_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, own_pieces=_nothing,
               sent_bytes=_native_sent, native=True,
-              runner="giftcomm.collectives.engine:run_native", scatter_runner="giftcomm.collectives.native:reduce_scatter",
+              runner="giftcomm.collectives.runners:run_native", scatter_runner="giftcomm.collectives.native:reduce_scatter",
               simulation="giftcomm.reference.simulate:allreduce_native", scatter_simulation="giftcomm.reference.simulate:scatter_native"),
 )
 

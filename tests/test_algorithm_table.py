@@ -11,7 +11,7 @@ import pytest
 import giftcomm as gc
 from giftcomm import algorithms, costmodel
 from giftcomm.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
-from giftcomm.collectives import engine
+from giftcomm.collectives import runners
 from giftcomm.costmodel import Calibration, Topology
 from giftcomm.options import CallOptions
 from giftcomm.reference import simulate
@@ -28,7 +28,7 @@ def test_every_row_carries_its_runners_and_simulations(name):
         ref = getattr(row, piece)
         assert isinstance(ref, str) and ref.startswith(("giftcomm.collectives.", "giftcomm.reference.simulate:"))
         assert callable(row.part(piece)) and row.part(piece) is row.part(piece)
-    assert row.part("runner") is engine.runner_of(row) and row.part("simulation").__module__ == simulate.__name__
+    assert row.part("runner") is runners.runner_of(row) and row.part("simulation").__module__ == simulate.__name__
     if not row.scatter:
         assert row.scatter_runner is None and row.scatter_simulation is None
 
