@@ -98,7 +98,12 @@ class Algorithm:
     reference simulations ``(flat, wire, local_size, local_fmt) -> sum`` and ``(flat, wire,
     layout) -> (sums, bounds)``: each a function or a ``"module:function"`` reference to it (the
     built-in rows: their code lives in the floors above), read through :meth:`part`; None where
-    the row has none (the scatter pieces of a row without ``scatter``).
+    the row has none (the scatter pieces of a row without ``scatter``). jit_scatter: its
+    reduce-scatter schedule inside ``jax.jit`` (giftcomm.adapters.jax_jit: ``(ring, chunks, lo,
+    err, own_error) -> (this device's chunk sum, err)``; a function or a reference, read through
+    :meth:`part`; None: the jit path does not run the row). chunk_messages(p): how many messages
+    of one chunk (the jit path pads every chunk to the longest) each rank sends on ``p`` > 1
+    ranks, for the rows the jit path runs (its byte count, jax_jit.wire_bytes; None otherwise).
     """
 
     name: str
@@ -121,14 +126,16 @@ class Algorithm:
     scatter_runner: Callable[..., Any] | str | None = None
     simulation: Callable[..., Any] | str | None = None
     scatter_simulation: Callable[..., Any] | str | None = None
+    jit_scatter: Callable[..., Any] | str | None = None
+    chunk_messages: Callable[[int], int] | None = None
 
     resolved: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The pieces :meth:`part` has resolved (a cache: read ``row.resolved.get(piece) or
     row.part(piece)`` on a hot path)."""
 
     def part(self, piece: str) -> Callable[..., Any]:
-        """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation")
-        as a function: a ``"module:function"`` reference is imported on first use and kept.
+        """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation",
+        "jit_scatter") as a function: a ``"module:function"`` reference is imported on first use and kept.
         ValueError when the row has none."""
         got = self.resolved.get(piece)
         if got is None:
@@ -192,6 +199,12 @@ def _fused_rate(fmt: str, cal: Calibration) -> float:
 
 def _ring_steps(p: int) -> int:
     return 2 * (p - 1)
+
+
+def _chunk_messages(p: int) -> int:
+    """A reduce-scatter then the ring allgather: each of their steps sends one chunk message
+    (ring: one per hop; direct: one to each other chunk's owner, then the allgather's hops)."""
+    return _ring_steps(p)
 
 
 def _ring_time(n: int, topo: Topology, fmt: str, block: int, cal: Calibration) -> float:
@@ -352,13 +365,15 @@ _TABLE: tuple[Algorithm, ...] = (
               growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps,
               own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter",
               runner="giftcomm.collectives.runners:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
-              simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring"),
+              simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring",
+              jit_scatter="giftcomm.adapters.jax_jit:ring_scatter", chunk_messages=_chunk_messages),
     # P-1 single contributions, then the sum: 2 - 1/P
     Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
               growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps,
               own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter",
               runner="giftcomm.collectives.runners:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
-              simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct"),
+              simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct",
+              jit_scatter="giftcomm.adapters.jax_jit:direct_scatter", chunk_messages=_chunk_messages),
     # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
     # (P2: the largest power of two <= P), plus the folded ranks and the final message
     Algorithm("doubling", 3, auto=True, scatter=False, needs_nodes=False, one_exchange=False, time=_doubling_time,
@@ -411,7 +426,8 @@ assert len(BY_NAME) == len(BY_CODE) == len(_TABLE) and AUTO_CODE not in BY_CODE 
 NATIVE = "native"
 """The row that runs the transport's own allreduce."""
 assert BY_NAME[NATIVE].native and sum(a.native for a in TABLE) == 1
-assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter) for a in TABLE)
+assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter)
+           and (a.jit_scatter is None) == (a.chunk_messages is None) for a in TABLE)
 
 CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in _TABLE}}
 """The signature code of every ``algorithm=`` value."""
@@ -435,6 +451,8 @@ def register(algorithm: Algorithm) -> None:
         raise ValueError(f"register: the name {a.name!r} or code {a.code} is taken")
     missing = [f for f in ("runner", "simulation") + (("scatter_runner", "scatter_simulation") if a.scatter else ())
                if getattr(a, f) is None]
+    if (a.jit_scatter is None) != (a.chunk_messages is None):
+        missing.append("jit_scatter with chunk_messages")
     if missing or a.native or a.fused not in (None, *FUSED_ROUTES) or (a.cross is not None and not row(a.cross).scatter):
         raise ValueError(f"register: row {a.name!r} needs {', '.join(missing) or 'a valid fused route and cross'} "
                          "(and is not the native row)")

@@ -33,6 +33,27 @@ def test_every_row_carries_its_runners_and_simulations(name):
         assert row.scatter_runner is None and row.scatter_simulation is None
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_row_the_jit_path_runs_names_its_schedule_and_message_count(name):
+    """A row with a jit schedule (giftcomm.adapters.jax_jit) names it by reference and counts its
+    chunk messages; on equal chunks those messages are the bytes its row says each rank sends
+    (``sent_bytes``), on every rank and any P."""
+    row = BY_NAME[name]
+    assert (row.jit_scatter is None) == (row.chunk_messages is None)
+    if row.jit_scatter is None:
+        return
+    assert row.scatter and isinstance(row.jit_scatter, str) and row.jit_scatter.startswith("giftcomm.adapters.")
+    for p in range(2, 9):
+        for fmt, block in (("e4m3", 32), ("mxfp4", 32), ("bf16", 16)):
+            n = p * block * 3
+            one = gc.message_nbytes(n // p, fmt, block)
+            assert {row.sent_bytes(n, p, r, fmt, block) for r in range(p)} == {row.chunk_messages(p) * one}
+    pytest.importorskip("jax")
+    from giftcomm.adapters import jax_jit
+
+    assert row.part("jit_scatter").__module__ == jax_jit.__name__ and name in jax_jit.jit_algorithms()
+
+
 def test_the_name_lists_are_the_table():
     assert len(NAMES) == len(set(NAMES)) == len(TABLE)
     assert set(SCATTER_CHOICES) - {AUTO} == {a.name for a in TABLE if a.scatter}
