@@ -9,7 +9,7 @@ from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .errors import CommAborted, CommClosed, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
 from .geometry import Geometry
-from .persistent import AllreducePlan, plan_allreduce
+from .plans.persistent import AllreducePlan, plan_allreduce
 from .reference.simulate import resolve_algorithm, simulate_allreduce
 from .transport import LoopbackGroup, Transport, release
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from . import plan_cache
 from ._xp import is_device_array
 from .algorithms import CHOICES
 from .collectives import engine
-from .collectives.engine import GeometryLike
+from .collectives.gift import GeometryLike
 from .options import CallOptions, Entry, call_options
+from .plans import cache as plan_cache
 from .transport import resolve
 
 __all__ = ["last_algorithm", "allreduce", "gift_allreduce", "reduce_scatter", "allgather", "GeometryLike", "ALGORITHMS"]

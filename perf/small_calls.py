@@ -1,7 +1,7 @@
 """Per-call time of small allreduces: giftcomm.allreduce, a persistent plan
 (giftcomm.plan_allreduce) and MPI_Allreduce (float32), side by side in one run.
 
-Repeated plain calls run the plan cached for their signature (giftcomm.plan_cache), so the
+Repeated plain calls run the plan cached for their signature (giftcomm.plans.cache), so the
 plain call's overhead over the plan is the signature lookup and the keyword handling.
 
     mpiexec -n P python perf/small_calls.py [--fmt e4m3] [--sizes 1K,4K,16K,64K] [--calls 400]

@@ -34,7 +34,7 @@ from giftcomm.cost.model import Calibration, LinkCost, Topology, choose, load_ca
 from giftcomm.formats import get_format
 from giftcomm.perf.common import time_calls, topology
 from giftcomm.perf.sizes import format_size, parse_size, size_range
-from giftcomm.plan_cache import CACHED_MAX_BYTES
+from giftcomm.plans.cache import CACHED_MAX_BYTES
 
 __all__ = ["ValidationRow", "validate_rows", "project_rows", "ProjectionRow", "gpu_calibration",
            "model_params", "gift_transform_seconds", "GPU_ASSUMPTIONS", "main"]
@@ -80,8 +80,8 @@ def validate_rows(comm, sizes: list[int], fmts: list[str], algos: list[str], loc
     per size the native baselines' seconds (giftcomm.perf.collective_bench.baseline_calls: MPI fp32,
     MPI bf16, giftcomm's bf16 ring), timed the same way."""
     import giftcomm
-    from giftcomm import persistent
     from giftcomm.perf.collective_bench import BASELINES, baseline_calls
+    from giftcomm.plans import persistent
     from giftcomm.transport import resolve
 
     t = resolve(comm)
@@ -204,7 +204,7 @@ def cmd_validate(args) -> int:
                 f"acc {cal.accumulate_rate / 1e6:.0f}; call {cal.call_overhead * 1e6:.0f} us, step "
                 f"{cal.step_overhead * 1e6:.0f} us); statistic: {args.stat} over calls; load average before {load0}, after {_loadavg()}; "
                 f"{time.time() - t0:.0f} s")
-        from giftcomm import persistent
+        from giftcomm.plans import persistent
         from giftcomm.transport import resolve
 
         table = validation_table(rows, topo, cal, baselines, channel=persistent.able(resolve(comm), False))

@@ -11,7 +11,7 @@ import pytest
 import giftcomm as gc
 from giftcomm import algorithms
 from giftcomm.algorithms import AUTO, BY_NAME, CHOICES, CODES, NAMES, SCATTER_CHOICES, TABLE
-from giftcomm.collectives import engine
+from giftcomm.collectives import runners
 from giftcomm.cost import model as costmodel
 from giftcomm.cost.model import Calibration, Topology
 from giftcomm.formats import get_format
@@ -32,9 +32,30 @@ def test_every_row_carries_its_runners_and_simulations(name):
         ref = getattr(row, piece)
         assert isinstance(ref, str) and ref.startswith(("giftcomm.collectives.", "giftcomm.reference.simulate:"))
         assert callable(row.part(piece)) and row.part(piece) is row.part(piece)
-    assert row.part("runner") is engine.runner_of(row) and row.part("simulation").__module__ == simulate.__name__
+    assert row.part("runner") is runners.runner_of(row) and row.part("simulation").__module__ == simulate.__name__
     if not row.scatter:
         assert row.scatter_runner is None and row.scatter_simulation is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_row_the_jit_path_runs_names_its_schedule_and_message_count(name):
+    """A row with a jit schedule (giftcomm.adapters.jax_jit) names it by reference and counts its
+    chunk messages; on equal chunks those messages are the bytes its row says each rank sends
+    (``sent_bytes``), on every rank and any P."""
+    row = BY_NAME[name]
+    assert (row.jit_scatter is None) == (row.chunk_messages is None)
+    if row.jit_scatter is None:
+        return
+    assert row.scatter and isinstance(row.jit_scatter, str) and row.jit_scatter.startswith("giftcomm.adapters.")
+    for p in range(2, 9):
+        for fmt, block in (("e4m3", 32), ("mxfp4", 32), ("bf16", 16)):
+            n = p * block * 3
+            one = gc.message_nbytes(n // p, fmt, block)
+            f = get_format(fmt)
+            assert {row.sent_bytes(n, p, r, f, block) for r in range(p)} == {row.chunk_messages(p) * one}
+    from giftcomm.adapters.jax import jit as jax_jit
+
+    assert row.part("jit_scatter").__module__ == jax_jit.__name__ and name in jax_jit.jit_algorithms()
 
 
 def test_the_name_lists_are_the_table():

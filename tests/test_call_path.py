@@ -1,5 +1,5 @@
-"""The plain call goes one way down: api -> plan_cache -> persistent (the plans) -> the engine ->
-everything below (the algorithms, agreement, codec, transport), each floor calling only floors
+"""The plain call goes one way down: api -> the plans (giftcomm.plans: the plan cache and the
+persistent plans, one floor) -> the engine -> everything below (the algorithms, agreement, codec, transport), each floor calling only floors
 below it (docs/architecture.md, "Floors of a call").
 
 Two checks: the imports (:func:`test_no_floor_imports_one_above_it`: every import statement of a
@@ -25,7 +25,7 @@ import numpy as np
 from test_import_graph import from_target
 
 PKG = Path(__file__).resolve().parents[1] / "giftcomm"
-FLOORS = {"giftcomm.api": 4, "giftcomm.plan_cache": 3, "giftcomm.persistent": 2, "giftcomm.collectives.engine": 1}
+FLOORS = {"giftcomm.api": 3, "giftcomm.plans.cache": 2, "giftcomm.plans.persistent": 2, "giftcomm.collectives.engine": 1}
 """The floors of a plain call, top down; every other giftcomm module it reaches is floor 0."""
 
 
@@ -149,7 +149,7 @@ def trace(fn: Callable[[], Any]) -> tuple[list[str], list[tuple[str, str, str]]]
 
 def floor_moves(path: list[str], calls: list[tuple[str, str, str]]) -> dict[str, Any]:
     """The counts of the plain calls' path: along the path (calls and returns alike), the moves
-    between the four floors of :data:`FLOORS` (visits below them left out, a run on one floor
+    between the floors of :data:`FLOORS` (visits below them left out, a run on one floor
     counted once) and how many of them go back up; the calls between floors, those that skip a
     floor going down (e.g. api -> engine) and the upward ones (into a floor above the caller's,
     e.g. a callback)."""
@@ -194,7 +194,7 @@ def test_plain_calls_never_call_upwards():
             assert moves["calls between floors"] > 0, what  # the trace sees the calls
             assert not moves["upward calls"], (what, moves["upward calls"])
             assert not moves["skips"], (what, moves["skips"])
-            assert moves["floor path"].startswith("4 -> 3 -> 2"), (what, moves["floor path"])
+            assert moves["floor path"].startswith("3 -> 2"), (what, moves["floor path"])
         assert rank_result[-1][2] >= 3  # the repeated calls ran cached plans (allreduce, reduce_scatter, allgather)
 
 

@@ -1,5 +1,6 @@
 """The package's layering, read from the source: no import cycles inside giftcomm/ (module-level
-or lazy, inside functions) and no module reading another module's private names."""
+or lazy, inside functions), no module reading another module's private names, and no module but
+the call face (giftcomm.api) and the plans (giftcomm.plans) calling the engine's entries."""
 from __future__ import annotations
 
 import ast
@@ -115,6 +116,68 @@ def test_the_checker_finds_a_planted_cycle_and_private_reads():
     assert sorted(private) == [("giftcomm.api", "giftcomm.plan._table"), ("giftcomm.plan", "giftcomm.api._finish")]
 
 
+ENGINE = "giftcomm.collectives.engine"
+ENTRIES = ("execute", "agree_call")
+"""The engine's entries: a whole call (validate, agree, run, finish) and its agreement."""
+ENTRY_CALLERS = ("giftcomm.api", "giftcomm.plans")
+"""The call face and the plans floor (docs/architecture.md, "Floors of a call")."""
+
+
+def engine_entry_uses(sources: dict[str, tuple[ast.Module, bool]] | None = None) -> list[tuple[str, str]]:
+    """(module, entry) for every module that reaches one of the engine's :data:`ENTRIES` (an
+    attribute of the engine module by any alias, or the name imported from it), the engine
+    itself aside. ``sources``: as :func:`import_graph`'s."""
+    sources = _sources() if sources is None else sources
+    found: list[tuple[str, str]] = []
+    for mod, (tree, is_pkg) in sources.items():
+        if mod == ENGINE:
+            continue
+        aliases: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == ENGINE and a.asname}
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, is_pkg, node.level, node.module)
+                for a in node.names:
+                    if f"{src}.{a.name}" == ENGINE:
+                        aliases.add(a.asname or a.name)
+                    elif src == ENGINE and a.name in ENTRIES:
+                        found.append((mod, a.name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ENTRIES:
+                base = ast.unparse(node.value)
+                if base in aliases or base == ENGINE:
+                    found.append((mod, node.attr))
+    return sorted(set(found))
+
+
+def _outside_the_call_face(uses: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(m, e) for m, e in uses if not any(m == c or m.startswith(c + ".") for c in ENTRY_CALLERS)]
+
+
+def test_only_the_call_face_and_the_plans_call_the_engines_entries():
+    """Every call without a plan goes one way down, api -> the plans -> the engine: no other
+    module starts a call at the engine (an adapter, a feature, a shim below the plans)."""
+    uses = engine_entry_uses()
+    assert ("giftcomm.plans.cache", "execute") in uses and ("giftcomm.plans.persistent", "agree_call") in uses
+    assert _outside_the_call_face(uses) == []
+
+
+def test_the_entry_check_finds_planted_calls():
+    """The check above can fail: an attribute call through an alias, a name imported from the
+    engine and a dotted call by the full name, planted outside the call face, are all reported;
+    the plans' own call is not."""
+    planted = {
+        "giftcomm.plans.cache": (ast.parse("from ..collectives import engine\nengine.execute()\n"), False),
+        "giftcomm.adapters.x": (ast.parse("from ..collectives import engine as e\ne.execute()\n"), False),
+        "giftcomm.feedback": (ast.parse("from .collectives.engine import agree_call\n"), False),
+        "giftcomm.geometry.sync": (ast.parse("import giftcomm.collectives.engine\n"
+                                             "giftcomm.collectives.engine.agree_call()\n"), False),
+    }
+    assert _outside_the_call_face(engine_entry_uses(planted)) == [
+        ("giftcomm.adapters.x", "execute"), ("giftcomm.feedback", "agree_call"), ("giftcomm.geometry.sync", "agree_call")]
+
+
 def test_every_environment_variable_is_in_the_docs_table():
     """docs/api.md's table lists exactly giftcomm.config's variables, and no module reads a
     GIFTCOMM_ variable around the config module."""
@@ -142,11 +205,10 @@ FLOORS: dict[str, int] = {
     "transport": 6,
     "accounting": 7, "geometry": 7,
     "collectives": 8,
-    "persistent": 9,
-    "plan_cache": 10,
-    "api": 11,
-    "adapters": 12,
-    "perf": 13, "recipes": 13,
+    "plans": 9,
+    "api": 10,
+    "adapters": 11,
+    "perf": 12, "recipes": 12,
 }
 """The rooms of giftcomm (its top-level modules and subpackages; the package's own __init__, a face,
 is none) and their floors: a room imports, lazily or not, only rooms on lower floors

@@ -211,7 +211,7 @@ def test_channel_encode_failure_on_one_rank_raises_on_every_rank(rng, monkeypatc
     channel's Python path) still reaches the other ranks: the same error everywhere, no wait."""
     from mpi4py import MPI
 
-    import giftcomm.persistent as persistent
+    import giftcomm.plans.persistent as persistent
 
     comm = MPI.COMM_WORLD
     p, r = comm.size, comm.rank

@@ -1,4 +1,4 @@
-"""The plain calls' plan cache (giftcomm.plan_cache): repeated allreduces run their cached plan,
+"""The plain calls' plan cache (giftcomm.plans.cache): repeated allreduces run their cached plan,
 equal to the simulation bit for bit; calls whose signatures (shape, dtype, format, out=) differ
 across ranks, hitting and missing the cache in any mix, raise "ranks disagree" on every rank or
 run correctly, never mixing; a plan's call against a plain call raises on every rank; the cache
@@ -10,7 +10,7 @@ import pytest
 from conftest import outcomes, same
 
 import giftcomm as gc
-from giftcomm import plan_cache
+from giftcomm.plans import cache as plan_cache
 from giftcomm.reference import simulate_allreduce
 
 # (shape, dtype, fmt, out=, algorithm): A and B agree (count, dtype, fmt, algorithm) while their shapes and

@@ -21,7 +21,7 @@ themselves, so an experiment or a test adds an algorithm in one file
 (tests/test_algorithm_row.py does).
 
 Adding a built-in algorithm: its module under giftcomm/collectives/ (its runner, e.g. in
-giftcomm.collectives.engine), its simulation in giftcomm.reference.simulate, and a row here
+giftcomm.collectives.runners), its simulation in giftcomm.reference.simulate, and a row here
 naming both (and docs/scaling.md).
 
 The name lists (:data:`NAMES`, :data:`CHOICES`, :data:`SCATTER_CHOICES`) and :data:`TABLE`
@@ -99,7 +99,12 @@ class Algorithm:
     reference simulations ``(flat, wire, local_size, local_fmt) -> sum`` and ``(flat, wire,
     layout) -> (sums, bounds)``: each a function or a ``"module:function"`` reference to it (the
     built-in rows: their code lives in the floors above), read through :meth:`part`; None where
-    the row has none (the scatter pieces of a row without ``scatter``).
+    the row has none (the scatter pieces of a row without ``scatter``). jit_scatter: its
+    reduce-scatter schedule inside ``jax.jit`` (giftcomm.adapters.jax.jit: ``(ring, chunks, lo,
+    err, own_error) -> (this device's chunk sum, err)``; a function or a reference, read through
+    :meth:`part`; None: the jit path does not run the row). chunk_messages(p): how many messages
+    of one chunk (the jit path pads every chunk to the longest) each rank sends on ``p`` > 1
+    ranks, for the rows the jit path runs (its byte count, giftcomm.adapters.jax.jit.wire_bytes; None otherwise).
     """
 
     name: str
@@ -122,14 +127,16 @@ class Algorithm:
     scatter_runner: Callable[..., Any] | str | None = None
     simulation: Callable[..., Any] | str | None = None
     scatter_simulation: Callable[..., Any] | str | None = None
+    jit_scatter: Callable[..., Any] | str | None = None
+    chunk_messages: Callable[[int], int] | None = None
 
     resolved: dict[str, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The pieces :meth:`part` has resolved (a cache: read ``row.resolved.get(piece) or
     row.part(piece)`` on a hot path)."""
 
     def part(self, piece: str) -> Callable[..., Any]:
-        """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation")
-        as a function: a ``"module:function"`` reference is imported on first use and kept.
+        """The row's ``piece`` ("runner", "scatter_runner", "simulation", "scatter_simulation",
+        "jit_scatter") as a function: a ``"module:function"`` reference is imported on first use and kept.
         ValueError when the row has none."""
         got = self.resolved.get(piece)
         if got is None:
@@ -193,6 +200,12 @@ def _fused_rate(fmt: Format, cal: Calibration) -> float:
 
 def _ring_steps(p: int) -> int:
     return 2 * (p - 1)
+
+
+def _chunk_messages(p: int) -> int:
+    """A reduce-scatter then the ring allgather: each of their steps sends one chunk message
+    (ring: one per hop; direct: one to each other chunk's owner, then the allgather's hops)."""
+    return _ring_steps(p)
 
 
 def _ring_time(n: int, topo: Topology, fmt: Format, block: int, cal: Calibration) -> float:
@@ -351,14 +364,16 @@ _TABLE: tuple[Algorithm, ...] = (
     Algorithm("ring", 1, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_ring_time,
               growth=lambda topo: (topo.ranks + 1) / 2, quantizations=lambda topo: topo.ranks, steps=_ring_steps,
               own_pieces=_ring_pieces, sent_bytes=_ring_sent, fused="scatter",
-              runner="giftcomm.collectives.engine:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
-              simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring"),
+              runner="giftcomm.collectives.runners:run_ring", scatter_runner="giftcomm.collectives.ring:reduce_scatter",
+              simulation="giftcomm.reference.simulate:allreduce_ring", scatter_simulation="giftcomm.reference.simulate:scatter_ring",
+              jit_scatter="giftcomm.adapters.jax.jit:ring_scatter", chunk_messages=_chunk_messages),
     # P-1 single contributions, then the sum: 2 - 1/P
     Algorithm("direct", 2, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_direct_time,
               growth=lambda topo: 2 - 1 / topo.ranks, quantizations=lambda topo: 2, steps=_ring_steps,
               own_pieces=_direct_pieces, sent_bytes=_ring_sent, fused="scatter",
-              runner="giftcomm.collectives.engine:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
-              simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct"),
+              runner="giftcomm.collectives.runners:run_direct", scatter_runner="giftcomm.collectives.direct:reduce_scatter",
+              simulation="giftcomm.reference.simulate:allreduce_direct", scatter_simulation="giftcomm.reference.simulate:scatter_direct",
+              jit_scatter="giftcomm.adapters.jax.jit:direct_scatter", chunk_messages=_chunk_messages),
     # every level of the exchange tree quantizes groups whose sizes add up to P, log2(P2) levels
     # (P2: the largest power of two <= P), plus the folded ranks and the final message
     Algorithm("doubling", 3, auto=True, scatter=False, needs_nodes=False, one_exchange=False, time=_doubling_time,
@@ -366,32 +381,32 @@ _TABLE: tuple[Algorithm, ...] = (
                                    + (topo.ranks - _largest_power_of_two(topo.ranks)) / topo.ranks),
               quantizations=lambda topo: int(math.log2(_largest_power_of_two(topo.ranks))) + 2,
               steps=_doubling_steps, own_pieces=_doubling_pieces, sent_bytes=_doubling_sent, fused="rounds",
-              runner="giftcomm.collectives.engine:run_doubling", simulation="giftcomm.reference.simulate:allreduce_doubling"),
+              runner="giftcomm.collectives.runners:run_doubling", simulation="giftcomm.reference.simulate:allreduce_doubling"),
     # fp32 inside nodes, the ring across N nodes: (N + 1) / 2
     Algorithm("hierarchical", 4, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("ring"), growth=lambda topo: (_nodes(topo) + 1) / 2,
               quantizations=lambda topo: topo.nodes, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
               cross="ring", fused="nodes",
-              runner="giftcomm.collectives.engine:run_hierarchical", simulation="giftcomm.reference.simulate:allreduce_hierarchical"),
+              runner="giftcomm.collectives.runners:run_hierarchical", simulation="giftcomm.reference.simulate:allreduce_hierarchical"),
     # fp32 inside nodes, direct across N nodes: 2 - 1/N
     Algorithm("hierarchical_direct", 5, auto=True, scatter=False, needs_nodes=True, one_exchange=False,
               time=_hierarchical_time("direct"), growth=lambda topo: 2 - 1 / _nodes(topo),
               quantizations=lambda topo: 2, steps=None, own_pieces=_node_pieces, sent_bytes=_ring_sent,
               cross="direct", fused="nodes",
-              runner="giftcomm.collectives.engine:run_hierarchical_direct",
+              runner="giftcomm.collectives.runners:run_hierarchical_direct",
               simulation="giftcomm.reference.simulate:allreduce_hierarchical_direct"),
     # every contribution quantized once, no sum re-quantized: P quantizations of one rank / P = 1
     Algorithm("oneshot", 6, auto=True, scatter=False, needs_nodes=False, one_exchange=True, time=_oneshot_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None,
               own_pieces=_everything, sent_bytes=_oneshot_sent, channel_time=_oneshot_channel_time, fused="exchange",
-              runner="giftcomm.collectives.engine:run_oneshot", simulation="giftcomm.reference.simulate:allreduce_oneshot"),
+              runner="giftcomm.collectives.runners:run_oneshot", simulation="giftcomm.reference.simulate:allreduce_oneshot"),
     # the transport's own allreduce: nothing quantized (a scaled format sums float32 values); a
     # pass-through format rounds each rank's values once, and the transport rounds its partial
     # sums to that format (docs/scaling.md), counted as one quantization
     Algorithm("native", 7, auto=True, scatter=True, needs_nodes=False, one_exchange=False, time=_native_time,
               growth=lambda topo: 1.0, quantizations=lambda topo: 1, steps=None, own_pieces=_nothing,
               sent_bytes=_native_sent, native=True,
-              runner="giftcomm.collectives.engine:run_native", scatter_runner="giftcomm.collectives.native:reduce_scatter",
+              runner="giftcomm.collectives.runners:run_native", scatter_runner="giftcomm.collectives.native:reduce_scatter",
               simulation="giftcomm.reference.simulate:allreduce_native", scatter_simulation="giftcomm.reference.simulate:scatter_native"),
 )
 
@@ -411,7 +426,8 @@ assert len(BY_NAME) == len(BY_CODE) == len(_TABLE) and AUTO_CODE not in BY_CODE 
 NATIVE = "native"
 """The row that runs the transport's own allreduce."""
 assert BY_NAME[NATIVE].native and sum(a.native for a in TABLE) == 1
-assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter) for a in TABLE)
+assert all(a.fused in (None, *FUSED_ROUTES) and (a.cross is None or BY_NAME[a.cross].scatter)
+           and (a.jit_scatter is None) == (a.chunk_messages is None) for a in TABLE)
 
 CODES: dict[str, int] = {AUTO: AUTO_CODE, **{a.name: a.code for a in _TABLE}}
 """The signature code of every ``algorithm=`` value."""
@@ -435,6 +451,8 @@ def register(algorithm: Algorithm) -> None:
         raise ValueError(f"register: the name {a.name!r} or code {a.code} is taken")
     missing = [f for f in ("runner", "simulation") + (("scatter_runner", "scatter_simulation") if a.scatter else ())
                if getattr(a, f) is None]
+    if (a.jit_scatter is None) != (a.chunk_messages is None):
+        missing.append("jit_scatter with chunk_messages")
     if missing or a.native or a.fused not in (None, *FUSED_ROUTES) or (a.cross is not None and not row(a.cross).scatter):
         raise ValueError(f"register: row {a.name!r} needs {', '.join(missing) or 'a valid fused route and cross'} "
                          "(and is not the native row)")

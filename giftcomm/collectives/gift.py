@@ -1,11 +1,18 @@
-"""gift_allreduce on device arrays with the GIFT transform in the fused kernels (giftcomm.geometry.fused;
-design: docs/gpu.md "Fused transform").
+"""gift_allreduce with a geometry: both routes, ``inverse(sum(forward(x)))``.
 
-Taken by the engine (giftcomm.collectives.engine.run_allreduce) for a device (CuPy) array and a
-giftcomm Geometry whose non-identity segments all have low-rank or identity sides
-(:func:`takes`); host arrays and other geometries keep the unfused path (``geometry.forward`` /
-``inverse``). Everything here is decided by agreed values only (format, block, rounding,
-algorithm, the geometry's fingerprint), so every rank takes the same route.
+The engine (giftcomm.collectives.engine) hands every agreed allreduce job with a geometry to
+:func:`allreduce` (and checks the geometry in its agreement with :func:`prepare`). Two routes:
+
+- **unfused** (host arrays, and device arrays with any other geometry): ``geometry.forward`` of
+  the flat values into float32 (a failure on some rank raised on every rank), the agreed row's
+  runner (giftcomm.collectives.runners) on them, ``geometry.inverse`` of the sum, then the
+  plain finishing step (``avg``, dtype, ``out``);
+- **fused** (:func:`takes`: a device (CuPy) array and a giftcomm Geometry whose non-identity
+  segments all have low-rank or identity sides): the transform inside the codec kernels
+  (giftcomm.geometry.fused; design: docs/gpu.md "Fused transform"), as below.
+
+Everything here is decided by agreed values only (format, block, rounding, algorithm, the
+geometry's fingerprint, which carries the route), so every rank takes the same route.
 
 Forward (the transformed values Y are never written where the route says "fused"):
 
@@ -50,21 +57,125 @@ allocation is the result when no ``out`` is given).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .. import _xp
 from ..algorithms import BY_NAME
-from ..algorithms.partition import shared_chunk_bounds
+from ..algorithms.partition import accumulation_dtype, shared_chunk_bounds
 from ..formats import Format
 from ..transport import Transport
+from . import call as calls
 from . import doubling, hierarchical, oneshot, ring
+from .agree import confirmed
+from .call import Call, Job
 from .hierarchical import check_uniform
+from .runners import runner_of, scatter_of
 from .wire import Wire
 from .workspace import workspace_of
 
-__all__ = ["takes", "fused_encode", "FusedGift", "has_state", "state_of", "allreduce", "MAX_STATES"]
+__all__ = ["GeometryLike", "prepare", "allreduce", "takes", "fused_encode", "FusedGift", "has_state", "state_of",
+           "MAX_STATES"]
+
+
+class GeometryLike(Protocol):
+    """What gift_allreduce needs of a geometry (see giftcomm.geometry.Geometry)."""
+
+    @property
+    def size(self) -> int: ...  # read-only: Geometry's are properties
+    @property
+    def is_identity(self) -> bool: ...
+
+    def forward(self, flat: Any) -> Any: ...
+    def inverse(self, flat: Any) -> Any: ...
+    def fingerprint(self) -> int: ...
+
+
+def _word_geometry(word: str) -> str:
+    """The error for a geometry given as a word (e.g. "paper") to a flat-buffer call."""
+    return (f"giftcomm.gift_allreduce: geometry={word!r} names a method, not a map: a flat buffer has no layer "
+            f"structure (layout) nor input covariances to build it from. Build the geometry and pass it, e.g. "
+            f"geometry=Geometry.preset({word!r}, layout, factors) (giftcomm.geometry), or use an entry point that "
+            f"captures them from the model (GradSync, ShardedGradSync, GiftState, GiftReduceScatter, the Lightning "
+            f"callback: geometry={word!r})")
+
+
+def prepare(call: Call, geometry: Any) -> Any:
+    """This rank's check of gift_allreduce's ``geometry`` inside the agreement (its errors are
+    raised on every rank): the geometry the job runs (None for none or an identity one), its
+    fingerprint and route in ``call.sig["geometry"]``. ValueError for a word (``"paper"``) and for
+    a geometry that does not cover the call's elements."""
+    if isinstance(geometry, str):
+        raise ValueError(_word_geometry(geometry))
+    geo = None if geometry is None or geometry.is_identity else geometry
+    if geo is not None:
+        if geo.size != call.arr.size:
+            raise ValueError(f"geometry covers {geo.size} elements but x has {call.arr.size}")
+        # the route is part of what the ranks agree on: a rank with a host array (unfused transform)
+        # and one with a device array (the fused kernels) would round differently
+        call.sig["geometry"] = int(geo.fingerprint()) ^ int(takes(call.imp.device, geo))
+    return geo
+
+
+def allreduce(t: Transport, job: Job, call: Call, out: Any) -> Any:
+    """Steps 2 and 3 of an agreed gift_allreduce whose job has a geometry (collective): the
+    fused route where :func:`takes` says so, else the unfused one; finished like
+    :func:`giftcomm.allreduce` (``avg``, the caller's dtype and shape, ``out`` or a new array).
+    ``call``: the call's record (the job's own, or a persistent plan's call)."""
+    geo, algorithm = job.geometry, job.algorithm
+    assert geo is not None and algorithm is not None
+    xp, n, shape = call.xp, call.arr.size, tuple(call.arr.shape)
+    flat = calls.flat_values(call)
+    if takes(call.imp.device, geo):
+        return _fused(t, job, call, flat, out)
+    with confirmed(t, "giftcomm.gift_allreduce: geometry.forward"):  # it can fail on some ranks: all learn it
+        flat = _checked(_geometry_forward(t, geo, flat, xp), n, "geometry.forward")
+    acc_t = accumulation_dtype(flat.dtype)
+    if n == 0:
+        return calls.finish(xp.zeros(0, acc_t), call, t.size, shape, out)
+    into = calls.direct_out(call)
+    total = runner_of(algorithm)(t, flat, call.wire(t.rank), acc_t, job.nodes, job.slice_n, into)
+    total = _geometry_inverse(geo, total, xp)
+    if into is None or total is not into:
+        total = _xp.astype(total, acc_t, copy=False)  # on the device: no flush-to-zero (giftcomm._xp)
+    return calls.finish_reduction(t.size, call, total, into, out, shape)
+
+
+def _is_giftcomm_geometry(geo: Any) -> bool:
+    from ..geometry import Geometry  # lazy: the geometry package is optional for plain allreduce
+
+    return isinstance(geo, Geometry)
+
+
+def _geometry_forward(t: Transport, geo: Any, flat: Any, xp: Any) -> Any:
+    """``geo.forward(flat)`` as float32 of ``flat``'s backend; a giftcomm Geometry writes into a
+    workspace buffer that is reused across calls (a fresh one costs page faults comparable to the
+    transform itself)."""
+    if _is_giftcomm_geometry(geo):
+        buf = workspace_of(t, xp).get("gift_forward", 4 * flat.size).view(np.float32)
+        return geo.forward(flat, out=buf)
+    return xp.ascontiguousarray(xp.asarray(geo.forward(flat), dtype=np.float32))
+
+
+def _checked(values: Any, n: int, what: str) -> Any:
+    """``values`` when it is a float32 (n,) array, else ValueError naming ``what``."""
+    if tuple(values.shape) != (n,) or values.dtype != np.float32:
+        raise ValueError(f"{what} returned shape {tuple(values.shape)} dtype {values.dtype}; expected ({n},) float32")
+    return values
+
+
+def _geometry_inverse(geo: Any, total: Any, xp: Any) -> Any:
+    """``geo.inverse(total)``; in place for a giftcomm Geometry (``total`` belongs to this call:
+    the caller's ``out`` or a fresh result)."""
+    if _is_giftcomm_geometry(geo):
+        return geo.inverse(total, out=total)
+    return _checked(xp.ascontiguousarray(xp.asarray(geo.inverse(total), dtype=np.float32)), total.size,
+                    "geometry.inverse")
+
+
+# ----------------------------------------------------------------------------- the fused route
+
 
 MAX_STATES = 4
 """Geometries whose device state a transport keeps (a training loop refreshes its geometry now
@@ -186,13 +297,29 @@ def _float32(t: Transport, flat: Any, xp: Any) -> Any:
     return buf
 
 
-def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatter_of: Any, flat: Any, wire: Wire,
-              nodes: Any, slice_n: int, op: str, into: Any) -> Any:
-    """The whole device gift_allreduce of the flat vector ``flat`` (n > 0): the float32 result,
-    inverse-transformed and (op="avg") divided by P, in ``into`` (a float32 (n,) view of the
-    caller's ``out``) when given, else a new array. ``runner``: the algorithm's engine runner
-    (the unfused route's data movement); ``scatter_of(name)``: the reduce-scatter of a row
-    (giftcomm.collectives.engine.scatter_of)."""
+def _fused(t: Transport, job: Job, call: Call, flat: Any, out: Any) -> Any:
+    """The fused route of :func:`allreduce` (the inverse and ``avg`` done in the kernels)."""
+    shape = tuple(call.arr.shape)
+    if flat.size == 0:
+        return calls.finish(call.xp.zeros(0, np.float32), call, t.size, shape, out)
+    into = calls.direct_out(call)
+    if not has_state(t, job.geometry, call.xp):  # alike on every rank: the same agreed calls made it
+        # a failure on some ranks (the plans' upload: device memory) is raised on every rank
+        with confirmed(t, "giftcomm.gift_allreduce: fused transform"):
+            state_of(t, job.geometry, call.xp)
+    total = _fused_sum(t, job, flat, call.wire(t.rank), call.op, into)
+    if into is not None and total is into:
+        return out
+    return calls.finish(total, call, t.size, shape, out, op="sum")
+
+
+def _fused_sum(t: Transport, job: Job, flat: Any, wire: Wire, op: str, into: Any) -> Any:
+    """The fused route's float32 result of the flat vector ``flat`` (n > 0) with the job's
+    geometry, algorithm, node layout and slice: inverse-transformed and (op="avg") divided by P,
+    in ``into`` (a float32 (n,) view of the caller's ``out``) when given, else a new array."""
+    geometry, row, nodes, slice_n = job.geometry, job.algorithm, job.nodes, job.slice_n
+    assert row is not None
+    algorithm = row.name
     xp, n = wire.xp, flat.size
     st = state_of(t, geometry, xp)
     ws = workspace_of(t, xp)
@@ -202,12 +329,11 @@ def allreduce(t: Transport, geometry: Any, algorithm: str, runner: Any, scatter_
     f32 = np.dtype(np.float32)
     if not fused_encode(algorithm, wire.fmt, wire.block, wire.seed):
         y = st.fwd.apply(x, ws.get("gift_y", 4 * n).view(np.float32))
-        total = runner(t, y, wire, f32, nodes, slice_n, ws.get("gift_sum", 4 * n).view(np.float32))
+        total = runner_of(row)(t, y, wire, f32, nodes, slice_n, ws.get("gift_sum", 4 * n).view(np.float32))
         return st.inv.apply(_xp.astype(total, f32, copy=False), dest, divisor)
     st.fwd.project(x)  # pass A and S: the projections every fused encode reads
-    row = BY_NAME[algorithm]
     if row.fused == "nodes":
-        assert row.cross is not None
+        assert row.cross is not None and nodes is not None
         local_n = int(np.diff(shared_chunk_bounds(n, check_uniform(nodes), wire.block)).max())
         scratch = ws.get("gift_own", 4 * local_n).view(np.float32)
         total = hierarchical.allreduce(t, x, nodes, wire, f32, slice_n,

@@ -1,5 +1,5 @@
 """A collective call's turn on its transport: :class:`held`, shared by the plain calls
-(giftcomm.collectives.engine) and the persistent plans (giftcomm.persistent), which both build
+(giftcomm.collectives.engine) and the persistent plans (giftcomm.plans.persistent), which both build
 on it and on nothing of each other's.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ ring's 2(P-1) hops: for latency-bound sizes. The bytes moved per rank grow with 
 buffers belong to the ring or the direct algorithm.
 
 A message may carry a small int64 header ahead of its payload (the persistent plans of
-giftcomm.persistent put the call's check word there, so that checking that every rank made the
+giftcomm.plans.persistent put the call's check word there, so that checking that every rank made the
 same call costs no extra round trip). Host or device arrays; headers only on host buffers.
 """
 from __future__ import annotations

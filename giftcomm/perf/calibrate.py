@@ -251,7 +251,7 @@ def measure_native(comm, cal: Calibration, topo, nbytes: int, reps: int = 50) ->
     node-shared channel (what the cost model then predicts without call_overhead), else that
     time less ``call_overhead``."""
     import giftcomm
-    from giftcomm import persistent
+    from giftcomm.plans import persistent
     from giftcomm.transport import resolve
 
     link = cal.net if topo.nodes > 1 else cal.shm
@@ -265,7 +265,7 @@ def measure_native(comm, cal: Calibration, topo, nbytes: int, reps: int = 50) ->
     share = (comm.size - 1) / comm.size * big
     beta = max((times[1] - cal.call_overhead - fixed) / (4 * share) - 2 * link.beta, 0.0)
     half = max((times[2] - cal.call_overhead - fixed) / (2 * share) - 2 * link.beta, 0.0)
-    # repeated small calls on one node run their cached plan (giftcomm.plan_cache), which the cost
+    # repeated small calls on one node run their cached plan (giftcomm.plans.cache), which the cost
     # model predicts without call_overhead (costmodel.predict, channel): alpha is that whole call
     cached = persistent.able(resolve(comm), False)
     alpha = times[0] if cached else fixed

@@ -65,9 +65,9 @@ class TransportState:
     workspaces: reusable scratch buffers per array backend name ("numpy", "cupy").
     window: the node-shared window, or None. splits: sub-transports by (name, members).
     lock: held by a collective for its whole duration (calls from several threads run one at a
-    time). plans: how many persistent plans were made over this transport (giftcomm.persistent).
+    time). plans: how many persistent plans were made over this transport (giftcomm.plans.persistent).
     channel: the persistent plans' one-shot channel in node-shared memory, or None.
-    plan_cache: the plain calls' cached plans by call signature (giftcomm.plan_cache; each plan's
+    plan_cache: the plain calls' cached plans by call signature (giftcomm.plans.cache; each plan's
     ``used`` stamp orders them for eviction).
     fused: the fused GIFT transforms' device state per geometry (giftcomm.collectives.gift).
     native: per (count, kind) the native path has run, whether this transport's own allreduce

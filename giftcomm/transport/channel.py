@@ -21,19 +21,19 @@ if TYPE_CHECKING:
     pass
 
 WORDS = 4
-"""Header words per message: error code, plan word, caller, seed (giftcomm.persistent)."""
+"""Header words per message: error code, plan word, caller, seed (giftcomm.plans.persistent)."""
 PLAIN_WORD = -1
 """The plan word a plain call posts (:meth:`PlanChannel.meet`); plans' words are CRC-32s, >= 0."""
 STALE_WORD = -2
 """The plan word a plan of a released transport posts into its successor's channel."""
 CACHED = 1 << 40
-"""Flag bit in the word of a plain call's cached plan (giftcomm.plan_cache; plans' CRC-32s lack it)."""
+"""Flag bit in the word of a plain call's cached plan (giftcomm.plans.cache; plans' CRC-32s lack it)."""
 
 
 def plain_words(words: np.ndarray) -> np.ndarray:
     """``words`` with every cached plan's word read as :data:`PLAIN_WORD`: a plain call that
     found a cached plan and one that did not are the same caller (the cached plan then falls
-    back to the agreement: giftcomm.persistent)."""
+    back to the agreement: giftcomm.plans.persistent)."""
     return np.where((words >= 0) & (words & CACHED != 0), PLAIN_WORD, words)
 
 

@@ -2,7 +2,8 @@
 
 Drop-in for ``lax.psum``, ``lax.pmean`` and ``lax.psum_scatter`` over one or more mesh axes, on
 arrays and pytrees, with giftcomm's call options (giftcomm.options.CallOptions: fmt, block,
-rounding, seed, mx_scale, algorithm "ring" (default; "auto" means ring) or "direct")::
+rounding, seed, mx_scale, algorithm: a row of giftcomm.algorithms with a ``jit_scatter``
+schedule -- "ring" (default; "auto" means ring) or "direct")::
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P())
@@ -13,7 +14,7 @@ rounding, seed, mx_scale, algorithm "ring" (default; "auto" means ring) or "dire
 What runs (all traced once, static shapes):
 
 1. the leaves (float dtypes) are packed in tree order into one float32 vector of n values;
-2. psum / pmean: the vector is cut into P block-aligned chunks (giftcomm.partition.chunk_bounds)
+2. psum / pmean: the vector is cut into P block-aligned chunks (giftcomm.algorithms.partition.chunk_bounds)
    padded to the longest; ``ring``: P - 1 ``lax.ppermute`` hops, each moving one uint8 wire
    message (codes and scales in giftcomm's wire layout, giftcomm.formats), decoded, added in
    float32 and re-encoded by the receiver (jax_codec); ``direct``: each device encodes every
@@ -35,9 +36,9 @@ Per-step seeds, error feedback (psum, pmean and psum_scatter), GIFT (psum and pm
 - ``feedback=state`` (``feedback_init(grads)``: float32 zeros like the leaves) makes the call
   return ``(result, new_state)``: the state is added to the leaves (in float32) before the
   reduction, and the new state is what this device's own encodes of its values lost, exactly as
-  giftcomm.feedback.ErrorFeedback records it (``own_pieces``: ring, chunk index - 1; direct,
-  every chunk but its own; one device, everything; non-finite residuals are 0);
-- ``geometry=g`` (a giftcomm Geometry, or a jax_geometry.JaxGeometry passed as a jitted
+  giftcomm.collectives.feedback.ErrorFeedback records it (the chunks the algorithm row's ``own_pieces``
+  names; one device, everything; non-finite residuals are 0);
+- ``geometry=g`` (a giftcomm Geometry, or a giftcomm.adapters.jax.geometry.JaxGeometry passed as a jitted
   argument) reduces ``forward(packed leaves)`` and maps the sum back with ``inverse`` before
   ``pmean``'s division (giftcomm.simulate_gift_allreduce's order); with feedback the residual is
   mapped back by ``inverse`` too (ErrorFeedback.record with a geometry).
@@ -57,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...algorithms import AUTO
+from ...algorithms import AUTO, BY_NAME, TABLE, Algorithm
 from ...algorithms.partition import shared_chunk_bounds
 from ...formats import message_nbytes
 from ...options import CallOptions, options_of_call
@@ -71,7 +72,8 @@ try:  # Varying -> Invariant all_gather (not in jax.lax's public names yet)
 except ImportError:  # pragma: no cover - older jax: results typed varying
     _all_gather_invariant = None
 
-__all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "JIT_ALGORITHMS"]
+__all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "wire_bytes", "jit_algorithms", "ring_scatter",
+           "direct_scatter"]
 
 JIT_AUTO = "ring"
 """What ``algorithm="auto"`` runs inside jit (no cost model there: XLA schedules the transfers)."""
@@ -99,9 +101,10 @@ def _options(owner: str, op: str, options: dict[str, Any]) -> tuple[CallOptions,
     record = options.pop("options", None)
     options, traced_seed = _split_seed(owner, options)
     opts = options_of_call(owner, record, options, {"op": op}, fixed=("op",))
-    algorithm = _ALIASES.get(opts.algorithm, opts.algorithm)
-    if algorithm not in JIT_SCHEDULES:
-        raise ValueError(f"{owner}: algorithm must be one of auto, {', '.join(JIT_ALGORITHMS)} inside jit; "
+    algorithm = JIT_AUTO if opts.algorithm == AUTO else opts.algorithm
+    row = BY_NAME.get(algorithm)
+    if row is None or row.jit_scatter is None:
+        raise ValueError(f"{owner}: algorithm must be one of auto, {', '.join(jit_algorithms())} inside jit; "
                          f"got {opts.algorithm!r}")
     for name in _UNSUPPORTED:
         if getattr(opts, name) is not None:
@@ -140,13 +143,40 @@ def _leaves(owner: str, tree: Any) -> tuple[list[jax.Array], Any]:
     return out, treedef
 
 
+def jit_algorithms() -> tuple[str, ...]:
+    """The algorithms the jit path runs (and "auto": :data:`JIT_AUTO`): the rows of
+    giftcomm.algorithms with a ``jit_scatter`` schedule, read now (registered rows count)."""
+    return tuple(a.name for a in TABLE if a.jit_scatter is not None)
+
+
+def own_shifts(row: Algorithm, p: int) -> frozenset[int]:
+    """The chunks each of ``p`` > 1 devices encodes alone from its own values, as shifts from its
+    index (device r's chunk (r + s) mod P for each shift s): the row's ``own_pieces`` over P
+    one-element chunks, the same shifts on every device. ValueError for a row whose own pieces
+    are not whole chunks keyed at stage 0 alike on every device (the jit schedules record
+    residuals per chunk)."""
+    shifts = None
+    for q in range(p):
+        pieces, stage = row.own_pieces(p, p, q, lambda c: (c, c + 1))
+        mine = frozenset((lo - q) % p for lo, hi in pieces if hi == lo + 1)
+        if stage != 0 or len(mine) != len(pieces) or (shifts is not None and mine != shifts):
+            raise ValueError(f"algorithm {row.name!r}: its own pieces on {p} devices are not whole chunks alike on "
+                             "every device; the jit path cannot record its error feedback")
+        shifts = mine
+    assert shifts is not None
+    return shifts
+
+
 class _Ring:
-    """The per-call constants: format, block, keys per device, the axis and its size."""
+    """The per-call constants: format, block, keys per device, the axis and its size, the
+    algorithm's row (its schedule and own pieces)."""
 
     def __init__(self, opts: CallOptions, axis: Any, p: int, traced_seed: Any = None) -> None:
         self.f, self.block, self.axis, self.p = opts.format, opts.resolved_block, axis, p
         self.rounding = opts.rounding if self.f.scaled else "nearest"
-        self.scatter = JIT_SCHEDULES[opts.algorithm]  # "auto" was resolved by _options
+        self.row = BY_NAME[opts.algorithm]  # "auto" was resolved by _options
+        self.scatter = self.row.part("jit_scatter")
+        self.recorded: set[int] = set()  # the shifts whose residuals a schedule recorded
         if traced_seed is not None and self.rounding == "stochastic":
             self.keys: Any = jax_codec.call_key_words(traced_seed, range(p))
         else:
@@ -170,48 +200,30 @@ class _Ring:
         """float32[L]: this device's chunk of the sum of every device's ``chunks`` (P, L), chunk c
         starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``).
         own_error: also return float32[P, L], what this device's encodes of its own values lost
-        (``chunks - decode(encode(chunks))`` on the chunks it encodes alone: giftcomm.feedback's
-        ``own_pieces``; 0 elsewhere); at P = 1 that is the allgather's, added by the caller.
-        The schedule is the call's algorithm's (:data:`JIT_SCHEDULES`)."""
+        (``chunks - decode(encode(chunks))`` on the chunks the row's ``own_pieces`` names,
+        :func:`own_shifts`; 0 elsewhere); at P = 1 that is the allgather's, added by the caller.
+        The schedule is the row's ``jit_scatter``."""
         lo = jnp.asarray(los.astype(np.uint32))
         err = jnp.zeros_like(chunks)  # unused (and dropped by XLA) without own_error
         if self.p == 1:
             return (chunks[0], err) if own_error else chunks[0]
-        acc, err = self.scatter(self, chunks, lo, err, own_error)
+        shifts = own_shifts(self.row, self.p) if own_error else frozenset()
+        self.recorded = set()
+        acc, err = self.scatter(self, chunks, lo, err, shifts)
+        if self.recorded != shifts:
+            raise ValueError(f"algorithm {self.row.name!r}: its own pieces (shifts {sorted(shifts)}) are not the "
+                             f"chunks its jit schedule encodes alone (shifts {sorted(self.recorded)})")
         return (acc, err) if own_error else acc
 
-    def direct_scatter(self, chunks: jax.Array, lo: jax.Array, err: jax.Array, own_error: bool) -> tuple[Any, Any]:
-        """The direct schedule of :meth:`reduce_scatter` (P > 1): each chunk encoded once by its
-        device and sent straight to its owner, summed there in device order."""
-        p, r, L = self.p, self.rank, chunks.shape[1]
-        got = [chunks[r]]
-        for s in range(1, p):
-            c = (r + s) % p
-            msg = self.encode(chunks[c], lo[c])
-            if own_error:
-                err = err.at[c].set(chunks[c] - self.decode(msg, L))
-            got.append(self.decode(self.shift(msg, s), L))
-        by_shift = jnp.stack(got)
-        by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
-        acc = by_src[0]
-        for q in range(1, p):
-            acc = acc + by_src[q]
-        return acc, err
+    def own_error(self, err: jax.Array, shifts: frozenset[int], s: int, chunks: jax.Array, c: Any,
+                  msg: jax.Array) -> jax.Array:
+        """``err`` with row ``c`` (this device's chunk at shift ``s`` of ``chunks``, encoded alone
+        as ``msg``) set to what that encode lost, when ``s`` is one of the row's own ``shifts``."""
+        if s not in shifts:
+            return err
+        self.recorded.add(s)
+        return err.at[c].set(chunks[c] - self.decode(msg, chunks.shape[1]))
 
-    def ring_scatter(self, chunks: jax.Array, lo: jax.Array, err: jax.Array, own_error: bool) -> tuple[Any, Any]:
-        """The ring schedule of :meth:`reduce_scatter` (P > 1): partial sums passed to the next
-        device and requantized at every hop."""
-        p, r, L = self.p, self.rank, chunks.shape[1]
-        c = (r - 1) % p
-        msg = self.encode(chunks[c], lo[c])
-        if own_error:
-            err = err.at[c].set(chunks[c] - self.decode(msg, L))
-        for k in range(2, p + 1):
-            c = (r - k) % p
-            acc = self.decode(self.shift(msg, 1), L) + chunks[c]
-            if k < p:
-                msg = self.encode(acc, lo[c])
-        return acc, err
 
     def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
         """float32[P, L]: every owner's chunk encoded once by it and decoded by every device,
@@ -221,12 +233,41 @@ class _Ring:
         return jnp.stack([self.decode(every[c], mine.shape[0]) for c in range(self.p)])
 
 
-JIT_SCHEDULES = {"ring": _Ring.ring_scatter, "direct": _Ring.direct_scatter}
-"""The jit path's reduce-scatter schedule of each algorithm it runs (rows of giftcomm.algorithms
-by name; its allgather is the same for both)."""
-JIT_ALGORITHMS = tuple(JIT_SCHEDULES)
-"""The algorithms of the jit path (and "auto": :data:`JIT_AUTO`)."""
-_ALIASES = {AUTO: JIT_AUTO}
+def direct_scatter(ring: _Ring, chunks: jax.Array, lo: jax.Array, err: jax.Array,
+                   shifts: frozenset[int]) -> tuple[Any, Any]:
+    """The ``direct`` row's ``jit_scatter``, the schedule of :meth:`_Ring.reduce_scatter` (P > 1):
+    each chunk encoded once by its device and sent straight to its owner, summed there in device
+    order; the residuals of the own chunks at ``shifts`` recorded in ``err``."""
+    p, r, L = ring.p, ring.rank, chunks.shape[1]
+    got = [chunks[r]]
+    for s in range(1, p):
+        c = (r + s) % p
+        msg = ring.encode(chunks[c], lo[c])
+        err = ring.own_error(err, shifts, s, chunks, c, msg)
+        got.append(ring.decode(ring.shift(msg, s), L))
+    by_shift = jnp.stack(got)
+    by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
+    acc = by_src[0]
+    for q in range(1, p):
+        acc = acc + by_src[q]
+    return acc, err
+
+
+def ring_scatter(ring: _Ring, chunks: jax.Array, lo: jax.Array, err: jax.Array,
+                 shifts: frozenset[int]) -> tuple[Any, Any]:
+    """The ``ring`` row's ``jit_scatter``, the schedule of :meth:`_Ring.reduce_scatter` (P > 1):
+    partial sums passed to the next device and requantized at every hop (hop 0 encodes the own
+    chunk at shift P - 1 alone; its residual recorded in ``err`` when ``shifts`` names it)."""
+    p, r, L = ring.p, ring.rank, chunks.shape[1]
+    c = (r - 1) % p
+    msg = ring.encode(chunks[c], lo[c])
+    err = ring.own_error(err, shifts, p - 1, chunks, c, msg)
+    for k in range(2, p + 1):
+        c = (r - k) % p
+        acc = ring.decode(ring.shift(msg, 1), L) + chunks[c]
+        if k < p:
+            msg = ring.encode(acc, lo[c])
+    return acc, err
 
 
 def _gather_invariant(msg: jax.Array, axis: Any) -> jax.Array:
@@ -348,8 +389,8 @@ def psum(x: Any, axis_name: Any, *, feedback: Any = None, geometry: Any = None, 
     feedback: None, or the error-feedback state (:func:`feedback_init`; a pytree of float32
     leaves like x's): then the call returns ``(result, new_state)``, the state's residual added
     to x before the reduction and the new state what this device's own encodes lost
-    (giftcomm.feedback.ErrorFeedback with the pieces of ``own_pieces``). geometry: None, a
-    giftcomm Geometry or a :class:`~giftcomm.adapters.jax_geometry.JaxGeometry` over the packed
+    (giftcomm.collectives.feedback.ErrorFeedback with the pieces of ``own_pieces``). geometry: None, a
+    giftcomm Geometry or a :class:`~giftcomm.adapters.jax.geometry.JaxGeometry` over the packed
     leaves (tree order; e.g. built on ``tree_spec(x).layout``): the reduction runs in its
     coordinates, ``inverse(sum(forward(x)))`` (GIFT), the residual mapped back to x's.
     Call inside ``jax.shard_map`` (under jit)."""
@@ -427,11 +468,13 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, tiled: b
 
 
 def wire_bytes(n: int, p: int, **options: Any) -> int:
-    """Bytes one device sends in :func:`psum` of n values on p devices (ring: P - 1 hops of one
-    chunk message, plus its one message in the allgather, received by P - 1 devices)."""
+    """Bytes one device sends in :func:`psum` of n values on p devices: the algorithm row's
+    ``chunk_messages(p)`` messages of one chunk, every chunk padded to the longest (ring: P - 1
+    hops, plus its one message in the allgather, received by P - 1 devices)."""
     opts, _ = _options("wire_bytes", "sum", options)
     if p == 1:
         return 0
+    messages = BY_NAME[opts.algorithm].chunk_messages
+    assert messages is not None  # every row with a jit schedule has it (giftcomm.algorithms)
     lens = np.diff(shared_chunk_bounds(n, p, opts.resolved_block))
-    one = message_nbytes(int(lens.max()), opts.format, opts.resolved_block)
-    return 2 * (p - 1) * one
+    return messages(p) * message_nbytes(int(lens.max()), opts.format, opts.resolved_block)

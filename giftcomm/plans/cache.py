@@ -1,8 +1,14 @@
 """The plain calls' plan cache: repeated identical allreduces run as fast as persistent plans;
 repeated reduce-scatters and allgathers skip their agreement (:func:`collective`).
 
+Every call of the public collectives comes here from giftcomm.api, and each goes one way down:
+a repeated call runs its cached plan; a miss agrees through the engine, makes the plan and
+runs the agreed job (:func:`first_allreduce`, :func:`first_collective`); a call that is never
+cached (a gift_allreduce with a geometry, stochastic rounding's reduce-scatters and allgathers,
+options that failed their checks) is the engine's whole call (``engine.execute``).
+
 A plain :func:`giftcomm.allreduce` whose signature this transport has seen before runs the
-persistent plan (giftcomm.persistent) made the first time, instead of validating, agreeing and
+persistent plan (giftcomm.plans.persistent) made the first time, instead of validating, agreeing and
 planning again. The signature (:func:`signature`) is everything the call's checks depend on:
 the array's type, shape, dtype and device, ``out``'s (or None), the validated options and
 ``local_size``. The cache holds the :data:`PLAN_CACHE_SIZE` most recently used signatures per
@@ -29,13 +35,16 @@ from typing import Any
 
 import numpy as np
 
+from .. import accounting as _stats
+from ..collectives import engine
+from ..collectives.hold import held
+from ..collectives.layout import unknown_layout
+from ..options import CallOptions
+from ..transport import HOST, Transport
 from . import persistent
-from .collectives import engine
-from .collectives.layout import unknown_layout
-from .options import CallOptions
-from .transport import Transport
 
-__all__ = ["PLAN_CACHE_SIZE", "signature", "allreduce", "reduce_scatter", "collective"]
+__all__ = ["PLAN_CACHE_SIZE", "CACHED_MAX_BYTES", "signature", "allreduce", "reduce_scatter", "collective",
+           "first_allreduce", "first_collective"]
 
 PLAN_CACHE_SIZE = 32
 """Cached plans per transport (least recently used evicted first)."""
@@ -68,11 +77,11 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
     """:func:`giftcomm.allreduce` of ``x`` over ``t`` through the cache (collective), counted in
     giftcomm.stats (``explicit``: the caller named the format; its fallback to native is warned).
     ``geometry``: :func:`giftcomm.gift_allreduce`'s; a call with one is never cached (its
-    transforms may be rebuilt between calls: persistent.transformed_allreduce)."""
-    if isinstance(opts, Exception):
-        return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size)
-    if geometry is not None:
-        return persistent.transformed_allreduce(t, x, out, opts, geometry, local_size, explicit)
+    transforms may be rebuilt between calls: :func:`~giftcomm.plans.persistent.plan_allreduce`
+    with ``geometry=`` holds one for a fixed geometry), so every such call is the engine's whole
+    call, agreed afresh."""
+    if isinstance(opts, Exception) or geometry is not None:  # no plan: the engine's whole call, agreed afresh
+        return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, explicit)
     key = signature(x, out, opts, local_size)
     cache = t.state.plan_cache
     plan = None if key is None else cache.get(key)
@@ -86,7 +95,7 @@ def allreduce(t: Transport, x: Any, out: Any, opts: CallOptions | Exception, loc
         except persistent.Missed:  # a peer had no plan for its call: every rank agrees below (the MISS already seen)
             missed = True
     # after a miss every rank has met in the channel
-    result, plan = persistent.first_allreduce(t, x, out, opts, local_size, explicit, CACHED_MAX_BYTES, missed)
+    result, plan = first_allreduce(t, x, out, opts, local_size, explicit, CACHED_MAX_BYTES, missed)
     if key is not None and plan is not None:
         _keep(cache, key, plan)
     return result
@@ -96,7 +105,7 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
                explicit: bool = True) -> Any:
     """:func:`giftcomm.reduce_scatter` (``kind``: its layout's) or :func:`giftcomm.allgather` of
     ``x`` over ``t`` through the cache (collective): a repeated call with one signature runs the
-    job agreed the first time (a :class:`~giftcomm.persistent.JobPlan`: its check words through
+    job agreed the first time (a :class:`~giftcomm.plans.persistent.JobPlan`: its check words through
     the plans' channel instead of the agreement; the data moves as the agreed algorithm moves it).
     Stochastic rounding's calls (a seed per call) agree every time."""
     if isinstance(opts, Exception) or opts.seed is not None:
@@ -115,7 +124,7 @@ def collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOpti
             return result
         except persistent.Missed:  # a peer made a plain call (or another cached one): every rank agrees below
             missed = True
-    result, made = persistent.first_collective(t, kind, x, out, opts, explicit, CACHED_MAX_BYTES, missed)
+    result, made = first_collective(t, kind, x, out, opts, explicit, CACHED_MAX_BYTES, missed)
     if key is not None and made is not None:
         _keep(cache, key, made)
     return result
@@ -130,6 +139,51 @@ def reduce_scatter(t: Transport, x: Any, out: Any, layout: str, opts: CallOption
     if kind is None:
         kind, opts = engine.REDUCE_SCATTER, unknown_layout(layout)
     return collective(t, kind, x, out, opts, explicit)
+
+
+def first_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, local_size: int | None, explicit: bool,
+                    max_bytes: int, missed: bool) -> tuple[Any, persistent.AllreducePlan | None]:
+    """A plain allreduce that also makes its plan for the cache (collective): agree
+    (giftcomm.collectives.engine), count it in giftcomm.stats (``explicit``: the caller named the
+    format), make the plan where the call goes through the node-shared channel (host arrays over
+    shared memory, at most ``max_bytes``: alike on every rank), then run the agreed job. Returns
+    (the result, the plan or None). ``missed``: a cached plan's call met plain calls on some rank,
+    so every rank has met in the channel already."""
+    with held(t, opts.timeout, plain=not missed):
+        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
+        slot = _stats.agreed(t, job, explicit)
+        plan = None
+        if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= max_bytes:  # alike on every rank
+            plan = persistent.plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
+            plan.slot = slot
+            if not plan.through_channel:
+                plan = None
+        result = engine.ALLREDUCE.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result, plan
+
+
+def first_collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions, explicit: bool,
+                     max_bytes: int, missed: bool) -> tuple[Any, persistent.JobPlan | None]:
+    """A plain reduce-scatter (``kind``: its layout's) or allgather that also keeps its agreed job
+    as a :class:`JobPlan` for the cache (collective), as :func:`first_allreduce` does:
+    (the result, the job's plan or None)."""
+    with held(t, opts.timeout, plain=not missed):
+        job = engine.agree_call(t, kind, x, out, opts)
+        slot = _stats.agreed(t, job, explicit)
+        # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
+        nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
+        made = None
+        if t.shared_memory and t.memory == HOST and nbytes <= max_bytes:
+            made = persistent.job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
+            if made is not None:
+                made.slot = slot
+        result = kind.run(t, job, out)
+        slot.calls += 1
+        t.last_slot = slot  # what an adapter's accounting.Tally adds
+        return result, made
+
 
 
 def _keep(cache: Any, key: Any, plan: Any) -> None:

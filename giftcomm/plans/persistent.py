@@ -27,28 +27,27 @@ from typing import Any
 
 import numpy as np
 
-from . import _xp
-from . import accounting as _stats
-from .algorithms import Algorithm
-from .algorithms.partition import accumulation_dtype
-from .codec import native_available, native_supports
-from .collectives import call as calls
-from .collectives import engine, native, oneshot
-from .collectives.agree import error_code, meet_plans, raise_failures
-from .collectives.call import Call, Job
-from .collectives.hold import held
-from .errors import CommAborted, CommClosed, CommError
-from .formats import check_key
-from .options import CallOptions, Entry, call_options
-from .transport import HOST, Transport, resolve
-from .transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
+from .. import _xp
+from .. import accounting as _stats
+from ..algorithms import Algorithm
+from ..algorithms.partition import accumulation_dtype
+from ..codec import native_available, native_supports
+from ..collectives import call as calls
+from ..collectives import engine, native, oneshot
+from ..collectives.agree import error_code, meet_plans, raise_failures
+from ..collectives.call import Call, Job
+from ..collectives.hold import held
+from ..errors import CommAborted, CommClosed, CommError
+from ..formats import check_key
+from ..options import CallOptions, Entry, call_options
+from ..transport import HOST, Transport, resolve
+from ..transport.channel import CACHED, PLAIN_WORD, STALE_WORD, WORDS, PlanChannel, native_channel, plain_words
 
-__all__ = ["AllreducePlan", "JobPlan", "plan_allreduce", "plan_of", "job_plan_of", "first_allreduce",
-           "first_collective", "Missed"]
+__all__ = ["AllreducePlan", "JobPlan", "plan_allreduce", "plan_of", "job_plan_of", "able", "Missed"]
 
 
 class Missed(Exception):
-    """A cached plan's call (giftcomm.plan_cache) met plain calls or other cached plans on some
+    """A cached plan's call (giftcomm.plans.cache) met plain calls or other cached plans on some
     ranks: every rank falls back to the agreement of a plain call."""
 
 
@@ -137,7 +136,7 @@ class AllreducePlan(_ChannelCalls):
     def __init__(self, t: Transport, job: Job, word: int, channel: bool, cached: bool = False) -> None:
         call, algorithm = job.call, job.algorithm
         assert algorithm is not None
-        self._cached = cached  # a plain call's cached plan (giftcomm.plan_cache): its word carries CACHED
+        self._cached = cached  # a plain call's cached plan (giftcomm.plans.cache): its word carries CACHED
         self._what = "giftcomm (cached plan)" if cached else "giftcomm plan"
         self.transport, self.algorithm, self._row, self._job = t, algorithm.name, algorithm, job
         self.shape, self.dtype = tuple(call.arr.shape), call.imp.logical
@@ -157,7 +156,7 @@ class AllreducePlan(_ChannelCalls):
                       and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
         self._fmt_code, self._block, self._avg = self._wire.fmt.variant_code, self._wire.block, call.op == "avg"
         self.last_run = (algorithm.name, None)  # what engine.last_algorithm reports after a call
-        self.used = 0  # a cached plan's last use (giftcomm.plan_cache's eviction order)
+        self.used = 0  # a cached plan's last use (giftcomm.plans.cache's eviction order)
         # its giftcomm.stats slot, where every call counts (giftcomm.accounting; plan_allreduce and
         # first_allreduce set it, after the agreement)
         self.slot: Any = _stats.slot_of(t, call.fmt.name, algorithm.name, call.arr.size, call.block, None)
@@ -302,7 +301,7 @@ class AllreducePlan(_ChannelCalls):
 
 class JobPlan(_ChannelCalls):
     """A plain reduce-scatter's or allgather's agreed job, kept for repeated calls with its
-    signature (giftcomm.plan_cache). Each call checks its array locally (the collective's own
+    signature (giftcomm.plans.cache). Each call checks its array locally (the collective's own
     checks, without the agreement), posts four check words in the plans' channel (one handshake,
     as a plan's call does, flagged as cached: a plain call, or a call of another signature, on any
     rank makes every rank agree afresh) and runs the agreed algorithm, layout and slicing on it."""
@@ -311,8 +310,8 @@ class JobPlan(_ChannelCalls):
         self.transport, self._kind, self._job, self._word = t, kind, job, word
         self._owner, self._what, self._cached = t.state, f"{kind.what} (cached plan)", True
         self.last_run = None if job.algorithm is None else (job.algorithm.name, job.bounds)
-        self.used = 0  # its last use (giftcomm.plan_cache's eviction order)
-        self.slot: Any = None  # its giftcomm.stats slot (giftcomm.accounting; set by giftcomm.plan_cache)
+        self.used = 0  # its last use (giftcomm.plans.cache's eviction order)
+        self.slot: Any = None  # its giftcomm.stats slot (giftcomm.accounting; set by giftcomm.plans.cache)
 
     def __call__(self, x: Any, out: Any, opts: Any) -> Any:
         """The collective of ``x`` with the cached options ``opts`` (collective)."""
@@ -357,58 +356,6 @@ def job_plan_of(t: Transport, kind: engine.Kind, job: Job) -> JobPlan | None:
     return JobPlan(t, kind, job, word | CACHED)
 
 
-def first_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, local_size: int | None, explicit: bool,
-                    max_bytes: int, missed: bool) -> tuple[Any, AllreducePlan | None]:
-    """A plain allreduce that also makes its plan for giftcomm.plan_cache (collective): agree
-    (giftcomm.collectives.engine), count it in giftcomm.stats (``explicit``: the caller named the
-    format), make the plan where the call goes through the node-shared channel (host arrays over
-    shared memory, at most ``max_bytes``: alike on every rank), then run the agreed job. Returns
-    (the result, the plan or None). ``missed``: a cached plan's call met plain calls on some rank,
-    so every rank has met in the channel already."""
-    with held(t, opts.timeout, plain=not missed):
-        job = engine.agree_call(t, engine.ALLREDUCE, x, out, opts, None, local_size)
-        slot = _stats.agreed(t, job, explicit)
-        plan = None
-        if t.shared_memory and t.memory == HOST and job.call.arr.nbytes <= max_bytes:  # alike on every rank
-            plan = plan_of(t, job, cached=True)  # collective: before the run, which may fail on one rank
-            plan.slot = slot
-            if not plan.through_channel:
-                plan = None
-        result = engine.ALLREDUCE.run(t, job, out)
-        slot.calls += 1
-        t.last_slot = slot  # what an adapter's accounting.Tally adds
-        return result, plan
-
-
-def transformed_allreduce(t: Transport, x: Any, out: Any, opts: CallOptions, geometry: Any, local_size: int | None,
-                          explicit: bool) -> Any:
-    """:func:`giftcomm.gift_allreduce` with a geometry (collective): no plan is kept -- the
-    geometry's transforms may be rebuilt between calls (:func:`plan_allreduce` with ``geometry=``
-    holds one for a fixed geometry) -- so every call is the engine's whole call, agreed afresh."""
-    return engine.execute(t, engine.ALLREDUCE, x, out, opts, geometry, local_size, explicit)
-
-
-def first_collective(t: Transport, kind: engine.Kind, x: Any, out: Any, opts: CallOptions, explicit: bool,
-                     max_bytes: int, missed: bool) -> tuple[Any, JobPlan | None]:
-    """A plain reduce-scatter (``kind``: its layout's) or allgather that also keeps its agreed job
-    as a :class:`JobPlan` for giftcomm.plan_cache (collective), as :func:`first_allreduce` does:
-    (the result, the job's plan or None)."""
-    with held(t, opts.timeout, plain=not missed):
-        job = engine.agree_call(t, kind, x, out, opts)
-        slot = _stats.agreed(t, job, explicit)
-        # the same decision on every rank: agreed sizes only (an allgather's shards may differ)
-        nbytes = job.call.arr.itemsize * (job.total if job.counts is not None else job.call.arr.size)
-        made = None
-        if t.shared_memory and t.memory == HOST and nbytes <= max_bytes:
-            made = job_plan_of(t, kind, job)  # collective: before the run, which may fail on one rank
-            if made is not None:
-                made.slot = slot
-        result = kind.run(t, job, out)
-        slot.calls += 1
-        t.last_slot = slot  # what an adapter's accounting.Tally adds
-        return result, made
-
-
 _PLAN = Entry("plan_allreduce", fixed=("seed",))
 """plan_allreduce's options: the seed is per call."""
 
@@ -448,7 +395,7 @@ def plan_allreduce(
 
 def plan_of(t: Transport, job: Job, cached: bool = False) -> AllreducePlan:
     """The plan of an agreed allreduce ``job`` without geometry (collective: every rank makes it
-    after the same agreement). ``cached``: a plain call's plan (giftcomm.plan_cache), whose
+    after the same agreement). ``cached``: a plain call's plan (giftcomm.plans.cache), whose
     word carries :data:`~giftcomm.transport.channel.CACHED`."""
     call, chosen = job.call, job.algorithm
     assert chosen is not None and (job.geometry is None or not cached)
