@@ -30,11 +30,17 @@ a ring moves float32 (allreduce ``2 (P-1)/P n 4``, reduce-scatter ``(P-1)/P n 4`
 writes the same rows (perf/torch_bench.py's write_rows).
 
 CPU-only shim (a benchmark's, never the library's): ``torch.cuda.current_device`` returns "cpu",
-where Megatron allocates its gradient buffers.
+where Megatron allocates its gradient buffers. ``--cuda``: no shim; NCCL as the default and the
+uncompressed group (its row keeps the name "gloo", the trainer's uncompressed group), the model on
+``cuda:LOCAL_RANK``, each step ending with ``torch.cuda.synchronize()``; giftcomm's bytes are then
+its CUDA transport's::
+
+    torchrun --nproc_per_node 8 perf/megatron_step.py --cuda --fmts e4m3,nvfp4 --json OUT
 """
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import torch
@@ -47,14 +53,14 @@ from giftcomm.perf.timing import load_average, time_rounds
 MODES = ["allreduce", "dist-opt", "allreduce-overlap", "dist-opt-overlap"]
 
 
-def _build(args, mode: str, group, one, overlap: bool):
+def _build(args, mode: str, group, one, overlap: bool, device: torch.device):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
     pgc = ProcessGroupCollection(dp=group, tp=one, pp=one, ep=one, expt_dp=one)
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=1)
-    model = torch_bench.linear_stack(args.width, args.layers)
+    model = torch_bench.linear_stack(args.width, args.layers).to(device)
     dcfg = DistributedDataParallelConfig(use_distributed_optimizer=mode.startswith("dist-opt"),
                                          overlap_grad_reduce=overlap,
                                          bucket_size=args.width * args.width if overlap else None)
@@ -69,30 +75,39 @@ def main() -> None:
     torch_bench.step_arguments(ap, steps=3, rounds=3)
     torch_bench.output_arguments(ap)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    ap.add_argument("--cuda", action="store_true", help="CUDA tensors, NCCL (one GPU per rank: LOCAL_RANK)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes: a comma-separated subset of {MODES}, got {args.modes!r}")
     warnings.simplefilter("ignore")
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # the CPU shim
-    torch_bench.init_process_group(args.rendezvous, "gloo")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # the CPU shim
+    backend = "nccl" if args.cuda else "gloo"
+    torch_bench.init_process_group(args.rendezvous, backend)
     from giftcomm.adapters.torch import new_group
 
     rank, world = dist.get_rank(), dist.get_world_size()
     fmts = [f for f in args.fmts.split(",") if f]
     gifts = {f"giftcomm {f}": new_group(fmt=f) for f in fmts}
-    plain = dist.new_group(backend="gloo")
+    plain = dist.new_group(backend=backend)
     one = dist.new_group(ranks=[rank], use_local_synchronization=True)
     groups = ["compute-only", "gloo", *gifts]
     names = [(m, g) for m in modes for g in groups]
-    built = {(m, g): _build(args, m, gifts.get(g, plain), one, m.endswith("overlap") and g != "compute-only")
+    built = {(m, g): _build(args, m, gifts.get(g, plain), one, m.endswith("overlap") and g != "compute-only", device)
              for m, g in names}
-    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)).to(device)
     steps = {n: 0 for n in names}
     sent_bytes = {n: 0 for n in names}
 
     def sent(group: str) -> int:
-        return sum(giftcomm.stats(gifts[group].host)["bytes_sent"].values()) if group in gifts else 0
+        if group not in gifts:
+            return 0
+        return sum(giftcomm.stats(gifts[group].transport(device.type))["bytes_sent"].values())
 
     def step_of(name):
         ddp = built[name]
@@ -107,6 +122,8 @@ def main() -> None:
             with torch.no_grad():
                 for p in ddp.module.parameters():
                     p -= 1e-3 * p.main_grad
+            if args.cuda:
+                torch.cuda.synchronize()
             sent_bytes[name] += sent(group) - before
             steps[name] += 1
         return step
@@ -122,7 +139,8 @@ def main() -> None:
         rows = torch_bench.write_rows(args.json, "megatron_step", rows, world=world, parameters=n,
                                       rounds=args.rounds, steps=args.steps, load=load_average())
         print(f"Megatron-core DDP step, P = {world}, {n / 1e6:.1f}M parameters ({4 * n / 2**20:.0f} MiB fp32 "
-              f"gradients; one bucket, or one per layer with overlap), CPU/gloo; medians over {args.rounds} rounds of {args.steps} steps; "
+              f"gradients; one bucket, or one per layer with overlap), {'CUDA/NCCL' if args.cuda else 'CPU/gloo'}; "
+              f"medians over {args.rounds} rounds of {args.steps} steps; "
               f"giftcomm groups: new_group(fmt=...) for {fmts}; load {load_average()}")
         torch_bench.print_overheads(rows)
     dist.destroy_process_group()
