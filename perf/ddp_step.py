@@ -31,10 +31,17 @@ median over rounds of the step time, the median communication time per step, its
 step, and the ratios against the fp16 hook and DDP's default; then giftcomm's algorithm per
 bucket size and where its worker's time went per step (perf/torch_bench.py: codec, waits on
 the gloo sends and receives, posting them, the agreement, the rest).
+
+``--cuda``: NCCL, the model on ``cuda:LOCAL_RANK`` (DDP's ``device_ids``), each step ending with
+``torch.cuda.synchronize()`` (the row "gloo" is then DDP's default NCCL allreduce, the trainer's
+uncompressed group; giftcomm's hook takes its device route)::
+
+    torchrun --nproc_per_node 8 perf/ddp_step.py --cuda --fmts e4m3,nvfp4 --json OUT
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -84,11 +91,12 @@ def _build(args, name: str):
     one configuration; "compute-only" is the bare model (no DDP: no gradient communication)."""
     from giftcomm.adapters.torch import GiftState, gift_hook
 
-    model = torch_bench.linear_stack(args.width, args.layers)
+    model = torch_bench.linear_stack(args.width, args.layers).to(args.device)
     spans: list[tuple[float, float]] = []
     if name == "compute-only":
         return model, torch.optim.SGD(model.parameters(), lr=1e-3), spans, None, None
-    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+    ids = [args.device] if args.device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
     state: object = None
     if name == "gloo":
         hook, state = default_hooks.allreduce_hook, dist.group.WORLD  # DDP's default, as a hook
@@ -110,14 +118,18 @@ def main() -> None:
                     help="DDP's bucket_cap_mb (default: DDP's own, 25 MiB with a first bucket of 1 MiB)")
     torch_bench.step_arguments(ap, steps=5, rounds=5)
     torch_bench.output_arguments(ap)
+    ap.add_argument("--cuda", action="store_true", help="CUDA tensors, NCCL (one GPU per rank: LOCAL_RANK)")
     args = ap.parse_args()
-    torch_bench.init_process_group(args.rendezvous, "gloo")
+    args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(args.device)
+    torch_bench.init_process_group(args.rendezvous, "nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gifts = [f"giftcomm {f}" for f in args.fmts.split(",") if f]
     names = ["compute-only", "gloo", "fp16 hook", *gifts]
     primary = gifts[0]  # where the worker's time goes is broken down for this one
     built = {n: _build(args, n) for n in names}
-    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)).to(args.device)
     comm_ms: dict[str, list[float]] = {n: [] for n in names}
     phases: list[dict[str, float]] = []  # the primary giftcomm row's steps: where its worker's time went
     sent = {n: 0 for n in gifts}
@@ -140,6 +152,8 @@ def main() -> None:
             model(x).square().mean().backward()  # under DDP: returns once every bucket's future is done
             opt.step()
             opt.zero_grad()
+            if args.cuda:
+                torch.cuda.synchronize()
             comm_ms[name].append(1e3 * _union(spans))
             if name in sent:
                 sent[name] += sent_bytes(state) - before
@@ -168,7 +182,8 @@ def main() -> None:
             world=world, parameters=params, rounds=args.rounds, steps=args.steps, load=load_average())
         cap = "DDP's default" if args.bucket_mb is None else f"{args.bucket_mb:g}"
         print(f"DDP step, P = {world}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB fp32 gradients, "
-              f"{buckets} buckets, bucket_cap_mb {cap}), CPU/gloo; medians over {args.rounds} rounds of "
+              f"{buckets} buckets, bucket_cap_mb {cap}), {'CUDA/NCCL' if args.cuda else 'CPU/gloo'}; "
+              f"medians over {args.rounds} rounds of "
               f"{args.steps} steps; load {load_average()}")
         torch_bench.print_overheads(rows)
         med_comm = {k: statistics.median(comm_ms[k][1:]) for k in names}  # [0]: the warm-up step

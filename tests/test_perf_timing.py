@@ -201,12 +201,14 @@ def test_torchtitan_step_script_runs_two_ranks(tmp_path):
 
 def test_megatron_step_script_runs_two_ranks(tmp_path):
     """perf/megatron_step.py as on the netbed (mpiexec, a file rendezvous) at P = 2 on a tiny
-    model: both modes with compute-only, gloo and giftcomm e4m3 rows in its JSON; e4m3 sends about
-    a quarter of gloo's float32 bytes."""
-    _two_ranks("megatron_step.py", tmp_path, "--width", "256", "--layers", "2", "--steps", "1", "--rounds", "1")
+    model: every mode (with and without overlap_grad_reduce: a bucket per layer, each issued
+    asynchronously during backward) with compute-only, gloo and giftcomm e4m3 rows in its JSON;
+    e4m3 sends about a quarter of gloo's float32 bytes in each."""
+    modes = ("allreduce", "dist-opt", "allreduce-overlap", "dist-opt-overlap")
+    _two_ranks("megatron_step.py", tmp_path, "--width", "512", "--layers", "2", "--steps", "1", "--rounds", "1")
     rows = _check_step_json(tmp_path / "rows.json", {"compute-only", "gloo", "giftcomm e4m3"})
-    assert {r["mode"] for r in rows} == {"allreduce", "dist-opt"}
-    for mode in ("allreduce", "dist-opt"):
+    assert {r["mode"] for r in rows} == set(modes)
+    for mode in modes:
         by = {r["group"]: r for r in rows if r["mode"] == mode}
         assert 0.24 <= by["giftcomm e4m3"]["bytes_per_step"] / by["gloo"]["bytes_per_step"] <= 0.27, by
 

@@ -194,6 +194,42 @@ def test_ranks_on_different_routes_all_raise(tmp_path):
         assert res[r][3]["giftcomm"] == 1  # none of the bad calls ran on either route
 
 
+def _queued_worker(rank, world):
+    """Three asynchronous all-reduces issued back to back, before any wait (queued on the group's
+    worker thread): the middle one has another size on rank 1. Returns each wait's outcome."""
+    import torch.distributed as dist
+
+    from giftcomm.adapters.torch import new_group
+
+    pg = new_group(fmt="e4m3", algorithm="ring", min_elems=1000)
+    x = _data(rank, 2 * N, seed=5)
+    first, bad, last = x[:N].clone(), x[: N - rank].clone(), x[N:].clone()
+    works = [dist.all_reduce(t, group=pg, async_op=True) for t in (first, bad, last)]
+    outcomes = []
+    for w in works:
+        try:
+            outcomes.append(("ok", w.wait()))
+        except ValueError as exc:
+            outcomes.append(("ValueError", str(exc)))
+    return outcomes, x, first, last, dict(pg.counts)
+
+
+def test_queued_calls_raise_a_mismatch_on_every_rank(tmp_path):
+    """A mismatched call among queued asynchronous ones raises the same ValueError from every
+    rank's wait() (no hang); the calls before and after it are giftcomm's, bit for bit."""
+    res = _spawn(_queued_worker, 2, tmp_path)
+    for r in range(2):
+        outcomes = res[r][0]
+        assert outcomes[0] == ("ok", True) and outcomes[2] == ("ok", True), outcomes
+        assert outcomes[1][0] == "ValueError" and "disagree" in outcomes[1][1]
+        assert outcomes[1] == res[0][0][1]  # the same error on every rank
+        assert res[r][4]["giftcomm"] == 2
+    for k, part in ((2, slice(0, N)), (3, slice(N, 2 * N))):
+        want = simulate_allreduce([res[q][1][part].numpy() for q in range(2)], fmt="e4m3", algorithm="ring")
+        for r in range(2):
+            np.testing.assert_array_equal(res[r][k].numpy(), want[r])
+
+
 def test_ranks_disagreeing_on_options_all_raise(tmp_path):
     res = _spawn(_disagree_worker, 2, tmp_path)
     assert all(r is not None and "disagree" in r for r in res)

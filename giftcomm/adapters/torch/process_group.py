@@ -65,15 +65,24 @@ over the calls the policy decided on, on either route. ``baseline=`` sends the c
 all-reduces through a baseline wire (giftcomm.collectives.baselines) instead of giftcomm's format.
 
 Results are bit-identical on every rank (giftcomm's guarantee); a rank that gets a bad input
-or a failure gets giftcomm's exception, raised on every rank (docs/robustness.md). The call
-runs when it is issued (on CPU it has finished on return; on CUDA the kernels and NCCL
-transfers are queued on torch's current stream, the stream the caller issued it on); an
-``async_op`` call returns a completed ``Work`` whose ``wait()`` returns True.
+or a failure gets giftcomm's exception, raised on every rank (docs/robustness.md). A compressed
+call of CPU tensors runs on the group's one worker thread, in the order the calls were issued,
+and returns a pending ``Work`` (``async_op=True``: the caller goes on -- Megatron's
+``overlap_grad_reduce`` keeps computing the backward pass while a bucket is agreed, encoded and
+sent; ``async_op=False``: torch waits for it at once). Its ``wait()`` raises the call's error,
+the same on every rank; the tensors must be left alone until then, as for any asynchronous
+collective. Every other call of the group (on the inner route, or of CUDA tensors) first waits
+for the queued calls to end, so the host transport's calls keep one order on every rank, and the
+agreement still compares the issuing threads' names. On CUDA the kernels and NCCL transfers are
+queued on torch's current stream, the stream the caller issued the call on, and a completed
+``Work`` is returned.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -94,7 +103,7 @@ from ...options import CallOptions
 from ...transport import Transport
 from ...transport.torch_dist import TorchDistDeviceTransport, TorchDistTransport
 from .streams import on_stream
-from .work import completed_work
+from .work import PendingWork, completed_work
 
 __all__ = ["Policy", "GiftProcessGroup", "new_group", "group_stats", "BACKEND", "REASONS"]
 
@@ -256,6 +265,8 @@ class GiftProcessGroup(dist.ProcessGroup):
         self.inner, self.host, self.options, self.policy = inner, host, options, policy
         self.baseline, self.explicit = baseline, explicit
         self._device: Transport | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # the queued calls' thread
+        self._last: concurrent.futures.Future | None = None  # the latest queued call
         self.counts = {"giftcomm": 0, "inner": 0}
         self._tally = Tally()
         rs_algorithm = options.algorithm if options.algorithm in SCATTER_CHOICES else "auto"
@@ -296,6 +307,7 @@ class GiftProcessGroup(dist.ProcessGroup):
         all-reduce ``2 (P-1)/P`` of its bytes, a reduce-scatter ``(P-1)/P`` of its input's, an
         all-gather ``P-1`` times its input's), algorithm "inner" and fallbacks[reason]
         (:data:`REASONS`). The pass-through calls (broadcast, barrier, ...) are not counted."""
+        self._drain()
         return self._tally.as_dict()
 
     def transport(self, device: str = "cpu") -> Transport:
@@ -325,7 +337,14 @@ class GiftProcessGroup(dist.ProcessGroup):
 
     def _allreduce(self, tensors: list[torch.Tensor], how: tuple[str, float | None] | None, reason: str | None,
                    inner: Callable[[], Any]) -> Any:
-        """One all-reduce of all ``tensors`` (concatenated when several), in place, on the agreed route."""
+        """One all-reduce of all ``tensors`` (concatenated when several), in place, on the agreed
+        route: queued on the worker thread when this rank's policy compresses it (CPU tensors)."""
+        if self._queues(tensors, reason):
+            return self._queued(tensors, self._allreduce_now, tensors, how, reason, inner)
+        return self._allreduce_now(tensors, how, reason, inner)
+
+    def _allreduce_now(self, tensors: list[torch.Tensor], how: tuple[str, float | None] | None, reason: str | None,
+                       inner: Callable[[], Any]) -> Any:
         buf = None
         if reason is None:
             flats = [t.view(-1) for t in tensors]
@@ -375,13 +394,21 @@ class GiftProcessGroup(dist.ProcessGroup):
     def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                         inner: Callable[[], Any]) -> Any:
         """Each input (P x n_i values, its rank-r chunk for rank r) into its output (n_i): one
-        giftcomm reduce-scatter (layout "equal") of the inputs' chunks laid out rank by rank."""
+        giftcomm reduce-scatter (layout "equal") of the inputs' chunks laid out rank by rank
+        (queued on the worker thread as :meth:`_allreduce`)."""
         how = self.policy.reduction(opts.reduceOp)
         size = self.size()
         shaped = len(outputs) == len(inputs) and all(
             i.numel() == o.numel() * size and i.dtype == o.dtype and i.device == o.device
             for o, i in zip(outputs, inputs))
         reason = self.policy.refusal(inputs + outputs, True, how, shaped)
+        if self._queues(inputs, reason):
+            return self._queued(outputs, self._reduce_scatter_now, outputs, inputs, how, reason, inner)
+        return self._reduce_scatter_now(outputs, inputs, how, reason, inner)
+
+    def _reduce_scatter_now(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                            how: tuple[str, float | None] | None, reason: str | None, inner: Callable[[], Any]) -> Any:
+        size = self.size()
         src = out = None
         if reason is None:
             rows = [i.view(size, -1) for i in inputs]
@@ -427,7 +454,7 @@ class GiftProcessGroup(dist.ProcessGroup):
 
     def _allgather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], inner: Callable[[], Any]) -> Any:
         """Each input (n_i) gathered into its output (P x n_i, rank r's at chunk r): one giftcomm
-        all-gather of the inputs concatenated."""
+        all-gather of the inputs concatenated (queued on the worker thread as :meth:`_allreduce`)."""
         if not self.policy.allgather:  # no rank compresses an all-gather (the policy is agreed at creation)
             self.counts["inner"] += 1
             return inner()
@@ -436,6 +463,13 @@ class GiftProcessGroup(dist.ProcessGroup):
             o.numel() == i.numel() * size and i.dtype == o.dtype and i.device == o.device
             for o, i in zip(outputs, inputs))
         reason = self.policy.refusal(inputs + outputs, False, None, shaped)
+        if self._queues(inputs, reason):
+            return self._queued(outputs, self._allgather_now, outputs, inputs, reason, inner)
+        return self._allgather_now(outputs, inputs, reason, inner)
+
+    def _allgather_now(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], reason: str | None,
+                       inner: Callable[[], Any]) -> Any:
+        size = self.size()
         src = out = None
         if reason is None:
             flats = [i.view(-1) for i in inputs]
@@ -460,6 +494,46 @@ class GiftProcessGroup(dist.ProcessGroup):
                     o.view(size, -1).copy_(whole[:, off : off + i.numel()])
                     off += i.numel()
         return self._done(data, outputs)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _queues(self, tensors: list[torch.Tensor], reason: str | None) -> bool:
+        """Whether this call goes to the worker thread: one this rank's policy compresses, of CPU
+        tensors. Any other call first waits here for the queued ones to end, so that the host
+        transport (the agreement's) sees the calls in issue order on every rank."""
+        if reason is None and tensors[0].device.type == "cpu":
+            return True
+        self._drain()
+        return False
+
+    def _drain(self) -> None:
+        """Wait for the queued calls to end (their errors are raised by their own ``Work``)."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def _queued(self, outputs: list[torch.Tensor], run: Callable[..., Any], *args: Any) -> PendingWork:
+        """``run(*args)`` queued on the worker thread (one per group: calls run in issue order);
+        the pending Work gets ``outputs`` or the call's exception. The call runs under the issuing
+        thread's name: the agreement compares it across ranks (giftcomm.collectives.call.caller)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        issuer = threading.current_thread().name
+
+        def task() -> None:
+            me = threading.current_thread()
+            own, me.name = me.name, issuer
+            try:
+                run(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+                fut.set_exception(exc)
+            else:
+                fut.set_result(list(outputs))
+            finally:
+                me.name = own
+
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="giftcomm-pg")
+        self._last = self._worker.submit(task)
+        return PendingWork(fut)
 
     # ------------------------------------------------------------------ one agreement per call
     @contextlib.contextmanager
