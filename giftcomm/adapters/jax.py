@@ -30,7 +30,7 @@ from .. import api
 from ..accounting import Tally
 from ..geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
 from ..options import DEFAULT_DAMPING, CallOptions, options_of_call
-from .calls import call_kwargs
+from .calls import step_options
 from .jax_geometry import JaxGeometry
 from .jax_jit import feedback_init, pmean, psum, psum_scatter
 
@@ -182,7 +182,7 @@ class TreeSync:
             self.spec, self.geometry = spec, None
             self.estimator = GradientFactorEstimator(spec.layout, decay=self.decay)
         assert self.estimator is not None
-        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, **call_kwargs(self.options, self.calls))
+        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, options=step_options(self.options, self.calls))
         self._tally.add(self.comm)
         t0 = time.perf_counter()
         if self.calls % self.estimate_every == 0:

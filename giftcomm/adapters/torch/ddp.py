@@ -61,7 +61,7 @@ from ...geometry import GradientFactorEstimator, Layout, PaperOptions, Selective
 from ...geometry.paper import FactorEMA, agree_refresh, refresh_geometries
 from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
-from ..calls import call_kwargs, log_path
+from ..calls import log_path, step_options
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
 from .streams import on_stream
@@ -719,16 +719,16 @@ def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     if state.baseline is not None:
         _reduce_baseline(state, index, buf, geo, transport, signature)
         return
-    kw = call_kwargs(state.options, it, index)
+    o = step_options(state.options, it, index)
 
     def reduce(_values: Any = None) -> None:  # _values: buf's own memory
-        api.gift_allreduce(buf, geo, comm=transport, out=buf, **kw)
+        api.gift_allreduce(buf, geo, comm=transport, out=buf, options=o)
         state.runtime.tally.add(transport)
 
     if state.feedback is None:
         reduce()
     else:
-        state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"],
+        state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, o.seed,
                               geo, signature=signature)
     log_path(state._paths_told, "DDP hook", transport, buf.numel(), state.options)
 

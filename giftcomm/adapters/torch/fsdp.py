@@ -133,6 +133,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         self.options = options_of_call("GiftReduceScatter", options, opts, fixed=("op",))
         if self.options.rounding == "stochastic" and self.options.seed is None:
             self.options = self.options.replace(seed=0)
+        # the options of each op FSDP may ask for (the option itself stays "sum": FSDP's op is per call)
+        self._options_of_op = {"sum": self.options, "avg": self.options.replace(op="avg")}
         self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
         self._tally = Tally()  # what stats() reports
         if not isinstance(error_feedback, bool):
@@ -234,19 +236,17 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         geo = self._geometry_for(call, input_tensor, group, size)
         opts = self.options
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
-        kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
-                                  slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
-                                  timeout=opts.timeout, layout="equal", allow_native=opts.allow_native)
+        call = self._options_of_op[how].replace(seed=seed)  # FSDP's op, this call's seed
         if self.baseline is not None:
             self.gift_calls += geo is not None
             output_tensor.copy_(self._baseline(geo, input_tensor, size, transport, how))
         else:
             with on_current_stream(input_tensor):
                 if geo is None:
-                    self._plain(input_tensor, output_tensor, transport, how, kw)
+                    self._plain(input_tensor, output_tensor, transport, call)
                 else:
                     self.gift_calls += 1
-                    shard = self._gift(geo, input_tensor, size, transport, how, kw)
+                    shard = self._gift(geo, input_tensor, size, transport, call)
                     output_tensor.copy_(shard)
         log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:
@@ -287,7 +287,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
                 self.feedback.load_state_dict(state["error_feedback"])
 
     # ------------------------------------------------------------------ internals
-    def _reduce(self, x: Any, transport: Transport, how: str, kw: dict, out: Any = None,
+    def _reduce(self, x: Any, transport: Transport, call: CallOptions, out: Any = None,
                 geometry_generation: int | None = None) -> Any:
         """``reduce_scatter(x)`` (into ``out``), through the error feedback when it is on;
         returns the shard (``out`` when given)."""
@@ -297,7 +297,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             src = x if values is None else values
             if isinstance(x, torch.Tensor) and values is not None:
                 src = torch.as_tensor(values, device=x.device).to(x.dtype)
-            got.append(api.reduce_scatter(src, op=how, out=out, **kw))
+            got.append(api.reduce_scatter(src, comm=transport, out=out, layout="equal", options=call))
             self._tally.add(transport)
 
         if self.feedback is None:
@@ -309,12 +309,12 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             n = int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
             # FSDP's input tensor is left alone (a copy); forwarded rows are this call's own
             self.algorithm_used = self.feedback.around(0, x, reduce, lambda: transport, o.format, o.resolved_block,
-                                                       kw["seed"], signature=(n, geometry_generation),
+                                                       call.seed, signature=(n, geometry_generation),
                                                        in_place=not isinstance(x, torch.Tensor))
         return got[0]
 
-    def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, how: str, kw: dict) -> None:
-        self._reduce(x, transport, how, kw, out=out)
+    def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, call: CallOptions) -> None:
+        self._reduce(x, transport, call, out=out)
 
     def _baseline(self, geo: ShardedGeometry | None, x: torch.Tensor, size: int, transport: Transport,
                   how: str) -> torch.Tensor:
@@ -351,8 +351,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             dev = self._device[group] = TorchDistDeviceTransport(group, control=host)
         return dev
 
-    def _gift(self, geo: ShardedGeometry, x: torch.Tensor, size: int, transport: Transport, how: str,
-              kw: dict) -> torch.Tensor:
+    def _gift(self, geo: ShardedGeometry, x: torch.Tensor, size: int, transport: Transport,
+              call: CallOptions) -> torch.Tensor:
         """Forward every row, reduce-scatter the float32 rows, this shard's inverse."""
         rank = transport.rank
         rows = x.detach().reshape(size, -1)
@@ -361,11 +361,11 @@ class GiftReduceScatter(_ReduceScatterProtocol):
 
             src = cupy.from_dlpack(rows.float() if rows.dtype == torch.bfloat16 else rows)
             fwd = geo.forward_rows(src)
-            shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
+            shard = self._reduce(fwd.reshape(-1), transport, call, geometry_generation=self._generation(geo))
             return torch.from_dlpack(geo.shard(rank).inverse(shard))
         src_np = rows.float().numpy() if rows.dtype != torch.float32 else rows.numpy()
         fwd = geo.forward_rows(src_np)
-        shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
+        shard = self._reduce(fwd.reshape(-1), transport, call, geometry_generation=self._generation(geo))
         return torch.from_numpy(geo.shard(rank).inverse(shard))
 
     def _generation(self, geo: ShardedGeometry) -> int:

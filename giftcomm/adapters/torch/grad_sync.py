@@ -29,7 +29,7 @@ from ...accounting import Tally
 from ...feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
 from ...options import CallOptions, options_of_call
 from ...transport import resolve
-from ..calls import call_kwargs, log_path
+from ..calls import log_path, step_options
 from .buckets import GradBucket, make_buckets
 from .paper_refresh import PaperRefresh, paper_options
 from .streams import on_stream
@@ -205,15 +205,15 @@ class GradSync:
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
-            kw = call_kwargs(self.options, step, b.index)
+            o = step_options(self.options, step, b.index)
             if self.baseline is not None:
                 self.algorithms[b.index] = self._baseline(b, g, tg)
                 if tg is not None:
                     times.transform += tg.seconds
                 continue
             with on_stream(b.tensor):
-                def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
-                    api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
+                def reduce(_values: Any = None, b=b, tg=tg, o=o) -> None:  # _values shares b.buffer
+                    api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, options=o)
                     self._tally.add(self.comm, device=b.tensor.device.type == "cuda")
 
                 def transport(b=b) -> Any:
@@ -222,7 +222,7 @@ class GradSync:
                 if self.feedback is not None:
                     self.algorithms[b.index] = self.feedback.around(
                         b.index, b.buffer, reduce, transport, self.options.format, self.options.resolved_block,
-                        kw["seed"], g)
+                        o.seed, g)
                 else:
                     reduce()
                     last = api.last_algorithm(self.comm, device=b.tensor.device.type == "cuda")

@@ -145,15 +145,13 @@ class ShardedGradSync:
         o = self.options
         shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
         call_seed = seed if o.rounding == "stochastic" else None
+        call = o.replace(seed=call_seed)
         if self.refresh is not None:
             return self._sync_paper(self.calls - 1, shard, call_seed)
 
         def reduce(values: Any = None) -> None:
             x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
-            api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
-                               algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
-                               allow_native=o.allow_native,
-                               seed=call_seed, timeout=o.timeout, layout="equal")
+            api.reduce_scatter(x, comm=self.comm, out=shard, layout="equal", options=call)
             self._tally.add(self.comm, device=self.buffer.device.type == "cuda")
 
         if isinstance(self.feedback, ErrorFeedback):
@@ -186,9 +184,7 @@ class ShardedGradSync:
         if fb is not None:  # T(g) + e, e carried into this map's coordinates (re-expressed at a refresh)
             assert isinstance(fb, TransformedFeedback)
             fb.compensate_mapped(0, x, geo, signature=int(self.numel))
-        got = api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, algorithm=o.algorithm,
-                                 slice_elems=o.slice_elems, rounding=o.rounding, allow_native=o.allow_native,
-                                 seed=call_seed, timeout=o.timeout, layout="equal")
+        got = api.reduce_scatter(x, comm=self.comm, layout="equal", options=o.replace(seed=call_seed))
         self._tally.add(self.comm)
         last = api.last_algorithm(self.comm)
         self.algorithm_used = None if last is None else last[0]
