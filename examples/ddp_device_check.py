@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from giftcomm import GiftSchedule
+
 
 def build_model(params: float = 50e6, width: int = 2048, dtype: Any = torch.bfloat16, device: Any = "cpu") -> torch.nn.Module:
     """An MLP of square Linear layers of ``width`` with about ``params`` parameters."""
@@ -94,7 +96,7 @@ def run(args) -> list[dict]:
         if kind == "bf16_compress_hook":
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif kind.startswith("gift_hook"):
-            st = GiftState(fmt="e4m3", start_gift_iter=0, param_names=model)
+            st = GiftState(fmt="e4m3", schedule=GiftSchedule(warmup=0), param_names=model)
             states.append(st)
             ddp.register_comm_hook(st, _ranged(gift_hook))
         return ddp, torch.optim.SGD(model.parameters(), lr=1e-4)

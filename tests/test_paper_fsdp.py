@@ -19,6 +19,7 @@ import torch
 from test_fsdp import _batch, _model, _Recorder
 from test_torchrun import _spawn
 
+from giftcomm import GiftSchedule
 from giftcomm.reference.baselines import simulate_baseline_allreduce
 
 pytestmark = pytest.mark.xdist_group("fsdp")
@@ -40,8 +41,9 @@ def _fsdp_model():
 def _register(model, paper=PAPER, **kw):
     from giftcomm.adapters.torch import register_reduce_scatter
 
-    return register_reduce_scatter(model, fmt="e4m3", allow_native=False, geometry="paper", capture=model,
-                                   capture_every=1, capture_tokens=4, paper=paper, **kw)
+    return register_reduce_scatter(model, fmt="e4m3", allow_native=False, schedule=GiftSchedule(geometry="paper",
+                                   paper=paper), capture=model,
+                                   capture_every=1, capture_tokens=4, **kw)
 
 
 def _steps(model, comms, rank, start, stop, save_at=None):
