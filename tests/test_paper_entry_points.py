@@ -113,7 +113,8 @@ def train_grad_sync(t, seed, steps, model_kw=None, **kw):
     from giftcomm.adapters.torch import GradSync
 
     model = make_model(seed, **(model_kw(t.rank) if callable(model_kw) else model_kw or {}))
-    sync = GradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper"), **kw)
+    knobs = {k: kw.pop(k) for k in ("paper", "error_feedback", "feedback") if k in kw}
+    sync = GradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", **knobs), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = []
     for x in batches(seed, t.rank, steps):
@@ -265,8 +266,9 @@ def train_sharded(t, seed, steps, **kw):
     from giftcomm.adapters.torch import ShardedGradSync
 
     model = make_model(seed)
-    sync = ShardedGradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper"), algorithm="ring",
-                           allow_native=False, **kw)
+    knobs = {k: kw.pop(k) for k in ("paper", "error_feedback") if k in kw}
+    sync = ShardedGradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", **knobs),
+                           algorithm="ring", allow_native=False, **kw)
     out = []
     for x in batches(seed, t.rank, steps):
         sync.zero_grad()

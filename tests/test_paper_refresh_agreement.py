@@ -95,7 +95,8 @@ def _adapter(kind, t, seed, paper, **kw):
 
     model = make_model(seed)
     cls = GradSync if kind == "grad" else ShardedGradSync
-    return model, cls(model, comm=t, fmt="e4m3", geometry="paper", paper=paper, **kw)
+    knobs = {k: kw.pop(k) for k in ("error_feedback", "feedback") if k in kw}
+    return model, cls(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", paper=paper, **knobs), **kw)
 
 
 def _step(model, sync, x):
@@ -237,9 +238,9 @@ def _state(t, sync_t, seed, paper, **kw):
     from giftcomm.adapters.torch import GiftState
 
     model = make_model(seed)
-    st = GiftState(transport=t, sync_transport=sync_t, schedule=GiftSchedule(geometry="paper", rebuild_lag=1,
-                   paper=paper), capture=model, capture_every=1,
-                   capture_tokens=16, fmt="e4m3", **kw)
+    knobs = {k: kw.pop(k) for k in ("error_feedback",) if k in kw}
+    st = GiftState(transport=t, sync_transport=sync_t, schedule=GiftSchedule(geometry="paper", rebuild_lag=1, paper=paper,
+                   **knobs), capture=model, capture_every=1, capture_tokens=16, fmt="e4m3", **kw)
     return model, st
 
 
