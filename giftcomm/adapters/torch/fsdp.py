@@ -241,17 +241,17 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         geo = self._geometry_for(call, input_tensor, group, size)
         opts = self.options
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
-        call = self._options_of_op[how].replace(seed=seed)  # FSDP's op, this call's seed
+        this = self._options_of_op[how].replace(seed=seed)  # FSDP's op, this call's seed
         if self.baseline is not None:
             self.gift_calls += geo is not None
             output_tensor.copy_(self._baseline(geo, input_tensor, size, transport, how))
         else:
             with on_current_stream(input_tensor):
                 if geo is None:
-                    self._plain(input_tensor, output_tensor, transport, call)
+                    self._plain(input_tensor, output_tensor, transport, this)
                 else:
                     self.gift_calls += 1
-                    shard = self._gift(geo, input_tensor, size, transport, call)
+                    shard = self._gift(geo, input_tensor, size, transport, this)
                     output_tensor.copy_(shard)
         log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:

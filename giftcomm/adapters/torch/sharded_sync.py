@@ -149,13 +149,13 @@ class ShardedGradSync:
         o = self.options
         shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
         call_seed = seed if o.rounding == "stochastic" else None
-        call = o.replace(seed=call_seed)
+        this = o.replace(seed=call_seed)  # this sync's options, passed whole
         if self.refresh is not None:
             return self._sync_paper(self.calls - 1, shard, call_seed)
 
         def reduce(values: Any = None) -> None:
             x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
-            api.reduce_scatter(x, comm=self.comm, out=shard, layout="equal", options=call)
+            api.reduce_scatter(x, comm=self.comm, out=shard, layout="equal", options=this)
             self._tally.add(self.comm, device=self.buffer.device.type == "cuda")
 
         if isinstance(self.feedback, ErrorFeedback):
