@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from giftcomm import GiftSchedule
-
 
 def build_model(params: float = 50e6, width: int = 2048, dtype: Any = torch.bfloat16, device: Any = "cpu") -> torch.nn.Module:
     """An MLP of square Linear layers of ``width`` with about ``params`` parameters."""
@@ -79,6 +77,7 @@ def run(args) -> list[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from giftcomm import GiftSchedule
     from giftcomm.adapters.torch import GiftState, gift_hook
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
