@@ -153,3 +153,23 @@ def test_grad_sync_old_keywords_and_record_give_the_same_bytes():
         for x, y in zip(a, b):
             assert x.tobytes() == y.tobytes()
     assert not np.array_equal(new[0][0], new[0][1])  # the steps differ
+
+
+def test_gift_state_pickles_its_schedule_and_restores_states_of_the_previous_layout():
+    """A checkpoint holds the record; one pickled before it (the knobs as separate entries)
+    restores to the same record."""
+    import pickle
+
+    from giftcomm.adapters.torch import GiftState
+
+    st = GiftState(schedule=GiftSchedule(warmup=2, geometry="reduced", refresh_every=3, damping=0.1))
+    back = pickle.loads(pickle.dumps(st))
+    assert back.schedule == st.schedule
+    old = {k: v for k, v in st.__getstate__().items() if k != "schedule"}
+    old.update(geometry="reduced", start_gift_iter=2, estimate_every=10, refresh_every=3, rebuild_lag=10,
+               policy=SelectivePolicy(), damping=0.1, paper=None)
+    restored = GiftState.__new__(GiftState)
+    restored.__setstate__(old)
+    assert restored.schedule == st.schedule and restored.feedback is None
+    for s in (st, back, restored):
+        s.shutdown()
