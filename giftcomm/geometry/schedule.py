@@ -48,25 +48,26 @@ def _int_at_least(name: str, value: Any, least: int) -> int:
 class GiftSchedule:
     """When and how an adapter builds and uses GIFT geometries (validated when built).
 
-    geometry: one of :data:`GEOMETRIES` ("none" by default).
-    warmup: steps (DDP iterations, FSDP reduce-scatter calls) reduced first by the framework's
+    geometry (default "none"): one of :data:`GEOMETRIES`.
+    warmup (default 0): steps (DDP iterations, FSDP reduce-scatter calls) reduced first by the framework's
     own uncompressed collective (counted as "native", fallback reason "warmup"); int >= 0.
-    estimate_every: steps between updates of the reduced-gradient estimator ("reduced"); int >= 1.
-    refresh_every: steps between geometry rebuilds ("reduced", "kfac"); int >= 1. With
+    estimate_every (default 10): steps between updates of the reduced-gradient estimator ("reduced"); int >= 1.
+    refresh_every (default 100): steps between geometry rebuilds ("reduced", "kfac"); int >= 1. With
     geometry="paper" the cadence is ``paper.refresh_every`` (:attr:`refresh_period`).
-    rebuild_lag: steps a rebuild may take on the DDP hook's geometry thread before every rank
+    rebuild_lag (default 10): steps a rebuild may take on the DDP hook's geometry thread before every rank
     adopts it; int >= 0.
-    decay: the reduced-gradient estimator's EMA decay per update, in [0, 1) (TreeSync).
-    policy: the selective policy choosing which segments to transform (None: SelectivePolicy()).
+    decay (default 0.95): the reduced-gradient estimator's EMA decay per update, in [0, 1).
+    policy (default None): the selective policy choosing which segments to transform (None means
+    SelectivePolicy()).
     damping: the geometries' damping delta, relative to each factor's mean eigenvalue
     (dimensionless, finite, >= 0; default giftcomm.options.DEFAULT_DAMPING).
-    paper: the paper preset's settings with geometry="paper" (a PaperOptions or a dict of its
+    paper (default None): the paper preset's settings with geometry="paper" (a PaperOptions or a dict of its
     fields; None: the paper's defaults); ValueError with another geometry.
-    error_feedback: keep what this rank's own encoding lost and add it to the next step's
+    error_feedback (default False): keep what this rank's own encoding lost and add it to the next step's
     gradient (giftcomm.feedback; the adapter checks that the wire format is block-scaled).
-    feedback: where the residuals live (:data:`FEEDBACK`; None: the adapter's rule, "transformed"
+    feedback (default None): where the residuals live (:data:`FEEDBACK`; None: the adapter's rule, "transformed"
     with geometry="paper" -- "transformed-kept" when ``paper.reexpress`` is False -- else
-    "ordinary"); given only with error_feedback=True.
+    "ordinary"); used only with error_feedback=True.
     """
 
     geometry: str = "none"
