@@ -41,8 +41,9 @@ def _fsdp_model():
 def _register(model, paper=PAPER, **kw):
     from giftcomm.adapters.torch import register_reduce_scatter
 
-    return register_reduce_scatter(model, fmt="e4m3", allow_native=False, schedule=GiftSchedule(geometry="paper",
-                                   paper=paper), capture=model,
+    knobs = {k: kw.pop(k) for k in ("error_feedback",) if k in kw}
+    return register_reduce_scatter(model, fmt="e4m3", allow_native=False,
+                                   schedule=GiftSchedule(geometry="paper", paper=paper, **knobs), capture=model,
                                    capture_every=1, capture_tokens=4, **kw)
 
 
@@ -112,8 +113,8 @@ def _worker(rank, world):
     comms[0].calls += rank == 0  # rank 0 one call ahead on the first module (a skipped step)
     res["calls"] = _first_error(model, rank)
     # --- the paper's wire: plain, and under the paper's map (refresh_every large: one map)
-    for name, kw in (("wire", {}), ("wire-paper", {"geometry": "paper", "capture": "model", "capture_every": 1,
-                                                   "paper": {"refresh_every": 100, "rank": 4}})):
+    paper_schedule = GiftSchedule(geometry="paper", paper={"refresh_every": 100, "rank": 4})
+    for name, kw in (("wire", {}), ("wire-paper", {"schedule": paper_schedule, "capture": "model", "capture_every": 1})):
         from giftcomm.adapters.torch import register_reduce_scatter
         from giftcomm.adapters.torch.fsdp import fsdp_modules
 
