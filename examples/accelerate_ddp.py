@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
+from giftcomm import GiftSchedule
 from giftcomm.adapters.torch import GiftState, gift_hook
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch)
     model, opt, loader = accelerator.prepare(model, opt, loader)
 
-    state = GiftState(fmt=args.fmt, start_gift_iter=args.start, param_names=model)
+    state = GiftState(fmt=args.fmt, schedule=GiftSchedule(warmup=args.start), param_names=model)
     if isinstance(model, DistributedDataParallel):  # several processes: the wrapper carries the hook
         model.register_comm_hook(state, gift_hook)
 

@@ -77,6 +77,7 @@ def run(args) -> list[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from giftcomm import GiftSchedule
     from giftcomm.adapters.torch import GiftState, gift_hook
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -94,7 +95,7 @@ def run(args) -> list[dict]:
         if kind == "bf16_compress_hook":
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif kind.startswith("gift_hook"):
-            st = GiftState(fmt="e4m3", start_gift_iter=0, param_names=model)
+            st = GiftState(fmt="e4m3", schedule=GiftSchedule(warmup=0), param_names=model)
             states.append(st)
             ddp.register_comm_hook(st, _ranged(gift_hook))
         return ddp, torch.optim.SGD(model.parameters(), lr=1e-4)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from giftcomm import GiftSchedule
 from giftcomm.adapters.torch import GiftState, gift_hook
 
 
@@ -42,8 +43,8 @@ def run(args, hook: bool) -> float:
     state = None
     if hook:
         extra = dict(capture=model, capture_every=args.capture_every) if args.geometry == "kfac" else {}
-        state = GiftState(fmt=args.fmt, start_gift_iter=args.start, geometry=args.geometry,
-                          refresh_every=args.refresh, rebuild_lag=args.rebuild_lag, param_names=model, **extra)
+        state = GiftState(fmt=args.fmt, schedule=GiftSchedule(warmup=args.start, geometry=args.geometry,
+                          refresh_every=args.refresh, rebuild_lag=args.rebuild_lag), param_names=model, **extra)
         ddp.register_comm_hook(state, gift_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + rank)

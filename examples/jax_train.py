@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from giftcomm import GiftSchedule
 from giftcomm.adapters.jax import TreeSync
 from giftcomm.geometry import SelectivePolicy
 
@@ -52,7 +53,8 @@ def main() -> None:
 
     # The per-segment rule (budget=None): this model's collective is so small that the default
     # budget (a tenth of its predicted wire time) leaves no room for any transform.
-    sync = TreeSync(comm=comm, fmt="e4m3", refresh_every=5, estimate_every=1, policy=SelectivePolicy(budget=None))
+    sync = TreeSync(comm=comm, fmt="e4m3", schedule=GiftSchedule(geometry="reduced", refresh_every=5,
+                    estimate_every=1, policy=SelectivePolicy(budget=None)))
     for step in range(args.steps):
         x = data.standard_normal((32, 16)).astype(np.float32)
         loss, grads = grad_fn(params, x, x @ w_true)      # jitted

@@ -27,6 +27,7 @@ except ImportError:
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from pytorch_lightning.strategies import DDPStrategy  # type: ignore[no-redef]
 
+from giftcomm import GiftSchedule
 from giftcomm.adapters.lightning import GiftCommCallback
 from giftcomm.adapters.torch import GiftState, gift_hook
 
@@ -75,12 +76,12 @@ def main() -> None:
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
     timeout = datetime.timedelta(seconds=120)
     if args.route == "strategy":
-        state = GiftState(fmt=args.fmt, start_gift_iter=args.start)  # before any process group exists
+        state = GiftState(fmt=args.fmt, schedule=GiftSchedule(warmup=args.start))  # before any process group exists
         strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gift_hook, timeout=timeout)
         callback = GiftCommCallback()  # registers the strategy's state where Lightning does not (CPU)
     else:
         strategy = DDPStrategy(timeout=timeout)
-        callback = GiftCommCallback(fmt=args.fmt, start_gift_iter=args.start)
+        callback = GiftCommCallback(fmt=args.fmt, schedule=GiftSchedule(warmup=args.start))
     trainer = pl.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=devices,
                          strategy=strategy, callbacks=[callback], max_steps=args.steps, precision=args.precision,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -8,7 +8,7 @@ from .algorithms.partition import chunk_bounds
 from .api import allgather, allreduce, gift_allreduce, reduce_scatter
 from .errors import CommAborted, CommClosed, CommTimeout
 from .formats import FORMATS, bytes_per_value, message_nbytes
-from .geometry import Geometry
+from .geometry import Geometry, GiftSchedule
 from .plans.persistent import AllreducePlan, plan_allreduce
 from .reference.simulate import resolve_algorithm, simulate_allreduce
 from .transport import LoopbackGroup, Transport, release
@@ -22,5 +22,6 @@ except _NotInstalled:  # a source tree on sys.path that pip has not installed
     __version__ = "0+unknown"
 
 __all__ = ["allreduce", "gift_allreduce", "reduce_scatter", "allgather", "plan_allreduce", "AllreducePlan", "release", "CommTimeout",
-           "CommAborted", "CommClosed", "Geometry", "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
+           "CommAborted", "CommClosed", "Geometry", "GiftSchedule",
+           "chunk_bounds", "message_nbytes", "bytes_per_value", "FORMATS", "LoopbackGroup",
            "Transport", "resolve_algorithm", "simulate_allreduce", "stats", "reset_stats", "__version__"]

@@ -11,7 +11,7 @@ point. Defaults live here (and :data:`DEFAULT_DAMPING` for the geometries).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,7 @@ class CallOptions:
     allow_native: bool = True
 
     def __hash__(self) -> int:
-        # remembered: the plain calls' plan cache hashes the options on every call (giftcomm.plan_cache)
+        # remembered: the plain calls' plan cache hashes the options on every call (giftcomm.plans.cache)
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f.name) for f in fields(self)))
@@ -137,12 +137,14 @@ class CallOptions:
         return resolve_block(self.format, self.block)
 
     def replace(self, **changes: Any) -> CallOptions:
-        """A validated copy with ``changes``."""
+        """A validated copy with ``changes`` (``giftcomm.allreduce(x, options=o.replace(seed=s))``:
+        a validated record with a new seed checks the seed alone)."""
+        if self.__dict__.get("_valid") and changes.keys() <= {"seed"}:
+            seed = changes.get("seed")
+            done = replace(self, seed=None if seed is None else check_key(seed, "seed"))
+            object.__setattr__(done, "_valid", True)
+            return done
         return replace(self, **changes).validated()
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The fields as keyword arguments of the collectives (``giftcomm.allreduce(x, **o.as_kwargs())``)."""
-        return asdict(self)
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CallOptions))
@@ -204,17 +206,10 @@ def options_of_call(owner: str, options: CallOptions | None = None, given: Mappi
 _DEFAULTS = CallOptions()
 
 
-_OPTIONS: dict[Any, tuple[CallOptions, tuple[type, ...] | None]] = {}
-"""The validated options of recent keyword sets: (record, the values' types, None when all are
-strings)."""
-_OPTIONS_MAX = 256
-
-
 @dataclass(frozen=True, eq=False)
 class Entry:
     """How one public entry point takes its options (giftcomm.options.options_of_call): the
-    owner its errors name, its own defaults, the names it decides itself. Compared by identity
-    (a key of the options cache)."""
+    owner its errors name, its own defaults, the names it decides itself."""
 
     owner: str = ""
     defaults: Mapping[str, Any] | None = None
@@ -227,29 +222,9 @@ PLAIN = Entry()
 
 def call_options(given: Mapping[str, Any], options: Any = None, entry: Entry = PLAIN) -> CallOptions | Exception:
     """``options_of_call`` of a call's ``options`` record and option keywords ``given``, or the
-    exception it raised (the agreement step raises it on every rank). Keywords alone are
-    remembered per entry point and distinct keyword values and types (a training loop repeats
-    the same ones), so a repeated call validates nothing twice; a validated record is taken as
-    it is."""
-    key: Any = None
-    if options is None:
-        try:
-            k = (entry, tuple(given.items())) if given else entry
-            hit = _OPTIONS.get(k)
-            key = k
-        except TypeError:  # an unhashable value: validate (and fail) without remembering
-            hit = None
-        # the values' types count where they are not all strings: block=True or 1.0 must not
-        # find block=1's record
-        if hit is not None and (hit[1] is None or hit[1] == tuple(map(type, given.values()))):
-            return hit[0]
+    exception it raised (the agreement step raises it on every rank). A validated record with no
+    keywords beside it is taken as it is (the adapters pass ``options=o.replace(seed=s)``)."""
     try:
-        opts = options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
+        return options_of_call(entry.owner, options, given, entry.defaults, entry.fixed)
     except Exception as exc:  # noqa: BLE001 - every rank raises it in the agreement
         return exc
-    if key is not None:
-        if len(_OPTIONS) >= _OPTIONS_MAX:
-            _OPTIONS.clear()
-        types = tuple(map(type, given.values()))
-        _OPTIONS[key] = (opts, None if all(issubclass(c, str) for c in types) else types)
-    return opts

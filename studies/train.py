@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from giftcomm import GiftSchedule
+
 COLUMNS = ["mode", "world", "seed", "step", "train_loss", "val_loss", "lr", "err_l2", "err_white", "t_step",
            "t_compute", "t_transform", "t_comm", "t_geometry", "algorithm"]
 PASSTHROUGH = ("fp32", "bf16", "fp16")
@@ -64,7 +66,7 @@ class Mode:
     gift: bool
     damping: float | None  # None: the library's default
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
-    ef: bool = False  # "-ef": error feedback (GradSync(error_feedback=True))
+    ef: bool = False  # "-ef": error feedback (GradSync(schedule=GiftSchedule(error_feedback=True)))
     opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
     preset: str | None = None  # "-paper": Geometry.preset("paper") on the MLP down projections
     perturb: bool = False  # "-ulp": every initial weight one ulp off (seeded directions): the noise-floor control
@@ -353,7 +355,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     # a baseline wire: GradSync holds the buckets, BaselineSync reduces them
     sync = GradSync(model, comm=ctx.transport, fmt=fmt, block=None if fmt.name in PASSTHROUGH else block,
                     op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
-                    error_feedback=mode.ef and not baseline)
+                    schedule=GiftSchedule(error_feedback=mode.ef and not baseline))
     reducer = BaselineSync(ctx, sync, baseline, mode.ef) if baseline else sync
     paper = PaperInputs(model, sync.layouts, cfg.refresh) if mode.preset == "paper" else None
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric

@@ -9,6 +9,7 @@ import pytest
 
 import giftcomm
 import giftcomm.adapters.jax
+from giftcomm import GiftSchedule
 from giftcomm.adapters.jax import TreeSync, allreduce_tree, flatten_tree, tree_spec, unflatten_tree
 from giftcomm.geometry import SelectivePolicy
 
@@ -82,8 +83,8 @@ def test_tree_sync_reduced_gradient_geometry(rng):
             trees[s][r]["dense"]["w"] = trees[s][r]["dense"]["w"] * row_scale
 
     def fn(t):
-        sync = TreeSync(comm=t, op="avg", refresh_every=refresh,
-                        policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9))
+        sync = TreeSync(comm=t, op="avg", schedule=GiftSchedule(geometry="reduced", refresh_every=refresh,
+                        policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9), estimate_every=1))
         out = []
         for s in range(steps):
             geo = sync.geometry
@@ -176,12 +177,14 @@ def test_adapters_take_every_call_option(rng):
             with pytest.raises(ValueError, match=words) as err:
                 fn(**kwargs)
             assert str(err.value).startswith(owner + ": ")
-    assert TreeSync().damping == DEFAULT_DAMPING
+    assert TreeSync().schedule.damping == DEFAULT_DAMPING
     P, seed = 2, int(rng.integers(2**40))
     trees = [_tree(rng) for _ in range(P)]
 
     def fn(t):
-        sync = TreeSync(comm=t, fmt="nvfp4", rounding="stochastic", seed=seed, refresh_every=1000, allow_native=False)
+        sync = TreeSync(comm=t, fmt="nvfp4", rounding="stochastic", seed=seed,
+                        schedule=GiftSchedule(geometry="reduced", refresh_every=1000, estimate_every=1),
+                                              allow_native=False)
         return [flatten_tree(sync(trees[t.rank]))[0] for _ in range(2)]
 
     outs = giftcomm.LoopbackGroup(P).run(fn)

@@ -15,6 +15,7 @@ import torch
 from conftest import spawn_ranks
 
 import giftcomm
+from giftcomm import GiftSchedule
 from giftcomm.adapters.torch import GradSync, KfacCapture, build_geometries, make_buckets, model_layout, numpy_view
 from giftcomm.geometry import Geometry, KfacEstimator, SelectivePolicy
 from giftcomm.reference import simulate_allreduce
@@ -91,8 +92,9 @@ def _ddp_worker(rank, world, init, out, seed, iters, start, fmt):
     model = _mlp(seed, (24, 64, 48, 8))
     names = {p: n for n, p in model.named_parameters()}
     ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
-    state = GiftState(fmt=fmt, start_gift_iter=start, geometry="reduced", refresh_every=2, estimate_every=1, rebuild_lag=0,
-                      param_names=names, policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9))
+    schedule = GiftSchedule(warmup=start, geometry="reduced", refresh_every=2, estimate_every=1, rebuild_lag=0,
+                            policy=SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9))
+    state = GiftState(fmt=fmt, schedule=schedule, param_names=names)
     records = []
 
     def recording_hook(state, bucket):

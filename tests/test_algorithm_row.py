@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import algorithms, api
+from giftcomm import GiftSchedule, algorithms, api
 from giftcomm.accounting import sent_bytes
 from giftcomm.algorithms.machine import Topology
 from giftcomm.collectives.feedback import own_pieces
@@ -83,7 +83,7 @@ def test_error_feedback_reads_the_row(row, rng):
 
     def body(t, algorithm):
         model = torch.nn.Linear(20, 15)
-        sync = GradSync(model, comm=t, algorithm=algorithm, error_feedback=True)
+        sync = GradSync(model, comm=t, algorithm=algorithm, schedule=GiftSchedule(error_feedback=True))
         out = []
         for step in range(3):
             for prm, g in zip(model.parameters(), (grads[t.rank][step][:300].view(15, 20), grads[t.rank][step][:15])):

@@ -8,6 +8,8 @@ import pickle
 import torch
 from test_torchrun import _mlp, _spawn  # noqa: E402  (one spawn-and-rendezvous helper for torchrun tests)
 
+from giftcomm import GiftSchedule
+
 STEPS, SAVE_AT = 9, 6  # rebuilds at iterations 2, 5, 8 (refresh_every=3), adopted 2 later (rebuild_lag=1)
 
 
@@ -31,8 +33,8 @@ def _train(rank, world, seed, ckpt_dir, resume):
         assert state.iter == first
     else:
         pol = SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9)
-        state = GiftState(fmt="e4m3", geometry="reduced", estimate_every=1, refresh_every=3, rebuild_lag=1,
-                          start_gift_iter=1, policy=pol, param_names=model)
+        state = GiftState(fmt="e4m3", schedule=GiftSchedule(geometry="reduced", estimate_every=1, refresh_every=3,
+                          rebuild_lag=1, warmup=1, policy=pol), param_names=model)
         first = 0
     # find_unused_parameters: DDP keeps its initial buckets (it never rebuilds them in the gradients'
     # ready order after the first iteration), so the resumed job's buckets are the uninterrupted run's

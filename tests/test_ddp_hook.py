@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import UNKNOWN_FORMAT
 
+from giftcomm import GiftSchedule
 from giftcomm.accounting import sent_bytes
 from giftcomm.adapters.torch import GiftState, gift_hook
 from giftcomm.adapters.torch.kfac import KfacCapture
@@ -100,8 +101,8 @@ def test_device_route_reduced_geometry_builds_off_the_hook(rng):
     from giftcomm.geometry import SelectivePolicy
 
     pol = SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9)
-    states = group.run(lambda t: GiftState(transport=t, geometry="reduced", estimate_every=1, refresh_every=2,
-                                           rebuild_lag=1, policy=pol, param_names=names))
+    states = group.run(lambda t: GiftState(transport=t, schedule=GiftSchedule(geometry="reduced", estimate_every=1,
+                       refresh_every=2, rebuild_lag=1, policy=pol), param_names=names))
     used = {r: [] for r in range(P)}
 
     def rank_fn(t):
@@ -129,13 +130,13 @@ def test_gift_state_validates_at_construction():
     with pytest.raises(ValueError):
         GiftState(transport=t, block=0)
     with pytest.raises(ValueError, match="geometry"):
-        GiftState(transport=t, geometry="kfca")
+        GiftState(transport=t, schedule=GiftSchedule(geometry="kfca"))
     with pytest.raises(ValueError, match="capture"):
-        GiftState(transport=t, geometry="kfac")
+        GiftState(transport=t, schedule=GiftSchedule(geometry="kfac"))
     with pytest.raises(ValueError, match="refresh_every"):
-        GiftState(transport=t, refresh_every=0)
+        GiftState(transport=t, schedule=GiftSchedule(refresh_every=0))
     with pytest.raises(ValueError, match="damping"):
-        GiftState(transport=t, damping=-1.0)
+        GiftState(transport=t, schedule=GiftSchedule(damping=-1.0))
     with pytest.raises(TypeError, match="param_names"):
         GiftState(transport=t, param_names=42)
     with pytest.raises(TypeError, match="transport"):
@@ -250,13 +251,13 @@ def test_one_rank_quantizes_as_allreduce_does(rng, fmt, monkeypatch):
     x = torch.from_numpy(rng.standard_normal(int(rng.integers(1000, 5000))).astype(np.float32))
     want = simulate_allreduce([x.numpy()], fmt, None, "avg")[0]
     assert not np.array_equal(want, x.numpy())  # the wire format rounds: the test can tell
-    st = GiftState(fmt=fmt, geometry="reduced")
+    st = GiftState(fmt=fmt, schedule=GiftSchedule(geometry="reduced"))
     buf = x.clone()
     out = gift_hook(st, FakeBucket(buf)).wait()
     assert out is buf and np.array_equal(out.numpy(), want) and st.iter == 1 and st.stats().host_buckets == 1
     st1 = GiftState(fmt=fmt, transport=DeviceLoopbackGroup(1).transports[0])
     assert np.array_equal(gift_hook(st1, FakeBucket(x.clone())).wait().numpy(), want)
-    warm = GiftState(fmt=fmt, start_gift_iter=1)
+    warm = GiftState(fmt=fmt, schedule=GiftSchedule(warmup=1))
     assert torch.equal(gift_hook(warm, FakeBucket(x.clone())).wait(), x) and warm.stats().warmup_buckets == 1
     assert np.array_equal(gift_hook(warm, FakeBucket(x.clone())).wait().numpy(), want)
     monkeypatch.setenv("WORLD_SIZE", "2")

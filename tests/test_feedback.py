@@ -7,6 +7,7 @@ import pytest
 from conftest import PASS_THROUGH_FORMATS, SCALED_SAMPLE
 
 import giftcomm as gc
+from giftcomm import GiftSchedule
 from giftcomm.collectives.feedback import ErrorFeedback, check_feedback_format, direct_pieces, own_quantization_error
 from giftcomm.formats import FORMATS, get_format, resolve_block
 
@@ -150,7 +151,7 @@ def _grad_sync_run(steps, fb, algorithm="oneshot", state=None, start=0):
 
     def body(t):
         model = _linear()
-        sync = GradSync(model, comm=t, fmt="nvfp4", algorithm=algorithm, error_feedback=fb)
+        sync = GradSync(model, comm=t, fmt="nvfp4", algorithm=algorithm, schedule=GiftSchedule(error_feedback=fb))
         if state is not None:
             sync.load_state_dict(state[t.rank])
         fixed = _fixed_grads(model, t.rank)
@@ -205,7 +206,7 @@ def test_sharded_grad_sync_feedback_direct_converges_and_leaves_grads():
 
     def body(t, fb):
         m = _linear()
-        sync = ShardedGradSync(m, comm=t, fmt="nvfp4", algorithm="direct", error_feedback=fb)
+        sync = ShardedGradSync(m, comm=t, fmt="nvfp4", algorithm="direct", schedule=GiftSchedule(error_feedback=fb))
         fixed = np.concatenate(_fixed_grads(m, t.rank))
         outs = []
         for _ in range(32):
@@ -228,14 +229,14 @@ def test_every_entry_point_refuses_feedback_with_a_pass_through_format():
     from giftcomm.adapters.torch import GiftReduceScatter, GiftState, GradSync, ShardedGradSync
 
     t = gc.LoopbackGroup(1).transports[0]
-    for build in (lambda: GradSync(_linear(), comm=t, fmt="bf16", error_feedback=True),
-                  lambda: ShardedGradSync(_linear(), comm=t, fmt="fp32", error_feedback=True),
-                  lambda: GiftState(fmt="fp16", error_feedback=True),
-                  lambda: GiftReduceScatter(fmt="bf16", error_feedback=True)):
+    for build in (lambda: GradSync(_linear(), comm=t, fmt="bf16", schedule=GiftSchedule(error_feedback=True)),
+                  lambda: ShardedGradSync(_linear(), comm=t, fmt="fp32", schedule=GiftSchedule(error_feedback=True)),
+                  lambda: GiftState(fmt="fp16", schedule=GiftSchedule(error_feedback=True)),
+                  lambda: GiftReduceScatter(fmt="bf16", schedule=GiftSchedule(error_feedback=True))):
         with pytest.raises(ValueError, match="pass-through"):
             build()
     with pytest.raises(TypeError, match="error_feedback"):
-        GradSync(_linear(), comm=t, fmt="nvfp4", error_feedback=1)
+        GradSync(_linear(), comm=t, fmt="nvfp4", schedule=GiftSchedule(error_feedback=1))
 
 
 def test_bad_feedback_combination_raises_the_same_error_on_every_rank():
@@ -245,10 +246,13 @@ def test_bad_feedback_combination_raises_the_same_error_on_every_rank():
 
     from giftcomm.adapters.torch import GiftReduceScatter, GiftState, GradSync, ShardedGradSync
 
-    for owner, build in (("GradSync", lambda t: GradSync(_linear(t.rank), comm=t, fmt="fp16", error_feedback=True)),
+    for owner, build in (("GradSync", lambda t: GradSync(_linear(t.rank), comm=t, fmt="fp16",
+                         schedule=GiftSchedule(error_feedback=True))),
                          ("ShardedGradSync", lambda t: ShardedGradSync(_linear(t.rank), comm=t, fmt="bf16",
-                                                                       error_feedback=True)),
-                         ("GiftState", lambda t: GiftState(fmt="fp32", transport=t, error_feedback=True)),
-                         ("GiftReduceScatter", lambda t: GiftReduceScatter(fmt="bf16", error_feedback=True))):
+                                                                       schedule=GiftSchedule(error_feedback=True))),
+                         ("GiftState", lambda t: GiftState(fmt="fp32", transport=t,
+                          schedule=GiftSchedule(error_feedback=True))),
+                         ("GiftReduceScatter", lambda t: GiftReduceScatter(fmt="bf16",
+                          schedule=GiftSchedule(error_feedback=True)))):
         assert_same_error(outcomes(2, build), ValueError, f"{owner}: error_feedback=True needs a block-scaled format",
                           "pass-through")

@@ -16,6 +16,8 @@ import pytest
 import torch
 from test_torchrun import _spawn
 
+from giftcomm import GiftSchedule
+
 STEPS = 16
 
 
@@ -49,7 +51,7 @@ def _ddp(rank, steps, ef, state=None):
     model = _model()
     ddp = DistributedDataParallel(model)
     if state is None:
-        state = GiftState(fmt="nvfp4", algorithm="oneshot", error_feedback=ef)
+        state = GiftState(fmt="nvfp4", algorithm="oneshot", schedule=GiftSchedule(error_feedback=ef))
     state.bind(model)  # named parameters: a residual follows them through DDP's bucket rebuild
     ddp.register_comm_hook(state, gift_hook)
     x, w = _data(rank)
@@ -72,7 +74,7 @@ def _fsdp(rank, ef):
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    comms = register_reduce_scatter(model, fmt="nvfp4", algorithm="direct", error_feedback=ef)
+    comms = register_reduce_scatter(model, fmt="nvfp4", algorithm="direct", schedule=GiftSchedule(error_feedback=ef))
     x, w = _data(rank)
     outs = []
     for _ in range(STEPS):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
-from giftcomm import codec, formats
+from giftcomm import GiftSchedule, codec, formats
 from giftcomm.cuda import _loader
 from giftcomm.cuda import codec as cuda_codec
 from giftcomm.formats import FORMATS, FORMATS_BY_CODE, get_format, message_nbytes
@@ -319,7 +319,7 @@ def test_reference_only_row_through_the_adapters(e3m4_row, rng):
     def body(t):
         torch.manual_seed(0)
         model = torch.nn.Linear(12, 10)
-        sync = GradSync(model, comm=t, fmt=f.name, algorithm="oneshot", error_feedback=True)
+        sync = GradSync(model, comm=t, fmt=f.name, algorithm="oneshot", schedule=GiftSchedule(error_feedback=True))
         g = np.random.default_rng(5 + t.rank)
         grads = [g.standard_normal(q.numel()).astype(np.float32) for q in model.parameters()]
         outs = []

@@ -16,6 +16,7 @@ from conftest import UNKNOWN_FORMAT
 from test_torchrun import _spawn
 from torch.distributed.fsdp import fully_shard
 
+from giftcomm import GiftSchedule
 from giftcomm.reference import simulate_reduce_scatter
 
 # one xdist worker runs every test here (--dist loadgroup): the module-scoped fixture (each world size's training runs)
@@ -117,14 +118,15 @@ def _worker(rank, world):
     res["own-fp16"] = _train(rank, world, 1, reduce_dtype=torch.float16)
     res["fp16"] = _train(rank, world, 1, gift=dict(fmt="e4m3"), reduce_dtype=torch.float16, record=True)
     res["premul"] = _train(rank, world, 1, gift=dict(fmt="fp32"), factor=7.0, record=True)
-    res["warmup"] = _train(rank, world, 2, gift=dict(fmt="e4m3", warmup=1))
+    res["warmup"] = _train(rank, world, 2, gift=dict(fmt="e4m3", schedule=GiftSchedule(warmup=1)))
     # GIFT: KFAC captured on the first forward, geometry built at the first reduce-scatter
-    res["gift"] = _train(rank, world, 3, gift=dict(fmt="e4m3", geometry="kfac", capture="model", capture_every=1),
+    res["gift"] = _train(rank, world, 3, gift=dict(fmt="e4m3", schedule=GiftSchedule(geometry="kfac", refresh_every=50),
+                                                   capture="model", capture_every=1),
                          grads_at=2, record=True)
     res["own3"] = _train(rank, world, 3, grads_at=2)
     # the GIFT paper's preset in one word: input side only, Cholesky factor, A averaged over the group
-    res["paper"] = _train(rank, world, 3, gift=dict(fmt="e4m3", geometry="paper", capture="model", capture_every=1,
-                                                    paper={"rank": 4}), grads_at=2)
+    res["paper"] = _train(rank, world, 3, gift=dict(fmt="e4m3", schedule=GiftSchedule(geometry="paper", paper={"rank": 4}),
+                                                    capture="model", capture_every=1), grads_at=2)
     res["errors"] = _bad_inputs(rank, world)
     return res
 

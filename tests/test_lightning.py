@@ -10,6 +10,8 @@ import socket
 
 from conftest import spawn_ranks
 
+from giftcomm import GiftSchedule
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -78,15 +80,15 @@ def _one_process_trainer(port: int, out: str) -> None:
     except RuntimeError as exc:
         res["other_hook"] = str(exc)
     # the paper's preset in one word: the LightningModule is captured when fit starts
-    cb = GiftCommCallback(fmt="e4m3", geometry="paper", paper={"refresh_every": 1, "rank": 4})
+    cb = GiftCommCallback(fmt="e4m3", schedule=GiftSchedule(geometry="paper", paper={"refresh_every": 1, "rank": 4}))
     module = Tiny()
     trainer(DDPStrategy(timeout=timeout), cb).fit(module, loader)
     cap = cb.state.capture
-    res["paper"] = (cb.registered, cb.state.geometry, cb.state.paper.rank, sorted(cap.layers.values()),
+    res["paper"] = (cb.registered, cb.state.schedule.geometry, cb.state.schedule.paper.rank, sorted(cap.layers.values()),
                     cap.estimator.counts.get("net.weight", 0))
     cb.state.shutdown()
     try:
-        GiftCommCallback(geometry="paper", paper={"ranks": 4})
+        GiftCommCallback(schedule=GiftSchedule(geometry="paper", paper={"ranks": 4}))
         res["bad_paper"] = None
     except TypeError as exc:
         res["bad_paper"] = str(exc)

@@ -222,11 +222,19 @@ def _raise_first(results):
         raise err
 
 
-def test_remembered_keywords_keep_their_types():
-    """The plain calls remember validated keyword sets; block=True must not find block=1's."""
+def test_keywords_are_validated_by_type_and_a_validated_record_is_taken_whole():
+    """block=True and 64.0 are no blocks; a validated record passed whole is the call's record, and
+    replacing its seed checks the seed (the adapters' per-call options)."""
     from giftcomm.options import call_options
 
     assert isinstance(call_options({"block": 1}), CallOptions)
     assert isinstance(call_options({"block": True}), ValueError)
-    assert call_options({"fmt": "e5m2"}) is call_options({"fmt": "e5m2"})  # remembered
-    assert call_options({"block": 64.0}) is not call_options({"block": 64})
+    assert isinstance(call_options({"block": 64.0}), ValueError)
+    o = CallOptions.of(fmt="e5m2", rounding="stochastic")
+    assert call_options({}, o) is o
+    seeded = o.replace(seed=7)
+    assert seeded.seed == 7 and seeded == CallOptions.of(fmt="e5m2", rounding="stochastic", seed=7)
+    assert call_options({}, seeded) is seeded
+    for bad in (-1, 1 << 64, 1.5, True):
+        with pytest.raises((TypeError, ValueError)):
+            o.replace(seed=bad)

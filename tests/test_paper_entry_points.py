@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_error, outcomes, same
 
 import giftcomm as gc
-from giftcomm import LoopbackGroup
+from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.geometry import Geometry, Layout
 
 LAYOUT = Layout([("up", (24, 40)), ("up.bias", (24,)), ("down", (40, 24))])
@@ -113,7 +113,8 @@ def train_grad_sync(t, seed, steps, model_kw=None, **kw):
     from giftcomm.adapters.torch import GradSync
 
     model = make_model(seed, **(model_kw(t.rank) if callable(model_kw) else model_kw or {}))
-    sync = GradSync(model, comm=t, fmt="e4m3", geometry="paper", **kw)
+    knobs = {k: kw.pop(k) for k in ("paper", "error_feedback", "feedback") if k in kw}
+    sync = GradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", **knobs), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = []
     for x in batches(seed, t.rank, steps):
@@ -197,12 +198,12 @@ def test_grad_sync_paper_errors_on_every_rank(rng):
     # bad settings, at once
     from giftcomm.adapters.torch import GradSync
 
-    with pytest.raises(TypeError, match="GradSync.*unknown option"):
-        GradSync(make_model(0), comm=None, geometry="paper", paper={"ranks": 4})
-    with pytest.raises(ValueError, match="geometry must be None or 'paper'"):
-        GradSync(make_model(0), comm=None, geometry="kfac")
+    with pytest.raises(TypeError, match="GiftSchedule.*unknown option"):
+        GradSync(make_model(0), comm=None, schedule=GiftSchedule(geometry="paper", paper={"ranks": 4}))
+    with pytest.raises(ValueError, match="GradSync: schedule.geometry must be one of"):
+        GradSync(make_model(0), comm=None, schedule=GiftSchedule(geometry="kfac"))
     with pytest.raises(TypeError, match="GradSync: .*pass the nn.Module"):
-        GradSync(list(make_model(0).named_parameters()), comm=None, geometry="paper")
+        GradSync(list(make_model(0).named_parameters()), comm=None, schedule=GiftSchedule(geometry="paper"))
 
 
 @pytest.mark.parametrize("reexpress", [True, False])
@@ -265,7 +266,9 @@ def train_sharded(t, seed, steps, **kw):
     from giftcomm.adapters.torch import ShardedGradSync
 
     model = make_model(seed)
-    sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="ring", allow_native=False, **kw)
+    knobs = {k: kw.pop(k) for k in ("paper", "error_feedback") if k in kw}
+    sync = ShardedGradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", **knobs),
+                           algorithm="ring", allow_native=False, **kw)
     out = []
     for x in batches(seed, t.rank, steps):
         sync.zero_grad()
@@ -304,16 +307,17 @@ def test_sharded_grad_sync_paper_bad_input(rng):
     from giftcomm.adapters.torch import ShardedGradSync
 
     with pytest.raises(ValueError, match="needs a block-scaled format"):
-        ShardedGradSync(make_model(0), comm=None, geometry="paper", error_feedback=True, fmt="bf16")
-    with pytest.raises(ValueError, match="geometry must be None or 'paper'"):
-        ShardedGradSync(make_model(0), comm=None, geometry="kfac")
+        ShardedGradSync(make_model(0), comm=None, schedule=GiftSchedule(geometry="paper", error_feedback=True),
+                        fmt="bf16")
+    with pytest.raises(ValueError, match="ShardedGradSync: schedule.geometry must be one of"):
+        ShardedGradSync(make_model(0), comm=None, schedule=GiftSchedule(geometry="kfac"))
     seed = int(rng.integers(2**31))
 
     def missing(t):
         from giftcomm.adapters.torch import ShardedGradSync
 
         model = make_model(seed, skip_down=t.rank == 0)
-        sync = ShardedGradSync(model, comm=t, geometry="paper")
+        sync = ShardedGradSync(model, comm=t, schedule=GiftSchedule(geometry="paper"))
         sync.zero_grad()
         model(batches(seed, t.rank, 1)[0]).pow(2).mean().backward()
         return sync.sync()
@@ -351,8 +355,9 @@ def test_sharded_grad_sync_paper_error_feedback_matches_numpy(rng, p, reexpress)
 
     def body(t):
         model = make_model(seed)
-        sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="direct", allow_native=False,
-                               error_feedback=True, paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        schedule = GiftSchedule(geometry="paper", error_feedback=True,
+                                paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        sync = ShardedGradSync(model, comm=t, fmt="e4m3", schedule=schedule, algorithm="direct", allow_native=False)
         out = []
         for x in batches(seed, t.rank, steps):
             sync.zero_grad()
@@ -415,8 +420,9 @@ def test_sharded_paper_feedback_reexpression_keeps_the_residual_in_ordinary_coor
 
     def body(t):
         model = make_model(seed)
-        sync = ShardedGradSync(model, comm=t, fmt="e4m3", geometry="paper", algorithm="direct", error_feedback=True,
-                               allow_native=False, paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        schedule = GiftSchedule(geometry="paper", error_feedback=True,
+                                paper={"refresh_every": 2, "rank": 4, "reexpress": reexpress})
+        sync = ShardedGradSync(model, comm=t, fmt="e4m3", schedule=schedule, algorithm="direct", allow_native=False)
         for x in batches(seed, t.rank, 2):
             sync.zero_grad()
             model(x).pow(2).mean().backward()
@@ -493,11 +499,11 @@ def test_gift_state_pickles_its_factor_ema(rng):
 
     from giftcomm.adapters.torch import GiftState
 
-    state = GiftState(geometry="paper", capture=make_model(0), paper={"refresh_every": 3})
+    state = GiftState(schedule=GiftSchedule(geometry="paper", paper={"refresh_every": 3}), capture=make_model(0))
     f = {"up.weight": ("cholesky", np.tril(rng.standard_normal((40, 40))))}
     state.factor_ema.factors = dict(f)
     back = pickle.loads(pickle.dumps(state))
     state.shutdown()
     assert np.array_equal(back.factor_ema.factors["up.weight"][1], f["up.weight"][1])
-    assert back.paper.refresh_every == 3 and back.paper.factor_decay == 0.95
+    assert back.schedule.paper.refresh_every == 3 and back.schedule.paper.factor_decay == 0.95
     back.shutdown()

@@ -19,6 +19,7 @@ import torch
 from test_fsdp import _batch, _model, _Recorder
 from test_torchrun import _spawn
 
+from giftcomm import GiftSchedule
 from giftcomm.reference.baselines import simulate_baseline_allreduce
 
 pytestmark = pytest.mark.xdist_group("fsdp")
@@ -40,8 +41,10 @@ def _fsdp_model():
 def _register(model, paper=PAPER, **kw):
     from giftcomm.adapters.torch import register_reduce_scatter
 
-    return register_reduce_scatter(model, fmt="e4m3", allow_native=False, geometry="paper", capture=model,
-                                   capture_every=1, capture_tokens=4, paper=paper, **kw)
+    knobs = {k: kw.pop(k) for k in ("error_feedback",) if k in kw}
+    return register_reduce_scatter(model, fmt="e4m3", allow_native=False,
+                                   schedule=GiftSchedule(geometry="paper", paper=paper, **knobs), capture=model,
+                                   capture_every=1, capture_tokens=4, **kw)
 
 
 def _steps(model, comms, rank, start, stop, save_at=None):
@@ -110,8 +113,8 @@ def _worker(rank, world):
     comms[0].calls += rank == 0  # rank 0 one call ahead on the first module (a skipped step)
     res["calls"] = _first_error(model, rank)
     # --- the paper's wire: plain, and under the paper's map (refresh_every large: one map)
-    for name, kw in (("wire", {}), ("wire-paper", {"geometry": "paper", "capture": "model", "capture_every": 1,
-                                                   "paper": {"refresh_every": 100, "rank": 4}})):
+    paper_schedule = GiftSchedule(geometry="paper", paper={"refresh_every": 100, "rank": 4})
+    for name, kw in (("wire", {}), ("wire-paper", {"schedule": paper_schedule, "capture": "model", "capture_every": 1})):
         from giftcomm.adapters.torch import register_reduce_scatter
         from giftcomm.adapters.torch.fsdp import fsdp_modules
 

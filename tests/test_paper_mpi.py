@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from giftcomm import GiftSchedule
 from giftcomm.collectives.baselines import baseline_allreduce
 from giftcomm.geometry import Geometry, InputFactorEstimator, Layout, refresh_geometry
 from giftcomm.reference.simulate import simulate_allreduce
@@ -130,7 +131,7 @@ def test_paper_from_grad_sync_missing_factor_raises_on_every_rank():
 
     comm = MPI.COMM_WORLD
     model = _mlp(0, skip_down=comm.Get_rank() == comm.Get_size() - 1)
-    sync = GradSync(model, comm=comm, geometry="paper")
+    sync = GradSync(model, comm=comm, schedule=GiftSchedule(geometry="paper"))
     sync.zero_grad()
     model(torch.ones(4, 40)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="disagree on the factor refresh"):

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from giftcomm import LoopbackGroup
+from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.collectives.baselines import BASELINE_WIRES, baseline_allreduce
 from giftcomm.collectives.feedback import ErrorFeedback, TransformedFeedback, own_quantization_error
 from giftcomm.formats import get_format
@@ -373,7 +373,8 @@ def test_gradsync_baseline_wire_and_paper_geometry():
     def body(t):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-        sync = GradSync(model, comm=t, op="avg", baseline="e5m2/tensor-nccl", error_feedback=True, feedback="transformed")
+        sync = GradSync(model, comm=t, op="avg", baseline="e5m2/tensor-nccl",
+                        schedule=GiftSchedule(error_feedback=True, feedback="transformed"))
         lay = sync.layouts[0]
         a_in = {n: covariance(np.random.default_rng(seed), lay[n].matrix_shape[1]) for n in ("0.weight", "2.weight")}
         geo = Geometry.preset("paper", lay, a_in)
@@ -394,7 +395,7 @@ def test_gradsync_baseline_wire_and_paper_geometry():
     np.testing.assert_array_equal(out[0][0], out[1][0])
     with pytest.raises(ValueError, match="transformed"):
         GradSync(torch.nn.Linear(3, 3), comm=LoopbackGroup(1).transports[0], baseline="e5m2/tensor-nccl",
-                 error_feedback=True)
+                 schedule=GiftSchedule(error_feedback=True))
     with pytest.raises(ValueError, match="unknown baseline wire"):
         GradSync(torch.nn.Linear(3, 3), comm=LoopbackGroup(1).transports[0], baseline="e5m2")
 
@@ -406,14 +407,15 @@ def test_one_word_in_the_ddp_state_and_lightning_callback():
     from giftcomm.adapters.torch import GiftState
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    st = GiftState(geometry="paper", capture=model, paper={"rank": 4, "refresh_every": 7}, error_feedback=True)
-    assert st.paper == PaperOptions(rank=4, refresh_every=7) and st.refresh_every == 7
+    st = GiftState(schedule=GiftSchedule(geometry="paper", paper={"rank": 4, "refresh_every": 7},
+                   error_feedback=True), capture=model)
+    assert st.schedule.paper == PaperOptions(rank=4, refresh_every=7) and st.schedule.refresh_period == 7
     assert isinstance(st.feedback, TransformedFeedback) and st.capture.estimator.decay == 0.95
     st.capture.remove()
-    cb = GiftCommCallback(geometry="paper", capture=model)
-    assert cb.state.paper == PaperOptions()
+    cb = GiftCommCallback(schedule=GiftSchedule(geometry="paper"), capture=model)
+    assert cb.state.schedule.paper == PaperOptions()
     cb.state.capture.remove()
     with pytest.raises(ValueError, match="paper"):
-        GiftState(geometry="kfac", capture=model, paper={"rank": 4})
+        GiftState(schedule=GiftSchedule(geometry="kfac", paper={"rank": 4}), capture=model)
     with pytest.raises(TypeError, match="unknown option"):
-        GiftState(geometry="paper", capture=model, paper={"rnk": 4})
+        GiftState(schedule=GiftSchedule(geometry="paper", paper={"rnk": 4}), capture=model)

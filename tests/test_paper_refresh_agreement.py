@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_same_error, outcomes, same
 
-from giftcomm import LoopbackGroup
+from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.geometry import Geometry, Layout
 from giftcomm.geometry.paper import PaperOptions, agree_refresh
 
@@ -95,7 +95,8 @@ def _adapter(kind, t, seed, paper, **kw):
 
     model = make_model(seed)
     cls = GradSync if kind == "grad" else ShardedGradSync
-    return model, cls(model, comm=t, fmt="e4m3", geometry="paper", paper=paper, **kw)
+    knobs = {k: kw.pop(k) for k in ("error_feedback", "feedback") if k in kw}
+    return model, cls(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", paper=paper, **knobs), **kw)
 
 
 def _step(model, sync, x):
@@ -191,7 +192,7 @@ def test_sharded_state_dict_refuses_a_state_of_another_kind(rng):
 
     t = LoopbackGroup(1).transports[0]
     plain = ShardedGradSync(make_model(0), comm=t)
-    paper = ShardedGradSync(make_model(0), comm=t, geometry="paper")
+    paper = ShardedGradSync(make_model(0), comm=t, schedule=GiftSchedule(geometry="paper"))
     with pytest.raises(ValueError, match="paper preset"):
         plain.load_state_dict(paper.state_dict())
     with pytest.raises(ValueError, match="paper preset"):
@@ -237,8 +238,9 @@ def _state(t, sync_t, seed, paper, **kw):
     from giftcomm.adapters.torch import GiftState
 
     model = make_model(seed)
-    st = GiftState(transport=t, sync_transport=sync_t, geometry="paper", capture=model, capture_every=1,
-                   capture_tokens=16, rebuild_lag=1, paper=paper, fmt="e4m3", **kw)
+    knobs = {k: kw.pop(k) for k in ("error_feedback",) if k in kw}
+    st = GiftState(transport=t, sync_transport=sync_t, schedule=GiftSchedule(geometry="paper", rebuild_lag=1, paper=paper,
+                   **knobs), capture=model, capture_every=1, capture_tokens=16, fmt="e4m3", **kw)
     return model, st
 
 
@@ -422,4 +424,4 @@ def test_gift_state_baseline_refusals():
     with pytest.raises(ValueError, match="unknown baseline wire"):
         GiftState(baseline="e5m2")
     with pytest.raises(ValueError, match='needs geometry="paper"'):
-        GiftState(baseline="e5m2/tensor-nccl", error_feedback=True)
+        GiftState(baseline="e5m2/tensor-nccl", schedule=GiftSchedule(error_feedback=True))

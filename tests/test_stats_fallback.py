@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import giftcomm as gc
+from giftcomm import GiftSchedule
 from giftcomm.accounting import AUTO_NATIVE, scatter_sent_bytes, sent_bytes
 from giftcomm.collectives import engine
 from giftcomm.collectives.hold import held
@@ -174,7 +175,8 @@ def test_adapters_count_what_they_sent_and_warn_once(caplog):
         sharded = ShardedGradSync(_model(1), comm=t, fmt="e5m2", allow_native=False)
         sharded.sync()
         sharded.gather_params(sharded.param_shard())
-        tree = TreeSync(comm=t, fmt="e4m3", refresh_every=10**6)
+        tree = TreeSync(comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="reduced", refresh_every=10**6,
+                        estimate_every=1))
         tree({"w": np.ones(50, np.float32)})
         return sync.stats(), sharded.stats(), tree.stats(), gc.stats(t)
 

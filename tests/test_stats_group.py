@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_torchrun import _spawn
 
+from giftcomm import GiftSchedule
 from giftcomm.accounting import AUTO_NATIVE, WARMUP, merged, native_sent_bytes, sent_bytes
 from giftcomm.collectives.baselines import baseline_sent_bytes
 from giftcomm.formats import get_format
@@ -65,7 +66,7 @@ def _every_adapter_worker(rank, world):
 
     model = _mlp(1)
     ddp = DDP(model, gradient_as_bucket_view=True)
-    state = GiftState(fmt="e4m3", start_gift_iter=1)
+    state = GiftState(fmt="e4m3", schedule=GiftSchedule(warmup=1))
     ddp.register_comm_hook(state, gift_hook)
     for step in range(3):
         _backward(ddp, rank, step)
@@ -106,13 +107,13 @@ def _every_adapter_worker(rank, world):
 
     fsdp_model = _mlp(4)
     fully_shard(fsdp_model)
-    comms = register_reduce_scatter(fsdp_model, fmt="e4m3", warmup=1, allow_native=False)
+    comms = register_reduce_scatter(fsdp_model, fmt="e4m3", schedule=GiftSchedule(warmup=1), allow_native=False)
     for step in range(2):
         _backward(fsdp_model, rank, step)
         fsdp_model.zero_grad()
     res["fsdp"] = comms.stats()
 
-    tree = TreeSync(fmt="e4m3", refresh_every=10**6)
+    tree = TreeSync(fmt="e4m3", schedule=GiftSchedule(geometry="reduced", refresh_every=10**6, estimate_every=1))
     tree({"w": jnp.ones((40, 3), jnp.float32)})
     res["tree"] = tree.stats()
 

@@ -19,6 +19,7 @@ import torch
 from conftest import spawn_ranks
 
 import giftcomm
+from giftcomm import GiftSchedule
 from giftcomm.reference import simulate_allreduce
 
 # one xdist worker runs every test here (--dist loadgroup): the module-scoped DDP launch is made once
@@ -156,15 +157,19 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     ddp = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)
     pol = SelectivePolicy(min_size=0, min_gain=0.0, flops_per_gain=1e9)
     # giftcomm's own wire (auto would take gloo's allreduce for these tiny buckets)
-    kwargs: dict = dict(fmt="e4m3", start_gift_iter=1, policy=pol, refresh_every=2, rebuild_lag=0, allow_native=False)
+    kwargs: dict = dict(fmt="e4m3", allow_native=False)
+    knobs: dict = dict(warmup=1, policy=pol, refresh_every=2, rebuild_lag=0)
     if geometry == "kfac":
-        kwargs.update(geometry="kfac", capture=model, capture_every=1)
+        knobs.update(geometry="kfac")
+        kwargs.update(capture=model, capture_every=1)
     elif geometry == "reduced":
-        kwargs.update(geometry="reduced", estimate_every=1, param_names=model)
+        knobs.update(geometry="reduced", estimate_every=1)
+        kwargs.update(param_names=model)
     elif geometry == "paper":  # the GIFT paper's preset, its error feedback in transformed coordinates
-        kwargs.update(geometry="paper", capture=model, capture_every=1, paper={"refresh_every": 2, "rank": 4},
-                      error_feedback=True)
-        del kwargs["policy"]
+        knobs.update(geometry="paper", paper={"refresh_every": 2, "rank": 4}, error_feedback=True)
+        kwargs.update(capture=model, capture_every=1)
+        del knobs["policy"]
+    kwargs["schedule"] = GiftSchedule(**knobs)
     if grouped:
         kwargs["transport"] = TorchDistDeviceTransport(memory="any")
     state = GiftState(**kwargs)
@@ -198,8 +203,8 @@ def _ddp_worker(rank, world, seed, dtype_name, geometry, grouped):
     blob = pickle.dumps(state)
     back = pickle.loads(blob)
     back.bind(model) if geometry != "kfac" else back.bind(model, every=1)
-    res["ckpt"] = (back.iter == state.iter, back.fmt == state.fmt, back.refresh_every == state.refresh_every,
-                   back.geometry == state.geometry, back.stats().bytes_in == s.bytes_in,
+    res["ckpt"] = (back.iter == state.iter, back.fmt == state.fmt, back.schedule == state.schedule,
+                   back.schedule.geometry == state.schedule.geometry, back.stats().bytes_in == s.bytes_in,
                    sorted(back.runtime.geometries) == sorted(state.runtime.geometries))
     # a DDP takes one hook: a fresh DDP continues from the loaded state
     ddp2 = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)
@@ -266,7 +271,7 @@ def _state_before_init_worker(rank, world, port, out, seed):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    state = pickle.loads(pickle.dumps(GiftState(fmt="nvfp4", start_gift_iter=1)))  # no process group yet
+    state = pickle.loads(pickle.dumps(GiftState(fmt="nvfp4", schedule=GiftSchedule(warmup=1))))  # no process group yet
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     model = _mlp(seed, torch.float32)
     ddp = DDP(model, bucket_cap_mb=0.01)

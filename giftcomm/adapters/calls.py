@@ -25,7 +25,7 @@ from ..algorithms import AUTO, BY_NAME, NATIVE
 from ..options import CallOptions
 from ..reference.rounding import mix64
 
-__all__ = ["call_kwargs", "step_seed", "log_path"]
+__all__ = ["step_options", "step_seed", "log_path"]
 
 logger = logging.getLogger("giftcomm.adapters")
 
@@ -42,12 +42,11 @@ def step_seed(seed: int | None, step: int, index: int = 0) -> int:
     return mix64(mix64(mix64((seed or 0) & _MASK) ^ (int(step) & _MASK)) ^ (int(index) & _MASK))
 
 
-def call_kwargs(opts: CallOptions, step: int, index: int = 0) -> dict[str, Any]:
-    """The keywords of one collective call of buffer ``index`` at ``step``: the options, with the
-    seed derived by :func:`step_seed` under stochastic rounding (None under nearest)."""
-    kw = opts.as_kwargs()
-    kw["seed"] = step_seed(opts.seed, step, index) if opts.rounding == "stochastic" else None
-    return kw
+def step_options(opts: CallOptions, step: int, index: int = 0) -> CallOptions:
+    """The options of one collective call of buffer ``index`` at ``step``, passed whole
+    (``api.gift_allreduce(x, options=step_options(o, step, i))``): ``opts`` with the seed derived
+    by :func:`step_seed` under stochastic rounding (None under nearest)."""
+    return opts.replace(seed=step_seed(opts.seed, step, index) if opts.rounding == "stochastic" else None)
 
 
 def log_path(seen: set[int], owner: str, comm: Any, n: int, opts: CallOptions, device: bool = False) -> None:

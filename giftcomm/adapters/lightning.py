@@ -6,7 +6,7 @@ that puts giftcomm's DDP communication hook on the model Lightning wraps, on any
     from giftcomm.adapters.lightning import GiftCommCallback
 
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
-                        callbacks=[GiftCommCallback(fmt="e4m3", start_gift_iter=10)])
+                        callbacks=[GiftCommCallback(fmt="e4m3", schedule=GiftSchedule(warmup=10))])
 
 Lightning's own route, ``DDPStrategy(ddp_comm_state=GiftState(...), ddp_comm_hook=gift_hook)``,
 registers the hook only when the root device is CUDA; on CPUs it silently trains with DDP's
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from ..geometry.schedule import GiftSchedule
 from .torch.ddp import GiftState
 
 if TYPE_CHECKING:
@@ -46,10 +47,10 @@ class GiftCommCallback(Callback):
 
     state: the :class:`~giftcomm.adapters.torch.GiftState` to use; or ``gift_options``, the
     keywords of ``GiftState(...)`` (fmt, block, rounding, seed, algorithm, slice_elems, timeout,
-    start_gift_iter, geometry, ...: validated here, when the callback is built); or neither: the
+    schedule, ...: validated here, when the callback is built); or neither: the
     state given to ``DDPStrategy(ddp_comm_state=...)``, else ``GiftState()`` (e4m3). For
-    ``geometry="kfac"`` or ``geometry="paper"`` (the GIFT paper's preset, settings in ``paper=``)
-    the word is enough: without ``capture=`` the state is built when fit starts, capturing the
+    ``schedule=GiftSchedule(geometry="kfac")`` or ``"paper"`` (the GIFT paper's preset, settings
+    in the schedule's ``paper``) the word is enough: without ``capture=`` the state is built when fit starts, capturing the
     LightningModule (the other options are checked when the callback is built, as always); or
     pass ``capture=`` yourself. ``callback.state`` is the state in use
     (its ``stats()`` after training). With one process (no DDP wrapper, world size 1) nothing is
@@ -64,7 +65,9 @@ class GiftCommCallback(Callback):
         if state is not None and not isinstance(state, GiftState):
             raise TypeError(f"GiftCommCallback: state must be a GiftState, got {type(state).__name__}")
         self._deferred: dict[str, Any] | None = None  # GiftState's options, built with capture=pl_module at fit
-        if state is None and gift_options.get("geometry") in ("kfac", "paper") and gift_options.get("capture") is None:
+        schedule = gift_options.get("schedule")
+        geometry = schedule.geometry if isinstance(schedule, GiftSchedule) else gift_options.get("geometry")
+        if state is None and geometry in ("kfac", "paper") and gift_options.get("capture") is None:
             import torch
 
             GiftState(**{**gift_options, "capture": torch.nn.Module()}).shutdown()  # checks every other option now

@@ -8,11 +8,13 @@ from .geometry import Geometry
 from .layout import Layout, Segment
 from .paper import FactorEMA, InputFactorEstimator, PaperOptions, SaturationProfile, paper_geometry, paper_sharded, refresh_geometry
 from .policy import SelectivePolicy, TransformTimeModel, collective_seconds, select
+from .schedule import GiftSchedule, schedule_of
 from .sharded import ShardedGeometry, shard_layout
 from .spectral import Spectrum
 from .sync import SyncReport
 
 __all__ = ["Geometry", "Layout", "Segment", "Spectrum", "KfacEstimator", "GradientFactorEstimator", "SyncReport", "SelectivePolicy",
+           "GiftSchedule", "schedule_of",
            "ShardedGeometry", "shard_layout", "PaperOptions", "InputFactorEstimator", "SaturationProfile",
            "paper_geometry", "paper_sharded", "refresh_geometry", "FactorEMA",
            "select", "TransformTimeModel", "collective_seconds", "row_col_mean_squares"]

@@ -45,6 +45,10 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 
 
+_SCHEDULE_KNOBS = ("warmup", "error_feedback")
+"""The variables' names that are knobs of the comms' GiftSchedule (the rest are call options)."""
+
+
 def _flag(value: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"must be 0 or 1, got {value!r}")
@@ -53,18 +57,23 @@ def _flag(value: str) -> bool:
 
 def options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The GiftReduceScatter options the GIFTCOMM_* variables of ``env`` (default os.environ)
-    give, validated by building one comm; ValueError naming the variable for a bad value."""
+    give, validated by building one comm; ValueError naming the variable for a bad value. The
+    warm-up and error feedback come as one ``schedule`` (the comms' default schedule with them)."""
     from ..adapters.torch import GiftReduceScatter
+    from ..adapters.torch.fsdp import SCHEDULE
 
     env = os.environ if env is None else env
     opts: dict[str, Any] = {}
+    knobs: dict[str, Any] = {}
     for var, (name, parse) in _ENV.items():
         if var in env:
             try:
-                opts[name] = parse(env[var])
+                (knobs if name in _SCHEDULE_KNOBS else opts)[name] = parse(env[var])
             except ValueError as exc:
                 raise ValueError(f"{var}: {exc}") from None
     try:
+        if knobs:
+            opts["schedule"] = SCHEDULE.replace(**knobs)
         GiftReduceScatter(**opts)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"giftcomm.recipes.torchtitan: the GIFTCOMM_* environment: {exc}") from None

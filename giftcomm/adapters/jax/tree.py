@@ -28,9 +28,10 @@ import numpy as np
 
 from ... import api
 from ...accounting import Tally
-from ...geometry import Geometry, GradientFactorEstimator, Layout, SelectivePolicy
-from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
-from ..calls import call_kwargs
+from ...geometry import Geometry, GradientFactorEstimator, Layout
+from ...geometry.schedule import GiftSchedule, schedule_of
+from ...options import CallOptions, options_of_call
+from ..calls import step_options
 from .geometry import JaxGeometry
 from .jit import feedback_init, pmean, psum, psum_scatter
 
@@ -38,6 +39,8 @@ __all__ = ["psum", "pmean", "psum_scatter", "feedback_init", "JaxGeometry", "Tre
            "unflatten_tree", "allreduce_tree", "TreeSync", "on_gpu"]
 
 _AVG = {"op": "avg"}  # the tree adapters average unless told otherwise
+TREE_SCHEDULE = GiftSchedule(geometry="reduced", estimate_every=1, refresh_every=50)
+"""TreeSync's schedule when none is given."""
 
 
 @dataclass(frozen=True)
@@ -140,29 +143,24 @@ class TreeSync:
     as ``options=``; docs/api.md; op defaults to "avg"; validated here; ``sync.options`` is the
     record); with
     ``rounding="stochastic"`` call ``k`` (0, 1, ...) is rounded with the seed
-    ``giftcomm.adapters.calls.step_seed(seed, k, 0)``. The ``GradientFactorEstimator`` is fed
-    the reduced flat buffer (identical on every rank) every ``estimate_every`` calls; every
-    ``refresh_every`` calls the geometry is rebuilt with the selective ``policy`` and
-    ``damping`` (default ``giftcomm.options.DEFAULT_DAMPING``): every rank builds the same
-    geometry without communicating. ``seconds`` accumulates the wall time of estimator updates
+    ``giftcomm.adapters.calls.step_seed(seed, k, 0)``. schedule: a :class:`giftcomm.GiftSchedule`
+    with geometry "reduced", taken whole (default :data:`TREE_SCHEDULE`: ``estimate_every=1``,
+    ``refresh_every=50``): the ``GradientFactorEstimator`` (EMA ``decay``) is fed the reduced flat
+    buffer (identical on every rank) every ``estimate_every`` calls; every ``refresh_every`` calls
+    the geometry is rebuilt with the selective ``policy`` and ``damping``: every rank builds the
+    same geometry without communicating (another knob off its default is a ValueError). The
+    previous release's keywords (estimate_every, refresh_every, policy, damping, decay) still
+    build it, with a DeprecationWarning. ``seconds`` accumulates the wall time of estimator updates
     and geometry builds.
     """
 
-    def __init__(self, *, comm: Any = None, estimate_every: int = 1, refresh_every: int = 50,
-                 policy: SelectivePolicy | None = None, damping: float = DEFAULT_DAMPING, decay: float = 0.95,
-                 device: bool | None = None, options: CallOptions | None = None, **opts: Any) -> None:
+    def __init__(self, *, comm: Any = None, schedule: GiftSchedule | None = None, device: bool | None = None,
+                 options: CallOptions | None = None, **opts: Any) -> None:
+        self.schedule = schedule_of("TreeSync", schedule, opts, TREE_SCHEDULE).check_for(
+            "TreeSync", ("reduced",), ("estimate_every", "refresh_every", "decay", "policy", "damping"))
         self.options: CallOptions = options_of_call("TreeSync", options, opts, _AVG)
-        for name, value in (("estimate_every", estimate_every), ("refresh_every", refresh_every)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"TreeSync: {name} must be an int >= 1, got {value!r}")
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not (damping >= 0 and np.isfinite(damping)):
-            raise ValueError(f"TreeSync: damping must be a finite number >= 0, got {damping!r}")
-        if policy is not None and not isinstance(policy, SelectivePolicy):
-            raise TypeError(f"TreeSync: policy must be a SelectivePolicy, got {type(policy).__name__}")
         self.comm = comm
         self._tally = Tally()  # what stats() reports
-        self.estimate_every, self.refresh_every = int(estimate_every), int(refresh_every)
-        self.policy, self.damping, self.decay = policy or SelectivePolicy(), float(damping), decay
         self.device = device
         self.spec: TreeSpec | None = None
         self.estimator: GradientFactorEstimator | None = None
@@ -180,15 +178,15 @@ class TreeSync:
         flat, spec = _flatten(tree, self.device)
         if self.spec is None or spec.layout != self.spec.layout:
             self.spec, self.geometry = spec, None
-            self.estimator = GradientFactorEstimator(spec.layout, decay=self.decay)
+            self.estimator = GradientFactorEstimator(spec.layout, decay=self.schedule.decay)
         assert self.estimator is not None
-        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, **call_kwargs(self.options, self.calls))
+        out = api.gift_allreduce(flat, self.geometry, comm=self.comm, options=step_options(self.options, self.calls))
         self._tally.add(self.comm)
         t0 = time.perf_counter()
-        if self.calls % self.estimate_every == 0:
+        if self.calls % self.schedule.estimate_every == 0:
             self.estimator.update(np.asarray(out))  # a host copy for GPU arrays, estimator steps only
-        if (self.calls + 1) % self.refresh_every == 0 and self.estimator.count > 0:
-            self.geometry = self.estimator.geometry(policy=self.policy, damping=self.damping)
+        if (self.calls + 1) % self.schedule.refresh_every == 0 and self.estimator.count > 0:
+            self.geometry = self.estimator.geometry(policy=self.schedule.policy, damping=self.schedule.damping)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return unflatten_tree(out, spec)

@@ -2,7 +2,7 @@
 
 ::
 
-    state = GiftState(fmt="e4m3", start_gift_iter=10, param_names=model)   # validated; no communication
+    state = GiftState(fmt="e4m3", schedule=GiftSchedule(warmup=10), param_names=model)   # validated; no communication
     ddp.register_comm_hook(state, gift_hook)
 
 What ``gift_hook(state, bucket)`` does, per gradient bucket (any float dtype: float32, float16,
@@ -13,7 +13,7 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
    ``dist.init_process_group``. One rank is no special case: as ``giftcomm.allreduce`` at P = 1,
    the bucket goes through the wire format (docs/adapters.md, "One process"); with no process
    group at all (a hook called outside DDP) a one-rank loopback transport stands in for it.
-1. While ``state.iter < start_gift_iter``: plain ``dist.all_reduce`` of the bucket divided by the
+1. While ``state.iter < state.schedule.warmup``: plain ``dist.all_reduce`` of the bucket divided by the
    world size (DDP's default hook), returned as its own future; uncompressed as asked, so
    counted in ``stats()`` and giftcomm.stats under ``"native"`` with the fallback reason
    ``"warmup"`` and not warned about (giftcomm.accounting).
@@ -31,7 +31,7 @@ bfloat16, float64; buckets may be the gradients' own memory, ``gradient_as_bucke
    :class:`~giftcomm.transport.torch_dist.TorchDistTransport` (a private gloo group) and completes
    the future (or fails it: DDP re-raises the exception from ``backward``). One worker means
    buckets are reduced in the order DDP launched them, the same on every rank.
-4. Geometry (``geometry="reduced"`` or ``"kfac"``): estimation and rebuilds run on a separate
+4. Geometry (``schedule.geometry`` "reduced", "kfac" or "paper"): estimation and rebuilds run on a separate
    geometry thread that DDP never waits for. A geometry built from iteration ``r``'s data is
    adopted by every rank at the start of iteration ``r + 1 + rebuild_lag`` (a deterministic
    point, so every rank uses the same geometry for the same bucket); only if the rebuild is not
@@ -57,11 +57,12 @@ import torch.distributed as dist
 from ... import accounting, api
 from ...accounting import Tally, native_sent_bytes
 from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
-from ...geometry import GradientFactorEstimator, Layout, PaperOptions, SelectivePolicy
+from ...geometry import GradientFactorEstimator, Layout
 from ...geometry.paper import FactorEMA, agree_refresh, refresh_geometries
-from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
+from ...geometry.schedule import GEOMETRIES, GiftSchedule, schedule_of
+from ...options import CallOptions, options_of_call
 from ...transport.base import ANY, DEVICE, GROUPED, Transport
-from ..calls import call_kwargs, log_path
+from ..calls import log_path, step_options
 from .blas import blas_limit, warn_oversubscription
 from .kfac import KfacCapture, geometries_from_factors
 from .streams import on_stream
@@ -70,8 +71,10 @@ __all__ = ["GiftState", "GiftStats", "gift_hook", "logger"]
 
 logger = logging.getLogger("giftcomm.adapters")
 
-_GEOMETRIES = ("none", "reduced", "kfac", "paper")
 _HOOK_OPTIONS = {"op": "avg"}  # the hook averages, as DDP does
+_SCHEDULE = GiftSchedule()  # the hook's schedule when none is given
+_RENAMED = {"start_gift_iter": "warmup"}  # the previous release's keyword of a schedule knob
+_USES = ("warmup", "estimate_every", "refresh_every", "rebuild_lag", "decay", "policy", "damping", "error_feedback")
 _CAPTURED = ("kfac", "paper")  # the geometries built from factors captured from the model
 
 
@@ -83,7 +86,7 @@ class GiftStats:
 
     ``bytes_sent`` is the one byte counter: per format (``"native"``: uncompressed), the bytes
     this rank's messages carried, as giftcomm.stats counts them -- the warm-up buckets
-    (``start_gift_iter``: DDP's own allreduce, in the bucket's dtype) under ``"native"`` with the
+    (``schedule.warmup``: DDP's own allreduce, in the bucket's dtype) under ``"native"`` with the
     fallback reason ``"warmup"``. ``bytes_in``: the size of every bucket the hook reduced, in its
     own dtype (what went in, not what was sent); ``ranks``: the ranks they were reduced over;
     ``bytes_saved`` (derived): what DDP's own ring allreduce of the same buckets would have sent,
@@ -178,7 +181,7 @@ class _Runtime:
                 from ...transport.torch_dist import TorchDistTransport
 
                 self.host = TorchDistTransport(state.process_group)
-        if state.geometry in _CAPTURED and self.sync_transport is None:
+        if state.schedule.geometry in _CAPTURED and self.sync_transport is None:
             if self.given is None and not _has_group():
                 self.sync_transport = self.host
             elif self.given is None:
@@ -247,41 +250,41 @@ class GiftState:
     hook always averages (op "avg": another op is a ValueError). With ``rounding="stochastic"``
     bucket ``i`` of iteration ``it`` is rounded with the seed ``giftcomm.adapters.calls.step_seed(seed, it, i)``: the same on every
     rank, a fresh stream per bucket and step. ``state.options`` is the validated record.
-    start_gift_iter: iterations of plain ``dist.all_reduce`` before switching to giftcomm (counted
-    as "native", fallback reason "warmup"; docs/api.md, "What was sent").
-    geometry: "none" (the wire format in plain coordinates), "reduced" (GIFT with factors
-    estimated from the reduced gradients: no communication) or "kfac" (GIFT with KFAC factors
-    captured from the model's nn.Linear layers and synchronised over the group; needs ``capture``)
-    or "paper" (the GIFT paper's method, giftcomm.geometry.paper: input side only, Cholesky factor
-    of the low-rank + residual-diagonal approximation of the captured input covariance A averaged
-    over the group; needs ``capture``; its settings are ``paper``, a PaperOptions or a dict of its
-    fields: rank, damping (absolute), decay (the capture's EMA), refresh_every (replaces this
-    state's refresh_every), factor, names (the segments to transform, e.g. from a
-    SaturationProfile), reexpress (error feedback); with ``error_feedback=True`` the residuals
-    are kept in the transformed coordinates, giftcomm.collectives.feedback.TransformedFeedback; at the end of
-    every iteration the geometry thread first agrees with the other ranks on the iteration count
-    and the settings -- one int64 allgather, giftcomm.geometry.paper.agree_refresh -- and only
-    then refreshes when due, so ranks that would refresh at different iterations raise the same
-    ValueError, from the hook at iteration ``it + 1 + rebuild_lag`` on every rank).
-    capture: for "kfac", the model (a KfacCapture is made: every ``capture_every`` iterations,
-    ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its ``step``.
-    estimate_every ("reduced"): iterations between estimator updates (10: sparse by default).
-    refresh_every: iterations between geometry rebuilds; rebuild_lag: iterations a rebuild may
-    take on the geometry thread before it is adopted (see the module doc).
-    policy, damping: the selective policy and damping of the geometry.
+    schedule: a :class:`giftcomm.GiftSchedule` (default ``GiftSchedule()``), taken whole:
+    ``warmup`` iterations of plain ``dist.all_reduce`` first (counted as "native", fallback
+    reason "warmup"; docs/api.md, "What was sent"); ``geometry`` "none" (the wire format in plain
+    coordinates), "reduced" (GIFT with factors estimated from the reduced gradients, every
+    ``estimate_every`` iterations, EMA ``decay``: no communication), "kfac" (KFAC factors captured
+    from the model's nn.Linear layers and synchronised over the group; needs ``capture``) or
+    "paper" (the GIFT paper's method, giftcomm.geometry.paper: input side only, Cholesky factor of
+    the low-rank + residual-diagonal approximation of the captured input covariance A averaged
+    over the group; needs ``capture``; settings ``schedule.paper``, whose refresh_every is the
+    cadence; with error feedback the residuals are kept in the transformed coordinates,
+    giftcomm.collectives.feedback.TransformedFeedback; at the end of every iteration the geometry thread
+    first agrees with the other ranks on the iteration count and the settings -- one int64
+    allgather, giftcomm.geometry.paper.agree_refresh -- and only then refreshes when due, so ranks
+    that would refresh at different iterations raise the same ValueError, from the hook at
+    iteration ``it + 1 + rebuild_lag`` on every rank); geometries are rebuilt every
+    ``refresh_every`` iterations and a rebuild may take ``rebuild_lag`` iterations on the geometry
+    thread before it is adopted (see the module doc), with the schedule's ``policy`` and
+    ``damping``; ``error_feedback``: keep, per bucket, what this rank's own encoding lost and add it
+    to that bucket's next gradient (giftcomm.collectives.feedback; docs/method.md "Error feedback"; a
+    block-scaled fmt only, ValueError otherwise), not in the warm-up iterations nor with one rank.
+    A residual is dropped when its bucket's layout changes; with named parameters
+    (``param_names``, or :meth:`bind` / :meth:`register` after a restore) it follows its parameters
+    through DDP's bucket rebuild after the first iteration, which reorders them (without names it
+    is dropped there once). The previous release's keywords (start_gift_iter, geometry,
+    estimate_every, refresh_every, rebuild_lag, policy, damping, paper, error_feedback) still
+    build the schedule, with a DeprecationWarning.
+    capture: for "kfac" and "paper", the model (a KfacCapture is made: every ``capture_every``
+    iterations, ``capture_tokens`` rows per layer) or a :class:`KfacCapture`; the state calls its
+    ``step``.
     param_names: the module (or {parameter: name}, or (name, parameter) pairs) naming layout
     segments; with ``capture=model`` it defaults to the model.
     blas_threads: BLAS threads of the geometry thread's estimator and eigh work (threadpoolctl).
     transport: a giftcomm Transport to carry the buckets instead of the ones built over
     ``process_group`` (a GROUPED one takes the device route; tests drive it with the device
     loopback). sync_transport: the transport for KFAC factor sync (default: a private gloo group).
-    error_feedback: keep, per bucket, what this rank's own encoding lost and add it to that
-    bucket's next gradient (giftcomm.collectives.feedback; docs/method.md "Error feedback"); a block-scaled
-    fmt only (ValueError otherwise). Not applied in the plain warm-up iterations
-    (start_gift_iter) nor with one rank. A residual is dropped when its bucket's layout changes;
-    with named parameters (``param_names``, or :meth:`bind` / :meth:`register` after a restore)
-    it follows its parameters through DDP's bucket rebuild after the first iteration, which
-    reorders them (without names it is dropped there once).
 
     Building a GiftState validates every setting (ValueError/TypeError at once, naming
     GiftState) and needs no process group: it may be built before ``dist.init_process_group``
@@ -295,35 +298,26 @@ class GiftState:
     then goes through instead of giftcomm's collective, as GradSync's ``baseline`` (host buckets of
     float32/float64/float16 only: TypeError at the bucket otherwise; reference speed; the wire
     averages; fmt, block and the other call options are not used). With a geometry the bucket is
-    mapped before encoding and back after decoding; with error_feedback it needs
+    mapped before encoding and back after decoding; with error feedback it needs
     geometry="paper" (the residual is the wire's own-encoding error in the map's coordinates).
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, start_gift_iter: int = 0, geometry: str = "none",
-                 estimate_every: int = 10, refresh_every: int = 100, rebuild_lag: int = 10,
-                 policy: Optional[SelectivePolicy] = None, damping: float = DEFAULT_DAMPING, param_names: Any = None,
-                 capture: Any = None, capture_every: int = 10, capture_tokens: int = 256, blas_threads: int = 1,
-                 transport: Optional[Transport] = None, sync_transport: Optional[Transport] = None,
-                 error_feedback: bool = False, paper: Any = None, baseline: Optional[str] = None,
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, schedule: Optional[GiftSchedule] = None,
+                 param_names: Any = None, capture: Any = None, capture_every: int = 10, capture_tokens: int = 256,
+                 blas_threads: int = 1, transport: Optional[Transport] = None,
+                 sync_transport: Optional[Transport] = None, baseline: Optional[str] = None,
                  options: Optional[CallOptions] = None, **opts: Any) -> None:
+        self.schedule: GiftSchedule = schedule_of("GiftState", schedule, opts, _SCHEDULE, _RENAMED).check_for(
+            "GiftState", GEOMETRIES, _USES)
         self.options: CallOptions = options_of_call("GiftState", options, opts, _HOOK_OPTIONS, fixed=("op",))
         self._paths_told: set = set()  # bucket sizes whose path was logged (calls.log_path)
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"GiftState: error_feedback must be a bool, got {error_feedback!r}")
-        if error_feedback:
+        sched = self.schedule
+        if sched.error_feedback:
             check_feedback_format(self.options.format, "GiftState")
-        if geometry not in _GEOMETRIES:
-            raise ValueError(f"GiftState: geometry must be one of {_GEOMETRIES}, got {geometry!r}")
-        if paper is not None and geometry != "paper":
-            raise ValueError(f'GiftState: paper= goes with geometry="paper" only (geometry is {geometry!r})')
-        self.paper: Optional[PaperOptions] = None
         self.factor_ema = FactorEMA()  # the paper's EMA of the factor across refreshes
-        if geometry == "paper":
-            self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
-            refresh_every = self.paper.refresh_every
         self.feedback: Any = None
-        if error_feedback:
-            self.feedback = TransformedFeedback(reexpress=self.paper.reexpress) if self.paper else ErrorFeedback()
+        if sched.error_feedback:
+            self.feedback = TransformedFeedback(reexpress=sched.paper.reexpress) if sched.paper else ErrorFeedback()
         self.baseline: Optional[str] = None
         if baseline is not None:
             from ...collectives.baselines import baseline_wire
@@ -332,21 +326,10 @@ class GiftState:
                 self.baseline = baseline_wire(baseline).name
             except ValueError as exc:
                 raise ValueError(f"GiftState: {exc}") from None
-            if error_feedback and self.paper is None:
+            if sched.error_feedback and sched.paper is None:
                 raise ValueError('GiftState: error feedback on a baseline wire needs geometry="paper" (the residual '
                                  "is the wire's own-encoding error in the map's coordinates)")
-        self.geometry = geometry
-        self.start_gift_iter = _int_at_least(start_gift_iter, "start_gift_iter", 0)
-        self.estimate_every = _int_at_least(estimate_every, "estimate_every", 1)
-        self.refresh_every = _int_at_least(refresh_every, "refresh_every", 1)
-        self.rebuild_lag = _int_at_least(rebuild_lag, "rebuild_lag", 0)
         self.blas_threads = _int_at_least(blas_threads, "blas_threads", 1)
-        if policy is not None and not isinstance(policy, SelectivePolicy):
-            raise TypeError(f"GiftState: policy must be a SelectivePolicy, got {type(policy).__name__}")
-        self.policy = policy or SelectivePolicy()
-        if not (isinstance(damping, (int, float)) and damping >= 0 and np.isfinite(damping)):
-            raise ValueError(f"GiftState: damping must be a finite number >= 0, got {damping!r}")
-        self.damping = float(damping)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"GiftState: process_group must be a torch.distributed ProcessGroup or None, got "
                             f"{type(process_group).__name__}")
@@ -354,18 +337,19 @@ class GiftState:
             raise TypeError(f"GiftState: transport must be a giftcomm Transport, got {type(transport).__name__}")
         if sync_transport is not None and not isinstance(sync_transport, Transport):
             raise TypeError(f"GiftState: sync_transport must be a giftcomm Transport, got {type(sync_transport).__name__}")
-        if geometry in _CAPTURED:
+        if sched.geometry in _CAPTURED:
             if capture is None:
-                raise ValueError(f'GiftState: geometry="{geometry}" needs capture= (the model, or a KfacCapture)')
+                raise ValueError(f'GiftState: geometry="{sched.geometry}" needs capture= (the model, or a KfacCapture)')
             if isinstance(capture, torch.nn.Module):
                 if param_names is None:
                     param_names = capture
                 capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens,
-                                      decay=self.paper.decay if self.paper else 0.95)
+                                      decay=sched.paper.decay if sched.paper else 0.95)
             elif not isinstance(capture, KfacCapture):
                 raise TypeError(f"GiftState: capture must be an nn.Module or a KfacCapture, got {type(capture).__name__}")
         elif capture is not None:
-            raise ValueError(f'GiftState: capture= is used with geometry="kfac" or "paper" only (geometry is {geometry!r})')
+            raise ValueError(f'GiftState: capture= is used with geometry="kfac" or "paper" only (geometry is '
+                             f'{sched.geometry!r})')
         self.process_group = process_group
         self.param_names = _names_from(param_names)
         self.capture: Optional[KfacCapture] = capture
@@ -405,8 +389,7 @@ class GiftState:
         return 1
 
     # --- checkpoints -----------------------------------------------------------------------
-    _PICKLED = ("options", "geometry", "start_gift_iter", "estimate_every", "refresh_every", "rebuild_lag",
-                "blas_threads", "policy", "damping", "iter", "paper", "baseline")
+    _PICKLED = ("options", "schedule", "blas_threads", "iter", "baseline")
 
     def __getstate__(self) -> dict:
         """The user's settings, the iteration count, the statistics and the reduced-gradient
@@ -453,8 +436,13 @@ class GiftState:
         afterwards to name segments (and, for "kfac", capture)."""
         if "options" not in d:  # a state pickled before the call options were one record
             d = dict(d, options=CallOptions.of("GiftState", fmt=d["fmt"], block=d["block"], op="avg"))
+        if "schedule" not in d:  # a state pickled before the schedule was one record
+            d = dict(d, schedule=GiftSchedule(
+                geometry=d["geometry"], warmup=d["start_gift_iter"], estimate_every=d["estimate_every"],
+                refresh_every=d["refresh_every"], rebuild_lag=d["rebuild_lag"], policy=d["policy"],
+                damping=d["damping"], paper=d.get("paper"), error_feedback=d.get("feedback") is not None))
         for k in self._PICKLED:
-            setattr(self, k, d.get(k))  # "paper": None in states pickled before it existed
+            setattr(self, k, d.get(k))
         self.process_group = None
         self.param_names = {}
         self.capture = None
@@ -477,7 +465,7 @@ class GiftState:
             self.factor_ema.load_state_dict(d["factor_ema"])
         self.feedback = None
         if d.get("feedback") is not None:
-            self.feedback = TransformedFeedback() if self.paper is not None else ErrorFeedback()
+            self.feedback = TransformedFeedback() if self.schedule.paper is not None else ErrorFeedback()
             self.feedback.load_state_dict(d["feedback"])
 
     def bind(self, model: torch.nn.Module, capture: Optional[KfacCapture] = None, **capture_args: Any) -> "GiftState":
@@ -486,9 +474,9 @@ class GiftState:
         KfacCapture's keywords; ``every`` and ``tokens`` default to the checkpoint's), loaded
         with the checkpoint's captured factors and row sampler."""
         self.param_names = _names_from(model)
-        if self.geometry in _CAPTURED:
-            if capture is None and self.paper is not None:
-                capture_args.setdefault("decay", self.paper.decay)
+        if self.schedule.geometry in _CAPTURED:
+            if capture is None and self.schedule.paper is not None:
+                capture_args.setdefault("decay", self.schedule.paper.decay)
             if capture is None and self._capture_state is not None:
                 capture_args.setdefault("every", self._capture_state["every"])
                 capture_args.setdefault("tokens", self._capture_state["tokens"])
@@ -565,11 +553,11 @@ class GiftState:
 
     def _end_iteration(self, it: int) -> None:
         """After the last bucket of iteration ``it``: KFAC snapshot/sync, capture step, iter += 1."""
-        if it + 1 == self.start_gift_iter:
+        if it + 1 == self.schedule.warmup:
             logger.info("giftcomm: warm-up ends after iteration %d; %s from iteration %d", it, self.fmt, it + 1)
-        due = (it + 1) % self.refresh_every == 0
-        if self.geometry in _CAPTURED and self.capture is not None and self.runtime.sync_transport is not None \
-                and (due or self.paper is not None):  # the paper preset agrees on its refresh at every iteration
+        due = (it + 1) % self.schedule.refresh_period == 0
+        if self.schedule.geometry in _CAPTURED and self.capture is not None and self.runtime.sync_transport is not None \
+                and (due or self.schedule.paper is not None):  # the paper preset agrees on its refresh at every iteration
             self._submit_kfac(it, due)
         self.iter = it + 1
         if self.capture is not None:
@@ -585,7 +573,7 @@ class GiftState:
         if not due:
             fut = rt.geometry_thread.submit(self._kfac_rebuild, it, est.layout, [], {}, {}, {}, False)
             with rt.lock:
-                rt.pending.append((it + 1 + self.rebuild_lag, fut))
+                rt.pending.append((it + 1 + self.schedule.rebuild_lag, fut))
             return
         if "never-fired" not in rt.warned and cap.captures > 0:
             silent = [n for n in est.segments if fired[n] == 0]
@@ -599,26 +587,26 @@ class GiftState:
         layouts = dict(rt.layouts)
         fut = rt.geometry_thread.submit(self._kfac_rebuild, it, est.layout, list(est.segments), snapshot, counts, layouts)
         with rt.lock:
-            rt.pending.append((it + 1 + self.rebuild_lag, fut))
+            rt.pending.append((it + 1 + self.schedule.rebuild_lag, fut))
 
     def _kfac_rebuild(self, it, model_layout, segments, snapshot, counts, layouts, due: bool = True) -> dict:
         """Geometry thread: (the paper preset: agree on the refresh first, every iteration) sync
         the factor snapshot over the group, one geometry per bucket; {} when not ``due``."""
-        if self.paper is not None:
-            agree_refresh(self.runtime.sync_transport, "GiftState", it, self.paper,
-                          {"rebuild_lag": self.rebuild_lag, "start_gift_iter": self.start_gift_iter})
+        if self.schedule.paper is not None:
+            agree_refresh(self.runtime.sync_transport, "GiftState", it, self.schedule.paper,
+                          {"rebuild_lag": self.schedule.rebuild_lag, "start_gift_iter": self.schedule.warmup})
         if not due:
             return {}
         t0 = time.perf_counter()
         with blas_limit(self.blas_threads):
-            if self.paper is not None:  # input side only: A averaged over the group, every rank's map agreed
+            if self.schedule.paper is not None:  # input side only: A averaged over the group, every rank's map agreed
                 built = refresh_geometries(self.runtime.sync_transport, layouts,
-                                           {n: a for n, (a, _) in snapshot.items()}, it, self.paper,
+                                           {n: a for n, (a, _) in snapshot.items()}, it, self.schedule.paper,
                                            smoothing=self.factor_ema)
                 geos = {k: (layouts[k], g) for k, g in built.items()}
             else:
                 geos = geometries_from_factors(self.runtime.sync_transport, model_layout, segments, snapshot, counts,
-                                               layouts, self.policy, self.damping)
+                                               layouts, self.schedule.policy, self.schedule.damping)
         dt = time.perf_counter() - t0
         with self.runtime.lock:
             self._stats.rebuilds += 1
@@ -628,15 +616,15 @@ class GiftState:
 
     # --- "reduced" geometry (called after a bucket's reduction, in bucket order) -------------
     def _after_reduce(self, index: int, it: int, layout: Optional[Layout], snapshot: Any) -> None:
-        if self.geometry != "reduced" or layout is None:
+        if self.schedule.geometry != "reduced" or layout is None:
             return
-        rebuild = (it + 1) % self.refresh_every == 0
+        rebuild = (it + 1) % self.schedule.refresh_period == 0
         if snapshot is None and not rebuild:
             return
         fut = self.runtime.geometry_thread.submit(self._reduced_update, index, it, layout, snapshot, rebuild)
         if rebuild:
             with self.runtime.lock:
-                self.runtime.pending.append((it + 1 + self.rebuild_lag, fut))
+                self.runtime.pending.append((it + 1 + self.schedule.rebuild_lag, fut))
 
     def _reduced_update(self, index: int, it: int, layout: Layout, snapshot: Any, rebuild: bool) -> dict:
         """Geometry thread: feed the reduced bucket (identical on every rank) to its estimator;
@@ -648,7 +636,7 @@ class GiftState:
         with blas_limit(self.blas_threads):
             est = estimators.get(index)
             if est is None or est.layout != layout:
-                est = estimators[index] = GradientFactorEstimator(layout)
+                est = estimators[index] = GradientFactorEstimator(layout, decay=self.schedule.decay)
             if snapshot is not None:
                 data, event = snapshot
                 if event is not None:
@@ -657,7 +645,7 @@ class GiftState:
                 with rt.lock:
                     self._stats.estimator_updates += 1
             if rebuild and est.count > 0:
-                out[index] = (layout, est.geometry(policy=self.policy, damping=self.damping))
+                out[index] = (layout, est.geometry(policy=self.schedule.policy, damping=self.schedule.damping))
         dt = time.perf_counter() - t0
         with rt.lock:
             self._stats.geometry_seconds += dt
@@ -690,7 +678,7 @@ def _bucket_layout(state: GiftState, bucket: dist.GradBucket, numel: int) -> Opt
 
 
 def _geometry_for(state: GiftState, index: int, layout: Optional[Layout], numel: int):
-    if state.geometry == "none" or layout is None:
+    if state.schedule.geometry == "none" or layout is None:
         return None
     got = state.runtime.geometries.get(index)
     if got is None or got[0] != layout or got[1] is None or got[1].size != numel:
@@ -719,16 +707,16 @@ def _reduce_bucket(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
     if state.baseline is not None:
         _reduce_baseline(state, index, buf, geo, transport, signature)
         return
-    kw = call_kwargs(state.options, it, index)
+    o = step_options(state.options, it, index)
 
     def reduce(_values: Any = None) -> None:  # _values: buf's own memory
-        api.gift_allreduce(buf, geo, comm=transport, out=buf, **kw)
+        api.gift_allreduce(buf, geo, comm=transport, out=buf, options=o)
         state.runtime.tally.add(transport)
 
     if state.feedback is None:
         reduce()
     else:
-        state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, kw["seed"],
+        state.feedback.around(index, buf, reduce, lambda: transport, state.options.format, state.block, o.seed,
                               geo, signature=signature)
     log_path(state._paths_told, "DDP hook", transport, buf.numel(), state.options)
 
@@ -780,7 +768,7 @@ def _reduce_host(state: GiftState, index: int, it: int, buf: torch.Tensor, geo, 
         _reduce_bucket(state, index, it, buf, geo, host, signature)
         dt = time.perf_counter() - t0
         snap = None
-        if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
+        if state.schedule.geometry == "reduced" and layout is not None and it % state.schedule.estimate_every == 0:
             snap = (buf.detach().to(torch.float32, copy=True), None)  # the bucket is reused after the future
         state._after_reduce(index, it, layout, snap)
         _count(state, buf, dt, device=False, ranks=host.size)
@@ -804,7 +792,7 @@ def _reduce_device(state: GiftState, index: int, it: int, buf: torch.Tensor, geo
         with on_stream(buf, state.runtime.streams) as side:
             _reduce_bucket(state, index, it, buf, geo, transport, signature)
             snap = None
-            if state.geometry == "reduced" and layout is not None and it % state.estimate_every == 0:
+            if state.schedule.geometry == "reduced" and layout is not None and it % state.schedule.estimate_every == 0:
                 copy_ = buf.detach().to(torch.float32, copy=True)  # device to device, on the side stream
                 event = None
                 if side is not None:
@@ -856,7 +844,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
     state.runtime.connect(state)  # the first bucket builds the private groups (KFAC may rebuild during warm-up)
     state._begin_iteration(it)
     index = bucket.index()
-    if it < state.start_gift_iter and not _has_group():  # DDP's default on one rank: the bucket itself
+    if it < state.schedule.warmup and not _has_group():  # DDP's default on one rank: the bucket itself
         with state.runtime.lock:
             state._stats.warmup_buckets += 1
             state._stats.bytes_in += buf.numel() * buf.element_size()
@@ -865,7 +853,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buf)
         return done
-    if it < state.start_gift_iter:
+    if it < state.schedule.warmup:
         group = state.process_group
         buf.div_(dist.get_world_size(group))
         work_fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
@@ -873,7 +861,7 @@ def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future
         state.maybe_increase_iter(bucket)
         return work_fut.then(lambda f: f.value()[0])
     layout = None
-    if state.geometry != "none":
+    if state.schedule.geometry != "none":
         layout = _bucket_layout(state, bucket, buf.numel())
         if layout is not None:
             state.runtime.layouts[index] = layout

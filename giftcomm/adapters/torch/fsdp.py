@@ -18,9 +18,10 @@ Each call:
 1. maps FSDP's op: AVG -> giftcomm ``op="avg"``; SUM -> ``"sum"``; PREMUL_SUM(f) (from
    ``set_gradient_divide_factor``) -> the sum times f, applied to the reduced shard (in the
    reduce dtype for bf16/fp16, as FSDP's own post-division is); anything else raises;
-2. for the first ``warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead (counted
+2. for the first ``schedule.warmup`` calls, runs FSDP's own ``dist.reduce_scatter_tensor`` instead (counted
    in ``stats()`` as "native", fallback reason "warmup"; docs/api.md, "What was sent");
-3. with a geometry (``geometry="kfac"`` or a :class:`~giftcomm.geometry.ShardedGeometry`),
+3. with a geometry (``schedule.geometry`` "kfac" or "paper", or a prebuilt
+   :class:`~giftcomm.geometry.ShardedGeometry`),
    transforms every row into its shard's GIFT coordinates (float32), reduce-scatters those and
    applies this shard's inverse alone (docs/method.md, "Sharded gradients");
 4. writes ``output`` (the reduce dtype).
@@ -47,9 +48,10 @@ from ... import accounting, api
 from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
 from ...collectives.feedback import ErrorFeedback, check_feedback_format
-from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh
+from ...geometry.paper import FactorEMA, agree_refresh
+from ...geometry.schedule import GiftSchedule, schedule_of
 from ...geometry.sharded import ShardedGeometry
-from ...options import DEFAULT_DAMPING, CallOptions, options_of_call
+from ...options import CallOptions, options_of_call
 from ...transport import Transport
 from ..calls import log_path
 from .kfac import KfacCapture
@@ -67,7 +69,10 @@ else:
 
 __all__ = ["GiftReduceScatter", "GiftReduceScatters", "register_reduce_scatter", "fsdp_modules"]
 
-_GEOMETRIES = (None, "kfac", "paper")
+_GEOMETRIES = ("none", "kfac", "paper")  # the schedule's geometries a comm implements
+_USES = ("warmup", "refresh_every", "damping", "error_feedback")  # the schedule's knobs a comm reads
+SCHEDULE = GiftSchedule(refresh_every=50)
+"""The comms' schedule when none is given: ``GiftSchedule(refresh_every=50)``."""
 _SEED_STRIDE = 1 << 16  # stochastic rounding: call c of comm i gets seed (seed + c) * 2**16 + i
 
 
@@ -99,14 +104,19 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     as ``options=``; docs/api.md; op is FSDP's, per call, so the option stays "sum"; algorithm
     one of reduce_scatter's: auto per call, logged at INFO once per input size; with ``rounding="stochastic"`` call c of this comm
     uses seed ``(seed + c) * 2**16 + index``).
-    warmup: calls that use FSDP's own reduce-scatter first. geometry: None, "paper" (the GIFT
-    paper's preset, giftcomm.geometry.paper, from the captured input covariances averaged over the
-    group; settings ``paper``: a PaperOptions or a dict of its fields, its refresh_every replacing
-    this one's), "kfac" (KFAC factors
-    from ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls from the
-    factors averaged over the group) or a prebuilt :class:`ShardedGeometry` over this module's
-    parameters. damping: the geometry's. Built by :func:`register_reduce_scatter`, which binds
-    each comm to its module's parameters (``bind``); ValueError/TypeError at once for bad options.
+    schedule: a :class:`giftcomm.GiftSchedule`, taken whole (default :data:`SCHEDULE`,
+    ``GiftSchedule(refresh_every=50)``); a comm reads its ``warmup`` (calls that use FSDP's own
+    reduce-scatter first), ``geometry``: "none", "paper" (the GIFT paper's preset,
+    giftcomm.geometry.paper, from the captured input covariances averaged over the group;
+    settings ``schedule.paper``, whose refresh_every is the cadence) or "kfac" (KFAC factors from
+    ``capture``: the model or a KfacCapture; rebuilt every ``refresh_every`` calls past the
+    warm-up from the factors averaged over the group), ``damping`` (the kfac geometry's) and
+    ``error_feedback`` (another knob off its default is a ValueError). The previous release's
+    keywords (warmup, geometry="kfac"/"paper", refresh_every, damping, paper, error_feedback)
+    still build it, with a DeprecationWarning. geometry: a prebuilt :class:`ShardedGeometry` over
+    this module's parameters (with schedule.geometry "none"). Built by
+    :func:`register_reduce_scatter`, which binds each comm to its module's parameters (``bind``);
+    ValueError/TypeError at once for bad options.
     error_feedback: keep what this rank's own encoding of the reduce-scatter input lost and add it
     to the next call's input (giftcomm.collectives.feedback; exact for "direct"; block-scaled fmt only). The
     input FSDP passes is left alone (the compensated values are a copy). With a geometry the
@@ -123,23 +133,28 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     giftcomm's collective, as GradSync's ``baseline``: the wire's allreduce of the whole input (the
     rows mapped by the geometry first, when there is one), of which this rank keeps its shard
     (mapped back); host tensors only (TypeError at the call otherwise), reference speed, fmt,
-    block and the other call options unused; not with error_feedback (ValueError).
+    block and the other call options unused; not with error feedback (ValueError).
     """
 
-    def __init__(self, *, warmup: int = 0, geometry: Any = None, capture: Any = None,
-                 refresh_every: int = 50, damping: float = DEFAULT_DAMPING, index: int = 0,
-                 error_feedback: bool = False, paper: Any = None, baseline: str | None = None,
+    def __init__(self, *, schedule: GiftSchedule | None = None, geometry: ShardedGeometry | None = None,
+                 capture: Any = None, index: int = 0, baseline: str | None = None,
                  options: CallOptions | None = None, **opts: Any) -> None:
+        if geometry is not None and not isinstance(geometry, ShardedGeometry):
+            opts["geometry"] = geometry  # the previous release's geometry="kfac" / "paper": a schedule knob
+            geometry = None
+        self.schedule = schedule_of("GiftReduceScatter", schedule, opts, SCHEDULE).check_for(
+            "GiftReduceScatter", _GEOMETRIES, _USES)
+        sched = self.schedule
         self.options = options_of_call("GiftReduceScatter", options, opts, fixed=("op",))
         if self.options.rounding == "stochastic" and self.options.seed is None:
             self.options = self.options.replace(seed=0)
+        # the options of each op FSDP may ask for (the option itself stays "sum": FSDP's op is per call)
+        self._options_of_op = {"sum": self.options, "avg": self.options.replace(op="avg")}
         self._paths_told: set[int] = set()  # input sizes whose path was logged (calls.log_path)
         self._tally = Tally()  # what stats() reports
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"GiftReduceScatter: error_feedback must be a bool, got {error_feedback!r}")
-        if error_feedback:
+        if sched.error_feedback:
             check_feedback_format(self.options.format, "GiftReduceScatter")
-        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.feedback: ErrorFeedback | None = ErrorFeedback() if sched.error_feedback else None
         self.baseline: str | None = None
         if baseline is not None:
             from ...collectives.baselines import baseline_wire
@@ -148,7 +163,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
                 self.baseline = baseline_wire(baseline).name
             except ValueError as exc:
                 raise ValueError(f"GiftReduceScatter: {exc}") from None
-            if error_feedback:
+            if sched.error_feedback:
                 raise ValueError("GiftReduceScatter: error feedback on a baseline wire is not supported (its residual "
                                  "is kept in ordinary coordinates here; GradSync keeps a baseline's in the map's)")
         self.algorithm_used: str | None = None
@@ -157,28 +172,20 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         if self.options.algorithm not in SCATTER_CHOICES:
             raise ValueError(f"GiftReduceScatter: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
                              f"(reduce-scatter algorithms), got {self.options.algorithm!r}")
-        for name, value, least in (("warmup", warmup, 0), ("refresh_every", refresh_every, 1), ("index", index, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"GiftReduceScatter: {name} must be an int >= {least}, got {value!r}")
-        if not (isinstance(geometry, ShardedGeometry) or geometry in _GEOMETRIES):
-            raise ValueError(f"GiftReduceScatter: geometry must be None, 'kfac', 'paper' or a ShardedGeometry, "
-                             f"got {geometry!r}")
-        if geometry in ("kfac", "paper"):
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"GiftReduceScatter: index must be an int >= 0, got {index!r}")
+        if geometry is not None and sched.geometry != "none":
+            raise ValueError(f"GiftReduceScatter: a prebuilt ShardedGeometry goes with schedule.geometry \"none\", "
+                             f"got {sched.geometry!r}")
+        if sched.geometry in ("kfac", "paper"):
             if not isinstance(capture, (torch.nn.Module, KfacCapture)):
-                raise ValueError(f'GiftReduceScatter: geometry="{geometry}" needs capture= (the model or a KfacCapture)')
+                raise ValueError(f'GiftReduceScatter: geometry="{sched.geometry}" needs capture= (the model or a '
+                                 'KfacCapture)')
         elif capture is not None:
             raise ValueError('GiftReduceScatter: capture= goes with geometry="kfac" or "paper" only')
-        if paper is not None and geometry != "paper":
-            raise ValueError('GiftReduceScatter: paper= goes with geometry="paper" only')
-        self.paper: PaperOptions | None = None
         self.factor_ema = FactorEMA()  # the paper's EMA of the factor across refreshes
-        if geometry == "paper":
-            self.paper = paper if isinstance(paper, PaperOptions) else PaperOptions.of(None, **(paper or {}))
-            refresh_every = self.paper.refresh_every
-        if not (isinstance(damping, (int, float)) and np.isfinite(damping) and damping >= 0):
-            raise ValueError(f"GiftReduceScatter: damping must be a finite number >= 0, got {damping!r}")
-        self.warmup, self.refresh_every, self.index, self.damping = warmup, refresh_every, index, float(damping)
-        self.geometry_mode = geometry if isinstance(geometry, str) or geometry is None else "fixed"
+        self.index = index
+        self.geometry_mode = "fixed" if geometry is not None else (None if sched.geometry == "none" else sched.geometry)
         self.geometry: ShardedGeometry | None = geometry if isinstance(geometry, ShardedGeometry) else None
         self.capture = capture
         self.calls = 0          # calls so far (warm-up included)
@@ -224,7 +231,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
                              f"{size} x output ({output_tensor.numel()} {output_tensor.dtype})")
         call = self.calls
         self.calls += 1
-        if call < self.warmup:
+        if call < self.schedule.warmup:
             work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             # uncompressed as asked (warmup): counted under "native", not warned (accounting.fallback)
             self._tally.add_slot(accounting.count(group, "native", "native", accounting.native_sent_bytes(
@@ -234,19 +241,17 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         geo = self._geometry_for(call, input_tensor, group, size)
         opts = self.options
         seed = None if opts.seed is None else ((opts.seed + call) * _SEED_STRIDE + self.index) % (1 << 64)
-        kw: dict[str, Any] = dict(comm=transport, fmt=opts.format, block=opts.block, algorithm=opts.algorithm,
-                                  slice_elems=opts.slice_elems, rounding=opts.rounding, seed=seed,
-                                  timeout=opts.timeout, layout="equal", allow_native=opts.allow_native)
+        this = self._options_of_op[how].replace(seed=seed)  # FSDP's op, this call's seed
         if self.baseline is not None:
             self.gift_calls += geo is not None
             output_tensor.copy_(self._baseline(geo, input_tensor, size, transport, how))
         else:
             with on_current_stream(input_tensor):
                 if geo is None:
-                    self._plain(input_tensor, output_tensor, transport, how, kw)
+                    self._plain(input_tensor, output_tensor, transport, this)
                 else:
                     self.gift_calls += 1
-                    shard = self._gift(geo, input_tensor, size, transport, how, kw)
+                    shard = self._gift(geo, input_tensor, size, transport, this)
                     output_tensor.copy_(shard)
         log_path(self._paths_told, "FSDP reduce-scatter", transport, input_tensor.numel(), opts)
         if factor is not None:
@@ -267,7 +272,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         return {"calls": self.calls, "gift_calls": self.gift_calls,
                 "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
                 "geometry": self.geometry if built else None, "geometry_generation": self._geo_generation,
-                "factor_ema": self.factor_ema.state_dict() if self.paper is not None else None}
+                "factor_ema": self.factor_ema.state_dict() if self.schedule.paper is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the geometry with the residual kept in its coordinates)."""
@@ -279,7 +284,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         if self.geometry_mode in ("kfac", "paper"):
             self.geometry = self._geo_seen = geo
             self._geo_generation = int(state.get("geometry_generation", 0))
-        if self.paper is not None and state.get("factor_ema") is not None:
+        if self.schedule.paper is not None and state.get("factor_ema") is not None:
             self.factor_ema.load_state_dict(state["factor_ema"])
         if self.feedback is not None:
             self.feedback.reset()
@@ -287,7 +292,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
                 self.feedback.load_state_dict(state["error_feedback"])
 
     # ------------------------------------------------------------------ internals
-    def _reduce(self, x: Any, transport: Transport, how: str, kw: dict, out: Any = None,
+    def _reduce(self, x: Any, transport: Transport, call: CallOptions, out: Any = None,
                 geometry_generation: int | None = None) -> Any:
         """``reduce_scatter(x)`` (into ``out``), through the error feedback when it is on;
         returns the shard (``out`` when given)."""
@@ -297,7 +302,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             src = x if values is None else values
             if isinstance(x, torch.Tensor) and values is not None:
                 src = torch.as_tensor(values, device=x.device).to(x.dtype)
-            got.append(api.reduce_scatter(src, op=how, out=out, **kw))
+            got.append(api.reduce_scatter(src, comm=transport, out=out, layout="equal", options=call))
             self._tally.add(transport)
 
         if self.feedback is None:
@@ -309,12 +314,12 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             n = int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
             # FSDP's input tensor is left alone (a copy); forwarded rows are this call's own
             self.algorithm_used = self.feedback.around(0, x, reduce, lambda: transport, o.format, o.resolved_block,
-                                                       kw["seed"], signature=(n, geometry_generation),
+                                                       call.seed, signature=(n, geometry_generation),
                                                        in_place=not isinstance(x, torch.Tensor))
         return got[0]
 
-    def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, how: str, kw: dict) -> None:
-        self._reduce(x, transport, how, kw, out=out)
+    def _plain(self, x: torch.Tensor, out: torch.Tensor, transport: Transport, call: CallOptions) -> None:
+        self._reduce(x, transport, call, out=out)
 
     def _baseline(self, geo: ShardedGeometry | None, x: torch.Tensor, size: int, transport: Transport,
                   how: str) -> torch.Tensor:
@@ -351,8 +356,8 @@ class GiftReduceScatter(_ReduceScatterProtocol):
             dev = self._device[group] = TorchDistDeviceTransport(group, control=host)
         return dev
 
-    def _gift(self, geo: ShardedGeometry, x: torch.Tensor, size: int, transport: Transport, how: str,
-              kw: dict) -> torch.Tensor:
+    def _gift(self, geo: ShardedGeometry, x: torch.Tensor, size: int, transport: Transport,
+              call: CallOptions) -> torch.Tensor:
         """Forward every row, reduce-scatter the float32 rows, this shard's inverse."""
         rank = transport.rank
         rows = x.detach().reshape(size, -1)
@@ -361,11 +366,11 @@ class GiftReduceScatter(_ReduceScatterProtocol):
 
             src = cupy.from_dlpack(rows.float() if rows.dtype == torch.bfloat16 else rows)
             fwd = geo.forward_rows(src)
-            shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
+            shard = self._reduce(fwd.reshape(-1), transport, call, geometry_generation=self._generation(geo))
             return torch.from_dlpack(geo.shard(rank).inverse(shard))
         src_np = rows.float().numpy() if rows.dtype != torch.float32 else rows.numpy()
         fwd = geo.forward_rows(src_np)
-        shard = self._reduce(fwd.reshape(-1), transport, how, kw, geometry_generation=self._generation(geo))
+        shard = self._reduce(fwd.reshape(-1), transport, call, geometry_generation=self._generation(geo))
         return torch.from_numpy(geo.shard(rank).inverse(shard))
 
     def _generation(self, geo: ShardedGeometry) -> int:
@@ -378,12 +383,12 @@ class GiftReduceScatter(_ReduceScatterProtocol):
     def _geometry_for(self, call: int, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         if self.geometry_mode is None:
             return None
-        if self.paper is not None:  # every call: the ranks agree on the refresh before any of its collectives
-            agree_refresh(self._host[group], f"GiftReduceScatter (FSDP module {self.index})", call, self.paper,
-                          {"warmup": self.warmup, "has_map": int(self.geometry is not None), "shards": size})
-        if self.geometry_mode in ("kfac", "paper") and (call - self.warmup) % self.refresh_every == 0:
+        if self.schedule.paper is not None:  # every call: the ranks agree on the refresh before any of its collectives
+            agree_refresh(self._host[group], f"GiftReduceScatter (FSDP module {self.index})", call, self.schedule.paper,
+                          {"warmup": self.schedule.warmup, "has_map": int(self.geometry is not None), "shards": size})
+        if self.geometry_mode in ("kfac", "paper") and (call - self.schedule.warmup) % self.schedule.refresh_period == 0:
             # on the same calls of every rank: collective
-            self.geometry = self._build_paper(group, size, call) if self.paper else self._build_kfac(group, size)
+            self.geometry = self._build_paper(group, size, call) if self.schedule.paper else self._build_kfac(group, size)
         geo = self.geometry
         if geo is None:
             return None
@@ -403,11 +408,11 @@ class GiftReduceScatter(_ReduceScatterProtocol):
         from ...geometry.paper import refresh_sharded
 
         cap = self.capture
-        assert isinstance(cap, KfacCapture) and self.paper is not None
+        assert isinstance(cap, KfacCapture) and self.schedule.paper is not None
         layout = list(zip(self.names, self.shapes))
         factors = {n: a for n, (a, _) in cap.estimator.factors().items()
                    if n in self.names and len(dict(layout)[n]) == 2}
-        return refresh_sharded(self._host[group], layout, factors, size, call, self.paper, smoothing=self.factor_ema)
+        return refresh_sharded(self._host[group], layout, factors, size, call, self.schedule.paper, smoothing=self.factor_ema)
 
     def _build_kfac(self, group: dist.ProcessGroup, size: int) -> ShardedGeometry | None:
         """Collective over ``group``: average the captured factors of this module's Linear weights
@@ -444,7 +449,7 @@ class GiftReduceScatter(_ReduceScatterProtocol):
                 avg[name] = (a / count, g / count)
         if not avg:
             return None
-        geo = ShardedGeometry.from_kfac(layout, avg, size, damping=self.damping)
+        geo = ShardedGeometry.from_kfac(layout, avg, size, damping=self.schedule.damping)
         prints = host.allgather_object(geo.fingerprint())
         if any(f != prints[0] for f in prints):  # eigh differed across machines: take rank 0's
             geo = host.broadcast_object(geo if host.rank == 0 else None, root=0)
@@ -528,8 +533,8 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     """Install a :class:`GiftReduceScatter` on every FSDP2 module of ``model`` (one each, bound to
     that module's parameters) and return them in ``model.modules()`` order.
 
-    options: those of GiftReduceScatter (its settings warmup, geometry, capture, refresh_every,
-    damping, paper, error_feedback, and the call options, as keywords or ``options=``). With ``geometry="kfac"``,
+    options: those of GiftReduceScatter (its ``schedule``, capture, baseline, and the call
+    options, as keywords or ``options=``). With schedule.geometry "kfac" or "paper",
     ``capture=model`` makes one KfacCapture shared by all comms, stepped by a forward pre-hook
     on ``model`` (capture every ``capture_every`` forwards, ``capture_tokens`` rows per layer).
     Call on every rank, after ``fully_shard``. Raises on every rank alike, before any data
@@ -538,9 +543,13 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     not match a module's parameters.
     """
     record = options.pop("options", None)
+    fixed = options.pop("geometry") if isinstance(options.get("geometry"), ShardedGeometry) else None
+    schedule = schedule_of("register_reduce_scatter", options.pop("schedule", None), options, SCHEDULE)
     settings = {k: options.pop(k) for k in list(options) if k in _COMM_SETTINGS}
     record = options_of_call("register_reduce_scatter", record, options, fixed=("op",))  # the rest: call options
     options = settings
+    if fixed is not None:
+        options["geometry"] = fixed
     modules = fsdp_modules(model)  # RuntimeError on torch without the FSDP2 comm API
     if not modules:
         raise RuntimeError("register_reduce_scatter: the model has no FSDP2 module (apply fully_shard first)")
@@ -548,10 +557,8 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
     capture_tokens = options.pop("capture_tokens", 256)
     capture = options.get("capture")
     stepper = None
-    if options.get("geometry") in ("kfac", "paper") and isinstance(capture, torch.nn.Module):
-        paper = options.get("paper")
-        decay = (paper.decay if isinstance(paper, PaperOptions) else (paper or {}).get("decay", 0.95)) \
-            if options.get("geometry") == "paper" else 0.95
+    if schedule.geometry in ("kfac", "paper") and isinstance(capture, torch.nn.Module):
+        decay = schedule.paper.decay if schedule.paper is not None else 0.95
         capture = KfacCapture(capture, every=capture_every, tokens=capture_tokens, decay=decay)
         stepper = _CaptureStepper(capture)
         model.register_forward_pre_hook(stepper)
@@ -570,7 +577,7 @@ def register_reduce_scatter(model: torch.nn.Module, **options: Any) -> GiftReduc
             raise ValueError(f"register_reduce_scatter: FSDP module {type(module).__name__} has {len(groups)} "
                              "parameter groups (per-parameter meshes); one comm cannot serve several")
         group = groups[0]
-        comm = GiftReduceScatter(index=i, options=record, **options)
+        comm = GiftReduceScatter(index=i, schedule=schedule, options=record, **options)
         comm._host, comm._device = host, device
         fsdp_params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         shapes = [tuple(fp._orig_size) for fp in fsdp_params]

@@ -27,16 +27,17 @@ import numpy as np
 from ... import api
 from ...accounting import Tally
 from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format
+from ...geometry.schedule import GiftSchedule, schedule_of
 from ...options import CallOptions, options_of_call
 from ...transport import resolve
-from ..calls import call_kwargs, log_path
+from ..calls import log_path, step_options
 from .buckets import GradBucket, make_buckets
-from .paper_refresh import PaperRefresh, paper_options
+from .paper_refresh import PaperRefresh
 from .streams import on_stream
 
 __all__ = ["GradSync", "SyncTimes"]
 
-_FEEDBACK = ("ordinary", "transformed", "transformed-kept")
+_SCHEDULE = GiftSchedule()  # GradSync's schedule when none is given
 
 
 @dataclass
@@ -87,57 +88,54 @@ class GradSync:
     ``giftcomm.adapters.calls.step_seed(seed, step, i)`` (step defaults to the number of earlier
     sync calls, the same on every rank that calls sync in step).
 
+    schedule: a :class:`giftcomm.GiftSchedule` (default ``GiftSchedule()``), taken whole; GradSync
+    reads its geometry ("none" or "paper"), paper, error_feedback and feedback (another knob off
+    its default is a ValueError). The previous release's keywords (error_feedback, feedback,
+    geometry, paper) still build it, with a DeprecationWarning.
+
     error_feedback: keep, per bucket, what this rank's own encoding lost and add it to the
     bucket's next gradient (:mod:`giftcomm.collectives.feedback`, docs/method.md "Error feedback"; a
     block-scaled fmt only, else ValueError here). The residuals are this rank's own:
     :meth:`state_dict` holds them for a per-rank checkpoint. ``sync.algorithms``: the algorithm
     each bucket's last call really ran (``auto`` resolved).
 
-    geometry: None (the buckets' geometries are what :meth:`set_geometries` sets) or "paper" (the
-    GIFT paper's preset, giftcomm.geometry.paper, in one word: ``model`` must be the nn.Module; a
+    geometry "none": the buckets' geometries are what :meth:`set_geometries` sets; "paper": the
+    GIFT paper's preset, giftcomm.geometry.paper, in one word (``model`` must be the nn.Module; a
     forward hook on each nn.Linear captures its input covariance A (EMA, PaperOptions.decay) and
-    every ``refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged over
-    the ranks, the factor blended with the previous one (factor_decay), every rank's map agreed;
-    giftcomm.adapters.torch.paper_refresh; every sync starts with one int64 allgather in which the
-    ranks agree on the sync count and the settings, so ranks that would refresh at different
-    syncs raise the same ValueError at once). paper: its settings, a PaperOptions or a dict of its
-    fields (rank, damping, decay, refresh_every, factor, names, reexpress, factor_decay);
-    capture_tokens: rows of each layer's input captured per forward (None: all).
+    every ``paper.refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged
+    over the ranks, the factor blended with the previous one (factor_decay), every rank's map
+    agreed; giftcomm.adapters.torch.paper_refresh; every sync starts with one int64 allgather in
+    which the ranks agree on the sync count and the settings, so ranks that would refresh at
+    different syncs raise the same ValueError at once). capture_tokens: rows of each layer's
+    input captured per forward (None: all; geometry "paper" only).
 
-    feedback: where the residuals live with ``error_feedback=True``: None (default: "transformed"
-    with geometry="paper" -- "transformed-kept" when its reexpress is False -- else "ordinary"),
-    "ordinary" (gradient
-    coordinates, :class:`~giftcomm.collectives.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
-    coordinates, re-expressed when the geometry changes: the paper's method with the re-expression,
-    :class:`~giftcomm.collectives.feedback.TransformedFeedback`) or "transformed-kept" (not re-expressed: the
-    paper's artifact). baseline: None, or a baseline wire (giftcomm.collectives.baselines.BASELINE_WIRES, e.g.
-    "e5m2/tensor-nccl": one scale per tensor, NCCL's FP8 ring sum) that every bucket then goes
-    through instead of giftcomm's collective (host buckets only; reference speed; fmt, block and
-    the other call options are not used; op is); with error_feedback it needs a "transformed"
-    feedback (the residual is the wire's own-encoding error with its per-tensor scale).
+    feedback: where the residuals live with error feedback (GiftSchedule.feedback_kind): None
+    ("transformed" with geometry "paper" -- "transformed-kept" when its reexpress is False -- else
+    "ordinary"), "ordinary" (gradient coordinates, :class:`~giftcomm.collectives.feedback.ErrorFeedback`),
+    "transformed" (each bucket's geometry coordinates, re-expressed when the geometry changes: the
+    paper's method with the re-expression, :class:`~giftcomm.collectives.feedback.TransformedFeedback`) or
+    "transformed-kept" (not re-expressed: the paper's artifact). baseline: None, or a baseline
+    wire (giftcomm.collectives.baselines.BASELINE_WIRES, e.g. "e5m2/tensor-nccl": one scale per tensor,
+    NCCL's FP8 ring sum) that every bucket then goes through instead of giftcomm's collective
+    (host buckets only; reference speed; fmt, block and the other call options are not used; op
+    is); with error feedback it needs a "transformed" feedback (the residual is the wire's
+    own-encoding error with its per-tensor scale).
     """
 
-    def __init__(self, model, *, comm: Any = None, bucket_mb: float = 25.0, error_feedback: bool = False,
-                 feedback: str | None = None, baseline: str | None = None, geometry: str | None = None,
-                 paper: Any = None, capture_tokens: int | None = None, options: CallOptions | None = None,
-                 **opts: Any) -> None:
+    def __init__(self, model, *, comm: Any = None, bucket_mb: float = 25.0, schedule: GiftSchedule | None = None,
+                 baseline: str | None = None, capture_tokens: int | None = None,
+                 options: CallOptions | None = None, **opts: Any) -> None:
+        self.schedule = schedule_of("GradSync", schedule, opts, _SCHEDULE).check_for(
+            "GradSync", ("none", "paper"), ("error_feedback", "feedback"))
         self.options: CallOptions = options_of_call("GradSync", options, opts, {"op": "avg"})
         self._paths_told: set[int] = set()  # bucket sizes whose path was logged (calls.log_path)
         self._tally = Tally()  # what stats() reports
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"GradSync: error_feedback must be a bool, got {error_feedback!r}")
-        if error_feedback:
+        sched = self.schedule
+        if sched.error_feedback:
             check_feedback_format(self.options.format, "GradSync")
-        if geometry not in (None, "paper"):
-            raise ValueError(f"GradSync: geometry must be None or 'paper' (a built geometry goes to set_geometries), "
-                             f"got {geometry!r}")
-        if geometry is None and (paper is not None or capture_tokens is not None):
-            raise ValueError('GradSync: paper= and capture_tokens= go with geometry="paper" only')
-        self.paper = paper_options(paper, "GradSync") if geometry == "paper" else None
-        if feedback is None:
-            feedback = "ordinary" if self.paper is None else ("transformed" if self.paper.reexpress else "transformed-kept")
-        if feedback not in _FEEDBACK:
-            raise ValueError(f"GradSync: feedback must be one of {_FEEDBACK}, got {feedback!r}")
+        if sched.geometry == "none" and capture_tokens is not None:
+            raise ValueError('GradSync: capture_tokens= goes with geometry="paper" only')
+        feedback = sched.feedback_kind
         self.baseline = None
         if baseline is not None:
             from ...collectives.baselines import baseline_wire
@@ -146,11 +144,11 @@ class GradSync:
                 self.baseline = baseline_wire(baseline).name
             except ValueError as exc:
                 raise ValueError(f"GradSync: {exc}") from None
-            if error_feedback and feedback == "ordinary":
+            if sched.error_feedback and feedback == "ordinary":
                 raise ValueError('GradSync: error feedback on a baseline wire needs feedback="transformed" or '
                                  '"transformed-kept"')
         self.feedback: Any = None
-        if error_feedback:
+        if sched.error_feedback:
             self.feedback = ErrorFeedback() if feedback == "ordinary" else TransformedFeedback(
                 reexpress=feedback == "transformed")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
@@ -161,9 +159,9 @@ class GradSync:
         self.geometries: list[Any] = [None] * len(self.buckets)
         self.algorithms: list[str | None] = [None] * len(self.buckets)
         self.refresh: PaperRefresh | None = None  # geometry="paper": the capture of A and the refresh
-        if self.paper is not None:
+        if sched.paper is not None:
             try:
-                self.refresh = PaperRefresh(model, self.paper, tokens=capture_tokens)
+                self.refresh = PaperRefresh(model, sched.paper, tokens=capture_tokens)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"GradSync: {exc}") from None
 
@@ -205,15 +203,15 @@ class GradSync:
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
-            kw = call_kwargs(self.options, step, b.index)
+            o = step_options(self.options, step, b.index)
             if self.baseline is not None:
                 self.algorithms[b.index] = self._baseline(b, g, tg)
                 if tg is not None:
                     times.transform += tg.seconds
                 continue
             with on_stream(b.tensor):
-                def reduce(_values: Any = None, b=b, tg=tg, kw=kw) -> None:  # _values shares b.buffer
-                    api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, **kw)
+                def reduce(_values: Any = None, b=b, tg=tg, o=o) -> None:  # _values shares b.buffer
+                    api.gift_allreduce(b.buffer, tg, comm=self.comm, out=b.buffer, options=o)
                     self._tally.add(self.comm, device=b.tensor.device.type == "cuda")
 
                 def transport(b=b) -> Any:
@@ -222,7 +220,7 @@ class GradSync:
                 if self.feedback is not None:
                     self.algorithms[b.index] = self.feedback.around(
                         b.index, b.buffer, reduce, transport, self.options.format, self.options.resolved_block,
-                        kw["seed"], g)
+                        o.seed, g)
                 else:
                     reduce()
                     last = api.last_algorithm(self.comm, device=b.tensor.device.type == "cuda")

@@ -35,20 +35,7 @@ from ...geometry import Geometry, InputFactorEstimator, Layout
 from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh, refresh_geometries
 from .kfac import linear_segments, model_layout
 
-__all__ = ["paper_options", "InputCapture", "PaperRefresh"]
-
-
-def paper_options(paper: Any, owner: str) -> PaperOptions:
-    """``paper=`` of an entry point: None (the paper's settings), a PaperOptions, or a dict of its
-    fields (TypeError naming ``owner`` otherwise, or for an unknown field)."""
-    if paper is None or isinstance(paper, PaperOptions):
-        return paper or PaperOptions()
-    if isinstance(paper, Mapping):
-        try:
-            return PaperOptions.of(None, **dict(paper))
-        except TypeError as exc:
-            raise TypeError(f"{owner}: {exc}") from None
-    raise TypeError(f"{owner}: paper= must be None, a PaperOptions or a dict of its fields, got {type(paper).__name__}")
+__all__ = ["InputCapture", "PaperRefresh"]
 
 
 class InputCapture:

@@ -30,13 +30,16 @@ from ...accounting import Tally
 from ...algorithms import SCATTER_CHOICES
 from ...collectives.feedback import ErrorFeedback, TransformedFeedback, check_feedback_format, own_pieces, own_quantization_error
 from ...geometry import Geometry, Layout
+from ...geometry.schedule import GiftSchedule, schedule_of
 from ...geometry.sharded import inverse_flat_shard
 from ...options import CallOptions, options_of_call
 from ...transport import resolve
 from .buckets import named_trainable
-from .paper_refresh import PaperRefresh, paper_options
+from .paper_refresh import PaperRefresh
 
 __all__ = ["ShardedGradSync"]
+
+_SCHEDULE = GiftSchedule()  # ShardedGradSync's schedule when none is given
 
 
 class ShardedGradSync:
@@ -48,6 +51,10 @@ class ShardedGradSync:
     ``options=``; docs/api.md; op defaults to "avg", like DDP). With
     ``rounding="stochastic"``, ``sync(seed)`` uses ``seed`` (default: the number of earlier syncs).
     Raises TypeError/ValueError at once for mixed dtypes or devices and bad options.
+    schedule: a :class:`giftcomm.GiftSchedule` (default ``GiftSchedule()``), taken whole; this
+    sync reads its geometry ("none" or "paper"), paper and error_feedback (another knob off its
+    default is a ValueError); the previous release's keywords (error_feedback, geometry, paper)
+    still build it, with a DeprecationWarning.
     error_feedback=True: keep what this rank's own encoding lost and add it to the next
     gradient (giftcomm.collectives.feedback: exact for "direct", whose every message is this rank's own
     values; docs/method.md "Error feedback"); block-scaled fmt only; with geometry="paper" in the
@@ -56,10 +63,10 @@ class ShardedGradSync:
     sync really ran.
 
     geometry="paper": the GIFT paper's preset in one word (``model`` the nn.Module; settings
-    ``paper``, a PaperOptions or a dict of its fields; ``capture_tokens`` rows per layer and
-    forward, None: all): the nn.Linear inputs' covariances A are captured by forward hooks and
-    every ``refresh_every``-th sync (0, K, 2K, ...) the map is rebuilt from A averaged over the
-    ranks, factor EMA included (giftcomm.adapters.torch.paper_refresh, shared with GradSync);
+    ``schedule.paper``; ``capture_tokens`` rows per layer and forward, None: all): the nn.Linear
+    inputs' covariances A are captured by forward hooks and every ``paper.refresh_every``-th sync
+    (0, K, 2K, ...) the map is rebuilt from A averaged over the ranks, factor EMA included
+    (giftcomm.adapters.torch.paper_refresh, shared with GradSync);
     every sync starts with one int64 allgather in which the ranks agree on the sync count and the
     settings (the same ValueError on every rank when they differ).
     Each rank maps its whole local buffer forward, the reduce-scatter runs in those coordinates
@@ -79,22 +86,19 @@ class ShardedGradSync:
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
     """
 
-    def __init__(self, model: Any, *, comm: Any = None, error_feedback: bool = False, geometry: str | None = None,
-                 paper: Any = None, capture_tokens: int | None = None, options: CallOptions | None = None,
-                 **opts: Any) -> None:
-        if geometry not in (None, "paper"):
-            raise ValueError(f"ShardedGradSync: geometry must be None or 'paper', got {geometry!r}")
-        if geometry is None and (paper is not None or capture_tokens is not None):
-            raise ValueError('ShardedGradSync: paper= and capture_tokens= go with geometry="paper" only')
-        self.paper = paper_options(paper, "ShardedGradSync") if geometry == "paper" else None
+    def __init__(self, model: Any, *, comm: Any = None, schedule: GiftSchedule | None = None,
+                 capture_tokens: int | None = None, options: CallOptions | None = None, **opts: Any) -> None:
+        self.schedule = schedule_of("ShardedGradSync", schedule, opts, _SCHEDULE).check_for(
+            "ShardedGradSync", ("none", "paper"), ("error_feedback",))
+        sched = self.schedule
+        if sched.geometry == "none" and capture_tokens is not None:
+            raise ValueError('ShardedGradSync: capture_tokens= goes with geometry="paper" only')
         self.options = options_of_call("ShardedGradSync", options, opts, {"op": "avg"})
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"ShardedGradSync: error_feedback must be a bool, got {error_feedback!r}")
-        if error_feedback:
+        if sched.error_feedback:
             check_feedback_format(self.options.format, "ShardedGradSync")
         self.feedback: ErrorFeedback | TransformedFeedback | None = None
-        if error_feedback:  # the paper's preset: the residual in the map's coordinates (class doc)
-            self.feedback = ErrorFeedback() if self.paper is None else TransformedFeedback(reexpress=self.paper.reexpress)
+        if sched.error_feedback:  # the paper's preset: the residual in the map's coordinates (class doc)
+            self.feedback = ErrorFeedback() if sched.paper is None else TransformedFeedback(reexpress=sched.paper.reexpress)
         self.algorithm_used: str | None = None
         if self.options.algorithm not in SCATTER_CHOICES:
             raise ValueError(f"ShardedGradSync: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
@@ -116,13 +120,13 @@ class ShardedGradSync:
         self.calls = 0
         self.refresh: PaperRefresh | None = None
         self.geometry_of: Geometry | None = None  # geometry="paper": the map over the padded buffer
-        if self.paper is not None:
+        if sched.paper is not None:
             if device.type != "cpu":
                 raise NotImplementedError('ShardedGradSync: geometry="paper" runs on host (CPU) parameters only')
             segs = [(n, tuple(p.shape)) for n, p in self.params]
             self._padded_layout = Layout(segs + ([("<padding>", (padded - self.numel,))] if padded > self.numel else []))
             try:
-                self.refresh = PaperRefresh(model, self.paper, layout=Layout(segs), tokens=capture_tokens)
+                self.refresh = PaperRefresh(model, sched.paper, layout=Layout(segs), tokens=capture_tokens)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"ShardedGradSync: {exc}") from None
         self.zero_grad()
@@ -145,15 +149,13 @@ class ShardedGradSync:
         o = self.options
         shard = torch.empty(self.hi - self.lo, dtype=self.buffer.dtype, device=self.buffer.device) if out is None else out
         call_seed = seed if o.rounding == "stochastic" else None
+        this = o.replace(seed=call_seed)  # this sync's options, passed whole
         if self.refresh is not None:
             return self._sync_paper(self.calls - 1, shard, call_seed)
 
         def reduce(values: Any = None) -> None:
             x = self.buffer if values is None else torch.as_tensor(values, device=self.buffer.device).to(self.buffer.dtype)
-            api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, out=shard,
-                               algorithm=o.algorithm, slice_elems=o.slice_elems, rounding=o.rounding,
-                               allow_native=o.allow_native,
-                               seed=call_seed, timeout=o.timeout, layout="equal")
+            api.reduce_scatter(x, comm=self.comm, out=shard, layout="equal", options=this)
             self._tally.add(self.comm, device=self.buffer.device.type == "cuda")
 
         if isinstance(self.feedback, ErrorFeedback):
@@ -186,9 +188,7 @@ class ShardedGradSync:
         if fb is not None:  # T(g) + e, e carried into this map's coordinates (re-expressed at a refresh)
             assert isinstance(fb, TransformedFeedback)
             fb.compensate_mapped(0, x, geo, signature=int(self.numel))
-        got = api.reduce_scatter(x, comm=self.comm, op=o.op, fmt=o.format, block=o.block, algorithm=o.algorithm,
-                                 slice_elems=o.slice_elems, rounding=o.rounding, allow_native=o.allow_native,
-                                 seed=call_seed, timeout=o.timeout, layout="equal")
+        got = api.reduce_scatter(x, comm=self.comm, layout="equal", options=o.replace(seed=call_seed))
         self._tally.add(self.comm)
         last = api.last_algorithm(self.comm)
         self.algorithm_used = None if last is None else last[0]
