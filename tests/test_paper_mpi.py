@@ -101,7 +101,7 @@ def test_paper_from_grad_sync_one_map_on_every_rank(sharded):
     seed = int(shared_rng(comm).integers(2**31))
     model = _mlp(seed)
     cls = ShardedGradSync if sharded else GradSync
-    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4})
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0})
     rng = np.random.default_rng([seed, comm.Get_rank()])
     fps = []
     for _ in range(3):
@@ -130,7 +130,7 @@ def test_paper_from_grad_sync_missing_factor_raises_on_every_rank():
 
     comm = MPI.COMM_WORLD
     model = _mlp(0, skip_down=comm.Get_rank() == comm.Get_size() - 1)
-    sync = GradSync(model, comm=comm, geometry="paper")
+    sync = GradSync(model, comm=comm, geometry="paper", paper={"profile_steps": 0})
     sync.zero_grad()
     model(torch.ones(4, 40)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="disagree on the factor refresh"):
@@ -174,7 +174,7 @@ def test_paper_sync_counters_off_by_one_raise_the_same_error_on_every_rank(shard
     seed = int(shared_rng(comm).integers(2**31))
     model = _mlp(seed)
     cls = ShardedGradSync if sharded else GradSync
-    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4}, timeout=30)
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0}, timeout=30)
     x = torch.from_numpy(np.random.default_rng([seed, comm.Get_rank()]).standard_normal((16, 40)).astype(np.float32))
     sync.zero_grad()
     model(x).pow(2).mean().backward()
@@ -209,7 +209,7 @@ def test_paper_state_dict_resumes_bit_identical_under_mpi(sharded):
 
     def run(start, stop, blob=None, save_at=None):
         model = _mlp(seed)
-        sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4},
+        sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0},
                    error_feedback=True)
         if blob is not None:
             params, state = pickle.loads(blob)

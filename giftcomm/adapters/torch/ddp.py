@@ -323,7 +323,8 @@ class GiftState:
             refresh_every = self.paper.refresh_every
         self.feedback: Any = None
         if error_feedback:
-            self.feedback = TransformedFeedback(reexpress=self.paper.reexpress) if self.paper else ErrorFeedback()
+            self.feedback = (TransformedFeedback(reexpress=self.paper.reexpress, euclidean=False) if self.paper
+                             else ErrorFeedback())  # the paper: no residual on the layers it leaves Euclidean
         self.baseline: Optional[str] = None
         if baseline is not None:
             from ...baselines import baseline_wire

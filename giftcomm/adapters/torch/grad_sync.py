@@ -98,14 +98,21 @@ class GradSync:
     forward hook on each nn.Linear captures its input covariance A (EMA, PaperOptions.decay) and
     every ``refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged over
     the ranks, the factor blended with the previous one (factor_decay), every rank's map agreed;
-    giftcomm.adapters.torch.paper_refresh; every sync starts with one int64 allgather in which the
+    giftcomm.adapters.torch.paper_refresh; with ``paper`` names None (the default) the weights
+    transformed are the paper's selection: the first profile_steps syncs run Euclidean while each
+    nn.Linear weight's local gradient is scored by its share of FP8 E5M2 codes at a bound, then the
+    top ones (top_n / top_fraction / threshold) are chosen from the scores averaged over the ranks,
+    the same on every rank; every sync starts with one int64 allgather in which the
     ranks agree on the sync count and the settings, so ranks that would refresh at different
     syncs raise the same ValueError at once). paper: its settings, a PaperOptions or a dict of its
-    fields (rank, damping, decay, refresh_every, factor, names, reexpress, factor_decay);
+    fields (rank, damping, decay, refresh_every, factor, names, top_n, top_fraction, threshold,
+    profile_steps, reexpress, factor_decay);
     capture_tokens: rows of each layer's input captured per forward (None: all).
 
     feedback: where the residuals live with ``error_feedback=True``: None (default: "transformed"
-    with geometry="paper" -- "transformed-kept" when its reexpress is False -- else "ordinary"),
+    with geometry="paper" -- "transformed-kept" when its reexpress is False -- else "ordinary";
+    with geometry="paper" the residual is kept on the transformed weights only, none on the
+    Euclidean ones nor during the profile window, as the paper's artifact),
     "ordinary" (gradient
     coordinates, :class:`~giftcomm.feedback.ErrorFeedback`), "transformed" (each bucket's geometry
     coordinates, re-expressed when the geometry changes: the paper's method with the re-expression,
@@ -151,8 +158,9 @@ class GradSync:
                                  '"transformed-kept"')
         self.feedback: Any = None
         if error_feedback:
+            # the paper's preset: no residual on the weights it leaves Euclidean (the artifact's rule)
             self.feedback = ErrorFeedback() if feedback == "ordinary" else TransformedFeedback(
-                reexpress=feedback == "transformed")
+                reexpress=feedback == "transformed", euclidean=self.paper is None)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"GradSync: bucket_mb must be a number > 0, got {bucket_mb!r}")
         self.comm = comm
@@ -204,6 +212,8 @@ class GradSync:
                 self._refresh(control, sync_index)
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
+            if self.refresh is not None:  # the profile window: score this rank's gradients before the wire
+                self.refresh.observe(b.layout, b.tensor, sync_index)
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
             kw = call_kwargs(self.options, step, b.index)
             if self.baseline is not None:
