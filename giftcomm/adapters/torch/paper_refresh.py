@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from dataclasses import replace
-
 from ...geometry import Geometry, InputFactorEstimator, Layout
-from ...geometry.paper import (FactorEMA, PaperOptions, SaturationProfile, agree_refresh, average_scores,
-                               refresh_geometries, select_for)
+from ...geometry.paper import FactorEMA, PaperOptions, SaturationProfile, agree_refresh, average_scores, refresh_geometries, select_for
 from .kfac import linear_segments, model_layout
 
 __all__ = ["paper_options", "InputCapture", "PaperRefresh"]
