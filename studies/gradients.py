@@ -261,7 +261,8 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
     cfg = meta["cfg"]
     info = {"config": meta["config"], "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
             "parameters": n, "train_steps": meta["train_steps"], "capture_steps": capture_steps, "ranks": ranks,
-            "batch": batch, "train_batch": meta["train_batch"], "lr": meta["lr"], "optimizer": meta["optimizer"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
+            "batch": batch, "train_batch": meta["train_batch"], "lr": meta["lr"],
+            "optimizer": meta["optimizer"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
             "corpus": meta["corpus"], "schedule_steps": meta["schedule_steps"],
             "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[max(0, first - 5):first])),
             "capture_losses": losses[first:], "seconds": time.perf_counter() - t0,

@@ -343,9 +343,9 @@ def test_sharded_grad_sync_paper_error_feedback_matches_numpy(rng, p, reexpress)
     """ShardedGradSync(geometry="paper", error_feedback=True, algorithm="direct") against a NumPy
     statement: per rank y = T(g) + e (e carried into T's coordinates: T_new(T_old^-1(e)) at a
     refresh, or kept as it is with reexpress=False), the shards = T^-1(reduce-scatter of the ys),
-    then e = y's own-encoding error on the transformed weights (none on the identity ones). A refresh at sync 2 of 4; the statement that does the other
-    thing with e at the refresh disagrees (the test can fail), and the residual left at the end is
-    the statement's."""
+    then e = y's own-encoding error on the transformed weights (none on the identity ones). A
+    refresh at sync 2 of 4; the statement that does the other thing with e at the refresh
+    disagrees (the test can fail), and the residual left at the end is the statement's."""
     from giftcomm.adapters.torch import ShardedGradSync
     from giftcomm.reference import simulate_reduce_scatter
 
