@@ -85,7 +85,7 @@ class _KfacHooks:
                 if idx is not None:
                     d = d[idx]
                 fg = (d.T @ d).double() / d.shape[0]
-                self._add(name, fa.numpy(), fg.numpy(), mode)
+                self._add(name, fa.cpu().numpy(), fg.cpu().numpy(), mode)
 
             output.register_hook(grad_hook)
 
@@ -161,7 +161,7 @@ class _Schedules:
 def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 3, ranks: int = 4,
             batch: int = 16, lr: float = 3e-3, kfac_rows: int = 512, seed: int = 0,
             out: str = DEFAULT_PATH, log=sys.stderr, capture_at: list[int] | None = None,
-            capture_batch: int | None = None, optimizer: str = "adamw") -> str | list[str]:
+            capture_batch: int | None = None, optimizer: str = "adamw", device: str = "cpu") -> str | list[str]:
     """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path.
 
     ``capture_at`` (training phases, e.g. [30, 120, 240]): one training run whose cosine schedule
@@ -171,7 +171,9 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     start on it); returns the list of paths. ``train_steps`` is ignored then.
 
     ``capture_batch`` (default ``batch``): sequences per capture step, ``capture_batch // ranks``
-    per rank; training steps keep ``batch``. ``optimizer``: "adamw" or "muon" (module doc)."""
+    per rank; training steps keep ``batch``. ``optimizer``: "adamw" or "muon" (module doc).
+    ``device``: where the model trains ("cpu"; "cuda" for the scale of perf/paper_scale.sh); the
+    capture is kept on the host either way."""
     import torch
 
     from studies.workloads.corpus import load_corpus
@@ -183,7 +185,7 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = CONFIGS[config]
-    model = Llama(cfg)
+    model = Llama(cfg).to(device)
     corpus = load_corpus()
     rng = np.random.default_rng(seed)
     opt = _Optimizers(model, optimizer, lr)
@@ -197,7 +199,7 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
 
     def get_batch(size: int = batch):
         starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=size)
-        return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len))
+        return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len)).to(device)
 
     paths, done = [], 0
     stem = out[:-4] if out.endswith(".npz") else out
@@ -242,7 +244,7 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
             model.zero_grad(set_to_none=True)
             loss = model.loss(tokens[r * shard:(r + 1) * shard])
             loss.backward()
-            grads[s, r] = torch.cat([p.grad.reshape(-1) for _, p in params]).numpy()
+            grads[s, r] = torch.cat([p.grad.reshape(-1) for _, p in params]).cpu().numpy()
             for acc, (_, p) in zip(mean, params):
                 acc += p.grad / ranks
             losses.append(loss.item())
@@ -290,13 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                    help="adamw, or muon (torch.optim.Muon on the blocks' 2-D weights, AdamW on the rest)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the capture is kept on the host)")
     p.add_argument("--out", default=DEFAULT_PATH)
     p.add_argument("--capture-at", default=None,
                    help="training phases of one run, e.g. 30,120,240: capture after each (files <out>-step<N>.npz)")
     a = p.parse_args(argv)
     at = [int(x) for x in a.capture_at.split(",")] if a.capture_at else None
     path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out,
-                   capture_at=at, capture_batch=a.capture_batch, optimizer=a.optimizer)
+                   capture_at=at, capture_batch=a.capture_batch, optimizer=a.optimizer,
+                   device=a.device)
     print("\n".join(path) if isinstance(path, list) else path)
     return 0
 
