@@ -147,7 +147,8 @@ def test_muon_capture_kind_filter_and_selection_scores(tmp_path):
     keeps that kind's layers only; paper_scores is saturation_fraction restated per shard."""
     from giftcomm.geometry.paper import PaperOptions, select_for
     from studies import paper_gain, paper_scores
-    from studies.gradients import _Optimizers, capture as cap
+    from studies.gradients import _Optimizers
+    from studies.gradients import capture as cap
     from studies.workloads.llama import CONFIGS, Llama
 
     model = Llama(CONFIGS["tiny"])
