@@ -1,7 +1,7 @@
 """Capture real data-parallel gradients and KFAC factors from the small Llama-style model.
 
 ``python -m studies.gradients [--config small] [--train-steps 120] [--capture-steps 3]
-[--ranks 4] [--batch 16] [--capture-batch N] [--out PATH] [--capture-at 30,120,240]``
+[--ranks 4] [--batch 16] [--capture-batch N] [--out PATH] [--capture-at 30,120,240] [--optimizer adamw|muon]``
 
 (``--capture-at``: several training phases of one run, one file each; see ``capture``.
 ``--capture-batch``: sequences per capture step, split over the ranks (default ``--batch``): more
@@ -9,7 +9,9 @@ tokens per captured gradient without more training cost.)
 
 1. Train ``studies.workloads.llama.Llama`` (config ``small`` by default: dim 256, 7 blocks,
    SwiGLU 688, tied embedding, ~5.3M parameters) with AdamW (lr 3e-3, warm-up 20 steps, weight
-   decay 0.1 on matrices) on the byte-level stdlib corpus (``studies.workloads.corpus``),
+   decay 0.1 on matrices; ``--optimizer muon``: ``torch.optim.Muon`` on the blocks' 2-D weights,
+   ``adjust_lr_fn="match_rms_adamw"``, weight decay 0.1, with AdamW on the embedding and norms, the
+   split of ``studies.train``'s ``-muon`` modes; the same schedule) on the byte-level stdlib corpus (``studies.workloads.corpus``),
    ``batch`` sequences of the config's ``seq_len`` tokens per step, float32, one thread.
    Forward/backward hooks on every ``nn.Linear`` feed running KFAC factors
    ``A = E[a a^T]`` (inputs, in x in) and ``G = E[d d^T]`` (gradients w.r.t. the outputs,
@@ -83,7 +85,7 @@ class _KfacHooks:
                 if idx is not None:
                     d = d[idx]
                 fg = (d.T @ d).double() / d.shape[0]
-                self._add(name, fa.numpy(), fg.numpy(), mode)
+                self._add(name, fa.cpu().numpy(), fg.cpu().numpy(), mode)
 
             output.register_hook(grad_hook)
 
@@ -110,10 +112,56 @@ class _KfacHooks:
             h.remove()
 
 
+class _Optimizers:
+    """The training run's optimizers as one: ``adamw`` (AdamW, weight decay 0.1 on matrices) or
+    ``muon`` (torch.optim.Muon on the blocks' 2-D weights, AdamW on the rest; module doc)."""
+
+    def __init__(self, model, name: str, lr: float) -> None:
+        import torch
+
+        adamw = dict(lr=lr, betas=(0.9, 0.95))
+        if name == "adamw":
+            hidden: list = []
+        elif name == "muon":
+            hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+        else:
+            raise ValueError(f"unknown optimizer {name!r} (adamw, muon)")
+        ids = {id(p) for p in hidden}
+        decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in ids]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.opts = [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                        {"params": no_decay, "weight_decay": 0.0}], **adamw)]
+        if hidden:
+            self.opts.append(torch.optim.Muon(hidden, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
+
+    def schedule(self, factor) -> _Schedules:
+        """One LambdaLR of ``factor`` per optimizer, stepped together."""
+        import torch
+
+        return _Schedules([torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.opts])
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+class _Schedules:
+    def __init__(self, scheds: list) -> None:
+        self.scheds = scheds
+
+    def step(self) -> None:
+        for s in self.scheds:
+            s.step()
+
+
 def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 3, ranks: int = 4,
             batch: int = 16, lr: float = 3e-3, kfac_rows: int = 512, seed: int = 0,
             out: str = DEFAULT_PATH, log=sys.stderr, capture_at: list[int] | None = None,
-            capture_batch: int | None = None) -> str | list[str]:
+            capture_batch: int | None = None, optimizer: str = "adamw", device: str = "cpu") -> str | list[str]:
     """Train, capture (see the module doc) and save to ``out`` (.npz); returns the path.
 
     ``capture_at`` (training phases, e.g. [30, 120, 240]): one training run whose cosine schedule
@@ -123,7 +171,9 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     start on it); returns the list of paths. ``train_steps`` is ignored then.
 
     ``capture_batch`` (default ``batch``): sequences per capture step, ``capture_batch // ranks``
-    per rank; training steps keep ``batch``."""
+    per rank; training steps keep ``batch``. ``optimizer``: "adamw" or "muon" (module doc).
+    ``device``: where the model trains ("cpu"; "cuda" for the scale of perf/paper_scale.sh); the
+    capture is kept on the host either way."""
     import torch
 
     from studies.workloads.corpus import load_corpus
@@ -135,17 +185,13 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = CONFIGS[config]
-    model = Llama(cfg)
+    model = Llama(cfg).to(device)
     corpus = load_corpus()
     rng = np.random.default_rng(seed)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    opt = _Optimizers(model, optimizer, lr)
     phases = sorted(set(capture_at)) if capture_at else [train_steps]
     total_steps = phases[-1] + capture_steps * len(phases)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    sched = opt.schedule(lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     hooks = _KfacHooks(model, kfac_rows, seed)
     params = list(model.named_parameters())
     n = sum(p.numel() for _, p in params)
@@ -153,7 +199,7 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
 
     def get_batch(size: int = batch):
         starts = rng.integers(0, corpus.train.size - cfg.seq_len - 1, size=size)
-        return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len))
+        return torch.from_numpy(corpus.batch("train", starts, cfg.seq_len)).to(device)
 
     paths, done = [], 0
     stem = out[:-4] if out.endswith(".npz") else out
@@ -174,7 +220,8 @@ def capture(config: str = "small", train_steps: int = 120, capture_steps: int = 
         paths.append(_capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps, ranks,
                                     capture_batch, losses, t0, log, path, dict(
                                         config=config, cfg=cfg, train_steps=phase, train_batch=batch, lr=lr, kfac_rows=kfac_rows,
-                                        seed=seed, corpus=corpus.digest, schedule_steps=total_steps)))
+                                        seed=seed, corpus=corpus.digest, schedule_steps=total_steps,
+                                        optimizer=optimizer)))
     hooks.remove()
     return paths if capture_at is not None else paths[0]
 
@@ -197,7 +244,7 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
             model.zero_grad(set_to_none=True)
             loss = model.loss(tokens[r * shard:(r + 1) * shard])
             loss.backward()
-            grads[s, r] = torch.cat([p.grad.reshape(-1) for _, p in params]).numpy()
+            grads[s, r] = torch.cat([p.grad.reshape(-1) for _, p in params]).cpu().numpy()
             for acc, (_, p) in zip(mean, params):
                 acc += p.grad / ranks
             losses.append(loss.item())
@@ -216,7 +263,8 @@ def _capture_block(model, opt, sched, hooks, params, n, get_batch, capture_steps
     cfg = meta["cfg"]
     info = {"config": meta["config"], "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
             "parameters": n, "train_steps": meta["train_steps"], "capture_steps": capture_steps, "ranks": ranks,
-            "batch": batch, "train_batch": meta["train_batch"], "lr": meta["lr"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
+            "batch": batch, "train_batch": meta["train_batch"], "lr": meta["lr"],
+            "optimizer": meta["optimizer"], "kfac_rows": meta["kfac_rows"], "seed": meta["seed"],
             "corpus": meta["corpus"], "schedule_steps": meta["schedule_steps"],
             "train_loss_first": losses[0], "train_loss_last": float(np.mean(losses[max(0, first - 5):first])),
             "capture_losses": losses[first:], "seconds": time.perf_counter() - t0,
@@ -242,13 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--kfac-rows", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="adamw, or muon (torch.optim.Muon on the blocks' 2-D weights, AdamW on the rest)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the capture is kept on the host)")
     p.add_argument("--out", default=DEFAULT_PATH)
     p.add_argument("--capture-at", default=None,
                    help="training phases of one run, e.g. 30,120,240: capture after each (files <out>-step<N>.npz)")
     a = p.parse_args(argv)
     at = [int(x) for x in a.capture_at.split(",")] if a.capture_at else None
     path = capture(a.config, a.train_steps, a.capture_steps, a.ranks, a.batch, a.lr, a.kfac_rows, a.seed, a.out,
-                   capture_at=at, capture_batch=a.capture_batch)
+                   capture_at=at, capture_batch=a.capture_batch, optimizer=a.optimizer,
+                   device=a.device)
     print("\n".join(path) if isinstance(path, list) else path)
     return 0
 

@@ -2,7 +2,10 @@
 per layer against what should predict it, across captures (training phases, models), and its trend
 with the tokens each gradient averages.
 
-``python -m studies.paper_gain CAPTURE.npz ... [--out perf/results/paper-gain.md] [--wires e5m2/tensor,e4m3/256]``
+``python -m studies.paper_gain CAPTURE.npz ... [--out perf/results/paper-gain.md] [--wires e5m2/tensor,e4m3/256]
+[--kind mlp.down]``
+
+(``--kind``: only the layers of that kind, e.g. the MLP down projections the paper transforms.)
 
 For each capture (``studies.gradients`` / ``studies.pretrained_gradients`` .npz) and each 2-D weight
 with factors (EMA factors, damping 1e-3, definitions of ``studies.paper_tables``):
@@ -76,12 +79,19 @@ def _ratio(stats: list[tuple[tuple, tuple]]) -> float:
     return _pool([s[1] for s in stats])["rel_l2"] / _pool([s[0] for s in stats])["rel_l2"]
 
 
-def study(path: str, wires: tuple[str, ...], log=sys.stderr) -> dict:
-    """All numbers for one capture (module doc)."""
+def _of_kind(grads: dict, layer_kind: str | None) -> dict:
+    return grads if layer_kind is None else {n: w for n, w in grads.items() if kind(n) == layer_kind}
+
+
+def study(path: str, wires: tuple[str, ...], log=sys.stderr, layer_kind: str | None = None) -> dict:
+    """All numbers for one capture (module doc); ``layer_kind``: only that kind's layers."""
     grads, facs, info = load(path, "ema", 0)
+    grads = _of_kind(grads, layer_kind)
+    if not grads:
+        raise ValueError(f"{path}: no layer of kind {layer_kind!r}")
     z = np.load(path)
     steps, ranks = z["grads"].shape[:2]
-    label = f"{info['config']} step {info['train_steps']}"
+    label = f"{info['config']} {info.get('optimizer', 'adamw')} step {info['train_steps']}"
     layers = {}
     for nm, w in grads.items():
         row = {"kind": kind(nm), **predictors(w, facs[nm][0])}
@@ -97,6 +107,7 @@ def study(path: str, wires: tuple[str, ...], log=sys.stderr) -> dict:
     k = 1
     while k <= steps * ranks:
         g_k, f_k, inf_k = load(path, "ema", k)
+        g_k = _of_kind(g_k, layer_kind)
         entry = {"shards": k, "tokens": inf_k["tokens_per_gradient"]}
         for wire in wires:
             st = [layer_ratio(g_k[nm], f_k[nm][0], wire) for nm in g_k]
@@ -183,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("captures", nargs="+")
     p.add_argument("--out", default="perf/results/paper-gain.md")
     p.add_argument("--wires", default="e5m2/tensor,e4m3/256")
+    p.add_argument("--kind", default=None, help="only the layers of this kind (e.g. mlp.down)")
     a = p.parse_args(argv)
     wires = tuple(a.wires.split(","))
     with single_threaded_blas():
-        res = [study(c, wires) for c in a.captures]
+        res = [study(c, wires, layer_kind=a.kind) for c in a.captures]
     from studies.plotting import sibling
 
     with open(sibling(a.out, ".json"), "w") as f:
@@ -194,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     md = _markdown(res, wires)
     with open(a.out, "w") as f:
         f.write(f"# Where the paper's input-side gain comes from\n\n`python -m studies.paper_gain "
-                f"{' '.join(os.path.basename(c) for c in a.captures)} --out {a.out} --wires {a.wires}`\n\n" + md)
+                f"{' '.join(os.path.basename(c) for c in a.captures)} --out {a.out} --wires {a.wires}"
+                f"{'' if a.kind is None else ' --kind ' + a.kind}`\n\n" + md)
     _figure(res, wires, str(sibling(a.out, ".png")))
     print(md)
     return 0

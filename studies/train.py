@@ -68,7 +68,7 @@ class Mode:
     full: bool = False  # "giftfull": full KFAC whitening of every Linear weight (no policy)
     ef: bool = False  # "-ef": error feedback (GradSync(schedule=GiftSchedule(error_feedback=True)))
     opt: str = "adamw"  # "-muon": torch.optim.Muon on the hidden 2-D weights, AdamW on the rest
-    preset: str | None = None  # "-paper": Geometry.preset("paper") on the MLP down projections
+    preset: str | None = None  # "-paper": the paper's method (PaperInputs: saturation-selected weights)
     perturb: bool = False  # "-ulp": every initial weight one ulp off (seeded directions): the noise-floor control
 
     @property
@@ -134,6 +134,8 @@ class Config:
     kfac_tokens: int = 128
     kfac_decay: float = 0.5
     refresh: int = 25
+    paper_refresh: int = 50  # the -paper modes: steps between map refreshes (the paper's 50)
+    paper_profile: int = 20  # the -paper modes: the saturation profile's window before the first map
     max_rank: int = 32
     bucket_mb: float = 25.0
     corpus_bytes: int | None = 4_000_000
@@ -234,26 +236,41 @@ def make_optimizers(model, name: str, cfg: Config) -> list:
 
 
 class PaperInputs:
-    """The GIFT paper's geometry for studies.train: A of every MLP down projection (the weights the
-    paper's saturation profile selected on its models) estimated from the layer's inputs each step
-    (``giftcomm.geometry.paper.InputFactorEstimator``, EMA 0.95), and at each refresh averaged over
-    the ranks and turned into ``Geometry.preset("paper")`` (Cholesky of low-rank-32 + residual
-    diagonal, damping 1e-3 absolute) by ``refresh_geometry``; every other segment is identity."""
+    """The GIFT paper's method as its artifact runs it, for studies.train (the ``-paper`` modes).
 
-    def __init__(self, model, layouts, refresh: int) -> None:
+    - A of every nn.Linear weight estimated from the layer's inputs each step
+      (``giftcomm.geometry.paper.InputFactorEstimator``, EMA 0.95) from step 0;
+    - the profile window: steps 0 .. ``cfg.paper_profile - 1`` run Euclidean while each rank scores
+      every Linear weight's own gradient (before the wire) by its share of FP8 E5M2 codes at a bound
+      (``SaturationProfile``, one scale per tensor);
+    - at step ``cfg.paper_profile`` the scores are averaged over the ranks and the weights chosen
+      (``select_for``: giftcomm's default top quarter; the paper's own rule picked its model's 13
+      most saturated layers), the same on every rank; only those are transformed from then on;
+    - every ``cfg.paper_refresh`` steps from there (the paper's 50) A is averaged over the ranks and
+      the map rebuilt (``refresh_geometry``: Cholesky of low-rank-32 + residual diagonal, damping
+      1e-3 absolute), the factor itself smoothed across refreshes (``FactorEMA``, 0.95)."""
+
+    def __init__(self, model, layouts, cfg: Config) -> None:
         from giftcomm.adapters.torch.kfac import linear_segments
-        from giftcomm.geometry.paper import InputFactorEstimator, PaperOptions
+        from giftcomm.geometry.paper import FactorEMA, InputFactorEstimator, PaperOptions, SaturationProfile
 
         self.layouts = layouts
-        self.modules = {m: n for m, n in linear_segments(model).items() if n.endswith("mlp.down.weight")}
-        names = tuple(self.modules.values())
-        self.estimators = [InputFactorEstimator(lay, [n for n in names if n in lay]) for lay in layouts]
-        self.options = [PaperOptions(names=tuple(n for n in names if n in lay), refresh_every=refresh) for lay in layouts]
+        self.modules = linear_segments(model)
+        self.names = sorted(set(self.modules.values()))
+        self.options = PaperOptions(refresh_every=cfg.paper_refresh, profile_steps=cfg.paper_profile)
+        self.estimators = [InputFactorEstimator(lay, [n for n in self.names if n in lay], self.options.decay)
+                           for lay in layouts]
+        self.profile = SaturationProfile("e5m2", cfg.paper_profile)
+        self.factor_emas = [FactorEMA() for _ in layouts]
+        self.selected: tuple[str, ...] | None = None
+        self.scores: dict[str, float] = {}  # the averaged scores the selection was made from
         self.seconds = 0.0
         self._handles = [m.register_forward_hook(self._hook(n)) for m, n in self.modules.items()]
 
     def _hook(self, name: str):
         def hook(module, inputs, output) -> None:
+            if self.selected is not None and name not in self.selected:
+                return
             t0 = time.perf_counter()
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).numpy()
             for lay, est in zip(self.layouts, self.estimators):
@@ -262,12 +279,36 @@ class PaperInputs:
             self.seconds += time.perf_counter() - t0
         return hook
 
-    def refresh(self, comm, step: int) -> list:
-        from giftcomm.geometry import Geometry
-        from giftcomm.geometry.paper import refresh_geometry
+    def observe(self, flats: list, step: int) -> None:
+        """Score this rank's gradients (one flat buffer per layout) in the profile window."""
+        if step >= self.options.profile_steps:
+            return
+        for lay, flat in zip(self.layouts, flats):
+            self.profile.update_flat(lay, flat, [n for n in self.names if n in lay])
 
-        return [refresh_geometry(comm, lay, est.factors(), step, opt) if opt.names else Geometry.identity(lay)
-                for lay, est, opt in zip(self.layouts, self.estimators, self.options)]
+    def due(self, step: int) -> bool:
+        w, k = self.options.profile_steps, self.options.refresh_every
+        return step >= w and (step - w) % k == 0
+
+    def refresh(self, comm, step: int) -> list:
+        """Collective (at a :meth:`due` step): the selection first (once), then each layout's map."""
+        from dataclasses import replace
+
+        from giftcomm.geometry import Geometry
+        from giftcomm.geometry.paper import average_scores, refresh_geometry, select_for
+
+        if self.selected is None:
+            self.scores = average_scores(comm, self.profile.scores())
+            self.selected = select_for(self.options, self.scores)
+        out = []
+        for lay, est, ema in zip(self.layouts, self.estimators, self.factor_emas):
+            names = tuple(n for n in self.selected if n in lay)
+            if not names:
+                out.append(Geometry.identity(lay))
+                continue
+            factors = {n: a for n, a in est.factors().items() if n in names}
+            out.append(refresh_geometry(comm, lay, factors, step, replace(self.options, names=names), smoothing=ema))
+        return out
 
     def remove(self) -> None:
         for h in self._handles:
@@ -357,7 +398,11 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
                     op="avg", bucket_mb=cfg.bucket_mb, rounding=mode.rounding, algorithm=algorithm,
                     schedule=GiftSchedule(error_feedback=mode.ef and not baseline))
     reducer = BaselineSync(ctx, sync, baseline, mode.ef) if baseline else sync
-    paper = PaperInputs(model, sync.layouts, cfg.refresh) if mode.preset == "paper" else None
+    paper = PaperInputs(model, sync.layouts, cfg) if mode.preset == "paper" else None
+    if paper is not None and mode.ef and not baseline:  # the paper: residuals on the transformed weights only
+        from giftcomm.collectives.feedback import TransformedFeedback
+
+        sync.feedback = TransformedFeedback(reexpress=True, euclidean=False)
     # every mode captures KFAC factors: GIFT for its geometry, all modes for the whitened-error metric
     capture = KfacCapture(model, every=cfg.kfac_every, tokens=cfg.kfac_tokens, seed=seed * 1000 + rank,
                           decay=cfg.kfac_decay)
@@ -402,15 +447,19 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
             factors = [{n: (sa, sg) for n, (sg, sa) in capture.estimator.spectra.items() if n in lay}
                        for lay in sync.layouts]
             metric = [Geometry.from_kfac(lay, f, damping=MEASURE_DAMPING) for lay, f in zip(sync.layouts, factors)]
-            if paper is not None:
-                geoms = paper.refresh(ctx.transport, step)
-                sync.set_geometries(geoms)
-                chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
-            elif mode.gift:
+            if mode.gift and paper is None:
                 if mode.full:
                     geoms = [Geometry.from_kfac(lay, f, **gkw) for lay, f in zip(sync.layouts, factors)]
                 else:
                     geoms = build_geometries(capture.estimator, sync.layouts, policy, **gkw)
+                sync.set_geometries(geoms)
+                chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
+            t_geo += time.perf_counter() - tg
+        if paper is not None:  # the profile window scores this rank's gradients; then the maps when due
+            tg = time.perf_counter()
+            paper.observe(sync.flat_grads(), step)
+            if paper.due(step):
+                geoms = paper.refresh(ctx.transport, step)
                 sync.set_geometries(geoms)
                 chosen = " | ".join(g.summary().replace("\n", "; ") for g in geoms)
             t_geo += time.perf_counter() - tg
@@ -451,6 +500,7 @@ def train_rank(ctx, mode: Mode, cfg: Config, seed: int, corpus, algorithm: str =
     capture.remove()
     if paper is not None:
         paper.remove()
+        chosen = f"paper selected {list(paper.selected or ())} by E5M2 saturation: {chosen}"
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
@@ -654,7 +704,8 @@ LARGE = Config(dim=192, layers=4, heads=6, ffn=512, seq_len=64, steps=100, val_e
 POWERED = Config(**{**asdict(MEDIUM), "val_batches": 4096, "val_last": 3})
 SIZES = {"grid": Config(), "medium": MEDIUM, "large": LARGE, "powered": POWERED}
 QUICK = Config(dim=64, layers=1, heads=2, ffn=128, seq_len=32, steps=12, batch=2, val_every=4, val_batches=8,
-               kfac_every=2, kfac_tokens=32, refresh=4, warmup=2, corpus_bytes=1_000_000)
+               kfac_every=2, kfac_tokens=32, refresh=4, paper_refresh=4, paper_profile=3, warmup=2,
+               corpus_bytes=1_000_000)
 
 
 def main(argv: list[str] | None = None) -> int:

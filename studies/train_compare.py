@@ -15,6 +15,13 @@ hidden 2-D weights with AdamW on the rest) x seeds. Then:
   preset: 3 evaluations of 256 KiB of held-out text, ``val_bytes`` in compare.json's config);
 - ``train-curves.png``: validation loss against step (mean over seeds, +- sd shaded) and the
   paired training-loss gap to fp32 (moving average), one column per optimizer;
+- the paper's rows (``e5m2t-paper``, ``e4m3-paper``, ``e4m3-ef-paper``, ``nvfp4-paper``) run the
+  paper's method as its artifact does (``studies.train.PaperInputs``): every Linear weight's own
+  gradient scored for FP8 E5M2 saturation over a profile window of ``paper_profile`` steps (20
+  of the run's 100; the paper's 100 of thousands) with no map and no error feedback, then the
+  top quarter by the scores averaged over the ranks transformed from that step, refreshed every
+  ``paper_refresh`` steps (the paper's 50) with the factor EMA (0.95); error feedback, in the
+  ``-ef-paper`` rows, on the transformed weights only;
 - the step-time side: the transform's measured seconds per step (``t_transform``, slowest rank)
   against the communication time the wire saves, from the 1 Gbit/s netbed (P = 4) results already
   in perf/results: seconds per gradient value of each wire at 64 MiB, times the model's gradient

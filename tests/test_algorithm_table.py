@@ -39,7 +39,7 @@ def test_every_row_carries_its_runners_and_simulations(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_row_the_jit_path_runs_names_its_schedule_and_message_count(name):
-    """A row with a jit schedule (giftcomm.adapters.jax_jit) names it by reference and counts its
+    """A row with a jit schedule (giftcomm.adapters.jax.jit) names it by reference and counts its
     chunk messages; on equal chunks those messages are the bytes its row says each rank sends
     (``sent_bytes``), on every rank and any P."""
     row = BY_NAME[name]

@@ -102,7 +102,7 @@ def test_paper_from_grad_sync_one_map_on_every_rank(sharded):
     seed = int(shared_rng(comm).integers(2**31))
     model = _mlp(seed)
     cls = ShardedGradSync if sharded else GradSync
-    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4})
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0})
     rng = np.random.default_rng([seed, comm.Get_rank()])
     fps = []
     for _ in range(3):
@@ -131,7 +131,7 @@ def test_paper_from_grad_sync_missing_factor_raises_on_every_rank():
 
     comm = MPI.COMM_WORLD
     model = _mlp(0, skip_down=comm.Get_rank() == comm.Get_size() - 1)
-    sync = GradSync(model, comm=comm, schedule=GiftSchedule(geometry="paper"))
+    sync = GradSync(model, comm=comm, schedule=GiftSchedule(geometry="paper", paper={"profile_steps": 0}))
     sync.zero_grad()
     model(torch.ones(4, 40)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="disagree on the factor refresh"):
@@ -175,7 +175,7 @@ def test_paper_sync_counters_off_by_one_raise_the_same_error_on_every_rank(shard
     seed = int(shared_rng(comm).integers(2**31))
     model = _mlp(seed)
     cls = ShardedGradSync if sharded else GradSync
-    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4}, timeout=30)
+    sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0}, timeout=30)
     x = torch.from_numpy(np.random.default_rng([seed, comm.Get_rank()]).standard_normal((16, 40)).astype(np.float32))
     sync.zero_grad()
     model(x).pow(2).mean().backward()
@@ -210,7 +210,7 @@ def test_paper_state_dict_resumes_bit_identical_under_mpi(sharded):
 
     def run(start, stop, blob=None, save_at=None):
         model = _mlp(seed)
-        sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4},
+        sync = cls(model, comm=comm, fmt="e4m3", geometry="paper", paper={"refresh_every": 2, "rank": 4, "profile_steps": 0},
                    error_feedback=True)
         if blob is not None:
             params, state = pickle.loads(blob)
@@ -243,3 +243,45 @@ def test_paper_factor_not_finite_in_float32_raises_on_every_rank():
     with pytest.raises(ValueError, match="'up' is not finite in float32") as err:
         refresh_geometry(comm, LAYOUT, {"up": 1e80 * np.eye(40)}, step=0)
     assert len(set(comm.allgather(str(err.value)))) == 1
+
+
+@pytest.mark.mpi
+def test_every_rank_selects_the_same_weights_from_its_own_scores():
+    """GradSync(geometry="paper") under MPI, ranks with different local saturation: rank 0's
+    layer a saturates fully, the others' layer b fully and layer a on 60% of its entries. The
+    selection is the rule applied to the scores averaged over the ranks (a), identical on every
+    rank, although the other ranks' own scores would pick b."""
+    import torch
+    from test_paper_selection import WIDTH, Stack, saturate
+
+    from giftcomm.adapters.torch import GradSync
+    from giftcomm.geometry.paper import PaperOptions, select_for
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    rng = shared_rng(comm)
+    seed = int(rng.integers(2**31))
+    a, b = (int(x) for x in rng.choice(4, 2, replace=False))
+    torch.manual_seed(seed)
+    model = Stack()
+    if rank == 0:
+        saturate(model.layers[a].weight)
+    else:
+        saturate(model.layers[b].weight)
+        saturate(model.layers[a].weight, fraction=0.6, seed=rank)
+    sync = GradSync(model, comm=comm, fmt="e4m3", geometry="paper", paper={"rank": 4, "profile_steps": 3, "top_n": 1})
+    g = np.random.default_rng([seed, rank])
+    for _ in range(4):
+        sync.zero_grad()
+        model(torch.from_numpy(g.standard_normal((32, WIDTH)).astype(np.float32))).pow(2).mean().backward()
+        sync.sync()
+    local = sync.refresh.profile.scores()
+    every = comm.allgather(local)
+    mean = {n: sum(s[n] for s in every) / len(every) for n in local}
+    chosen = comm.allgather(sync.refresh.selected)
+    assert all(c == chosen[0] for c in chosen)
+    assert chosen[0] == select_for(PaperOptions(top_n=1), mean) == (f"layers.{a}.weight",)
+    if rank > 0:
+        assert select_for(PaperOptions(top_n=1), local) == (f"layers.{b}.weight",)  # its own pick differs
+    fps = comm.allgather([geo.fingerprint() for geo in sync.geometries])
+    assert all(f == fps[0] for f in fps)

@@ -53,7 +53,7 @@ def group(p):
 # ------------------------------------------------------------------ the agreement itself
 @pytest.mark.parametrize("change", [
     {"sync": 1}, {"refresh_every": 3}, {"rank": 8}, {"damping": 1e-2}, {"decay": 0.9}, {"factor_decay": 0.5},
-    {"factor": "symmetric"}, {"names": ("up.weight",)}, {"top_n": 2}, {"threshold": 0.5}, {"profile_steps": 7},
+    {"factor": "symmetric"}, {"names": ("up.weight",)}, {"top_n": 2}, {"threshold": 0.5}, {"profile_steps": 7}, {"top_fraction": 0.5},
     {"reexpress": False}])
 def test_agree_refresh_names_the_field_on_every_rank(change):
     key = next(iter(change))
@@ -95,6 +95,7 @@ def _adapter(kind, t, seed, paper, **kw):
 
     model = make_model(seed)
     cls = GradSync if kind == "grad" else ShardedGradSync
+    paper = {"profile_steps": 0, **paper}  # every layer from sync 0: the refresh's mechanics
     knobs = {k: kw.pop(k) for k in ("error_feedback", "feedback") if k in kw}
     return model, cls(model, comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", paper=paper, **knobs), **kw)
 

@@ -139,3 +139,53 @@ def test_symmetric_factor_restated(capture):
     np.testing.assert_allclose(s, s.T, atol=0)
     with pytest.raises(ValueError, match="factor must be one of"):
         pt.chol(np.eye(3), factor="qr")
+
+
+def test_muon_capture_kind_filter_and_selection_scores(tmp_path):
+    """studies.gradients --optimizer muon trains with Muon on the blocks' 2-D weights (the
+    capture says so, and its weights differ from AdamW's from the same seed); paper_gain --kind
+    keeps that kind's layers only; paper_scores is saturation_fraction restated per shard."""
+    from giftcomm.geometry.paper import PaperOptions, select_for
+    from studies import paper_gain, paper_scores
+    from studies.gradients import _Optimizers
+    from studies.gradients import capture as cap
+    from studies.workloads.llama import CONFIGS, Llama
+
+    model = Llama(CONFIGS["tiny"])
+    opts = _Optimizers(model, "muon", 1e-3).opts
+    assert [type(o).__name__ for o in opts] == ["AdamW", "Muon"]
+    hidden = {id(p) for g in opts[1].param_groups for p in g["params"]}
+    assert hidden == {id(p) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        _Optimizers(model, "sgd", 1e-3)
+    paths = {}
+    for opt in ("adamw", "muon"):
+        paths[opt] = str(tmp_path / f"{opt}.npz")
+        cap("tiny", train_steps=3, capture_steps=1, ranks=2, batch=4, kfac_rows=32, out=paths[opt], log=None,
+            optimizer=opt)
+    info = json.loads(str(np.load(paths["muon"])["info"]))
+    assert info["optimizer"] == "muon"
+    assert not np.array_equal(np.load(paths["muon"])["grads"], np.load(paths["adamw"])["grads"])
+    res = paper_gain.study(paths["muon"], ("e5m2/tensor",), log=None, layer_kind="mlp.down")
+    assert res["layers"] and all(n.endswith("mlp.down.weight") for n in res["layers"])
+    assert "muon" in res["label"]
+    with pytest.raises(ValueError, match="no layer of kind"):
+        paper_gain.study(paths["muon"], ("e5m2/tensor",), log=None, layer_kind="nope")
+    sc = paper_scores.scores(paths["muon"])
+    grads, _, _ = pt.load(paths["muon"], "ema", 0)
+    assert set(sc) == set(grads)
+    z = np.load(paths["muon"])
+    names, shapes = [str(x) for x in z["names"]], json.loads(str(z["shapes"]))
+    off = 0
+    for n, sh in zip(names, shapes):
+        size = int(np.prod(sh))
+        if n in sc:  # the mean over the (steps x ranks) shards of the share of codes at a bound
+            fr = []
+            for shard in z["grads"].reshape(-1, z["grads"].shape[-1])[:, off:off + size]:
+                s = np.float32(np.abs(shard).max() / 57344.0)
+                q = np.abs(np.clip(shard / s, -57344, 57344).astype(ml_dtypes.float8_e5m2).astype(np.float32))
+                fr.append(np.mean((q >= 57344) | ((shard != 0) & (q <= 2.0**-16))))
+            assert sc[n] == (pytest.approx(float(np.mean(fr)), abs=1e-12), size)
+            assert sc[n][0] >= 1.0 / size  # the largest value alone hits the upper bound
+        off += size
+    assert select_for(PaperOptions(), {n: v for n, (v, _) in sc.items()})

@@ -265,7 +265,8 @@ class TransformedFeedback:
     ``T_new^-1(e_new) = T_old^-1(e_old)``, exactly up to float32 rounding. ``reexpress=False``
     keeps ``e_old`` as it is in the new coordinates (the paper's artifact; what it costs is
     ``|T_new^-1(e_old) - T_old^-1(e_old)|``). ``euclidean=False`` keeps no residual on the
-    geometry's identity segments (the artifact's Euclidean branch has none); the default keeps it
+    geometry's identity segments, and none at all under an identity geometry or None (the
+    artifact's Euclidean branch has none); the default keeps it
     there too, which is then exactly :class:`ErrorFeedback`'s. A geometry of None is the identity.
     Residuals are float32; a key's residual is dropped when its size or signature changes.
     """
@@ -355,7 +356,11 @@ class TransformedFeedback:
         xp = array_module(err)
         e = xp.array(err, dtype=np.float32, copy=True).reshape(-1)
         e[~xp.isfinite(e)] = 0
-        if not self.euclidean and geometry is not None:
+        if not self.euclidean:
+            if geometry is None or getattr(geometry, "is_identity", False):  # nothing transformed: no residual
+                for kept in (self.residuals, self.geometries, self.signatures):
+                    kept.pop(key, None)
+                return
             for t in geometry.transforms:
                 if t.is_identity:
                     e[t.segment.offset : t.segment.stop] = 0

@@ -60,7 +60,7 @@ __all__ = ["PRESETS", "FACTORS", "PaperOptions", "CholeskySide", "approximate_in
            "input_factor", "side_of_factor", "FactorEMA",
            "paper_geometry", "paper_sharded", "InputFactorEstimator", "average_input_factors", "refresh_geometry",
            "refresh_geometries", "refresh_sharded", "REFRESH_FIELDS", "refresh_signature", "agree_refresh",
-           "SaturationProfile", "saturation_fraction", "select_saturated"]
+           "SaturationProfile", "saturation_fraction", "select_saturated", "select_for", "average_scores"]
 
 PRESETS = ("paper",)
 """The preset names ``Geometry.preset`` knows."""
@@ -76,11 +76,16 @@ class PaperOptions:
 
     rank: eigenpairs of A kept (r, >= 1). damping: d, absolute (units of A), >= 0. decay: EMA decay
     of A per batch, in [0, 1). refresh_every: K, steps between factor refreshes (>= 1). factor:
-    "cholesky" or "symmetric" (FACTORS). names: the segments to transform (None: every 2-D segment
-    with a factor; the paper's rule chooses them with :class:`SaturationProfile`). top_n,
-    threshold: the selection rule's settings (:meth:`SaturationProfile.select`: the top_n highest
-    scores, and/or those with a score >= threshold; both None: all). profile_steps: the length of
-    the profile window. reexpress: error feedback re-expressed in the new coordinates at a
+    "cholesky" or "symmetric" (FACTORS). names: the segments to transform; None: chosen by the
+    paper's rule, a saturation profile over the first ``profile_steps`` syncs of an adapter
+    (:class:`SaturationProfile`, :func:`select_for`), or, for a one-shot
+    ``Geometry.preset("paper", ...)`` that has no gradients to profile, every 2-D segment with a
+    factor. top_n, top_fraction, threshold: the selection rule (:func:`select_for`): the top_n
+    highest scores (None: the ceil(top_fraction x count) highest, giftcomm's default 0.25 where the
+    paper gives only its own model's count, 13 layers; both None: every scored weight), then only
+    those with a score >= threshold (None: no threshold). profile_steps: the length of the profile
+    window (the paper's 100; 0: no profile, names None then transforms every 2-D segment with a
+    factor from the first sync). reexpress: error feedback re-expressed in the new coordinates at a
     refresh (:class:`giftcomm.collectives.feedback.TransformedFeedback`); False is the artifact's behaviour.
     factor_decay: the EMA of the factor itself across refreshes, in [0, 1) (the paper's 0.95;
     0: each refresh uses its fresh factor; :class:`FactorEMA`).
@@ -93,6 +98,7 @@ class PaperOptions:
     factor: str = "cholesky"
     names: tuple[str, ...] | None = None
     top_n: int | None = None
+    top_fraction: float | None = 0.25
     threshold: float | None = None
     profile_steps: int = 100
     reexpress: bool = True
@@ -105,7 +111,7 @@ class PaperOptions:
 
         positive_int("rank", self.rank)
         positive_int("refresh_every", self.refresh_every)
-        positive_int("profile_steps", self.profile_steps)
+        positive_int("profile_steps", self.profile_steps, 0)
         if self.top_n is not None:
             positive_int("top_n", self.top_n)
         d = self.damping
@@ -118,6 +124,9 @@ class PaperOptions:
             raise ValueError(f"PaperOptions: factor_decay must be in [0, 1), got {fd!r}")
         if self.factor not in FACTORS:
             raise ValueError(f"PaperOptions: factor must be one of {FACTORS}, got {self.factor!r}")
+        tf = self.top_fraction
+        if tf is not None and (isinstance(tf, bool) or not isinstance(tf, (int, float)) or not 0 < tf <= 1):
+            raise ValueError(f"PaperOptions: top_fraction is a fraction of the scored weights in (0, 1], got {tf!r}")
         if self.threshold is not None and not (isinstance(self.threshold, (int, float)) and 0 <= self.threshold <= 1):
             raise ValueError(f"PaperOptions: threshold is a fraction of codes in [0, 1], got {self.threshold!r}")
         if self.names is not None:
@@ -428,10 +437,10 @@ class InputFactorEstimator:
 
 # ------------------------------------------------------------------------------ the refresh's agreement
 REFRESH_FIELDS = ("sync", "refresh_every", "rank", "damping", "decay", "factor_decay", "factor", "names",
-                  "top_n", "threshold", "profile_steps", "reexpress")
+                  "top_n", "top_fraction", "threshold", "profile_steps", "reexpress")
 """The fields :func:`agree_refresh` compares (then the adapter's own ``extra`` ones)."""
 
-_FLOAT_FIELDS = ("damping", "decay", "factor_decay", "threshold")
+_FLOAT_FIELDS = ("damping", "decay", "factor_decay", "top_fraction", "threshold")
 
 
 def _float_bits(x: float | None) -> int:
@@ -450,7 +459,7 @@ def refresh_signature(options: PaperOptions, sync: int) -> dict[str, int]:
             "damping": _float_bits(o.damping), "decay": _float_bits(o.decay),
             "factor_decay": _float_bits(o.factor_decay), "factor": FACTORS.index(o.factor),
             "names": -1 if o.names is None else _digest(o.names), "top_n": -1 if o.top_n is None else int(o.top_n),
-            "threshold": _float_bits(o.threshold), "profile_steps": int(o.profile_steps),
+            "top_fraction": _float_bits(o.top_fraction), "threshold": _float_bits(o.threshold), "profile_steps": int(o.profile_steps),
             "reexpress": int(o.reexpress)}
 
 
@@ -684,6 +693,13 @@ class SaturationProfile:
         """:func:`select_saturated` of :meth:`scores`."""
         return select_saturated(self.scores(), top_n, threshold)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"totals": dict(self.totals), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.totals = {str(n): float(v) for n, v in state["totals"].items()}
+        self.counts = {str(n): int(v) for n, v in state["counts"].items()}
+
 
 def select_saturated(scores: Mapping[str, float], top_n: int | None = None,
                      threshold: float | None = None) -> tuple[str, ...]:
@@ -696,6 +712,35 @@ def select_saturated(scores: Mapping[str, float], top_n: int | None = None,
     if threshold is not None:
         order = [n for n in order if scores[n] >= threshold]
     return tuple(order)
+
+
+def select_for(options: PaperOptions, scores: Mapping[str, float]) -> tuple[str, ...]:
+    """The paper's selection under ``options`` (:class:`PaperOptions`: top_n, else
+    ceil(top_fraction x len(scores)), then threshold; :func:`select_saturated`) from the scores of
+    a :class:`SaturationProfile` (name -> mean fraction of bound-hitting codes)."""
+    top = options.top_n
+    if top is None and options.top_fraction is not None and scores:
+        top = max(1, int(np.ceil(options.top_fraction * len(scores) - 1e-9)))
+    return select_saturated(scores, top, options.threshold)
+
+
+def average_scores(comm: Any, scores: Mapping[str, float]) -> dict[str, float]:
+    """Collective over ``comm`` (a giftcomm Transport, an mpi4py communicator, or None: this process
+    alone): the mean over the ranks of each rank's profile scores, identical on every rank (one
+    allgather of the names, then one ``sum_float64``). RuntimeError on every rank when the ranks
+    profiled different weights."""
+    from .sync import as_transport
+
+    names = sorted(scores)
+    t = as_transport(comm)
+    if t is None or t.size == 1:
+        return {n: float(scores[n]) for n in names}
+    every = t.allgather_object(tuple(names))
+    if any(e != every[0] for e in every):
+        raise RuntimeError("paper preset: the ranks profiled different weights for the selection: " +
+                           "; ".join(f"rank {r}: {len(e)} weights" for r, e in enumerate(every)))
+    total = t.sum_float64(np.array([scores[n] for n in names], np.float64)) / t.size
+    return {n: float(v) for n, v in zip(names, total)}
 
 
 PRESET_BUILDERS["paper"] = paper_geometry  # Geometry.preset("paper", ...)

@@ -36,6 +36,10 @@ class LlamaConfig:
 CONFIGS = {
     # ~5.3M parameters: the end-to-end comparison (python -m studies train)
     "small": LlamaConfig(dim=256, layers=7, heads=8, ffn=688, seq_len=128),
+    # ~85M parameters, 1,024-token sequences: the paper-scale capture a GPU runs (perf/paper_scale.sh)
+    "paper-gpu": LlamaConfig(dim=768, layers=12, heads=12, ffn=2048, seq_len=1024),
+    # ~0.8M parameters: the training comparison's model (studies.train --size medium)
+    "medium": LlamaConfig(dim=128, layers=4, heads=4, ffn=344, seq_len=64),
     # ~246k parameters: the training grid's model (studies.train.Config's shape; docs/results.md)
     "grid": LlamaConfig(dim=96, layers=2, heads=4, ffn=256, seq_len=64),
     # a few 10^4 parameters: CI (--quick)

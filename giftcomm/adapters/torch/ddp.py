@@ -316,8 +316,9 @@ class GiftState:
             check_feedback_format(self.options.format, "GiftState")
         self.factor_ema = FactorEMA()  # the paper's EMA of the factor across refreshes
         self.feedback: Any = None
-        if sched.error_feedback:
-            self.feedback = TransformedFeedback(reexpress=sched.paper.reexpress) if sched.paper else ErrorFeedback()
+        if sched.error_feedback:  # the paper's preset: the residual in the map's coordinates (class doc)
+            self.feedback = ErrorFeedback() if sched.paper is None else TransformedFeedback(
+                reexpress=sched.paper.reexpress, euclidean=False)
         self.baseline: Optional[str] = None
         if baseline is not None:
             from ...collectives.baselines import baseline_wire

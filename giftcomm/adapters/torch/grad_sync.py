@@ -104,14 +104,20 @@ class GradSync:
     forward hook on each nn.Linear captures its input covariance A (EMA, PaperOptions.decay) and
     every ``paper.refresh_every``-th sync (syncs 0, K, 2K, ...) the maps are rebuilt from A averaged
     over the ranks, the factor blended with the previous one (factor_decay), every rank's map
-    agreed; giftcomm.adapters.torch.paper_refresh; every sync starts with one int64 allgather in
-    which the ranks agree on the sync count and the settings, so ranks that would refresh at
-    different syncs raise the same ValueError at once). capture_tokens: rows of each layer's
-    input captured per forward (None: all; geometry "paper" only).
+    agreed; giftcomm.adapters.torch.paper_refresh; with ``paper.names`` None (the default) the
+    weights transformed are the paper's selection: the first profile_steps syncs run Euclidean
+    while each nn.Linear weight's local gradient is scored by its share of FP8 E5M2 codes at a
+    bound, then the top ones (top_n / top_fraction / threshold) are chosen from the scores averaged
+    over the ranks, the same on every rank; every sync starts with one int64 allgather in which the
+    ranks agree on the sync count and the settings, so ranks that would refresh at different syncs
+    raise the same ValueError at once). capture_tokens: rows of each layer's input captured per
+    forward (None: all; geometry "paper" only).
 
     feedback: where the residuals live with error feedback (GiftSchedule.feedback_kind): None
     ("transformed" with geometry "paper" -- "transformed-kept" when its reexpress is False -- else
-    "ordinary"), "ordinary" (gradient coordinates, :class:`~giftcomm.collectives.feedback.ErrorFeedback`),
+    "ordinary"; with geometry "paper" the residual is kept on the transformed weights only, none on
+    the Euclidean ones nor during the profile window, as the paper's artifact), "ordinary"
+    (gradient coordinates, :class:`~giftcomm.collectives.feedback.ErrorFeedback`),
     "transformed" (each bucket's geometry coordinates, re-expressed when the geometry changes: the
     paper's method with the re-expression, :class:`~giftcomm.collectives.feedback.TransformedFeedback`) or
     "transformed-kept" (not re-expressed: the paper's artifact). baseline: None, or a baseline
@@ -149,8 +155,9 @@ class GradSync:
                                  '"transformed-kept"')
         self.feedback: Any = None
         if sched.error_feedback:
+            # the paper's preset: no residual on the weights it leaves Euclidean (the artifact's rule)
             self.feedback = ErrorFeedback() if feedback == "ordinary" else TransformedFeedback(
-                reexpress=feedback == "transformed")
+                reexpress=feedback == "transformed", euclidean=sched.paper is None)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"GradSync: bucket_mb must be a number > 0, got {bucket_mb!r}")
         self.comm = comm
@@ -202,6 +209,8 @@ class GradSync:
                 self._refresh(control, sync_index)
         for b, g in zip(self.buckets, self.geometries):
             b.bind()  # a grad replaced by someone else is copied into the bucket
+            if self.refresh is not None:  # the profile window: score this rank's gradients before the wire
+                self.refresh.observe(b.layout, b.tensor, sync_index)
             tg = None if g is None or g.is_identity else _TimedGeometry(g)
             o = step_options(self.options, step, b.index)
             if self.baseline is not None:

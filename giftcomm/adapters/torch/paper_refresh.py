@@ -7,11 +7,21 @@ the capture of A and of the refresh.
   (``A <- decay A + (1 - decay) a^T a / rows``, PaperOptions.decay, 0.95), on every training
   forward with gradients enabled (all rows, or ``tokens`` sampled ones). The segment of a layer is
   its weight's parameter name.
-- **Refresh** (:class:`PaperRefresh`): on every ``refresh_every``-th sync (syncs 0, K, 2K, ...:
-  the first geometry is built from the first step's A), A is averaged over the ranks and the
-  factors rebuilt and blended with the previous ones (PaperOptions.factor_decay;
-  giftcomm.geometry.paper.refresh_geometries), so every rank applies the same map (fingerprints
-  agreed; a rank missing a factor raises on every rank).
+- **Selection** (the paper's rule, when PaperOptions.names is None): syncs 0 .. W-1 (W =
+  PaperOptions.profile_steps, the paper's 100) are the profile window: no map (every weight
+  Euclidean) while each captured weight's local gradient is scored by its fraction of FP8 E5M2
+  codes at a bound (:meth:`PaperRefresh.observe`, giftcomm.geometry.paper.SaturationProfile, one
+  scale per tensor: the paper's wire); at sync W the scores are averaged over the ranks and the
+  weights chosen (giftcomm.geometry.paper.select_for: top_n, else the top top_fraction, then
+  threshold), the same on every rank; only those are transformed from then on. With names given,
+  those are transformed from sync 0 and nothing is profiled; with profile_steps 0 and no names,
+  every captured weight is, from sync 0.
+- **Refresh** (:class:`PaperRefresh`): on every ``refresh_every``-th sync from the first map
+  (syncs 0, K, 2K, ... with names given; W, W + K, W + 2K, ... after a profile window), A is
+  averaged over the ranks and the factors of the transformed weights rebuilt and blended with the
+  previous ones (PaperOptions.factor_decay; giftcomm.geometry.paper.refresh_geometries), so every
+  rank applies the same map (fingerprints agreed; a rank missing a factor raises on every rank).
+  A is captured from sync 0, so the first map's A has the whole window behind it.
   Between refreshes the map stays fixed; an error feedback in the transformed coordinates is
   re-expressed by its owner when the map changes (giftcomm.collectives.feedback.TransformedFeedback).
 - **Agreement** (:meth:`PaperRefresh.agree`): at EVERY sync, before anything else, one int64
@@ -26,13 +36,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from ...geometry import Geometry, InputFactorEstimator, Layout
-from ...geometry.paper import FactorEMA, PaperOptions, agree_refresh, refresh_geometries
+from ...geometry.paper import FactorEMA, PaperOptions, SaturationProfile, agree_refresh, average_scores, refresh_geometries, select_for
 from .kfac import linear_segments, model_layout
 
 __all__ = ["InputCapture", "PaperRefresh"]
@@ -62,11 +73,12 @@ class InputCapture:
         self.tokens = tokens
         self.rng = np.random.default_rng(seed)
         self.seconds = 0.0
+        self.only: set[str] | None = None  # after a selection: the weights whose A is still captured
         self._handles = [m.register_forward_hook(self._hook(name)) for m, name in layers.items()]
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            if not (module.training and torch.is_grad_enabled()):
+            if not (module.training and torch.is_grad_enabled()) or (self.only is not None and name not in self.only):
                 return
             t0 = time.perf_counter()
             a = inputs[0].detach().reshape(-1, module.in_features)
@@ -93,11 +105,13 @@ class InputCapture:
 
 
 class PaperRefresh:
-    """Capture + refresh of the paper's preset for one model (module doc).
+    """Capture, selection and refresh of the paper's preset for one model (module doc).
 
     model: the nn.Module; options: PaperOptions; layout: the layout the capture's segments
     belong to (default: the model's); tokens: rows captured per layer per forward (None: all).
-    ``factor_ema``: the factor EMA across refreshes; ``refreshes``: refreshes done."""
+    ``factor_ema``: the factor EMA across refreshes; ``refreshes``: refreshes done;
+    ``profile``: the SaturationProfile of the window (None with names given); ``selected``: the
+    weights transformed (options.names, or the profile's choice once made; None before)."""
 
     def __init__(self, model: torch.nn.Module, options: PaperOptions, layout: Layout | None = None,
                  tokens: int | None = None) -> None:
@@ -105,35 +119,105 @@ class PaperRefresh:
         self.capture = InputCapture(model, options, layout, tokens)
         self.factor_ema = FactorEMA()
         self.refreshes = 0
+        self.profile: SaturationProfile | None = None
+        self.selected: tuple[str, ...] | None = options.names
+        if options.names is None and options.profile_steps > 0:  # profile_steps 0: every captured weight
+            self.profile = SaturationProfile("e5m2", options.profile_steps)
+            self.scored = sorted(set(self.capture.layers.values()))
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the selection is the profile's (options.names is None)."""
+        return self.profile is not None
 
     def due(self, sync: int) -> bool:
-        """Whether sync number ``sync`` (0, 1, ...) refreshes the map (every refresh_every-th)."""
-        return sync % self.options.refresh_every == 0
+        """Whether sync number ``sync`` (0, 1, ...) builds the maps: every refresh_every-th from
+        sync 0 (names given), or sync 0 (the profile window's identity maps) and every
+        refresh_every-th from sync profile_steps (module doc)."""
+        k, w = self.options.refresh_every, self.options.profile_steps
+        if not self.profiling:
+            return sync % k == 0
+        return sync == 0 or (sync >= w and (sync - w) % k == 0)
+
+    def in_window(self, sync: int) -> bool:
+        """Whether sync number ``sync`` lies in the profile window (no map; gradients scored)."""
+        return self.profiling and sync < self.options.profile_steps
+
+    def observe(self, layout: Layout, flat: Any, sync: int) -> None:
+        """Score this rank's gradients of the captured weights in ``flat`` (one bucket's (n,)
+        buffer over ``layout``: a NumPy array or a CPU/CUDA torch tensor) at sync ``sync``, when
+        it lies in the profile window (else nothing). Call before the reduction (and before any
+        error feedback is added): the paper scores what each rank is about to quantize."""
+        if not self.in_window(sync):
+            return
+        assert self.profile is not None
+        names = [n for n in self.scored if n in layout]
+        if not names:
+            return
+        if isinstance(flat, torch.Tensor):
+            flat = flat.detach().to("cpu", torch.float32).numpy()
+        self.profile.update_flat(layout, flat, names)
 
     def agree(self, transport: Any, sync: int, what: str, extra: Mapping[str, int] | None = None) -> bool:
         """Collective, at every sync before anything else: the ranks agree on the sync counter, the
         settings and the adapter's ``extra`` fields (giftcomm.geometry.paper.agree_refresh: the
-        same ValueError on every rank otherwise); returns whether this sync refreshes (:meth:`due`)."""
+        same ValueError on every rank otherwise); returns whether this sync builds maps (:meth:`due`)."""
         agree_refresh(transport, what, sync, self.options, extra)
         return self.due(sync)
 
+    def select(self, transport: Any) -> tuple[str, ...]:
+        """Collective: the weights to transform from the profile's scores averaged over the ranks
+        (giftcomm.geometry.paper.average_scores, select_for), the same on every rank; kept in
+        ``selected``, and the capture of A narrowed to them."""
+        assert self.profile is not None
+        scores = self.profile.scores()
+        missing = [n for n in self.scored if n not in scores]
+        if missing:
+            raise RuntimeError(f"paper preset: no gradient of {missing[:6]} was scored in the profile window; pass "
+                               "every captured weight's bucket to observe()")
+        self.selected = select_for(self.options, average_scores(transport, scores))
+        self.capture.only = set(self.selected)
+        return self.selected
+
     def geometries(self, transport: Any, layouts: Mapping[Any, Layout], sync: int) -> dict[Any, Geometry]:
-        """Collective over ``transport``: key -> the paper's geometry of each layout, from this
-        rank's A averaged over the ranks (giftcomm.geometry.paper.refresh_geometries, smoothed by
-        the factor EMA). Raises on every rank as that does. Call after :meth:`agree`."""
-        geos = refresh_geometries(transport, layouts, self.capture.estimator.factors(), sync, self.options,
-                                  smoothing=self.factor_ema)
+        """Collective over ``transport`` (call at a sync where :meth:`agree` said due): key -> the
+        paper's geometry of each layout. In the profile window: identity maps (no collective).
+        At the window's end: the selection first (:meth:`select`). Then the maps of the selected
+        weights from this rank's A averaged over the ranks (giftcomm.geometry.paper.
+        refresh_geometries, smoothed by the factor EMA); identity everywhere when none is
+        selected. Raises on every rank as those do."""
+        if self.in_window(sync):
+            return {k: Geometry.identity(lay) for k, lay in layouts.items()}
+        if not self.profiling:  # names given, or every captured weight (profile_steps 0)
+            self.refreshes += 1
+            return refresh_geometries(transport, layouts, self.capture.estimator.factors(), sync, self.options,
+                                      smoothing=self.factor_ema)
+        if self.selected is None:
+            self.select(transport)
+        chosen = self.selected or ()
         self.refreshes += 1
-        return geos
+        if not chosen:
+            return {k: Geometry.identity(lay) for k, lay in layouts.items()}
+        factors = {n: a for n, a in self.capture.estimator.factors().items() if n in chosen}
+        return refresh_geometries(transport, layouts, factors, sync, replace(self.options, names=tuple(chosen)),
+                                  smoothing=self.factor_ema)
 
     def state_dict(self) -> dict[str, Any]:
-        """The refresh count, the factor EMA's history (both the same on every rank) and this
-        rank's capture (its A and row sampler): what a resume needs to continue bit for bit."""
+        """The refresh count, the factor EMA's history, the selection (all the same on every
+        rank), this rank's profile scores and capture (its A and row sampler): what a resume
+        needs to continue bit for bit."""
         return {"refreshes": self.refreshes, "factor_ema": self.factor_ema.state_dict(),
-                "capture": self.capture.state_dict()}
+                "capture": self.capture.state_dict(), "selected": self.selected,
+                "profile": None if self.profile is None else self.profile.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.refreshes = int(state["refreshes"])
         self.factor_ema.load_state_dict(state["factor_ema"])
         if state.get("capture") is not None:
             self.capture.load_state_dict(state["capture"])
+        if self.profile is not None:
+            sel = state.get("selected")
+            self.selected = None if sel is None else tuple(sel)
+            self.capture.only = None if sel is None else set(sel)
+            if state.get("profile") is not None:
+                self.profile.load_state_dict(state["profile"])

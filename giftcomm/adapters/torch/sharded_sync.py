@@ -64,9 +64,11 @@ class ShardedGradSync:
 
     geometry="paper": the GIFT paper's preset in one word (``model`` the nn.Module; settings
     ``schedule.paper``; ``capture_tokens`` rows per layer and forward, None: all): the nn.Linear
-    inputs' covariances A are captured by forward hooks and every ``paper.refresh_every``-th sync
-    (0, K, 2K, ...) the map is rebuilt from A averaged over the ranks, factor EMA included
-    (giftcomm.adapters.torch.paper_refresh, shared with GradSync);
+    inputs' covariances A are captured by forward hooks; with names None (the default) the first
+    profile_steps syncs run Euclidean while the weights' gradients are scored for the paper's
+    selection (giftcomm.adapters.torch.paper_refresh), and every ``paper.refresh_every``-th sync
+    from then on (from sync 0 with names given) the map of the selected weights is rebuilt from A
+    averaged over the ranks, factor EMA included (shared with GradSync);
     every sync starts with one int64 allgather in which the ranks agree on the sync count and the
     settings (the same ValueError on every rank when they differ).
     Each rank maps its whole local buffer forward, the reduce-scatter runs in those coordinates
@@ -80,7 +82,8 @@ class ShardedGradSync:
     ring: hop 0's chunk), added to the next sync's ``T(g)``; at a refresh it is re-expressed,
     ``e_new = T_new(T_old^-1(e_old))`` (the residual in ordinary coordinates unchanged, to float32
     rounding), or kept as it is with the settings' ``reexpress=False`` (the artifact's way). On the
-    layers the map leaves Euclidean (identity) it is the ordinary residual.
+    layers the map leaves Euclidean (identity), and in the profile window, there is none (the
+    artifact's Euclidean branch has no error feedback).
 
     Attributes: ``buffer`` (padded,) the gradients; ``lo``, ``hi`` this rank's element range;
     ``numel`` the parameters' element count (without padding); ``size``, ``rank``.
@@ -97,8 +100,9 @@ class ShardedGradSync:
         if sched.error_feedback:
             check_feedback_format(self.options.format, "ShardedGradSync")
         self.feedback: ErrorFeedback | TransformedFeedback | None = None
-        if sched.error_feedback:  # the paper's preset: the residual in the map's coordinates (class doc)
-            self.feedback = ErrorFeedback() if sched.paper is None else TransformedFeedback(reexpress=sched.paper.reexpress)
+        if sched.error_feedback:  # the paper: no residual on the layers it leaves Euclidean
+            self.feedback = (TransformedFeedback(reexpress=sched.paper.reexpress, euclidean=False) if sched.paper
+                             else ErrorFeedback())
         self.algorithm_used: str | None = None
         if self.options.algorithm not in SCATTER_CHOICES:
             raise ValueError(f"ShardedGradSync: algorithm must be one of {', '.join(SCATTER_CHOICES)} "
@@ -178,6 +182,7 @@ class ShardedGradSync:
         if self.refresh.agree(self.comm, sync_index, "ShardedGradSync", has_map):  # every sync, before any refresh
             self.geometry_of = self.refresh.geometries(self.comm, {0: self._padded_layout}, sync_index)[0]
         geo = self.geometry_of
+        self.refresh.observe(self._padded_layout, self.buffer, sync_index)  # the profile window's scores
         if geo is None:  # calls set by hand past sync 0 without the map (load_state_dict restores both)
             raise RuntimeError(f"ShardedGradSync: sync {sync_index} is no refresh and there is no map yet; restore "
                                "a state_dict of this sync, which holds the map")
