@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["AdaptiveSpec", "TIER_T2", "TIER_T4", "TIER_T8", "BLOCK_MULTIPLE", "T2_MAX", "T2_GROUP",
-           "T4_GROUP"]
+           "T4_GROUP", "TOP_ELEMENTS", "T8_INT_GROUP", "T8_INT_MAX"]
 
 #: choice-bit codes
 TIER_T2, TIER_T4, TIER_T8 = 0, 1, 2
@@ -59,6 +59,11 @@ BLOCK_MULTIPLE = 128
 T4_GROUP, T2_GROUP = 16, 32
 #: largest INT2 midrise element magnitude
 T2_MAX = 3
+#: the 8-bit tier's element: "e4m3" (one float32 scale per super-block) or "int8" (symmetric
+#: integers -127..127, one E4M3 scale per T8_INT_GROUP values under the float32 super-scale)
+TOP_ELEMENTS = ("e4m3", "int8")
+T8_INT_GROUP = 32
+T8_INT_MAX = 127
 
 
 @dataclass(frozen=True)
@@ -74,17 +79,25 @@ class AdaptiveSpec:
     budget_mbits: int
     frame: int = 64
     share8_permille: int = 1000
+    top: str = "e4m3"
+
+    def __post_init__(self) -> None:
+        if self.top not in TOP_ELEMENTS:
+            raise ValueError(f"an adaptive row's 8-bit tier is one of {', '.join(TOP_ELEMENTS)}, got {self.top!r}")
+        if not 1 <= self.frame <= 1024 or not 0 <= self.share8_permille <= 1000:
+            raise ValueError(f"frame must be in [1, 1024] and share8_permille in [0, 1000], got {self.frame}, "
+                             f"{self.share8_permille}")
 
     @property
     def budget(self) -> float:
         """The budget in bits per value."""
         return self.budget_mbits / 1000
 
-    @staticmethod
-    def tier_bytes(block: int) -> tuple[int, int, int]:
+    def tier_bytes(self, block: int) -> tuple[int, int, int]:
         """Payload bytes (elements and element scales, the super-scale left out) of one
         super-block of ``block`` values in T8, T4, T2."""
-        return block, block // 2 + block // T4_GROUP, block // 4 + block // T2_GROUP
+        t8 = block if self.top == "e4m3" else block + block // T8_INT_GROUP
+        return t8, block // 2 + block // T4_GROUP, block // 4 + block // T2_GROUP
 
     @staticmethod
     def head_bytes(n: int) -> int:
@@ -92,15 +105,15 @@ class AdaptiveSpec:
         return 4 * -(-n // 16) + 4 * n
 
     def check_block(self, block: int) -> None:
-        """ValueError unless ``block`` fits the row: a multiple of BLOCK_MULTIPLE whose frames
-        meet the budget even with every super-block at 2 bits."""
+        """ValueError unless ``block`` fits the row: a multiple of BLOCK_MULTIPLE for which every
+        frame the row can make (1 .. frame super-blocks) meets the budget with all of them at 2 bits."""
         if block % BLOCK_MULTIPLE:
             raise ValueError(f"an adaptive format's block must be a multiple of {BLOCK_MULTIPLE}, got {block}")
-        need = max(self._floor_bytes(n, block) * 8 / (n * block) for n in range(1, self.frame + 1))
-        if self._cap(self.frame, block) < self._floor_bytes(self.frame, block) or any(
-                self._cap(n, block) < self._floor_bytes(n, block) for n in range(1, self.frame + 1)):
-            raise ValueError(f"budget {self.budget:g} bits/value is below what an adaptive frame of block {block} "
-                             f"needs with every super-block at 2 bits ({need:.4f} bits/value)")
+        sizes = range(1, self.frame + 1)
+        if any(self._cap(n, block) < self._floor_bytes(n, block) for n in sizes):
+            need = max(self._floor_bytes(n, block) * 8 / (n * block) for n in sizes)
+            raise ValueError(f"budget {self.budget:g} bits/value is below what an adaptive frame of blocks of {block} "
+                             f"needs with every block at 2 bits ({need:.4f} bits/value)")
 
     def _cap(self, n: int, block: int) -> int:
         return self.budget_mbits * n * block // 8000

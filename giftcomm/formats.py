@@ -160,16 +160,21 @@ _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 
+#: the adaptive rows' super-block (their fixed block)
+ADAPTIVE_BLOCK = 256
+
+
 def _adaptive_row(name: str, code: int, spec: AdaptiveSpec) -> Format:
     """An adaptive-precision row (giftcomm.adaptive): uint8 wire bytes, no single element format."""
-    return Format(name, code, np.dtype(np.uint8), True, 448.0, 0, 0, None, "adaptive", 8, native=False,
+    spec.check_block(ADAPTIVE_BLOCK)
+    return Format(name, code, np.dtype(np.uint8), True, 448.0, 0, 0, ADAPTIVE_BLOCK, "adaptive", 8, native=False,
                   adaptive=spec)
 
 
 #: the adaptive-precision rows (giftcomm.adaptive): per 256-value super-block 8, 4 or 2 bits,
 #: top blocks by amax first, within the named budget (bits/value, everything counted)
 ADAPTIVE_ROWS = (
-    _adaptive_row("ada4.5", 10, AdaptiveSpec(4500)),
+    _adaptive_row("ada4_5", 10, AdaptiveSpec(4500)),
     _adaptive_row("ada4", 11, AdaptiveSpec(4000)),
 )
 
@@ -237,11 +242,6 @@ def resolve_block(fmt: str | Format, block: int | None = None) -> int:
     if block is None:
         return f.default_block()
     block = check_block(block)
-    if f.adaptive is not None:
-        f.adaptive.check_block(block)
-        if f.adaptive.frame * block > MAX_BLOCK:
-            raise ValueError(f"format {f.name}: a frame of {f.adaptive.frame} blocks of {block} values exceeds "
-                             f"{MAX_BLOCK} values")
     if f.fixed_block is not None and block != f.fixed_block:
         raise ValueError(f"format {f.name} has a fixed block of {f.fixed_block} values; got block={block} "
                          f"(pass block=None or block={f.fixed_block})")

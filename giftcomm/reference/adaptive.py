@@ -10,7 +10,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..adaptive import T2_GROUP, T2_MAX, T4_GROUP, TIER_T2, TIER_T4, TIER_T8, AdaptiveSpec
+from ..adaptive import (
+    T2_GROUP,
+    T2_MAX,
+    T4_GROUP,
+    T8_INT_GROUP,
+    T8_INT_MAX,
+    TIER_T2,
+    TIER_T4,
+    TIER_T8,
+    AdaptiveSpec,
+)
 from ..formats import Format
 
 __all__ = ["encode", "decode", "tiers_of", "int2_round"]
@@ -57,6 +67,20 @@ def int2_round(y: np.ndarray, rbits: np.ndarray | None) -> np.ndarray:
         frac = (t.astype(np.float64) * 2.0**32).astype(np.uint64)
         big = frac + rbits.astype(np.uint64) >= np.uint64(1 << 32)
     return sign | big.astype(np.uint8)
+
+
+def int8_round(y: np.ndarray, rbits: np.ndarray | None) -> np.ndarray:
+    """INT8 codes (uint8 bytes of int8) of float32 values clipped to [-127, 127]: nearest (ties
+    to even) or stochastic (``floor(|y|) + 1`` when the first 32 bits of frac(|y|) plus R reach
+    2**32), the sign applied after."""
+    a = np.abs(y)
+    if rbits is None:
+        m = np.rint(a)
+    else:
+        fl = np.floor(a)
+        frac = ((a - fl).astype(np.float64) * 2.0**32).astype(np.uint64)
+        m = fl + (frac + rbits.astype(np.uint64) >= np.uint64(1 << 32))
+    return np.where(np.signbit(y), -m, m).astype(np.int8).view(np.uint8)
 
 
 def _int2_value(codes: np.ndarray) -> np.ndarray:
@@ -159,9 +183,12 @@ def _encode_frames(v: np.ndarray, r: np.ndarray | None, spec: AdaptiveSpec, bloc
         sel = tiers == tier
         vt = v[sel].reshape(m * k, block)
         rt = None if r is None else r[sel].reshape(m * k, block)
-        if tier == TIER_T8:
+        if tier == TIER_T8 and spec.top == "e4m3":
             codes, s = _t8(vt, rt)
             body = codes
+        elif tier == TIER_T8:
+            codes, bs, s = _scaled_tier(vt, rt, T8_INT_GROUP, float(T8_INT_MAX), 448.0 * T8_INT_MAX, int8_round)
+            body = np.concatenate([codes, bs], axis=1)
         elif tier == TIER_T4:
             codes, bs, s = _scaled_tier(vt, rt, T4_GROUP, 6.0, 2688.0, _e2m1_codes)
             body = np.concatenate([_pack(codes & np.uint8(0xF), 4), bs], axis=1)
@@ -229,13 +256,16 @@ def _decode_frames(body: np.ndarray, n: int, spec: AdaptiveSpec, block: int) -> 
             pos += k * tb
             sel = tiers == tier
             s = scales[sel]
-            if tier == TIER_T8:
+            if tier == TIER_T8 and spec.top == "e4m3":
                 vals = sec.view(_E4M3).astype(np.float32) * s[:, None]
             else:
-                group, bits = (T4_GROUP, 4) if tier == TIER_T4 else (T2_GROUP, 2)
+                group, bits = {TIER_T8: (T8_INT_GROUP, 8), TIER_T4: (T4_GROUP, 4), TIER_T2: (T2_GROUP, 2)}[tier]
                 nel = block * bits // 8
-                codes = _unpack(sec[:, :nel], bits)
-                elem = codes.view(_E2M1).astype(np.float32) if bits == 4 else _int2_value(codes)
+                if bits == 8:
+                    elem = sec[:, :nel].view(np.int8).astype(np.float32)
+                else:
+                    codes = _unpack(sec[:, :nel], bits)
+                    elem = codes.view(_E2M1).astype(np.float32) if bits == 4 else _int2_value(codes)
                 d = (_e4m3_value(sec[:, nel:]) * s[:, None]).astype(np.float32)
                 vals = (elem.reshape(m * k, block // group, group) * d[..., None]).reshape(m * k, block)
                 vals[~np.isfinite(s)] = np.float32(np.nan)

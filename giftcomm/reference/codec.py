@@ -82,7 +82,6 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from . import adaptive as _adaptive
 from ..formats import (
     NVFP4_GROUP,
     Format,
@@ -98,6 +97,7 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
+from . import adaptive as _adaptive
 
 __all__ = ["encode", "decode", "decode_add_encode", "block_scales", "e8m0_codes", "split_message", "philox4x32",
            "philox_bits", "round_elements", "element_facts"]
