@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["AdaptiveSpec", "TIER_T2", "TIER_T4", "TIER_T8", "BLOCK_MULTIPLE", "T2_MAX", "T2_GROUP",
            "T4_GROUP", "TOP_ELEMENTS", "T8_INT_GROUP", "T8_INT_MAX"]
 
@@ -84,8 +86,8 @@ class AdaptiveSpec:
     def __post_init__(self) -> None:
         if self.top not in TOP_ELEMENTS:
             raise ValueError(f"an adaptive row's 8-bit tier is one of {', '.join(TOP_ELEMENTS)}, got {self.top!r}")
-        if not 1 <= self.frame <= 1024 or not 0 <= self.share8_permille <= 1000:
-            raise ValueError(f"frame must be in [1, 1024] and share8_permille in [0, 1000], got {self.frame}, "
+        if not 1 <= self.frame <= 1 << 16 or not 0 <= self.share8_permille <= 1000:
+            raise ValueError(f"frame must be in [1, 65536] and share8_permille in [0, 1000], got {self.frame}, "
                              f"{self.share8_permille}")
 
     @property
@@ -109,9 +111,10 @@ class AdaptiveSpec:
         frame the row can make (1 .. frame super-blocks) meets the budget with all of them at 2 bits."""
         if block % BLOCK_MULTIPLE:
             raise ValueError(f"an adaptive format's block must be a multiple of {BLOCK_MULTIPLE}, got {block}")
-        sizes = range(1, self.frame + 1)
-        if any(self._cap(n, block) < self._floor_bytes(n, block) for n in sizes):
-            need = max(self._floor_bytes(n, block) * 8 / (n * block) for n in sizes)
+        n = np.arange(1, self.frame + 1, dtype=np.int64)
+        floor = 4 * -(-n // 16) + 4 * n + n * self.tier_bytes(block)[2]
+        if (self.budget_mbits * n * block // 8000 < floor).any():
+            need = float((floor * 8 / (n * block)).max())
             raise ValueError(f"budget {self.budget:g} bits/value is below what an adaptive frame of blocks of {block} "
                              f"needs with every block at 2 bits ({need:.4f} bits/value)")
 
