@@ -40,6 +40,7 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
+from ..reference import adaptive as _adaptive
 from ..reference.codec import NVFP4_TINY, element_facts
 from ..reference.rounding import mix64
 
@@ -289,6 +290,28 @@ def _encode_nvfp4(x, f, block, rbits):
     return head, _bytes(s2)
 
 
+def _adaptive_encode(x: jax.Array, f: Format, block: int, rbits: jax.Array | None) -> jax.Array:
+    """An adaptive row's message: the NumPy reference (giftcomm.reference.adaptive) through a
+    host callback, fed the Philox bits computed here (the rows have no jnp kernels yet)."""
+    nbytes = message_nbytes(x.size, f, block)
+
+    def host(values: np.ndarray, *bits: np.ndarray) -> np.ndarray:
+        msg = np.zeros(nbytes, np.uint8)
+        _adaptive.encode(np.asarray(values, np.float32), f, block, msg, np.asarray(bits[0]) if bits else None)
+        return msg
+
+    args = (x,) if rbits is None else (x, rbits)
+    return jax.pure_callback(host, jax.ShapeDtypeStruct((nbytes,), jnp.uint8), *args)
+
+
+def _adaptive_decode(message: jax.Array, count: int, f: Format, block: int) -> jax.Array:
+    """An adaptive row's values: the NumPy reference through a host callback."""
+    def host(msg: np.ndarray) -> np.ndarray:
+        return _adaptive.decode(np.asarray(msg, np.uint8), count, f, block)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct((count,), jnp.float32), message)
+
+
 def encode(x: jax.Array, fmt: str | Format = "e4m3", block: int | None = None, *, rounding: str = "nearest",
            key: Any = (0, 0), offset: Any = 0) -> jax.Array:
     """The wire message (uint8[message_nbytes(x.size, fmt, block)]) of a float32 vector ``x``.
@@ -302,6 +325,8 @@ def encode(x: jax.Array, fmt: str | Format = "e4m3", block: int | None = None, *
     if not f.scaled:
         return _bytes(x.astype(PASS_DTYPES[f.name]))
     rbits = None if rounding == "nearest" else philox_bits(key, offset, n)
+    if f.adaptive is not None:
+        return _adaptive_encode(x, f, block, rbits)
     if f.scale_kind == "f32":
         head, tail = _encode_f32(x, f, block, rbits)
     elif f.scale_kind == "e8m0":
@@ -324,6 +349,8 @@ def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: in
         v = message[: count * width]
         v = v if width == 1 else jax.lax.bitcast_convert_type(v.reshape(count, width), dt)
         return v.astype(jnp.float32)
+    if f.adaptive is not None:
+        return _adaptive_decode(message, count, f, block)
     nb = num_blocks(count, block)
     off = scales_offset(count, f)
     if f.packed:

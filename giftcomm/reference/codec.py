@@ -97,6 +97,7 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
+from . import adaptive as _adaptive
 
 __all__ = ["encode", "decode", "decode_add_encode", "block_scales", "e8m0_codes", "split_message", "philox4x32",
            "philox_bits", "round_elements", "element_facts"]
@@ -361,7 +362,9 @@ def encode(x: np.ndarray, fmt: str | Format = "e4m3", block: int | None = None, 
         msg[: n * f.itemsize].view(f.wire_dtype)[...] = x.astype(f.wire_dtype)
         return msg
     rbits = _rounding_bits(rounding, key, offset, n)
-    if f.scale_kind == "f32":
+    if f.adaptive is not None:
+        _adaptive.encode(x, f, block, msg, rbits)
+    elif f.scale_kind == "f32":
         _encode_f32(x, f, block, msg, rbits)
     elif f.scale_kind == "e8m0":
         _encode_mx(x, f, block, msg, rbits)
@@ -378,6 +381,8 @@ def decode(message: np.ndarray, count: int, fmt: str | Format = "e4m3", block: i
     nbytes = message_nbytes(count, f, block)
     if message.size != nbytes:
         raise ValueError(f"a {f.name} message of {count} values has {nbytes} bytes, got {message.size}")
+    if f.adaptive is not None:
+        return _adaptive.decode(message, count, f, block)
     payload, scales = split_message(message, count, f, block)
     if f.packed:
         values = _unpack4(payload, count).view(_E2M1).astype(np.float32)
