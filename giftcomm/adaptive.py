@@ -21,7 +21,8 @@ Tiers (each super-block carries one float32 *super-scale*):
   sign, bit 0 set for magnitude 3), one E4M3 scale per 32 values, super-scale ``amax / 1344``
   (448 * 3); E4M3 scales rounded up as in NVFP4 so no element saturates. Rounding to nearest:
   magnitude 3 when ``|y| >= 2``, else 1 (there is no zero: a 2-bit tier's values are coarse and
-  go only to the blocks with the least energy).
+  go only to the blocks with the least energy); stochastic rounding picks between the two
+  neighbouring levels of -3, -1, 1, 3, unbiased on all of [-3, 3].
 
 A non-finite super-block (amax NaN or Inf) is encoded with super-scale NaN and zero elements
 and scales, whatever its tier: it decodes to NaN values (one bad value poisons its super-block).
@@ -145,6 +146,15 @@ class AdaptiveSpec:
         nsb = -(-count // block)
         full, rest = divmod(nsb, self.frame)
         return full * self.frame_nbytes(self.frame, block) + (self.frame_nbytes(rest, block) if rest else 0)
+
+    def max_message_nbytes(self, count: int, block: int) -> int:
+        """The largest :meth:`message_nbytes` of any count up to ``count`` (a buffer that holds
+        the message of any prefix: message bytes need not grow with every added super-block)."""
+        nsb = np.arange(-(-count // block) + 1, dtype=np.int64)
+        full, rest = np.divmod(nsb, self.frame)
+        per = np.array([self.frame_nbytes(int(r), block) if r else 0 for r in range(min(self.frame, int(nsb[-1]) + 1))],
+                       np.int64)
+        return int((full * self.frame_nbytes(self.frame, block) + per[rest]).max())
 
     def bits_per_value(self, block: int) -> float:
         """Wire bits per value of a message of whole frames."""

@@ -22,6 +22,7 @@ from ..adaptive import (
     AdaptiveSpec,
 )
 from ..formats import Format
+from .elements import round_elements
 
 __all__ = ["encode", "decode", "tiers_of", "int2_round"]
 
@@ -46,8 +47,6 @@ def _e4m3_value(codes: np.ndarray) -> np.ndarray:
 
 
 def _cast(y: np.ndarray, elem: np.dtype, rbits: np.ndarray | None) -> np.ndarray:
-    from .codec import round_elements
-
     if rbits is None:
         return y.astype(elem).view(np.uint8)
     return round_elements(y, elem, rbits)
@@ -55,18 +54,18 @@ def _cast(y: np.ndarray, elem: np.dtype, rbits: np.ndarray | None) -> np.ndarray
 
 def int2_round(y: np.ndarray, rbits: np.ndarray | None) -> np.ndarray:
     """INT2 midrise codes (uint8: bit 1 the sign, bit 0 set for magnitude 3) of float32 values
-    clipped to [-3, 3]. Nearest: magnitude 3 when ``|y| >= 2``. Stochastic with uint32 bits R:
-    ``|y| <= 1`` gives 1; otherwise t = fp32((|y| - 1) / 2) (exact), F = floor(t * 2**32), and
-    magnitude 3 when ``F + R >= 2**32`` (E[value] = |y| for |y| in [1, 3])."""
-    sign = (y.view(np.uint32) >> np.uint32(31)).astype(np.uint8) << np.uint8(1)
-    a = np.abs(y)
+    clipped to [-3, 3]. Nearest: magnitude 3 when ``|y| >= 2``, else 1, the sign of y (-0: -1).
+    Stochastic with uint32 bits R, on the level index of the grid -3, -1, 1, 3: u = (y + 3) / 2
+    in float64 (exact but for |y| < 2**-26 or so), L = floor(u) + 1 when the first 32 bits of
+    frac(u) plus R reach 2**32 (L in 0..3, value 2L - 3: E[value] = y on all of [-3, 3])."""
     if rbits is None:
-        big = a >= np.float32(2)
-    else:
-        t = np.maximum(a - np.float32(1), np.float32(0)) * np.float32(0.5)
-        frac = (t.astype(np.float64) * 2.0**32).astype(np.uint64)
-        big = frac + rbits.astype(np.uint64) >= np.uint64(1 << 32)
-    return sign | big.astype(np.uint8)
+        sign = (y.view(np.uint32) >> np.uint32(31)).astype(np.uint8) << np.uint8(1)
+        return sign | (np.abs(y) >= np.float32(2)).astype(np.uint8)
+    u = (y.astype(np.float64) + 3.0) * 0.5
+    fl = np.floor(u)
+    frac = ((u - fl) * 2.0**32).astype(np.uint64)
+    level = np.minimum(fl.astype(np.int64) + (frac + rbits.astype(np.uint64) >= np.uint64(1 << 32)), 3)
+    return np.array([3, 2, 0, 1], np.uint8)[level]
 
 
 def int8_round(y: np.ndarray, rbits: np.ndarray | None) -> np.ndarray:
@@ -137,7 +136,11 @@ def _scaled_tier(v: np.ndarray, r: np.ndarray | None, group: int, emax: float, s
     with np.errstate(divide="ignore"):
         inv = np.where(bs > 0, np.float32(1) / np.where(bs > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
     y = np.clip(vf.reshape(m, b // group, group) * inv[..., None], np.float32(-emax), np.float32(emax))
-    codes = encode_elems(y.reshape(m, b).astype(np.float32), None if r is None else r.reshape(m, b))
+    y = y.reshape(m, b).astype(np.float32)
+    codes = encode_elems(y, None if r is None else r.reshape(m, b))
+    if r is not None:  # a group of scale 0 decodes to zeros: nearest codes keep their signs
+        zero = np.repeat(bs == 0, group, axis=1)
+        codes = np.where(zero, encode_elems(y, None), codes).astype(np.uint8)
     s2 = np.where(finite, s2, np.float32(np.nan)).astype(np.float32)
     bs[~finite] = 0
     codes = np.where(finite[:, None], codes, np.uint8(0)).astype(np.uint8)
