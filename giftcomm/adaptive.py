@@ -15,7 +15,9 @@ Tiers (each super-block carries one float32 *super-scale*):
 
 - T8 (choice 2): E4M3 elements, the e4m3 row's rule with the super-block as its block: scale
   ``amax / 448`` (1 when amax < 448 * 2**-126), elements ``round(clip(x * 448 / amax))``.
-- T4 (choice 1): NVFP4's rule with the super-block as its group: E2M1 elements, one E4M3 scale
+- T4 (choice 1; ``mid = "int4"``, both rows: INT4 elements -7..7, two's complement nibbles, the
+  same rule with 7 for 6 and super-scale ``amax / (448 * 7)``) ``mid = "e2m1"``: NVFP4's rule
+  with the super-block as its group: E2M1 elements, one E4M3 scale
   per 16 values, super-scale ``amax / 2688`` (1 for a tiny super-block, amax < 2**-100).
 - T2 (choice 0): *INT2 midrise* elements, the odd integers {-3, -1, +1, +3} (code: bit 1 the
   sign, bit 0 set for magnitude 3), one E4M3 scale per 32 values, super-scale ``amax / 1344``
@@ -32,7 +34,7 @@ Frame layout (bytes; ``n`` super-blocks, ``k8 + k4 + k2 = n``)::
     [choice bits: 2 per super-block, 4 per byte, super-block j at bits 2*(j%4) of byte j//4,
      padded to a multiple of 4 bytes] [n float32 super-scales, LE]
     [k8 T8 payloads: block E4M3 bytes]
-    [k4 T4 payloads: block/2 packed E2M1 bytes, block/16 E4M3 scale bytes]
+    [k4 T4 payloads: block/2 packed E2M1 or INT4 bytes, block/16 E4M3 scale bytes]
     [k2 T2 payloads: block/4 packed INT2 bytes (value 4j+i in bits 2i of byte j), block/32 E4M3 scale bytes]
 
 Within a tier the super-blocks go in index order. A message is its frames, back to back.
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["AdaptiveSpec", "TIER_T2", "TIER_T4", "TIER_T8", "BLOCK_MULTIPLE", "T2_MAX", "T2_GROUP",
-           "T4_GROUP", "TOP_ELEMENTS", "T8_INT_GROUP", "T8_INT_MAX"]
+           "T4_GROUP", "TOP_ELEMENTS", "T8_INT_GROUP", "T8_INT_MAX", "MID_ELEMENTS", "T4_INT_MAX"]
 
 #: choice-bit codes
 TIER_T2, TIER_T4, TIER_T8 = 0, 1, 2
@@ -67,6 +69,10 @@ T2_MAX = 3
 TOP_ELEMENTS = ("e4m3", "int8")
 T8_INT_GROUP = 32
 T8_INT_MAX = 127
+#: the 4-bit tier's element: "e2m1" (NVFP4's) or "int4" (symmetric integers -7..7, two's
+#: complement nibbles); both under one E4M3 scale per T4_GROUP values and the float32 super-scale
+MID_ELEMENTS = ("e2m1", "int4")
+T4_INT_MAX = 7
 
 
 @dataclass(frozen=True)
@@ -76,17 +82,21 @@ class AdaptiveSpec:
     budget_mbits: the bit budget, thousandths of a bit per value, everything on the wire counted
     (elements, every scale, the choice bits, padding). frame: super-blocks per frame (the
     allocation unit). share8_permille: the share (per mille) of a frame's upgrade bytes spent on
-    T8 super-blocks before the rest buys T4.
+    T8 super-blocks before the rest buys T4. top, mid: the 8-bit and 4-bit tiers' elements
+    (TOP_ELEMENTS, MID_ELEMENTS).
     """
 
     budget_mbits: int
     frame: int = 64
     share8_permille: int = 1000
     top: str = "e4m3"
+    mid: str = "e2m1"
 
     def __post_init__(self) -> None:
         if self.top not in TOP_ELEMENTS:
             raise ValueError(f"an adaptive row's 8-bit tier is one of {', '.join(TOP_ELEMENTS)}, got {self.top!r}")
+        if self.mid not in MID_ELEMENTS:
+            raise ValueError(f"an adaptive row's 4-bit tier is one of {', '.join(MID_ELEMENTS)}, got {self.mid!r}")
         if not 1 <= self.frame <= 1 << 16 or not 0 <= self.share8_permille <= 1000:
             raise ValueError(f"frame must be in [1, 65536] and share8_permille in [0, 1000], got {self.frame}, "
                              f"{self.share8_permille}")

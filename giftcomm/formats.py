@@ -172,13 +172,13 @@ def _adaptive_row(name: str, code: int, spec: AdaptiveSpec) -> Format:
 
 
 #: the adaptive-precision rows (giftcomm.adaptive): per 256-value super-block 8 bits (INT8 with
-#: E4M3 scales per 32), 4 bits (NVFP4-like) or 2 bits (INT2), the largest blocks of a message by
+#: E4M3 scales per 32), 4 bits (INT4, E4M3 scales per 16) or 2 bits (INT2), the largest blocks of a message by
 #: amax first, within the named budget (bits/value, everything counted); frames of 65536 blocks:
 #: the tiers are chosen over the whole message (up to 16M values); share8: measured on the
 #: Llama-small gradients (docs/wire-format.md)
 ADAPTIVE_ROWS = (
-    _adaptive_row("ada4_5", 10, AdaptiveSpec(4500, 1 << 16, 600, "int8")),
-    _adaptive_row("ada4", 11, AdaptiveSpec(4000, 1 << 16, 500, "int8")),
+    _adaptive_row("ada4_5", 10, AdaptiveSpec(4500, 1 << 16, 600, "int8", "int4")),
+    _adaptive_row("ada4", 11, AdaptiveSpec(4000, 1 << 16, 500, "int8", "int4")),
 )
 
 FORMATS: dict[str, Format] = {

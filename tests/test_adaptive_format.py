@@ -149,7 +149,7 @@ def _int2_value(c: np.ndarray) -> np.ndarray:
     return (1 + 2 * (c & 1)) * (1 - (c & 2))
 
 
-@pytest.mark.parametrize("rounder, lo, hi, value", [(adaptive_ref.int2_round, 1.0, 3.0, _int2_value),
+@pytest.mark.parametrize("rounder, lo, hi, value", [(adaptive_ref.int2_round, 0.0, 3.0, _int2_value),
                                                     (adaptive_ref.int8_round, 0.0, 127.0, lambda c: c.view(np.int8))])
 def test_integer_stochastic_rounding_is_unbiased_and_nearest_is_nearest(rounder, lo, hi, value, rng):
     y = (rng.uniform(lo, hi, 4096) * rng.choice([-1, 1], 4096)).astype(np.float32)
@@ -205,6 +205,26 @@ def test_int8_top_tier_is_more_precise_than_e4m3(rng):
         y = ref.decode(msg, x.size, f)
         errs[top] = np.linalg.norm((y - x)[t8]) / np.linalg.norm(x[t8])
     assert errs["int8"] < 0.5 * errs["e4m3"]
+
+
+def test_int4_mid_tier_is_more_precise_than_e2m1(rng):
+    """The 4-bit tier's INT4 elements (-7..7 under E4M3 scales per 16) lose less than NVFP4's
+    E2M1 on the same bytes (gradient-like blocks)."""
+    x = spread(rng, NSB * B)
+    errs = {}
+    for mid in ("e2m1", "int4"):
+        f = with_spec(ADAPTIVE[0], mid=mid)
+        msg = ref.encode(x, f)
+        t4 = np.repeat(choices(msg, NSB) == TIER_T4, B)
+        assert t4.any() and message_nbytes(x.size, f) == message_nbytes(x.size, with_spec(ADAPTIVE[0], mid="e2m1"))
+        y = ref.decode(msg, x.size, f)
+        errs[mid] = np.linalg.norm((y - x)[t4]) / np.linalg.norm(x[t4])
+    assert errs["int4"] < 0.95 * errs["e2m1"]
+
+
+def test_bad_mid_tier_is_refused():
+    with pytest.raises(ValueError, match="4-bit tier"):
+        AdaptiveSpec(4500, mid="e3m0")
 
 
 @pytest.mark.parametrize("fmt", ADAPTIVE)

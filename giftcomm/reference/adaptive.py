@@ -14,6 +14,7 @@ from ..adaptive import (
     T2_GROUP,
     T2_MAX,
     T4_GROUP,
+    T4_INT_MAX,
     T8_INT_GROUP,
     T8_INT_MAX,
     TIER_T2,
@@ -192,6 +193,9 @@ def _encode_frames(v: np.ndarray, r: np.ndarray | None, spec: AdaptiveSpec, bloc
         elif tier == TIER_T8:
             codes, bs, s = _scaled_tier(vt, rt, T8_INT_GROUP, float(T8_INT_MAX), 448.0 * T8_INT_MAX, int8_round)
             body = np.concatenate([codes, bs], axis=1)
+        elif tier == TIER_T4 and spec.mid == "int4":
+            codes, bs, s = _scaled_tier(vt, rt, T4_GROUP, float(T4_INT_MAX), 448.0 * T4_INT_MAX, int8_round)
+            body = np.concatenate([_pack(codes & np.uint8(0xF), 4), bs], axis=1)
         elif tier == TIER_T4:
             codes, bs, s = _scaled_tier(vt, rt, T4_GROUP, 6.0, 2688.0, _e2m1_codes)
             body = np.concatenate([_pack(codes & np.uint8(0xF), 4), bs], axis=1)
@@ -268,7 +272,12 @@ def _decode_frames(body: np.ndarray, n: int, spec: AdaptiveSpec, block: int) -> 
                     elem = sec[:, :nel].view(np.int8).astype(np.float32)
                 else:
                     codes = _unpack(sec[:, :nel], bits)
-                    elem = codes.view(_E2M1).astype(np.float32) if bits == 4 else _int2_value(codes)
+                    if bits == 2:
+                        elem = _int2_value(codes)
+                    elif spec.mid == "int4":  # two's complement nibbles
+                        elem = ((codes ^ np.uint8(8)).astype(np.float32) - np.float32(8)).astype(np.float32)
+                    else:
+                        elem = codes.view(_E2M1).astype(np.float32)
                 d = (_e4m3_value(sec[:, nel:]) * s[:, None]).astype(np.float32)
                 vals = (elem.reshape(m * k, block // group, group) * d[..., None]).reshape(m * k, block)
                 vals[~np.isfinite(s)] = np.float32(np.nan)
