@@ -34,6 +34,8 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
+from .adaptive import AdaptiveSpec
+
 DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 20
 #: values per NVFP4 second-level (float32) scale: 64 blocks of 16
@@ -93,6 +95,7 @@ class Format:
     emax: int = 0
     scale_rule: str = ""
     native: bool = True
+    adaptive: AdaptiveSpec | None = None
 
     @functools.cached_property
     def variant_code(self) -> int:
@@ -141,17 +144,42 @@ class Format:
     def slice_unit(self, block: int) -> int:
         """Values a message may be cut at without changing any byte of the buffer's encoding:
         ``block`` for every format except nvfp4, whose float32 scale covers a group of 1024
-        values (64 blocks) counted from the start of the message."""
+        values (64 blocks) counted from the start of the message, and the adaptive rows, whose
+        tiers are chosen per frame of ``adaptive.frame`` blocks."""
+        if self.adaptive is not None:
+            return self.adaptive.frame * block
         return NVFP4_GROUP if self.scale_kind == "nvfp4" else block
 
     def scale_nbytes(self) -> int:
         """Bytes of one block scale on the wire (0 for pass-through formats)."""
-        return {"f32": 4, "e8m0": 1, "nvfp4": 1}.get(self.scale_kind, 0)
+        return {"f32": 4, "e8m0": 1, "nvfp4": 1, "adaptive": 4}.get(self.scale_kind, 0)
 
 
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+
+
+#: the adaptive rows' super-block (their fixed block)
+ADAPTIVE_BLOCK = 256
+
+
+def _adaptive_row(name: str, code: int, spec: AdaptiveSpec) -> Format:
+    """An adaptive-precision row (giftcomm.adaptive): uint8 wire bytes, no single element format."""
+    spec.check_block(ADAPTIVE_BLOCK)
+    return Format(name, code, np.dtype(np.uint8), True, 448.0, 0, 0, ADAPTIVE_BLOCK, "adaptive", 8, native=False,
+                  adaptive=spec)
+
+
+#: the adaptive-precision rows (giftcomm.adaptive): per 256-value super-block 8 bits (INT8 with
+#: E4M3 scales per 32), 4 bits (INT4, E4M3 scales per 16) or 2 bits (INT2), the largest blocks of a message by
+#: amax first, within the named budget (bits/value, everything counted); frames of 65536 blocks:
+#: the tiers are chosen over the whole message (up to 16M values); share8: measured on the
+#: Llama-small gradients (docs/wire-format.md)
+ADAPTIVE_ROWS = (
+    _adaptive_row("ada4_5", 10, AdaptiveSpec(4500, 1 << 16, 600, "int8", "int4")),
+    _adaptive_row("ada4", 11, AdaptiveSpec(4000, 1 << 16, 500, "int8", "int4")),
+)
 
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -165,6 +193,7 @@ FORMATS: dict[str, Format] = {
         Format("mxfp4", 7, _E2M1, True, 6.0, 0x00, 4, 32, "e8m0", 2, "ceil"),
         Format("mxfp8", 8, _E4M3, True, 448.0, 0x7F, 8, 32, "e8m0", 8, "ceil"),
         Format("mxfp8_e5m2", 9, _E5M2, True, 57344.0, 0x7F, 8, 32, "e8m0", 15, "ceil"),
+        *ADAPTIVE_ROWS,
     )
 }
 _SCALE_WORDS = {"f32": "float32", "nvfp4": "E4M3 and float32", "": "no"}
@@ -291,6 +320,8 @@ def _message_nbytes(count: int, fmt: str | Format, block: int | None) -> int:
     if not f.scaled:
         return payload_nbytes(count, f)
     block = resolve_block(f, block)
+    if f.adaptive is not None:
+        return f.adaptive.message_nbytes(count, block)
     nb = num_blocks(count, block)
     if f.scale_kind == "f32":
         return scales_offset(count, f) + 4 * nb
@@ -302,11 +333,13 @@ def _message_nbytes(count: int, fmt: str | Format, block: int | None) -> int:
 def bytes_per_value(fmt: str | Format = "e4m3", block: int | None = None) -> float:
     """Asymptotic wire bytes per value: element bits / 8 plus the scales' share (padding words
     of a message left out): 1 + 4/block (e4m3, e5m2), 1.03125 (mxfp8), 0.53125 (mxfp4),
-    0.56640625 (nvfp4: 0.5 + 1/16 + 4/1024)."""
+    0.56640625 (nvfp4: 0.5 + 1/16 + 4/1024); an adaptive row: a message of whole frames'."""
     f = get_format(fmt)
     if not f.scaled:
         return float(f.itemsize)
     block = resolve_block(f, block)
+    if f.adaptive is not None:
+        return f.adaptive.bits_per_value(block) / 8
     extra = 4.0 / NVFP4_GROUP if f.scale_kind == "nvfp4" else 0.0
     return f.value_bits / 8 + f.scale_nbytes() / block + extra
 

@@ -26,7 +26,7 @@ ELEMENT_KINDS: dict[str, int] = {"float8_e4m3fn": 0, "float8_e5m2": 1, "float4_e
 #: the generated row lists by family (scale kind): what the kernels' dispatch expands
 _ROW_LISTS = {"F32": ("f32", "FP8 elements, float32 block scales"),
               "E8M0": ("e8m0", "MX: E8M0 scale per 32 values")}
-_SCALE_KIND_NAMES = {"": "NONE", "f32": "F32", "e8m0": "E8M0", "nvfp4": "NVFP4"}
+_SCALE_KIND_NAMES = {"": "NONE", "f32": "F32", "e8m0": "E8M0", "nvfp4": "NVFP4", "adaptive": "ADAPTIVE"}
 HEADER_PATH = "native/gc_formats.h"
 """Where the generated header lives, relative to the repository root (the CUDA loader serves the
 same text to NVRTC from :func:`c_header` itself)."""

@@ -16,13 +16,16 @@
 #define GC_MXFP4 7
 #define GC_MXFP8 8
 #define GC_MXFP8_E5M2 9
-#define GC_FORMAT_CODE_LIMIT 10 /* codes are 1 .. GC_FORMAT_CODE_LIMIT - 1 */
+#define GC_ADA4_5 10
+#define GC_ADA4 11
+#define GC_FORMAT_CODE_LIMIT 12 /* codes are 1 .. GC_FORMAT_CODE_LIMIT - 1 */
 
 /* scale kinds (Format.scale_kind) */
 #define GC_SCALE_NONE 0
 #define GC_SCALE_F32 1
 #define GC_SCALE_E8M0 2
 #define GC_SCALE_NVFP4 3
+#define GC_SCALE_ADAPTIVE 4
 
 /* element kinds of the scaled formats (the kernels' `ek`), by element dtype */
 #define GC_ELEM_E4M3 0
@@ -130,6 +133,24 @@
 #define GC_MXFP8_E5M2_NAN_CODE 0x7fu
 #define GC_MXFP8_E5M2_EMAX 15
 #define GC_MXFP8_E5M2_FACTS "mxfp8_e5m2:9:e8m0:1:8:1:32:0x47600000:0x7f:15"
+#define GC_ADA4_5_SCALE GC_SCALE_ADAPTIVE
+#define GC_ADA4_5_ELEM -1
+#define GC_ADA4_5_VALUE_BITS 0
+#define GC_ADA4_5_ITEMSIZE 1
+#define GC_ADA4_5_FIXED_BLOCK 256
+#define GC_ADA4_5_MAX_BITS 0x43e00000u
+#define GC_ADA4_5_NAN_CODE 0x00u
+#define GC_ADA4_5_EMAX 8
+#define GC_ADA4_5_FACTS "ada4_5:10:adaptive:-1:0:1:256:0x43e00000:0x0:8"
+#define GC_ADA4_SCALE GC_SCALE_ADAPTIVE
+#define GC_ADA4_ELEM -1
+#define GC_ADA4_VALUE_BITS 0
+#define GC_ADA4_ITEMSIZE 1
+#define GC_ADA4_FIXED_BLOCK 256
+#define GC_ADA4_MAX_BITS 0x43e00000u
+#define GC_ADA4_NAN_CODE 0x00u
+#define GC_ADA4_EMAX 8
+#define GC_ADA4_FACTS "ada4:11:adaptive:-1:0:1:256:0x43e00000:0x0:8"
 
 /* the rows the C and CUDA kernels implement (Format.native), all and by family, in code order:
  * X(NAME, name) per row; the kernels' dispatch switches and CUDA entry points expand these */
@@ -140,11 +161,11 @@
 #define GC_E8M0_ROWS(X) X(MXFP4, mxfp4) X(MXFP8, mxfp8) X(MXFP8_E5M2, mxfp8_e5m2)
 
 /* the same facts by code (c: any int expression; an unknown code gives 0 / -1) */
-#define GC_FMT_SCALE(c) ((c) == GC_E4M3 ? GC_E4M3_SCALE : (c) == GC_E5M2 ? GC_E5M2_SCALE : (c) == GC_BF16 ? GC_BF16_SCALE : (c) == GC_FP16 ? GC_FP16_SCALE : (c) == GC_FP32 ? GC_FP32_SCALE : (c) == GC_NVFP4 ? GC_NVFP4_SCALE : (c) == GC_MXFP4 ? GC_MXFP4_SCALE : (c) == GC_MXFP8 ? GC_MXFP8_SCALE : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_SCALE : 0)
-#define GC_FMT_ELEM(c) ((c) == GC_E4M3 ? GC_E4M3_ELEM : (c) == GC_E5M2 ? GC_E5M2_ELEM : (c) == GC_BF16 ? GC_BF16_ELEM : (c) == GC_FP16 ? GC_FP16_ELEM : (c) == GC_FP32 ? GC_FP32_ELEM : (c) == GC_NVFP4 ? GC_NVFP4_ELEM : (c) == GC_MXFP4 ? GC_MXFP4_ELEM : (c) == GC_MXFP8 ? GC_MXFP8_ELEM : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_ELEM : -1)
-#define GC_FMT_VALUE_BITS(c) ((c) == GC_E4M3 ? GC_E4M3_VALUE_BITS : (c) == GC_E5M2 ? GC_E5M2_VALUE_BITS : (c) == GC_BF16 ? GC_BF16_VALUE_BITS : (c) == GC_FP16 ? GC_FP16_VALUE_BITS : (c) == GC_FP32 ? GC_FP32_VALUE_BITS : (c) == GC_NVFP4 ? GC_NVFP4_VALUE_BITS : (c) == GC_MXFP4 ? GC_MXFP4_VALUE_BITS : (c) == GC_MXFP8 ? GC_MXFP8_VALUE_BITS : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_VALUE_BITS : 0)
-#define GC_FMT_ITEMSIZE(c) ((c) == GC_E4M3 ? GC_E4M3_ITEMSIZE : (c) == GC_E5M2 ? GC_E5M2_ITEMSIZE : (c) == GC_BF16 ? GC_BF16_ITEMSIZE : (c) == GC_FP16 ? GC_FP16_ITEMSIZE : (c) == GC_FP32 ? GC_FP32_ITEMSIZE : (c) == GC_NVFP4 ? GC_NVFP4_ITEMSIZE : (c) == GC_MXFP4 ? GC_MXFP4_ITEMSIZE : (c) == GC_MXFP8 ? GC_MXFP8_ITEMSIZE : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_ITEMSIZE : 0)
-#define GC_FMT_FIXED_BLOCK(c) ((c) == GC_E4M3 ? GC_E4M3_FIXED_BLOCK : (c) == GC_E5M2 ? GC_E5M2_FIXED_BLOCK : (c) == GC_BF16 ? GC_BF16_FIXED_BLOCK : (c) == GC_FP16 ? GC_FP16_FIXED_BLOCK : (c) == GC_FP32 ? GC_FP32_FIXED_BLOCK : (c) == GC_NVFP4 ? GC_NVFP4_FIXED_BLOCK : (c) == GC_MXFP4 ? GC_MXFP4_FIXED_BLOCK : (c) == GC_MXFP8 ? GC_MXFP8_FIXED_BLOCK : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_FIXED_BLOCK : 0)
+#define GC_FMT_SCALE(c) ((c) == GC_E4M3 ? GC_E4M3_SCALE : (c) == GC_E5M2 ? GC_E5M2_SCALE : (c) == GC_BF16 ? GC_BF16_SCALE : (c) == GC_FP16 ? GC_FP16_SCALE : (c) == GC_FP32 ? GC_FP32_SCALE : (c) == GC_NVFP4 ? GC_NVFP4_SCALE : (c) == GC_MXFP4 ? GC_MXFP4_SCALE : (c) == GC_MXFP8 ? GC_MXFP8_SCALE : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_SCALE : (c) == GC_ADA4_5 ? GC_ADA4_5_SCALE : (c) == GC_ADA4 ? GC_ADA4_SCALE : 0)
+#define GC_FMT_ELEM(c) ((c) == GC_E4M3 ? GC_E4M3_ELEM : (c) == GC_E5M2 ? GC_E5M2_ELEM : (c) == GC_BF16 ? GC_BF16_ELEM : (c) == GC_FP16 ? GC_FP16_ELEM : (c) == GC_FP32 ? GC_FP32_ELEM : (c) == GC_NVFP4 ? GC_NVFP4_ELEM : (c) == GC_MXFP4 ? GC_MXFP4_ELEM : (c) == GC_MXFP8 ? GC_MXFP8_ELEM : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_ELEM : (c) == GC_ADA4_5 ? GC_ADA4_5_ELEM : (c) == GC_ADA4 ? GC_ADA4_ELEM : -1)
+#define GC_FMT_VALUE_BITS(c) ((c) == GC_E4M3 ? GC_E4M3_VALUE_BITS : (c) == GC_E5M2 ? GC_E5M2_VALUE_BITS : (c) == GC_BF16 ? GC_BF16_VALUE_BITS : (c) == GC_FP16 ? GC_FP16_VALUE_BITS : (c) == GC_FP32 ? GC_FP32_VALUE_BITS : (c) == GC_NVFP4 ? GC_NVFP4_VALUE_BITS : (c) == GC_MXFP4 ? GC_MXFP4_VALUE_BITS : (c) == GC_MXFP8 ? GC_MXFP8_VALUE_BITS : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_VALUE_BITS : (c) == GC_ADA4_5 ? GC_ADA4_5_VALUE_BITS : (c) == GC_ADA4 ? GC_ADA4_VALUE_BITS : 0)
+#define GC_FMT_ITEMSIZE(c) ((c) == GC_E4M3 ? GC_E4M3_ITEMSIZE : (c) == GC_E5M2 ? GC_E5M2_ITEMSIZE : (c) == GC_BF16 ? GC_BF16_ITEMSIZE : (c) == GC_FP16 ? GC_FP16_ITEMSIZE : (c) == GC_FP32 ? GC_FP32_ITEMSIZE : (c) == GC_NVFP4 ? GC_NVFP4_ITEMSIZE : (c) == GC_MXFP4 ? GC_MXFP4_ITEMSIZE : (c) == GC_MXFP8 ? GC_MXFP8_ITEMSIZE : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_ITEMSIZE : (c) == GC_ADA4_5 ? GC_ADA4_5_ITEMSIZE : (c) == GC_ADA4 ? GC_ADA4_ITEMSIZE : 0)
+#define GC_FMT_FIXED_BLOCK(c) ((c) == GC_E4M3 ? GC_E4M3_FIXED_BLOCK : (c) == GC_E5M2 ? GC_E5M2_FIXED_BLOCK : (c) == GC_BF16 ? GC_BF16_FIXED_BLOCK : (c) == GC_FP16 ? GC_FP16_FIXED_BLOCK : (c) == GC_FP32 ? GC_FP32_FIXED_BLOCK : (c) == GC_NVFP4 ? GC_NVFP4_FIXED_BLOCK : (c) == GC_MXFP4 ? GC_MXFP4_FIXED_BLOCK : (c) == GC_MXFP8 ? GC_MXFP8_FIXED_BLOCK : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_FIXED_BLOCK : (c) == GC_ADA4_5 ? GC_ADA4_5_FIXED_BLOCK : (c) == GC_ADA4 ? GC_ADA4_FIXED_BLOCK : 0)
 
 #ifndef __CUDACC__
 /* one row by code (host C and C++): name, facts string; NULL for a code no format has */
@@ -165,6 +186,8 @@ static inline const gc_format_row *gc_format_row_of(int code)
         {"mxfp4", GC_MXFP4_FACTS, GC_MXFP4, GC_MXFP4_SCALE, GC_MXFP4_ELEM, GC_MXFP4_VALUE_BITS, GC_MXFP4_ITEMSIZE, GC_MXFP4_FIXED_BLOCK},
         {"mxfp8", GC_MXFP8_FACTS, GC_MXFP8, GC_MXFP8_SCALE, GC_MXFP8_ELEM, GC_MXFP8_VALUE_BITS, GC_MXFP8_ITEMSIZE, GC_MXFP8_FIXED_BLOCK},
         {"mxfp8_e5m2", GC_MXFP8_E5M2_FACTS, GC_MXFP8_E5M2, GC_MXFP8_E5M2_SCALE, GC_MXFP8_E5M2_ELEM, GC_MXFP8_E5M2_VALUE_BITS, GC_MXFP8_E5M2_ITEMSIZE, GC_MXFP8_E5M2_FIXED_BLOCK},
+        {"ada4_5", GC_ADA4_5_FACTS, GC_ADA4_5, GC_ADA4_5_SCALE, GC_ADA4_5_ELEM, GC_ADA4_5_VALUE_BITS, GC_ADA4_5_ITEMSIZE, GC_ADA4_5_FIXED_BLOCK},
+        {"ada4", GC_ADA4_FACTS, GC_ADA4, GC_ADA4_SCALE, GC_ADA4_ELEM, GC_ADA4_VALUE_BITS, GC_ADA4_ITEMSIZE, GC_ADA4_FIXED_BLOCK},
     };
     for (unsigned i = 0; i < sizeof rows / sizeof rows[0]; i++)
         if (rows[i].code == code)

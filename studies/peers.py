@@ -38,7 +38,7 @@ import numpy as np
 
 from giftcomm.accounting import sent_bytes
 from giftcomm.algorithms.partition import chunk_bounds
-from giftcomm.formats import FORMATS, ROUNDINGS, Format, bytes_per_value, get_format, resolve_block
+from giftcomm.formats import FORMATS, ROUNDINGS, Format, get_format, message_nbytes, resolve_block
 from giftcomm.perf.common import add_json, add_out, parent_parser, split_list
 from giftcomm.perf.timing import load_average
 from giftcomm.reference import simulate_allreduce
@@ -428,6 +428,21 @@ PEERS: dict[str, Semantics] = {s.name: s for s in (
 
 # ------------------------------------------------------------------------ giftcomm's rows
 
+def _chunk_message_bits(fmt: Format) -> Callable[[int, int, Tensors], float]:
+    """A giftcomm row's claim: each of the P chunks (giftcomm.algorithms.partition.chunk_bounds) leaves
+    some rank 2 (P - 1) times as one message (P - 1 times in the reduce-scatter, P - 1 in the
+    allgather), so ``8 * sum(message_nbytes(chunk)) / n`` bits per value: the row's
+    ``bytes_per_value`` where every chunk is whole blocks (and nvfp4 groups), and an adaptive
+    row's per-frame budget rounding where its chunks are partial frames."""
+    block = resolve_block(fmt)
+
+    def claim(n: int, p: int, tensors: Tensors) -> float:
+        lens = np.diff(chunk_bounds(n, p, block))
+        return 8.0 * sum(message_nbytes(int(c), fmt, block) for c in lens) / n if n else math.nan
+
+    return claim
+
+
 def _giftcomm_simulate(fmt: Format, algorithm: str, rounding: str):
     block = resolve_block(fmt)
 
@@ -453,11 +468,10 @@ def giftcomm_semantics(algorithms: Sequence[str] = ("ring", "direct"),
             if rounding == "stochastic" and not fmt.scaled:
                 continue
             for alg in algorithms:
-                bits = 8.0 * bytes_per_value(fmt, resolve_block(fmt))
                 rows.append(Semantics(
                     f"giftcomm/{fmt.name}{'-sr' if rounding == 'stochastic' else ''}/{alg}", "giftcomm",
                     f"giftcomm.reference.simulate_allreduce(fmt={fmt.name!r}, algorithm={alg!r}, rounding={rounding!r})",
-                    _flat(bits), _giftcomm_simulate(fmt, alg, rounding),
+                    _chunk_message_bits(fmt), _giftcomm_simulate(fmt, alg, rounding),
                     f"block {resolve_block(fmt)}"))
     return rows
 

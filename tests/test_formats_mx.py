@@ -3,6 +3,8 @@ rounding: the reference codec's rules (docs/wire-format.md) checked against ml_d
 independent re-statements, and the native C kernels against the reference bit for bit."""
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -286,10 +288,14 @@ def test_edge_tables_decode_sanely(fmt, rounding):
             bad[s:s + b] = not np.all(np.isfinite(v[s:s + b]))
         assert np.all(np.isnan(y[bad])), name
         assert np.all(np.isfinite(y[~bad])), name
-        # signs survive (zeros included) wherever the value is not flushed
-        keep = ~bad & (y != 0)
+        # signs survive (zeros included) wherever the value is not flushed; an adaptive row's
+        # 2-bit tier has no zero (levels -3, -1, 1, 3 times its scale), and its unbiased
+        # stochastic rounding sends a value below the inner level to -1 or +1: there (and only
+        # there: |decoded| above |value|) the sign may flip
+        crossing = (f.adaptive is not None and rounding == "stochastic") & (np.abs(y) > np.abs(v))
+        keep = ~bad & (y != 0) & ~crossing
         assert np.all(np.signbit(y[keep]) == np.signbit(v[keep])), name
-        zero_in = ~bad & (v == 0)
+        zero_in = ~bad & (v == 0) & ~crossing
         assert np.all(np.signbit(y[zero_in]) == np.signbit(v[zero_in])), name
         if name == "all_codes" and f.scale_kind == "e8m0" and rounding == "nearest":
             # blocks holding the max have scale 2^0: their representable values survive exactly
@@ -404,12 +410,16 @@ def test_nearest_is_biased_for_small_components_stochastic_is_not():
 
 def test_stochastic_rounding_is_reproducible_and_offset_shifts_the_stream(rng):
     x = rng.standard_normal(3000).astype(np.float32)
-    for fmt in SCALED:
+    for name in SCALED:
+        fmt = get_format(name)
+        if fmt.adaptive is not None:  # frames of 2 super-blocks: the vector spans several frames
+            fmt = dataclasses.replace(fmt, adaptive=dataclasses.replace(fmt.adaptive, frame=2))
         a = ref.encode(x, fmt, rounding="stochastic", key=11)
         assert np.array_equal(a, ref.encode(x, fmt, rounding="stochastic", key=11))
         assert not np.array_equal(a, ref.encode(x, fmt, rounding="stochastic", key=12))
-        unit = get_format(fmt).slice_unit(resolve_block(fmt, None))
+        unit = fmt.slice_unit(resolve_block(fmt, None))
         cut = 2 * unit if unit <= 1024 else unit
+        assert cut < x.size, (name, cut)
         tail = ref.encode(x[cut:], fmt, rounding="stochastic", key=11, offset=cut)
         assert same_floats(ref.decode(tail, x.size - cut, fmt), ref.decode(a, x.size, fmt)[cut:])
 

@@ -197,6 +197,7 @@ def test_every_environment_variable_is_in_the_docs_table():
 
 FLOORS: dict[str, int] = {
     # the tables and the plumbing under everything
+    "adaptive": 0,                              # the adaptive rows' rules, under the format table
     "formats": 1, "config": 1, "errors": 1,
     "algorithms": 2, "formats_header": 2,       # the algorithm table (+ machine records, shard layout); the C view of the formats
     "cost": 3, "cuda": 3, "options": 3,         # the cost model; the codec's CUDA kernels; the call options

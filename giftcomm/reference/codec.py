@@ -77,8 +77,6 @@ even; fp16 overflows to Inf like any IEEE cast), decode is the exact cast back t
 """
 from __future__ import annotations
 
-import functools
-
 import ml_dtypes
 import numpy as np
 
@@ -97,6 +95,8 @@ from ..formats import (
     resolve_block,
     scales_offset,
 )
+from . import adaptive as _adaptive
+from .elements import element_facts, round_elements
 
 __all__ = ["encode", "decode", "decode_add_encode", "block_scales", "e8m0_codes", "split_message", "philox4x32",
            "philox_bits", "round_elements", "element_facts"]
@@ -108,15 +108,6 @@ _M32 = np.uint64(0xFFFFFFFF)
 #: nvfp4: groups whose largest finite block amax is below this are encoded as zeros
 NVFP4_TINY = np.float32(2.0**-100)
 
-
-
-@functools.lru_cache(maxsize=None)
-def element_facts(elem: np.dtype) -> tuple[int, int, int]:
-    """(mantissa bits, exponent of the smallest normal, total bits) of an element dtype (an
-    ml_dtypes float type: float8_e4m3fn (3, -6, 8), float8_e5m2 (2, -14, 8), float4_e2m1fn
-    (1, 0, 4), ...), from ``ml_dtypes.finfo``: any element a format row names works."""
-    fi = ml_dtypes.finfo(np.dtype(elem))
-    return int(fi.nmant), int(fi.minexp), int(fi.bits)
 
 
 # ------------------------------------------------------------------------- Philox4x32-10
@@ -147,32 +138,6 @@ def philox_bits(key: int, offset: int, n: int) -> np.ndarray:
     idx = (np.arange(n, dtype=np.uint64) + np.uint64(offset))  # wraps modulo 2^64
     zero = np.zeros(1, np.uint64)
     return philox4x32((idx & _M32, idx >> np.uint64(32), zero, zero), (key & 0xFFFFFFFF, key >> 32))[0]
-
-
-# ------------------------------------------------------------------------- element rounding
-def round_elements(y: np.ndarray, elem: np.dtype, rbits: np.ndarray | None = None) -> np.ndarray:
-    """Codes (uint8; 4-bit codes in the low nibble) of float32 values ``y`` already clipped to
-    the element format's ±max (finite): nearest-even when ``rbits`` is None, else stochastic with
-    the uint32 random bits ``rbits`` (module docstring). This integer formulation is what the C
-    and CUDA kernels compute; for nearest it equals ml_dtypes' cast (tests/test_formats_mx.py)."""
-    mant, emin, bits = element_facts(np.dtype(elem))
-    u = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
-    a = (u & np.uint32(0x7FFFFFFF)).astype(np.int64)
-    ef = a >> 23
-    sig = np.where(ef > 0, (a & 0x7FFFFF) | 0x800000, a)
-    e = np.maximum(ef, 1) - 127
-    d = 23 - mant + np.maximum(emin - e, 0)
-    hi = sig >> np.minimum(d, 31)
-    sl = np.where(d <= 32, 32 - d, 0)
-    sr = np.where(d > 32, np.minimum(d - 32, 31), 0)
-    lo = ((sig << sl) & 0xFFFFFFFF) >> sr
-    if rbits is None:
-        up = (lo > 0x80000000) | ((lo == 0x80000000) & ((hi & 1) == 1))
-    else:
-        up = lo + np.asarray(rbits, dtype=np.int64) >= (1 << 32)
-    code = hi + up + (np.maximum(e - emin, 0) << mant)
-    sign = (u >> np.uint32(31)).astype(np.int64) << (bits - 1)
-    return (code | sign).astype(np.uint8)
 
 
 def _cast(y: np.ndarray, elem: np.dtype, rbits: np.ndarray | None) -> np.ndarray:
@@ -361,7 +326,9 @@ def encode(x: np.ndarray, fmt: str | Format = "e4m3", block: int | None = None, 
         msg[: n * f.itemsize].view(f.wire_dtype)[...] = x.astype(f.wire_dtype)
         return msg
     rbits = _rounding_bits(rounding, key, offset, n)
-    if f.scale_kind == "f32":
+    if f.adaptive is not None:
+        _adaptive.encode(x, f, block, msg, rbits)
+    elif f.scale_kind == "f32":
         _encode_f32(x, f, block, msg, rbits)
     elif f.scale_kind == "e8m0":
         _encode_mx(x, f, block, msg, rbits)
@@ -378,6 +345,8 @@ def decode(message: np.ndarray, count: int, fmt: str | Format = "e4m3", block: i
     nbytes = message_nbytes(count, f, block)
     if message.size != nbytes:
         raise ValueError(f"a {f.name} message of {count} values has {nbytes} bytes, got {message.size}")
+    if f.adaptive is not None:
+        return _adaptive.decode(message, count, f, block)
     payload, scales = split_message(message, count, f, block)
     if f.packed:
         values = _unpack4(payload, count).view(_E2M1).astype(np.float32)

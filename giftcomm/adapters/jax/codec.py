@@ -40,10 +40,11 @@ from ...formats import (
     resolve_block,
     scales_offset,
 )
+from ...reference import adaptive as _adaptive
 from ...reference.codec import NVFP4_TINY, element_facts
 from ...reference.rounding import mix64
 
-__all__ = ["divisor", "encode", "decode", "decode_add_encode", "philox_bits", "key_words", "mix64_words",
+__all__ = ["divisor", "encode", "decode", "decode_add_encode", "padded_nbytes", "philox_bits", "key_words", "mix64_words",
            "call_key_words", "PASS_DTYPES"]
 
 #: the jnp dtype of each pass-through format
@@ -289,12 +290,63 @@ def _encode_nvfp4(x, f, block, rbits):
     return head, _bytes(s2)
 
 
+def padded_nbytes(n: int, fmt: str | Format = "e4m3", block: int | None = None) -> int:
+    """Bytes of :func:`encode`'s output for n values when ``valid`` is given: the largest
+    message of any prefix of them (``message_nbytes(n, ...)`` for every row but the adaptive
+    ones, whose message bytes need not grow with the count)."""
+    f = get_format(fmt)
+    block = resolve_block(f, block)
+    return message_nbytes(n, f, block) if f.adaptive is None else f.adaptive.max_message_nbytes(n, block)
+
+
+def _adaptive_encode(x: jax.Array, f: Format, block: int, rbits: jax.Array | None, valid: Any) -> jax.Array:
+    """An adaptive row's message of ``x[:valid]`` (``valid`` None: all of x), zero-filled to
+    ``padded_nbytes(x.size)`` bytes when valid is given: the NumPy reference
+    (giftcomm.reference.adaptive) through a host callback, fed the Philox bits computed here."""
+    n = x.size
+    nbytes = message_nbytes(n, f, block) if valid is None else padded_nbytes(n, f, block)
+
+    def host(values: np.ndarray, valid_arr: np.ndarray, *bits: np.ndarray) -> np.ndarray:
+        m = int(valid_arr)
+        if not 0 <= m <= n:
+            raise ValueError(f"{f.name}: {m} valid values of a chunk of {n}")
+        msg = np.zeros(nbytes, np.uint8)
+        _adaptive.encode(np.asarray(values, np.float32)[:m], f, block, msg, np.asarray(bits[0])[:m] if bits else None)
+        return msg
+
+    m = jnp.int32(n) if valid is None else jnp.asarray(valid, jnp.int32)
+    args = (x, m) if rbits is None else (x, m, rbits)
+    return jax.pure_callback(host, jax.ShapeDtypeStruct((nbytes,), jnp.uint8), *args)
+
+
+def _adaptive_decode(message: jax.Array, count: int, f: Format, block: int, valid: Any) -> jax.Array:
+    """An adaptive row's values of a message of ``valid`` values (None: ``count``), zero-filled
+    to ``count``: the NumPy reference through a host callback."""
+    def host(msg: np.ndarray, valid_arr: np.ndarray) -> np.ndarray:
+        m = int(valid_arr)
+        if not 0 <= m <= count:
+            raise ValueError(f"{f.name}: {m} valid values of a chunk of {count}")
+        out = np.zeros(count, np.float32)
+        msg = np.asarray(msg, np.uint8)
+        out[:m] = _adaptive.decode(msg[: message_nbytes(m, f, block)], m, f, block)
+        return out
+
+    m = jnp.int32(count) if valid is None else jnp.asarray(valid, jnp.int32)
+    return jax.pure_callback(host, jax.ShapeDtypeStruct((count,), jnp.float32), message, m)
+
+
 def encode(x: jax.Array, fmt: str | Format = "e4m3", block: int | None = None, *, rounding: str = "nearest",
-           key: Any = (0, 0), offset: Any = 0) -> jax.Array:
+           key: Any = (0, 0), offset: Any = 0, valid: Any = None) -> jax.Array:
     """The wire message (uint8[message_nbytes(x.size, fmt, block)]) of a float32 vector ``x``.
 
     ``key``: the Philox key as two uint32 words (``key_words(k)`` or a traced uint32[2]);
-    ``offset``: the index of x[0] (int or traced uint32). Equal to the reference's bytes."""
+    ``offset``: the index of x[0] (int or traced uint32). Equal to the reference's bytes.
+    ``valid``: None, or the (int or traced) count of leading values of x that are the message,
+    the rest zero padding (the jit path's padded chunks): then uint8[padded_nbytes(x.size)]
+    holding the message of ``x[:valid]`` (decode it with the same ``valid``). Every row but the
+    adaptive ones encodes the padding as zero blocks, which decode to zeros and leave the
+    leading values' decoding as is; an adaptive row's tiers depend on the count (its frames'
+    budgets), so its message is that of ``x[:valid]`` alone."""
     f = get_format(fmt)
     block = resolve_block(f, block)
     x = jnp.asarray(x, jnp.float32).reshape(-1)
@@ -302,6 +354,8 @@ def encode(x: jax.Array, fmt: str | Format = "e4m3", block: int | None = None, *
     if not f.scaled:
         return _bytes(x.astype(PASS_DTYPES[f.name]))
     rbits = None if rounding == "nearest" else philox_bits(key, offset, n)
+    if f.adaptive is not None:
+        return _adaptive_encode(x, f, block, rbits, valid)
     if f.scale_kind == "f32":
         head, tail = _encode_f32(x, f, block, rbits)
     elif f.scale_kind == "e8m0":
@@ -313,8 +367,10 @@ def encode(x: jax.Array, fmt: str | Format = "e4m3", block: int | None = None, *
     return msg
 
 
-def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: int | None = None) -> jax.Array:
-    """float32[count]: the values of one wire message (reference ``decode``, bit for bit)."""
+def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: int | None = None,
+           valid: Any = None) -> jax.Array:
+    """float32[count]: the values of one wire message (reference ``decode``, bit for bit).
+    ``valid``: as for :func:`encode` (the message of the first ``valid`` values; the rest 0)."""
     f = get_format(fmt)
     block = resolve_block(f, block)
     message = message.reshape(-1)
@@ -324,6 +380,8 @@ def decode(message: jax.Array, count: int, fmt: str | Format = "e4m3", block: in
         v = message[: count * width]
         v = v if width == 1 else jax.lax.bitcast_convert_type(v.reshape(count, width), dt)
         return v.astype(jnp.float32)
+    if f.adaptive is not None:
+        return _adaptive_decode(message, count, f, block, valid)
     nb = num_blocks(count, block)
     off = scales_offset(count, f)
     if f.packed:

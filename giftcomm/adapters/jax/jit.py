@@ -183,26 +183,40 @@ class _Ring:
             seed = opts.seed or 0
             self.keys = np.array([jax_codec.key_words(call_key(seed, r)) for r in range(p)], np.uint32)
         self.rank = jax.lax.axis_index(axis)
+        self.lens: Any = None
 
-    def encode(self, v: jax.Array, offset: Any, party: Any = None) -> jax.Array:
+    def encode(self, v: jax.Array, offset: Any, chunk: Any, party: Any = None) -> jax.Array:
+        """The message of chunk ``chunk``'s values ``v`` (its first ``lens[chunk]``; the rest padding)."""
         key = jnp.asarray(self.keys)[self.rank if party is None else party]
         return jax_codec.encode(v, self.f, self.block, rounding=self.rounding, key=key,
-                                offset=jnp.asarray(offset).astype(jnp.uint32))
+                                offset=jnp.asarray(offset).astype(jnp.uint32), valid=self.valid(chunk))
 
-    def decode(self, msg: jax.Array, n: int) -> jax.Array:
-        return jax_codec.decode(msg, n, self.f, self.block)
+    def decode(self, msg: jax.Array, n: int, chunk: Any) -> jax.Array:
+        """float32[n]: chunk ``chunk``'s values of ``msg`` (zeros past its length)."""
+        return jax_codec.decode(msg, n, self.f, self.block, valid=self.valid(chunk))
+
+    def valid(self, chunk: Any) -> Any:
+        """The true length of chunk ``chunk`` (int or traced) for the codec, or None where the
+        row's encoding of the leading values does not depend on the padding (every row but the
+        adaptive ones) or the chunks are not padded."""
+        if self.f.adaptive is None or self.lens is None:
+            return None
+        return jnp.asarray(self.lens.astype(np.int32))[chunk]
 
     def shift(self, msg: jax.Array, s: int) -> jax.Array:
         """Every device's ``msg`` moved to device (index + s) mod P."""
         return jax.lax.ppermute(msg, self.axis, [(i, (i + s) % self.p) for i in range(self.p)])
 
-    def reduce_scatter(self, chunks: jax.Array, los: np.ndarray, own_error: bool = False) -> Any:
+    def reduce_scatter(self, chunks: jax.Array, los: np.ndarray, own_error: bool = False,
+                       lens: np.ndarray | None = None) -> Any:
         """float32[L]: this device's chunk of the sum of every device's ``chunks`` (P, L), chunk c
-        starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``).
+        starting at element ``los[c]`` of the flat vector (the reference's ``_chunk_sums``) and
+        holding ``lens[c]`` values, zero-padded to L (None: every chunk is L values).
         own_error: also return float32[P, L], what this device's encodes of its own values lost
         (``chunks - decode(encode(chunks))`` on the chunks the row's ``own_pieces`` names,
         :func:`own_shifts`; 0 elsewhere); at P = 1 that is the allgather's, added by the caller.
         The schedule is the row's ``jit_scatter``."""
+        self.lens = lens
         lo = jnp.asarray(los.astype(np.uint32))
         err = jnp.zeros_like(chunks)  # unused (and dropped by XLA) without own_error
         if self.p == 1:
@@ -222,15 +236,17 @@ class _Ring:
         if s not in shifts:
             return err
         self.recorded.add(s)
-        return err.at[c].set(chunks[c] - self.decode(msg, chunks.shape[1]))
+        return err.at[c].set(chunks[c] - self.decode(msg, chunks.shape[1], c))
 
 
-    def allgather(self, mine: jax.Array, los: np.ndarray) -> jax.Array:
+    def allgather(self, mine: jax.Array, los: np.ndarray, lens: np.ndarray | None = None) -> jax.Array:
         """float32[P, L]: every owner's chunk encoded once by it and decoded by every device,
-        typed device-invariant (as lax.psum's result: ``out_specs=P()`` accepts it)."""
-        msg = self.encode(mine, jnp.asarray(los.astype(np.uint32))[self.rank])
+        typed device-invariant (as lax.psum's result: ``out_specs=P()`` accepts it); ``lens``:
+        as for :meth:`reduce_scatter`."""
+        self.lens = lens
+        msg = self.encode(mine, jnp.asarray(los.astype(np.uint32))[self.rank], self.rank)
         every = _gather_invariant(msg, self.axis)
-        return jnp.stack([self.decode(every[c], mine.shape[0]) for c in range(self.p)])
+        return jnp.stack([self.decode(every[c], mine.shape[0], c) for c in range(self.p)])
 
 
 def direct_scatter(ring: _Ring, chunks: jax.Array, lo: jax.Array, err: jax.Array,
@@ -242,9 +258,9 @@ def direct_scatter(ring: _Ring, chunks: jax.Array, lo: jax.Array, err: jax.Array
     got = [chunks[r]]
     for s in range(1, p):
         c = (r + s) % p
-        msg = ring.encode(chunks[c], lo[c])
+        msg = ring.encode(chunks[c], lo[c], c)
         err = ring.own_error(err, shifts, s, chunks, c, msg)
-        got.append(ring.decode(ring.shift(msg, s), L))
+        got.append(ring.decode(ring.shift(msg, s), L, r))
     by_shift = jnp.stack(got)
     by_src = by_shift[(r - jnp.arange(p)) % p]  # row q: device q's contribution
     acc = by_src[0]
@@ -260,13 +276,13 @@ def ring_scatter(ring: _Ring, chunks: jax.Array, lo: jax.Array, err: jax.Array,
     chunk at shift P - 1 alone; its residual recorded in ``err`` when ``shifts`` names it)."""
     p, r, L = ring.p, ring.rank, chunks.shape[1]
     c = (r - 1) % p
-    msg = ring.encode(chunks[c], lo[c])
+    msg = ring.encode(chunks[c], lo[c], c)
     err = ring.own_error(err, shifts, p - 1, chunks, c, msg)
     for k in range(2, p + 1):
         c = (r - k) % p
-        acc = ring.decode(ring.shift(msg, 1), L) + chunks[c]
+        acc = ring.decode(ring.shift(msg, 1), L, c) + chunks[c]
         if k < p:
-            msg = ring.encode(acc, lo[c])
+            msg = ring.encode(acc, lo[c], c)
     return acc, err
 
 
@@ -349,10 +365,10 @@ def _reduce(owner: str, tree: Any, axis_name: Any, op: str, options: dict[str, A
     L = int(lens.max())
     chunks = jnp.stack([jnp.pad(y[bounds[c] : bounds[c + 1]], (0, L - lens[c])) for c in range(p)])
     if fb is None:
-        mine = ring.reduce_scatter(chunks, bounds[:-1])
+        mine = ring.reduce_scatter(chunks, bounds[:-1], lens=lens)
     else:
-        mine, err_chunks = ring.reduce_scatter(chunks, bounds[:-1], own_error=True)
-    rows = ring.allgather(mine, bounds[:-1])
+        mine, err_chunks = ring.reduce_scatter(chunks, bounds[:-1], own_error=True, lens=lens)
+    rows = ring.allgather(mine, bounds[:-1], lens)
     total = jnp.concatenate([rows[c, : lens[c]] for c in range(p)])
     if fb is not None:
         err = y - total if p == 1 else jnp.concatenate([err_chunks[c, : lens[c]] for c in range(p)])
