@@ -261,3 +261,40 @@ def test_the_floor_check_finds_a_planted_upward_import():
     edges, _ = import_graph(planted)
     assert upward_imports(edges, {"formats": 1, "api": 2}) == [("giftcomm.formats", "giftcomm.api")]
     assert upward_imports(edges, {"formats": 3, "api": 2}) == [("giftcomm.api", "giftcomm.formats")]
+
+
+# ----------------------------------------------------------------------------- moved modules
+
+def test_the_root_holds_at_most_twelve_modules():
+    assert len(list(PKG.glob("*.py"))) <= 12, sorted(p.name for p in PKG.glob("*.py"))
+
+
+def test_a_moved_module_imports_from_its_old_path_as_the_new_one_with_a_warning():
+    """Each old path of giftcomm.MOVED_MODULES (no file left there) imports, in a fresh interpreter,
+    as the very module of its new path, with one DeprecationWarning naming both."""
+    import subprocess
+    import sys
+
+    from giftcomm import MOVED_MODULES
+
+    for old in MOVED_MODULES:
+        assert not (PKG.parent / (old.replace(".", "/") + ".py")).exists(), old
+    code = ("import importlib, warnings, json\n"
+            "from giftcomm import MOVED_MODULES\n"
+            "out = {}\n"
+            "for old, new in MOVED_MODULES.items():\n"
+            "    with warnings.catch_warnings(record=True) as w:\n"
+            "        warnings.simplefilter('always')\n"
+            "        m = importlib.import_module(old)\n"
+            "    msgs = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
+            "    out[old] = [m is importlib.import_module(new), msgs]\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for old, new in MOVED_MODULES.items():
+        same, msgs = got[old]
+        assert same, old
+        assert any(old in m and new in m for m in msgs), (old, msgs)
