@@ -290,11 +290,10 @@ def _encode_nvfp4(x, f, block, rbits):
     return head, _bytes(s2)
 
 
-def padded_nbytes(n: int, fmt: str | Format = "e4m3", block: int | None = None) -> int:
-    """Bytes of :func:`encode`'s output for n values when ``valid`` is given: the largest
-    message of any prefix of them (``message_nbytes(n, ...)`` for every row but the adaptive
-    ones, whose message bytes need not grow with the count)."""
-    f = get_format(fmt)
+def padded_nbytes(n: int, f: Format, block: int | None = None) -> int:
+    """Bytes of :func:`encode`'s output for n values of format ``f`` when ``valid`` is given: the
+    largest message of any prefix of them (``message_nbytes(n, ...)`` for every row but the
+    adaptive ones, whose message bytes need not grow with the count)."""
     block = resolve_block(f, block)
     return message_nbytes(n, f, block) if f.adaptive is None else f.adaptive.max_message_nbytes(n, block)
 
