@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import SCALED_SAMPLE
 
+from giftcomm.formats import get_format
 from giftcomm.reference import simulate_allreduce
 from studies import errors
 
@@ -43,7 +44,11 @@ def test_rows_cover_the_requested_grid_and_are_finite(grid):
     assert len(got) == len(set(got)) == len(want) and set(got) == want
     assert all(r.local_size == 2 for r in rows if r.algorithm == "hierarchical")
     assert all(r.local_size is None for r in rows if r.algorithm != "hierarchical")
-    assert all(math.isfinite(r.relerr) and 0 < r.relerr < 1 for r in rows)
+    assert all(math.isfinite(r.relerr) and r.relerr > 0 for r in rows)
+    # below the norm of the sum, except an adaptive row's: on these synthetic vectors every block
+    # carries about the same energy, and the 2-bit tier (no zero level) takes the blocks its budget
+    # cannot upgrade -- all of a 256-value chunk's at P = 8 (docs/wire-format.md, *Adaptive precision*)
+    assert all(r.relerr < 1 for r in rows if get_format(r.fmt).adaptive is None)
 
 
 def test_stochastic_differs_from_nearest_and_costs_error(grid):
