@@ -245,6 +245,19 @@ def _state(t, sync_t, seed, paper, **kw):
     return model, st
 
 
+def _steps_until_error(model, state, seed, rank, steps=4):
+    """Run ``steps`` hook iterations; None, or (iteration, ValueError) where one raised. The
+    state's geometry thread is shut down either way."""
+    try:
+        for it in range(steps):
+            _hook_step(model, state, batch(seed, rank, it))
+        return None
+    except ValueError as exc:
+        return it, exc
+    finally:
+        state.shutdown()
+
+
 def _hook_step(model, state, x):
     """One DDP iteration driven by hand: backward, the hook on one bucket of every gradient, the
     reduced gradients written back; returns the reduced bucket's bytes."""
@@ -278,14 +291,7 @@ def test_gift_state_settings_that_differ_raise_the_same_error_on_every_rank(rng,
 
     def body(t, sync_t):
         model, st = _state(t, sync_t, seed, dict({"refresh_every": 2, "rank": 4}, **(setting if t.rank else {})))
-        try:
-            for it in range(4):
-                _hook_step(model, st, batch(seed, t.rank, it))
-            return None
-        except ValueError as exc:
-            return it, exc
-        finally:
-            st.shutdown()
+        return _steps_until_error(model, st, seed, t.rank)
 
     res = _two_groups(2, body)
     assert all(r is not None for r in res), res
@@ -301,14 +307,7 @@ def test_gift_state_iterations_that_differ_raise_the_same_error_on_every_rank(rn
         model, st = _state(t, sync_t, seed, {"refresh_every": 2, "rank": 4})
         st.iter = 7 + t.rank  # restored from checkpoints of different steps
         st.runtime.adopted_iter = st.iter - 1
-        try:
-            for it in range(4):
-                _hook_step(model, st, batch(seed, t.rank, it))
-            return None
-        except ValueError as exc:
-            return it, exc
-        finally:
-            st.shutdown()
+        return _steps_until_error(model, st, seed, t.rank)
 
     res = _two_groups(2, body)
     assert all(r is not None and r[0] == 2 for r in res), res
