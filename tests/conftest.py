@@ -9,8 +9,10 @@ Which module is the home of which invariant (docs/architecture.md): tests/README
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -18,6 +20,21 @@ import pytest
 
 # The NumPy fallback warns once when the native codec is missing; tests compare both paths anyway.
 warnings.filterwarnings("ignore", message="giftcomm: native codec extension not built")
+
+
+_TORCH_RNG = threading.Lock()
+
+
+@contextlib.contextmanager
+def torch_seeded(seed: int):
+    """torch's process-global generator seeded with ``seed`` for the block, one thread at a time,
+    and restored after: LoopbackGroup runs its ranks as threads, so a bare torch.manual_seed in a
+    rank's body races with the other ranks' draws (two runs built different models)."""
+    import torch
+
+    with _TORCH_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import spawn_ranks, torch_seeded
 
 import giftcomm
 from giftcomm import GiftSchedule
@@ -25,10 +25,10 @@ torch.set_num_threads(1)
 
 # ----------------------------------------------------------------------------- helpers
 def _mlp(seed: int, widths=(24, 40, 16)) -> torch.nn.Module:
-    torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []
-    for i in range(len(widths) - 1):
-        layers += [torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.Tanh()]
+    with torch_seeded(seed):
+        for i in range(len(widths) - 1):
+            layers += [torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers[:-1])
 
 

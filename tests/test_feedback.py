@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PASS_THROUGH_FORMATS, SCALED_SAMPLE
+from conftest import PASS_THROUGH_FORMATS, SCALED_SAMPLE, torch_seeded
 
 import giftcomm as gc
 from giftcomm import GiftSchedule
@@ -132,8 +132,8 @@ def test_ring_residual_is_the_exact_error_of_its_first_hop(rng, rounding):
 def _linear(seed=0):
     import torch
 
-    torch.manual_seed(seed)
-    return torch.nn.Linear(24, 20)
+    with torch_seeded(seed):
+        return torch.nn.Linear(24, 20)
 
 
 def _fixed_grads(model, rank):

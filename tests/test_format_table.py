@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import torch_seeded
 
 import giftcomm as gc
 from giftcomm import GiftSchedule, codec, formats
@@ -317,8 +318,8 @@ def test_reference_only_row_through_the_adapters(e3m4_row, rng):
     from giftcomm.adapters.torch import GradSync
 
     def body(t):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(12, 10)
+        with torch_seeded(0):
+            model = torch.nn.Linear(12, 10)
         sync = GradSync(model, comm=t, fmt=f.name, algorithm="oneshot", schedule=GiftSchedule(error_feedback=True))
         g = np.random.default_rng(5 + t.rank)
         grads = [g.standard_normal(q.numel()).astype(np.float32) for q in model.parameters()]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_error, outcomes, same
+from conftest import assert_same_error, outcomes, same, torch_seeded
 
 import giftcomm as gc
 from giftcomm import GiftSchedule, LoopbackGroup
@@ -97,8 +97,8 @@ class Mlp(torch.nn.Module):
 
 
 def make_model(seed, **kw):
-    torch.manual_seed(seed)
-    return Mlp(**kw)
+    with torch_seeded(seed):
+        return Mlp(**kw)
 
 
 def batches(seed, rank, steps, rows=32):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import torch_seeded
 
 from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.collectives.baselines import BASELINE_WIRES, baseline_allreduce
@@ -371,8 +372,8 @@ def test_gradsync_baseline_wire_and_paper_geometry():
     seed = int(rng.integers(2**31))
 
     def body(t):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        with torch_seeded(seed):
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
         sync = GradSync(model, comm=t, op="avg", baseline="e5m2/tensor-nccl",
                         schedule=GiftSchedule(error_feedback=True, feedback="transformed"))
         lay = sync.layouts[0]

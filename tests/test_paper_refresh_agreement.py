@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_error, outcomes, same
+from conftest import assert_same_error, outcomes, same, torch_seeded
 
 from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.geometry import Geometry, Layout
@@ -36,8 +36,8 @@ class Mlp(torch.nn.Module):
 
 
 def make_model(seed):
-    torch.manual_seed(seed)
-    return Mlp()
+    with torch_seeded(seed):
+        return Mlp()
 
 
 def batch(seed, rank, step, rows=32):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_error, outcomes
+from conftest import assert_same_error, outcomes, torch_seeded
 
 from giftcomm import GiftSchedule, LoopbackGroup
 from giftcomm.geometry.paper import PaperOptions, saturation_fraction, select_for
@@ -55,8 +55,8 @@ def run(t, seed, spiked, steps, sync_cls="grad", **paper):
     gradient is not for training). Per sync: the transformed segment names; the sync object."""
     from giftcomm.adapters.torch import GradSync, ShardedGradSync
 
-    torch.manual_seed(seed)
-    model = Stack()
+    with torch_seeded(seed):
+        model = Stack()
     if spiked is not None:
         saturate(model.layers[spiked].weight)
     kw = dict(comm=t, fmt="e4m3", schedule=GiftSchedule(geometry="paper", error_feedback=True, paper={"rank": 4, **paper}))
@@ -150,8 +150,8 @@ def test_profile_state_resumes_the_selection(rng):
     whole = LoopbackGroup(1).run(lambda t: run(t, seed, spiked, 4, profile_steps=3))[0]
 
     def resumed(t):
-        torch.manual_seed(seed)
-        model = Stack()
+        with torch_seeded(seed):
+            model = Stack()
         saturate(model.layers[spiked].weight)
         mk = lambda: GradSync(model, comm=t, fmt="e4m3", schedule=GiftSchedule(  # noqa: E731
             geometry="paper", error_feedback=True, paper={"rank": 4, "profile_steps": 3}))

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import torch_seeded
 
 import giftcomm as gc
 from giftcomm import GiftSchedule
@@ -81,8 +82,8 @@ def test_converter_takes_the_old_keywords_out_and_warns_with_the_replacement():
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch_seeded(0):
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 def test_adapters_take_the_record_whole_and_the_old_keywords_build_the_same_one():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import UNKNOWN_FORMAT
+from conftest import UNKNOWN_FORMAT, torch_seeded
 
 import giftcomm as gc
 from giftcomm.adapters.torch import ShardedGradSync  # noqa: E402
@@ -14,8 +14,8 @@ from giftcomm.reference import simulate_reduce_scatter
 
 
 def _model(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5)).to(dtype)
+    with torch_seeded(seed):
+        return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5)).to(dtype)
 
 
 @pytest.mark.parametrize("p", [2, 3])

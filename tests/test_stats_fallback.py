@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import torch_seeded
 
 import giftcomm as gc
 from giftcomm import GiftSchedule
@@ -147,8 +148,8 @@ def test_stats_count_a_real_run_over_gloo(tmp_path):
 def _model(seed: int):
     import torch
 
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 7))
+    with torch_seeded(seed):
+        return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 7))
 
 
 def test_adapters_count_what_they_sent_and_warn_once(caplog):
