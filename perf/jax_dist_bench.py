@@ -3,7 +3,8 @@
 
     mpiexec -n 2 python perf/jax_dist_bench.py --sizes 1M --fmts e4m3,nvfp4
     # on the netbed (docs/netbed.md): one process per host, the links rate-shaped
-    perf/netbed run --hosts 4 --rate 1gbit -- python perf/jax_dist_bench.py --sizes 1M,4M --json OUT
+    perf/netbed run --hosts 4 --rate 1gbit --keep-env -- env GLOO_SOCKET_IFNAME=eth0 \
+        python perf/jax_dist_bench.py --sizes 1M,4M --json OUT
 
 mpiexec only starts the processes and tells each its rank: rank 0's address (its ``eth0`` on the
 netbed, 127.0.0.1 elsewhere) becomes ``jax.distributed``'s coordinator, every process holds one
@@ -64,6 +65,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _gloo_on_interface(name: str) -> None:
+    """Bind XLA:CPU's gloo collectives to the interface ``name`` (torch's GLOO_SOCKET_IFNAME).
+    Without one gloo binds to the address of the host's name, which the netbed's hosts cannot
+    resolve ("enforce fail at gloo/transport/tcp/device.cc"); jaxlib's factory takes an interface
+    but jax does not pass one, so the factory jax calls gets it bound here."""
+    from jax._src.lib import _jax
+
+    _jax.make_gloo_tcp_collectives = functools.partial(_jax.make_gloo_tcp_collectives, interface=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from mpi4py import MPI
@@ -78,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        _gloo_on_interface(os.environ["GLOO_SOCKET_IFNAME"])
     jax.distributed.initialize(coordinator, num_processes=size, process_id=rank,
                                initialization_timeout=120)
     from giftcomm.adapters import jax as gj
