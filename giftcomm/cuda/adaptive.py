@@ -4,8 +4,8 @@ table's ``ada4_5`` and ``ada4`` (an INT8 8-bit tier and an INT4 4-bit tier), bit
 
 Encode of ``count`` values (``nsb = ceil(count / block)`` super-blocks, frames of
 ``spec.frame``): gc_ada_keys gives each super-block a uint64 key that sorts a frame's
-super-blocks by descending amax, ties by index; ``cupy.sort`` over runs of whole frames (2**17
-frames per run: the frame's number takes the key's top 17 bits); gc_ada_tiers turns the sorted
+super-blocks by descending amax, ties by index; ``cupy.sort`` over runs of whole frames
+(_RUN_FRAMES = 2**17 per run: the frame's number within its run takes the key's top 17 bits); gc_ada_tiers turns the sorted
 ranks into choice codes; the tier-section byte offset of each super-block comes from per-frame
 prefix counts (``cupy.cumsum``); gc_ada_enc writes the elements, element scales, super-scales
 and choice bits. Decode: gc_ada_choices reads the choice codes, the per-frame tier counts are
@@ -120,7 +120,7 @@ def encode(x: Any, f: Format, block: int, out: Any, key: int | None, offset: int
     nsb = -(-n // block)
     keys = cp.empty(nsb, cp.uint64)
     head = (np.int64(n), np.int32(block), np.int64(nsb), np.int32(spec.frame))
-    _loader.get_function("gc_ada_keys")(_grid(nsb), (_THREADS,), (x, keys) + head)
+    _loader.get_function("gc_ada_keys")(_grid(nsb), (_THREADS,), (x, keys) + head + (np.int32(_RUN_FRAMES),))
     tiers = _tiers(keys, nsb, spec, block)
     off = _offsets(tiers, nsb, spec, block, check=False)
     fb = np.int64(spec.frame_nbytes(spec.frame, block))

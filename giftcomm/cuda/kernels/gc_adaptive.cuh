@@ -4,13 +4,14 @@
 //
 // A message of `count` values is nsb = ceil(count / block) super-blocks of `block` values (a
 // multiple of 128; the last one zero-padded), cut into frames of F super-blocks (the last frame
-// may be partial). Every kernel runs 128 threads per CTA and one super-block per CTA iteration
-// (grid-stride); thread t takes values t, t + 128, ... of its super-block, so a 32-value element
-// group is one warp and a 16-value group half of one.
-//   gc_ada_keys     the sort key of each super-block: (frame mod 2^17) << 47 | (0x7FFFFFFF -
-//                   amax bits) << 16 | index in frame. amax bits: max of |x| bits (NaN above Inf
-//                   above every finite value), zero padding included. Ascending keys = each
-//                   frame's super-blocks by descending amax, ties by index (the reference's rank).
+// may be partial). Every kernel runs 128 threads per CTA, grid-stride; gc_ada_keys, gc_ada_enc and
+// gc_ada_dec take one super-block per CTA iteration, thread t its values t, t + 128, ..., so a
+// 32-value element group is one warp and a 16-value group half of one.
+//   gc_ada_keys     the sort key of each super-block: (frame mod run) << 47 | (0x7FFFFFFF -
+//                   amax bits) << 16 | index in frame (run <= 2^17: the host sorts runs of `run`
+//                   whole frames). amax bits: max of |x| bits (NaN above Inf above every finite
+//                   value), zero padding included. Ascending keys = each frame's super-blocks by
+//                   descending amax, ties by index (the reference's rank).
 //   gc_ada_tiers    from a sorted run of keys (whole frames): the choice code of each super-block
 //                   (rank < k8: 2, < k8 + k4: 1, else 0; the counts of a full or the last frame).
 //   gc_ada_enc      elements, element scales and super-scale of each super-block at its tier,
@@ -124,7 +125,7 @@ GC_DEV gc_u32 gc_ada_cta_max(gc_u32 v, gc_u32* red) {
 }
 
 GC_DEV void gc_ada_keys_kernel(const float* __restrict__ x, gc_u64* __restrict__ keys, long long count, int block,
-                               long long nsb, int F) {
+                               long long nsb, int F, int run) {
     __shared__ gc_u32 red[4];
     for (long long sb = blockIdx.x; sb < nsb; sb += gridDim.x) {
         const long long base = sb * (long long)block;
@@ -135,7 +136,7 @@ GC_DEV void gc_ada_keys_kernel(const float* __restrict__ x, gc_u64* __restrict__
         m = gc_ada_cta_max(m, red);
         if (threadIdx.x == 0) {
             const long long f = sb / F;
-            keys[sb] = ((gc_u64)(f & 0x1FFFF) << 47) | ((gc_u64)(0x7FFFFFFFu - m) << 16) | (gc_u64)(sb - f * F);
+            keys[sb] = ((gc_u64)(f % run) << 47) | ((gc_u64)(0x7FFFFFFFu - m) << 16) | (gc_u64)(sb - f * F);
         }
     }
 }

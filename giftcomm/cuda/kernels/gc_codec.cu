@@ -939,8 +939,9 @@ GC_E8M0_ROWS(GC_E8M0_ROW_ENTRIES)
 // ---------------------------------------------------------------- adaptive-precision rows
 // 128 threads per CTA (gc_adaptive.cuh has the kernels' contract)
 extern "C" __global__ void __launch_bounds__(128) gc_ada_keys(const float* __restrict__ x, gc_u64* __restrict__ keys,
-                                                              long long count, int block, long long nsb, int frame) {
-    gc_ada_keys_kernel(x, keys, count, block, nsb, frame);
+                                                              long long count, int block, long long nsb, int frame,
+                                                              int run) {
+    gc_ada_keys_kernel(x, keys, count, block, nsb, frame, run);
 }
 
 extern "C" __global__ void __launch_bounds__(128) gc_ada_tiers(const gc_u64* __restrict__ sorted, gc_u8* __restrict__ tiers,
