@@ -46,6 +46,13 @@ struct gc_ada_tier {
     }
 };
 
+// floor of a non-negative float32 below 2^23 from its bits (integer operations only: a float
+// conversion instruction would take -ftz)
+GC_HD int gc_ada_floor(gc_u32 a) {
+    if (a < 0x3F800000u) return 0;
+    return (int)(((a & 0x7FFFFFu) | 0x800000u) >> (150u - (a >> 23)));
+}
+
 // INT8 / INT4 code (the int8 byte; INT4 keeps its low nibble) of y in [-emax, emax]: |y| rounded
 // to nearest even, or stochastically (floor(|y|) + 1 when the first 32 bits of frac(|y|) plus r
 // reach 2^32), the sign of y applied after (-0 gives 0)
@@ -56,8 +63,8 @@ GC_HD gc_u32 gc_ada_int_code(float y, gc_u32 r, bool sr) {
     if (!sr) {
         m = gc_rint_small(a);
     } else {
-        const int fl = (int)a;  // truncation = floor: a >= 0
-        const gc_u64 frac = (gc_u64)(gc_f32_to_f64(gc_add(a, -(float)fl)) * 4294967296.0);
+        const int fl = gc_ada_floor(u & 0x7FFFFFFFu);
+        const gc_u64 frac = (gc_u64)(gc_f32_to_f64(gc_add(a, gc_u2f(gc_f2u((float)fl) ^ 0x80000000u))) * 4294967296.0);
         m = fl + (frac + (gc_u64)r >= 0x100000000ull ? 1 : 0);
     }
     return (gc_u32)(gc_u8)(signed char)((u >> 31) ? -m : m);
