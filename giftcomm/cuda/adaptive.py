@@ -77,13 +77,12 @@ def _offsets(tiers: Any, nsb: int, spec: AdaptiveSpec, block: int, check: bool) 
         t = tiers[first : first + frames * per].reshape(frames, per)
         base = (cp.arange(frames, dtype=cp.int64) * fb + (first // spec.frame * fb + spec.head_bytes(per)))[:, None]
         acc = cp.zeros((frames, per), cp.int64)
-        start, bad = 0, None
+        start, bad = 0, cp.zeros(frames, cp.bool_)
         for tier in (TIER_T8, TIER_T4, TIER_T2):
             m = (t == tier).astype(cp.int64)
             slot = cp.cumsum(m, axis=1)
             if check:
-                wrong = slot[:, -1] != counts[tier]
-                bad = wrong if bad is None else bad | wrong
+                bad |= slot[:, -1] != counts[tier]
             acc += m * (start + (slot - 1) * tb[tier])
             start += counts[tier] * tb[tier]
         if check and bool(bad.any()):
