@@ -146,6 +146,16 @@ def test_all_super_blocks_tied(cp, rng):
     _check_ops(cp, rng, x, f, "all NaN")
 
 
+def test_subnormals_under_ftz_cupy(monkeypatch, rng):
+    """With the stand-in's CuPy arithmetic flushing float32 subnormals (-ftz=true, as CuPy's own
+    kernels do), the bytes and values stay the reference's: no float32 CuPy operation on the
+    adaptive path (the launch code's CuPy work is on integers)."""
+    cp = install(monkeypatch, ftz=True)
+    x = _nasty(rng, 20 * 256 + 9, 256)
+    x[::7] *= np.float32(2.0**-126)  # subnormal inputs in every super-block
+    _check_ops(cp, rng, x, SMALL[2], "ftz")
+
+
 def test_block_of_384(cp, rng):
     """A block that is not a power of two (three rounds of 128 threads per super-block)."""
     f = _row(4500, 8, 600, block=384)

@@ -27,9 +27,9 @@ where aligned (gc_mx_enc_F); nvfp4: one warp per 1024-value group, x and the sum
 tile, 16-byte payload loads and stores (gc_mx_enc_nvfp4); their decode and decode-accumulate: 8
 values per thread, one scale read, 4-byte payload loads and float4 stores where aligned
 (gc_mx_dec_F). Adaptive rows (ada4_5, ada4): giftcomm.cuda.adaptive (gc_ada_*: one CTA per
-super-block, each frame's ranking by cupy.sort). fp32 pass-through: encode / decode are device copies, accumulate and
-decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
-subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
+super-block, each frame's ranking by cupy.sort). fp32 pass-through: encode / decode are device
+copies, accumulate and decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise
+kernels flush float32 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
 of message value i use counter ``offset + i`` (docs/wire-format.md).
 """

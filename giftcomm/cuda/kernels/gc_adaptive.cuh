@@ -108,7 +108,7 @@ GC_HD gc_u32 gc_ada_group_scale(gc_u32 m, const gc_ada_super& s, float* inv) {
     if (s.tiny || m == 0) return 0u;
     float t = gc_mul(gc_u2f(m), s.q2);
     t = gc_f2u(t) < 0x43E00000u ? t : 448.0f;  // min(t, 448) on the bits of t >= 0
-    gc_u32 bs = gc_e4m3::from_f32(t);
+    gc_u32 bs = gc_f32_to_fp8_sat_portable<3, 7, 0x7Eu>(t);  // as gc_nv_block
     bs += gc_f2u(gc_e4m3::to_f32((gc_u8)bs)) < gc_f2u(t) ? 1u : 0u;
     bs = bs ? bs : 1u;
     *inv = gc_div(1.0f, gc_mul(gc_e4m3::to_f32((gc_u8)bs), s.s2));
