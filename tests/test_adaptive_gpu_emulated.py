@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +113,21 @@ def _check_ops(cp, rng, x: np.ndarray, f: Format, what: str, msg_offset: int = 0
             _same(cp.asnumpy(s), ref.decode(want, n, f, block) + local, f"{what} {rnd} sum_out")
         got = cp.asnumpy(gc.decode_add_encode(dev_msg, cp.asarray(local), f, block, **kw))
         assert np.array_equal(got, hop), f"{what} {rnd} decode_add_encode without sum_out"
+
+
+def test_kernel_tier_facts_are_the_rules():
+    """gc_adaptive.cuh's tier table (group, bits, largest element, super-scale divisor) and choice
+    codes are giftcomm.adaptive's."""
+    from giftcomm import adaptive as a
+
+    text = (Path(cuda_adaptive.__file__).parent / "kernels" / "gc_adaptive.cuh").read_text()
+    rows = re.findall(r"t\.group = (\d+); t\.bits = (\d+); t\.emax = ([\d.]+)f; t\.sdiv = ([\d.]+)f;", text)
+    want = [(a.T8_INT_GROUP, 8, a.T8_INT_MAX), (a.T4_GROUP, 4, a.T4_INT_MAX), (a.T2_GROUP, 2, a.T2_MAX)]
+    assert [(int(g), int(b), float(m), float(d)) for g, b, m, d in rows] == [
+        (g, b, float(m), 448.0 * m) for g, b, m in want]
+    codes = dict(re.findall(r"#define GC_ADA_TIER_(T\d) (\d)", text))
+    assert codes == {"T2": str(a.TIER_T2), "T4": str(a.TIER_T4), "T8": str(a.TIER_T8)}
+    assert f"#define GC_ADA_THREADS {cuda_adaptive._THREADS}" in text
 
 
 @pytest.mark.parametrize("fmt", TABLE)
