@@ -317,3 +317,18 @@ def test_public_collectives_on_torch_cuda_bf16(cp):
     full = simulate_allreduce(xs, "e4m3", 256, "sum", algorithm="ring")
     for r in range(p):
         assert got[r][0].tobytes() == shards[r].tobytes() and got[r][1].tobytes() == full[r].tobytes()
+
+
+def test_kernels_adaptive_rows(cp, rng):
+    """The adaptive rows' kernels on the device (tests/test_adaptive_gpu_emulated.py's checks):
+    ada4_5 / ada4 and rows of 8 super-blocks per frame (several frames, a partial last one), every
+    op, nearest and stochastic, against the reference bit for bit; a million values in one frame."""
+    from tests import test_adaptive_gpu_emulated as ada
+
+    for n in (1, 200, 257, 100_003, 1 << 20):
+        for fmt in ada.TABLE:
+            ada._check_ops(cp, rng, ada._nasty(rng, n, 256), giftcomm.formats.FORMATS[fmt], f"{fmt} n={n}",
+                           msg_offset=n % 4)
+    for n in (8 * 256 * 5 + 1000, 384 * 50 + 3):
+        f = ada.SMALL[0] if n % 384 != 3 else ada._row(4500, 8, 600, block=384)
+        ada._check_ops(cp, rng, ada._nasty(rng, n, f.default_block()), f, f"{f.name} n={n}", msg_offset=1)

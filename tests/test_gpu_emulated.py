@@ -296,6 +296,9 @@ def _one_of_everything(cp, rng, n: int = 6001) -> None:
         _dae_cases(cp, rng, (block,), layouts=((0, 0, 0, 0), (4, 0, 0, None), (0, 0, 1, 2)), values=values)
     # MX / nvfp4 encode and hop: 128 MX blocks / 8 nvfp4 groups per CTA, so 25,000 values iterate a 3-CTA grid
     _mx_cases(cp, rng, 25_000 + int(rng.integers(1, 40)), layouts=MX_LAYOUTS[::2])
+    from tests import test_adaptive_gpu_emulated as ada  # the adaptive rows (gc_ada_*), every op
+
+    ada._check_ops(cp, rng, ada._nasty(rng, 2 * 8 * 256 + 700, 256), ada.SMALL[0], "adaptive", msg_offset=1)
     x = random_vector(rng, 1001, spread=10)
     x[:50] = np.float32(np.finfo(np.float32).tiny) * np.float32(0.75)  # subnormal inputs and quotients
     d = cp.asarray(x)

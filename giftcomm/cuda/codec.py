@@ -26,9 +26,10 @@ two lanes of 16 values per 32-value block, float4 loads and one 16- / 8-byte cod
 where aligned (gc_mx_enc_F); nvfp4: one warp per 1024-value group, x and the sums through a shared
 tile, 16-byte payload loads and stores (gc_mx_enc_nvfp4); their decode and decode-accumulate: 8
 values per thread, one scale read, 4-byte payload loads and float4 stores where aligned
-(gc_mx_dec_F). fp32 pass-through: encode / decode are device copies, accumulate and
-decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise kernels flush float32
-subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
+(gc_mx_dec_F). Adaptive rows (ada4_5, ada4): giftcomm.cuda.adaptive (gc_ada_*: one CTA per
+super-block, each frame's ranking by cupy.sort). fp32 pass-through: encode / decode are device
+copies, accumulate and decode-add-encode run gc_pt_fp32 (not cupy.add: CuPy's elementwise
+kernels flush float32 subnormals, -ftz=true). Every float32 add / multiply / divide in the kernels is explicit non-.ftz
 PTX (gc_fp8.cuh), so device bytes equal host bytes whatever NVRTC's -ftz flag. The Philox bits
 of message value i use counter ``offset + i`` (docs/wire-format.md).
 """
@@ -41,19 +42,26 @@ import numpy as np
 
 from ..formats import FORMATS, SCALE_RULE_SHIFT, Format, group_scales_offset, num_blocks, num_groups, payload_nbytes, scales_offset
 from . import _loader
+from . import adaptive as _adaptive
 
 __all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports", "add_inplace", "add", "convert"]
 
-CUDA_FORMATS = frozenset(name for name, f in FORMATS.items() if f.native)
+CUDA_FORMATS = frozenset(name for name, f in FORMATS.items()
+                         if (f.native and f.adaptive is None) or _adaptive.supports(f))
 """The formats kernels/gc_codec.cu has kernels for: the table's native rows (Format.native; its
 entry points expand the generated row lists GC_F32_ROWS and GC_E8M0_ROWS, plus nvfp4 and the
-pass-through rows; tests/test_format_table.py checks the compiled entry names). Any other row of
-the format table runs on the reference through host copies (giftcomm.codec.CudaOrFallbackKernels)."""
+pass-through rows; tests/test_format_table.py checks the compiled entry names) and the adaptive
+rows with INT8 and INT4 tiers (ada4_5, ada4: kernels/gc_adaptive.cuh, launched by
+giftcomm.cuda.adaptive). Any other row of the format table runs on the reference through host
+copies (giftcomm.codec.CudaOrFallbackKernels)."""
 
 
 def supports(f: Format) -> bool:
     """Whether the CUDA kernels implement format ``f``: a native row of the table (its facts come
-    from the table itself: the loader generates gc_formats.h from giftcomm.formats at load time)."""
+    from the table itself: the loader generates gc_formats.h from giftcomm.formats at load time)
+    or an adaptive row that giftcomm.cuda.adaptive implements."""
+    if f.adaptive is not None:
+        return _adaptive.supports(f)
     return f.native and f.name in FORMATS
 
 _THREADS = 256
@@ -335,6 +343,8 @@ class CudaKernels:
         if n == 0:
             return out
         _aligned(x, "x")
+        if f.adaptive is not None:
+            return _adaptive.encode(x, f, block, out, key, offset)
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, x, out, key, offset)
             return out
@@ -354,6 +364,8 @@ class CudaKernels:
         if count == 0:
             return out
         _aligned(out, "out")
+        if f.adaptive is not None:
+            return _adaptive.decode(message, count, f, block, out, acc=False)
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, count, message, out, False)
             return out
@@ -378,6 +390,10 @@ class CudaKernels:
         _aligned(local, "local")
         if sum_out is not None:
             _aligned(sum_out, "sum_out")
+        if f.adaptive is not None:  # the message decoded, the float32 sum, the sum encoded
+            total = _adaptive.decode(message, n, f, block, _cp().empty(n, np.float32), acc=False)
+            add(total, local, out=total if sum_out is None else sum_out)
+            return _adaptive.encode(total if sum_out is None else sum_out, f, block, out, key, offset)
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_encode(f, n, local, out, key, offset, message=message, sum_out=sum_out)
             return out
@@ -398,6 +414,8 @@ class CudaKernels:
         if n == 0:
             return acc
         _aligned(acc, "acc")
+        if f.adaptive is not None:
+            return _adaptive.decode(message, n, f, block, acc, acc=True)
         if f.scale_kind in ("e8m0", "nvfp4"):
             _mx_decode(f, n, message, acc, True)
             return acc

@@ -20,6 +20,8 @@
 //                              per lane (section "decode-add-encode" below).
 //   gc_dec_F, gc_acc_F         decode (out = value) and decode-accumulate (acc += value):
 //                              elementwise, 16 values per thread (16- or 4-byte payload loads).
+// Adaptive-precision rows (ada4_5, ada4): gc_ada_keys, gc_ada_tiers, gc_ada_enc, gc_ada_choices,
+// gc_ada_dec (gc_adaptive.cuh; the per-frame ranking's sort and prefix counts run in CuPy).
 // The encode _vec variants need block % 4 == 0 and a 16-byte aligned x, a 4-byte aligned payload
 // (the host checks).
 //
@@ -28,6 +30,7 @@
 #include "gc_formats.h"
 #include "gc_fp8.cuh"
 #include "gc_mx.cuh"
+#include "gc_adaptive.cuh"
 
 #define GC_VPT 8  // values per thread held in registers by the encode team / cta kernels
 
@@ -932,6 +935,40 @@ GC_MX_ENTRIES(GC_NVFP4_ELEM, 1, nvfp4)
 // one set per MX row (GC_E8M0_ROWS of gc_formats.h)
 #define GC_E8M0_ROW_ENTRIES(N, L) GC_MX_ENTRIES(GC_##N##_ELEM, 0, L)
 GC_E8M0_ROWS(GC_E8M0_ROW_ENTRIES)
+
+// ---------------------------------------------------------------- adaptive-precision rows
+// 128 threads per CTA (gc_adaptive.cuh has the kernels' contract)
+extern "C" __global__ void __launch_bounds__(128) gc_ada_keys(const float* __restrict__ x, gc_u64* __restrict__ keys,
+                                                              long long count, int block, long long nsb, int frame,
+                                                              int run) {
+    gc_ada_keys_kernel(x, keys, count, block, nsb, frame, run);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gc_ada_tiers(const gc_u64* __restrict__ sorted, gc_u8* __restrict__ tiers,
+                                                               long long n, long long first, int frame, long long nsb,
+                                                               int k8f, int k4f, int k8r, int k4r) {
+    gc_ada_tiers_kernel(sorted, tiers, n, first, frame, nsb, k8f, k4f, k8r, k4r);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gc_ada_enc(const float* __restrict__ x, const gc_u64* __restrict__ keys,
+                                                             const gc_u8* __restrict__ tiers, const long long* __restrict__ off,
+                                                             gc_u8* __restrict__ msg, long long count, int block,
+                                                             long long nsb, int frame, long long fb, int sr, gc_u64 key,
+                                                             gc_u64 offset) {
+    gc_ada_enc_kernel(x, keys, tiers, off, msg, count, block, nsb, frame, fb, sr, key, offset);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gc_ada_choices(const gc_u8* __restrict__ msg, gc_u8* __restrict__ tiers,
+                                                                 long long nsb, int frame, long long fb) {
+    gc_ada_choices_kernel(msg, tiers, nsb, frame, fb);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gc_ada_dec(const gc_u8* __restrict__ msg, const gc_u8* __restrict__ tiers,
+                                                             const long long* __restrict__ off, float* __restrict__ out,
+                                                             long long count, int block, long long nsb, int frame,
+                                                             long long fb, int acc) {
+    gc_ada_dec_kernel(msg, tiers, off, out, count, block, nsb, frame, fb, acc);
+}
 
 // ---------------------------------------------------------------- float32 <-> float64 casts
 // y = x converted (float32 -> float64 exactly; float64 -> float32 rounded to nearest even), for
