@@ -44,17 +44,19 @@ from . import _loader
 
 __all__ = ["CudaKernels", "CUDA_FORMATS", "divide_inplace", "supports", "add_inplace", "add", "convert"]
 
-CUDA_FORMATS = frozenset(name for name, f in FORMATS.items() if f.native)
+CUDA_FORMATS = frozenset(name for name, f in FORMATS.items() if f.native and f.adaptive is None)
 """The formats kernels/gc_codec.cu has kernels for: the table's native rows (Format.native; its
 entry points expand the generated row lists GC_F32_ROWS and GC_E8M0_ROWS, plus nvfp4 and the
-pass-through rows; tests/test_format_table.py checks the compiled entry names). Any other row of
-the format table runs on the reference through host copies (giftcomm.codec.CudaOrFallbackKernels)."""
+pass-through rows; tests/test_format_table.py checks the compiled entry names) but the adaptive
+ones, which have C kernels only. Any other row of the format table runs on the reference through
+host copies (giftcomm.codec.CudaOrFallbackKernels)."""
 
 
 def supports(f: Format) -> bool:
-    """Whether the CUDA kernels implement format ``f``: a native row of the table (its facts come
-    from the table itself: the loader generates gc_formats.h from giftcomm.formats at load time)."""
-    return f.native and f.name in FORMATS
+    """Whether the CUDA kernels implement format ``f``: a native row of the table other than the
+    adaptive ones (its facts come from the table itself: the loader generates gc_formats.h from
+    giftcomm.formats at load time)."""
+    return f.native and f.adaptive is None and f.name in FORMATS
 
 _THREADS = 256
 _MAX_GRID = 1 << 20
