@@ -263,3 +263,25 @@ def test_allreduce_with_the_native_codec_equals_the_simulation(fmt, algorithm, r
         for got, w in zip(outs, want):
             assert_same_f32(got, w, f"{fmt} {algorithm} {rounding}")
     assert "encode" in used
+
+
+@pytest.mark.mpi
+def test_plans_over_mpi_equal_the_simulation():
+    """Under mpiexec: a persistent one-shot plan runs through the node-shared channel, whose C
+    code encodes and decodes with the row's native code (its spec's slot); it and the ring plan
+    equal the simulation."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    gen = np.random.default_rng(91)
+    n = 5 * B + 77
+    xs = [(gen.standard_normal(n) * np.repeat(np.exp(2 * gen.standard_normal(6)), B)[:n]).astype(np.float32)
+          for _ in range(comm.size)]
+    for fmt in ADAPTIVE:
+        for algorithm in ("oneshot", "ring"):
+            want = simulate_allreduce(xs, fmt=fmt, algorithm=algorithm)[comm.rank]
+            plan = gc.plan_allreduce(xs[comm.rank], comm=comm, fmt=fmt, algorithm=algorithm)
+            if algorithm == "oneshot":
+                assert plan.through_channel and plan._fmt_code == codec.native_code(FORMATS[fmt])
+            for _ in range(2):
+                assert plan(xs[comm.rank]).tobytes() == want.tobytes(), (fmt, algorithm)
