@@ -120,8 +120,8 @@ GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint3
             inv = 1.0f / (gc_d8(bs, 0) * s2);
         }
         bsp[g] = (uint8_t)bs;
-        const float *x = v + g * grp;
-        uint8_t *c = codes + g * grp;
+        const float *restrict x = v + g * grp;
+        uint8_t *restrict c = codes + g * grp;
         if (r && bs) {
             const uint32_t *rg = r + g * grp;
             for (size_t i = 0; i < grp; i++) {
@@ -129,11 +129,24 @@ GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint3
                 y = y < -emax ? -emax : (y > emax ? emax : y);
                 c[i] = (uint8_t)K(ada_qelem)(y, rg[i], kind, 1);
             }
-        } else { /* nearest; a group of scale 0 (its codes decode to zeros) keeps the signs */
+        } else if (kind == GC_ADA_INT2) { /* nearest; a group of scale 0 (zeros) keeps the signs */
+            for (size_t i = 0; i < grp; i++) {
+                uint32_t u = gc_bits(x[i] * inv);
+                c[i] = (uint8_t)(((u >> 31) << 1) | (uint32_t)((u & 0x7fffffffu) >= 0x40000000u));
+            }
+        } else if (kind == GC_ADA_E2M1) {
             for (size_t i = 0; i < grp; i++) {
                 float y = x[i] * inv;
                 y = y < -emax ? -emax : (y > emax ? emax : y);
                 c[i] = (uint8_t)K(ada_qelem)(y, 0u, kind, 0);
+            }
+        } else { /* INT8 / INT4 nearest: min(|y|, emax) rounded (ties even), then the sign of y */
+            for (size_t i = 0; i < grp; i++) {
+                uint32_t u = gc_bits(x[i] * inv);
+                float a = gc_float(u & 0x7fffffffu);
+                a = a < emax ? a : emax;
+                int32_t q = (int32_t)((a + 0x1p23f) - 0x1p23f), s = -(int32_t)(u >> 31);
+                c[i] = (uint8_t)((q ^ s) - s);
             }
         }
     }
@@ -279,18 +292,21 @@ GC_INLINE void K(ada_dec_sb)(const gc_ada_spec *sp, const uint8_t *restrict pay,
         if (kind == GC_ADA_INT8) {
             for (size_t i = 0; i < grp; i++)
                 o[i] = (float)(int8_t)pay[i0 + i] * d;
-        } else if (kind == GC_ADA_INT2) {
-            for (size_t i = 0; i < grp; i++) {
-                uint32_t c = (uint32_t)(pay[(i0 + i) / 4u] >> (2u * ((i0 + i) % 4u))) & 3u;
-                float mag = c & 1u ? 3.0f : 1.0f;
-                o[i] = (c & 2u ? -mag : mag) * d;
-            }
+        } else if (kind == GC_ADA_INT2) { /* code c: (1 + 2 (c & 1)) * (1 - (c & 2)) */
+            const uint8_t *p = pay + i0 / 4u;
+            for (size_t j = 0; j < grp / 4u; j++)
+                for (unsigned k = 0; k < 4u; k++) {
+                    int32_t c = (p[j] >> (2u * k)) & 3;
+                    o[4 * j + k] = (float)((1 + 2 * (c & 1)) * (1 - (c & 2))) * d;
+                }
         } else {
-            for (size_t i = 0; i < grp; i++) {
-                uint32_t c = (uint32_t)(pay[(i0 + i) / 2u] >> (4u * ((i0 + i) % 2u))) & 0xfu;
-                float e = kind == GC_ADA_INT4 ? (float)((int32_t)(c ^ 8u) - 8) : gc_de2m1(c);
-                o[i] = e * d;
-            }
+            const uint8_t *p = pay + i0 / 2u;
+            for (size_t j = 0; j < grp / 2u; j++)
+                for (unsigned k = 0; k < 2u; k++) {
+                    uint32_t c = (uint32_t)(p[j] >> (4u * k)) & 0xfu;
+                    float e = kind == GC_ADA_INT4 ? (float)((int32_t)(c ^ 8u) - 8) : gc_de2m1(c);
+                    o[2 * j + k] = e * d;
+                }
         }
     }
 }
