@@ -85,18 +85,32 @@ GC_INLINE void K(ada_pack)(const uint8_t *restrict c, size_t len, uint8_t *restr
     }
 }
 
+/* INT8 / INT4 nearest code of x * inv: min(|y|, emax) rounded (ties even), then the sign of y */
+GC_INLINE uint32_t K(ada_rint)(float x, float inv, const float emax)
+{
+    uint32_t u = gc_bits(x * inv);
+    float a = gc_float(u & 0x7fffffffu);
+    a = a < emax ? a : emax;
+    int32_t q = (int32_t)((a + 0x1p23f) - 0x1p23f), s = -(int32_t)(u >> 31);
+    return (uint32_t)((q ^ s) - s);
+}
+
 /* One super-block of `block` values v (zero-padded; r: their random bits, or NULL for nearest) in a
  * scaled tier: the packed elements at pay, then the E4M3 scale bytes (NVFP4's two-level rule with
- * the super-block as its group, giftcomm.reference.adaptive._scaled_tier); returns the super-scale. */
-GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint32_t *restrict r, uint8_t *restrict pay,
-                              const int kind)
+ * the super-block as its group, giftcomm.reference.adaptive._scaled_tier); returns the super-scale.
+ * g16: the max |bits| of each 16 values of v. */
+GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint32_t *restrict g16,
+                              const uint32_t *restrict r, uint8_t *restrict pay, const int kind)
 {
     const size_t grp = GC_ADA_GROUP(kind), ng = block / grp, nel = block * GC_ADA_BITS(kind) / 8u;
     const float emax = GC_ADA_EMAX(kind);
     uint8_t *bsp = pay + nel;
     uint32_t gm[GC_ADA_MAX_BLOCK / 16u], bits = 0;
     for (size_t g = 0; g < ng; g++) {
-        gm[g] = K(amax_plain)(v + g * grp, grp);
+        if (grp == 32u)
+            gm[g] = g16[2 * g] > g16[2 * g + 1] ? g16[2 * g] : g16[2 * g + 1];
+        else
+            gm[g] = g16[g];
         bits = gm[g] > bits ? gm[g] : bits;
     }
     if (bits >= GC_INF_BITS) {
@@ -108,45 +122,49 @@ GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint3
     float gsafe = tiny ? 1.0f : gf;
     float s2 = tiny ? 1.0f : gsafe / (448.0f * emax), q2 = tiny ? 0.0f : 448.0f / gsafe;
     uint8_t codes[GC_ADA_MAX_BLOCK];
-    for (size_t g = 0; g < ng; g++) {
-        uint32_t m = gm[g], bs = 0;
-        float inv = 0.0f;
+    float inv[GC_ADA_MAX_BLOCK / 16u];
+    for (size_t g = 0; g < ng; g++) { /* the E4M3 scales of all groups at once (gcc vectorizes it) */
+        uint32_t m = gm[g];
         float t = gc_float(m) * q2;
         t = t < 448.0f ? t : 448.0f;
-        if (m != 0 && !tiny) {
-            bs = gc_q8(gc_bits(t), 0);
-            bs += gc_d8(bs, 0) < t; /* round up: no element saturates */
-            bs = bs ? bs : 1u;
-            inv = 1.0f / (gc_d8(bs, 0) * s2);
-        }
+        uint32_t bs = gc_q8(gc_bits(t), 0);
+        bs += gc_d8(bs, 0) < t; /* round up: no element saturates */
+        bs = bs ? bs : 1u;
+        bs = m != 0 && !tiny ? bs : 0u;
+        float d = gc_d8(bs, 0) * s2;
+        inv[g] = bs ? 1.0f / (bs ? d : 1.0f) : 0.0f;
         bsp[g] = (uint8_t)bs;
-        const float *restrict x = v + g * grp;
-        uint8_t *restrict c = codes + g * grp;
-        if (r && bs) {
-            const uint32_t *rg = r + g * grp;
-            for (size_t i = 0; i < grp; i++) {
-                float y = x[i] * inv;
-                y = y < -emax ? -emax : (y > emax ? emax : y);
-                c[i] = (uint8_t)K(ada_qelem)(y, rg[i], kind, 1);
-            }
-        } else if (kind == GC_ADA_INT2) { /* nearest; a group of scale 0 (zeros) keeps the signs */
-            for (size_t i = 0; i < grp; i++) {
-                uint32_t u = gc_bits(x[i] * inv);
-                c[i] = (uint8_t)(((u >> 31) << 1) | (uint32_t)((u & 0x7fffffffu) >= 0x40000000u));
+    }
+    if (!r) { /* nearest: one pass over the super-block with each value's multiplier */
+        float iv[GC_ADA_MAX_BLOCK];
+        for (size_t g = 0; g < ng; g++)
+            for (size_t i = 0; i < grp; i++)
+                iv[g * grp + i] = inv[g];
+        if (kind == GC_ADA_INT2) {
+            for (size_t i = 0; i < block; i++) {
+                uint32_t u = gc_bits(v[i] * iv[i]);
+                codes[i] = (uint8_t)(((u >> 31) << 1) | (uint32_t)((u & 0x7fffffffu) >= 0x40000000u));
             }
         } else if (kind == GC_ADA_E2M1) {
-            for (size_t i = 0; i < grp; i++) {
-                float y = x[i] * inv;
+            for (size_t i = 0; i < block; i++) {
+                float y = v[i] * iv[i];
                 y = y < -emax ? -emax : (y > emax ? emax : y);
-                c[i] = (uint8_t)K(ada_qelem)(y, 0u, kind, 0);
+                codes[i] = (uint8_t)K(ada_qelem)(y, 0u, kind, 0);
             }
-        } else { /* INT8 / INT4 nearest: min(|y|, emax) rounded (ties even), then the sign of y */
+        } else {
+            for (size_t i = 0; i < block; i++)
+                codes[i] = (uint8_t)K(ada_rint)(v[i], iv[i], emax);
+        }
+    } else {
+        for (size_t g = 0; g < ng; g++) { /* a group of scale 0 (zeros) keeps nearest codes: their signs */
+            const float *restrict x = v + g * grp;
+            const uint32_t *rg = r + g * grp;
+            uint8_t *restrict c = codes + g * grp;
+            const int sr = bsp[g] != 0;
             for (size_t i = 0; i < grp; i++) {
-                uint32_t u = gc_bits(x[i] * inv);
-                float a = gc_float(u & 0x7fffffffu);
-                a = a < emax ? a : emax;
-                int32_t q = (int32_t)((a + 0x1p23f) - 0x1p23f), s = -(int32_t)(u >> 31);
-                c[i] = (uint8_t)((q ^ s) - s);
+                float y = x[i] * inv[g];
+                y = y < -emax ? -emax : (y > emax ? emax : y);
+                c[i] = (uint8_t)(sr ? K(ada_qelem)(y, rg[i], kind, 1) : K(ada_qelem)(y, 0u, kind, 0));
             }
         }
     }
@@ -156,9 +174,12 @@ GC_INLINE float K(ada_scaled)(const float *restrict v, size_t block, const uint3
 
 /* One super-block in the E4M3 8-bit tier: the e4m3 row's rule with the super-block as its block
  * (a non-finite one: zero codes, super-scale NaN); returns the scale. */
-GC_INLINE float K(ada_t8e4m3)(const float *restrict v, size_t block, const uint32_t *restrict r, uint8_t *restrict pay)
+GC_INLINE float K(ada_t8e4m3)(const float *restrict v, size_t block, const uint32_t *restrict g16,
+                              const uint32_t *restrict r, uint8_t *restrict pay)
 {
-    uint32_t bits = K(amax_plain)(v, block);
+    uint32_t bits = 0;
+    for (size_t g = 0; g < block / 16u; g++)
+        bits = g16[g] > bits ? g16[g] : bits;
     if (bits >= GC_INF_BITS) {
         memset(pay, 0, block);
         return gc_float(GC_ADA_QNAN);
@@ -196,16 +217,73 @@ static void K(ada_nan_frame)(const gc_ada_spec *sp, size_t nsb, size_t block, ui
     }
 }
 
+/* g16[g] = max |bits| of v[16 g .. 16 g + 15] for g < n16 (a multiple of 8); returns their max.
+ * The SIMD variants reduce 8 (16) groups at once by the nvfp4 kernels' transpose-max. */
+GC_INLINE uint32_t K(ada_g16)(const float *restrict v, size_t n16, uint32_t *restrict g16)
+{
+    size_t g = 0;
+    uint32_t m = 0;
+#if GC_VEC_MX && defined(GC_X512)
+    if (n16 % 16u == 0) {
+        const __m512i absm = GV_SET1(0x7fffffffu);
+        __m512i mx = _mm512_setzero_si512();
+        for (; g < n16; g += 16) {
+            __m512i vv[16];
+            for (int i = 0; i < 16; i++)
+                vv[i] = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(v + 16 * (g + (size_t)i))), absm);
+            __m512i t = K(v_amax16)(vv);
+            _mm512_storeu_si512((void *)(g16 + g), t);
+            mx = _mm512_max_epu32(mx, t);
+        }
+        return _mm512_reduce_max_epu32(mx);
+    }
+#elif GC_VEC_MX && defined(GC_X256)
+    const __m256i absm = GV_SET1(0x7fffffffu);
+    __m256i mx = _mm256_setzero_si256();
+    for (; g + 8 <= n16; g += 8) {
+        __m256i vv[8];
+        for (int i = 0; i < 8; i++) {
+            const float *p = v + 16 * (g + (size_t)i);
+            vv[i] = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(p)), absm),
+                                     _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(p + 8)), absm));
+        }
+        __m256i t = K(t8max)(vv);
+        _mm256_storeu_si256((__m256i *)(void *)(g16 + g), t);
+        mx = _mm256_max_epu32(mx, t);
+    }
+    m = K(hmax8)(mx);
+#endif
+    for (; g < n16; g++) {
+        g16[g] = K(amax_plain)(v + 16 * g, 16);
+        m = g16[g] > m ? g16[g] : m;
+    }
+    return m;
+}
+
 /* One frame: nsb super-blocks of x (len values; the last super-block zero-padded), random bits of
- * element idx0 + i (rng) or nearest, into fr. am: scratch of nsb words. */
+ * element idx0 + i (rng) or nearest, into fr. am: scratch of nsb * (1 + block / 16) words (each
+ * super-block's amax, then the amax of every 16 values: the one pass over x before the ranking
+ * finds them, the tiers' scales take them from there). */
 static void K(ada_encode_frame)(const gc_ada_spec *sp, const float *x, size_t len, size_t nsb, size_t block,
                                 uint8_t *fr, uint32_t *restrict am, const gc_rng *rng, uint64_t idx0)
 {
     size_t k8, k4;
+    const size_t n16 = block / 16u;
+    uint32_t *restrict g16 = am + nsb;
     gc_ada_counts(sp, nsb, block, &k8, &k4);
     for (size_t j = 0; j < nsb; j++) {
-        size_t l = len - j * block < block ? len - j * block : block;
-        am[j] = K(amax_plain)(x + j * block, l);
+        const float *v = x + j * block;
+        uint32_t *gj = g16 + j * n16, m = 0;
+        if (len - j * block >= block) {
+            m = K(ada_g16)(v, n16, gj);
+        } else { /* the partial last super-block: zeros past the count */
+            size_t l = len - j * block;
+            for (size_t g = 0; g < n16; g++) {
+                gj[g] = 16 * g < l ? K(amax_plain)(v + 16 * g, l - 16 * g < 16 ? l - 16 * g : 16) : 0u;
+                m = gj[g] > m ? gj[g] : m;
+            }
+        }
+        am[j] = m;
     }
     uint32_t v8, v4;
     int64_t c8, c4;
@@ -235,15 +313,17 @@ static void K(ada_encode_frame)(const gc_ada_spec *sp, const float *x, size_t le
             memset(rb + l, 0, 4 * (block - l));
             r = rb;
         }
+        const uint32_t *gj = g16 + j * n16;
         float s;
         if (tier == GC_ADA_T8) {
-            s = sp->top_int8 ? K(ada_scaled)(v, block, r, sec8, GC_ADA_INT8) : K(ada_t8e4m3)(v, block, r, sec8);
+            s = sp->top_int8 ? K(ada_scaled)(v, block, gj, r, sec8, GC_ADA_INT8) : K(ada_t8e4m3)(v, block, gj, r, sec8);
             sec8 += t8;
         } else if (tier == GC_ADA_T4) {
-            s = sp->mid_int4 ? K(ada_scaled)(v, block, r, sec4, GC_ADA_INT4) : K(ada_scaled)(v, block, r, sec4, GC_ADA_E2M1);
+            s = sp->mid_int4 ? K(ada_scaled)(v, block, gj, r, sec4, GC_ADA_INT4)
+                             : K(ada_scaled)(v, block, gj, r, sec4, GC_ADA_E2M1);
             sec4 += t4;
         } else {
-            s = K(ada_scaled)(v, block, r, sec2, GC_ADA_INT2);
+            s = K(ada_scaled)(v, block, gj, r, sec2, GC_ADA_INT2);
             sec2 += t2;
         }
         gc_store_f32(fr + cb + 4u * j, s);
@@ -253,13 +333,15 @@ static void K(ada_encode_frame)(const gc_ada_spec *sp, const float *x, size_t le
 static void K(encode_ada)(const gc_ada_spec *sp, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
 {
     size_t nsb = (n + block - 1u) / block, most = nsb < sp->frame ? nsb : sp->frame;
-    uint32_t local[1024];
-    uint32_t *am = most <= 1024u ? local : (uint32_t *)malloc(4u * most);
+    size_t words = most * (1u + block / 16u);
+    uint32_t local[2048];
+    uint32_t *am = words <= 2048u ? local : (uint32_t *)malloc(4u * words);
     for (size_t s0 = 0; s0 < nsb; s0 += sp->frame) {
         size_t m = nsb - s0 < sp->frame ? nsb - s0 : sp->frame;
         size_t i0 = s0 * block, len = n - i0 < m * block ? n - i0 : m * block;
+        uint64_t idx0 = rng ? rng->offset + i0 : 0u;
         if (am)
-            K(ada_encode_frame)(sp, x + i0, len, m, block, msg, am, rng, rng ? rng->offset + i0 : 0u);
+            K(ada_encode_frame)(sp, x + i0, len, m, block, msg, am, rng, idx0);
         else
             K(ada_nan_frame)(sp, m, block, msg);
         msg += gc_ada_frame_bytes(sp, m, block);
