@@ -126,7 +126,7 @@ def main() -> None:
     if ratios:
         print(f"# time per value of each adaptive row / {BASELINE}'s, same run (median of the per-round ratios)")
         for name, rounding, kname, r in ratios:
-            print(f"{name}/{BASELINE:<8} {rounding:<10} {kname:<18} {r:6.2f}x")
+            print(f"{name + '/' + BASELINE:<15} {rounding:<10} {kname:<18} {r:6.2f}x")
 
 
 if __name__ == "__main__":
