@@ -2,7 +2,8 @@
 
 The kernels trust their arguments (giftcomm.codec checks them first): 1-D contiguous NumPy arrays,
 float32 values, uint8 messages of ``message_nbytes(n)`` bytes, ``fmt_code`` a format variant's
-code (giftcomm.formats.Format.variant_code), ``block`` the values per scale; ``key`` (None or a
+code (giftcomm.codec.native_code: Format.variant_code, an adaptive row's with its spec's slot),
+``block`` the values per scale; ``key`` (None or a
 64-bit int): stochastic rounding's Philox key, counters ``offset + i``.
 """
 from typing import Any
@@ -21,6 +22,9 @@ def decode_add_encode(msg_in: npt.NDArray[np.uint8], local: npt.NDArray[np.float
                       offset: int = 0) -> None: ...
 def decode_accumulate(msg: npt.NDArray[np.uint8], acc: npt.NDArray[np.float32], fmt_code: int, block: int) -> None: ...
 def _formats() -> dict[str, Any]: ...
+def _adaptive_slot(budget_mbits: int, frame: int, share8_permille: int, top: str, mid: str, block: int) -> int:
+    """Register an adaptive row's spec (giftcomm.adaptive.AdaptiveSpec) for super-blocks of
+    ``block``; the row's native code is its format code | slot << SCALE_RULE_SHIFT."""
 def _isa() -> str: ...
 def _isas() -> list[str]: ...
 def _set_isa(name: str) -> None: ...

@@ -32,7 +32,17 @@ import numpy as np
 
 from . import config
 from ._xp import array_module, data_pointer
-from .formats import FORMATS, Format, check_key, check_offset, check_rounding, get_format, message_nbytes, resolve_block
+from .formats import (
+    FORMATS,
+    SCALE_RULE_SHIFT,
+    Format,
+    check_key,
+    check_offset,
+    check_rounding,
+    get_format,
+    message_nbytes,
+    resolve_block,
+)
 from .reference import codec as _ref
 
 
@@ -50,7 +60,7 @@ def _load_native() -> Any:
 _native = _load_native()
 
 __all__ = ["encode", "decode", "decode_add_encode", "decode_accumulate", "native_available", "native_formats",
-           "native_supports", "message_nbytes", "Kernels", "kernels_for", "native_variant", "native_variants",
+           "native_supports", "native_code", "message_nbytes", "Kernels", "kernels_for", "native_variant", "native_variants",
            "use_native_variant"]
 
 
@@ -69,9 +79,10 @@ class Kernels(Protocol):
     def decode_accumulate(self, message: Any, acc: Any, f: Format, block: int) -> Any: ...
 
 
-#: id(f) -> (f, whether the native kernels run f): one entry per Format object seen (the table's
-#: rows and their interned scale-rule variants); keyed by identity, the per-call check is one lookup
-_native_support: dict[int, tuple[Format, bool]] = {}
+#: id(f) -> (f, whether the native kernels run f, the code they take for it: native_code): one
+#: entry per Format object seen (the table's rows and their interned scale-rule variants); keyed by
+#: identity, the per-call check is one lookup
+_native_support: dict[int, tuple[Format, bool, int]] = {}
 
 
 def native_formats() -> frozenset[str]:
@@ -96,8 +107,11 @@ def native_supports(f: Format) -> bool:
     from .formats_header import format_facts
 
     ok = f.native and _native is not None and _native._formats().get(f.name) == format_facts(f)
+    code = f.variant_code
+    if ok and f.adaptive is not None:
+        code, ok = _adaptive_code(f)
     if len(_native_support) < 1024:  # bounded: Format objects made outside the table are few
-        _native_support[id(f)] = (f, ok)
+        _native_support[id(f)] = (f, ok, code)
     if not ok and _native is not None and f.name not in _native_logged:
         _native_logged.add(f.name)
         logging.getLogger("giftcomm").warning(
@@ -107,6 +121,34 @@ def native_supports(f: Format) -> bool:
 
 
 _native_logged: set[str] = set()
+
+
+def _adaptive_code(f: Format) -> tuple[int, bool]:
+    """An adaptive row's native code: its spec (giftcomm.adaptive.AdaptiveSpec) registered with the
+    C kernels, whose slot rides in the scale-rule bits of the code; (variant_code, False) when the
+    kernels refuse the spec (it then runs on the reference)."""
+    spec = f.adaptive
+    assert spec is not None and f.fixed_block is not None  # an adaptive row: its super-block is its fixed block
+    try:
+        slot = _native._adaptive_slot(spec.budget_mbits, spec.frame, spec.share8_permille, spec.top, spec.mid,
+                                      f.fixed_block)
+    except ValueError:
+        return f.variant_code, False
+    return f.code | slot << SCALE_RULE_SHIFT, True
+
+
+def native_code(f: Format) -> int:
+    """The format code the native kernels take for ``f``: its variant code (Format.variant_code),
+    for an adaptive row with the slot of its spec, registered with the kernels on first use (so a
+    row's budget, frame, share and tiers come from its AdaptiveSpec, none compiled in). Only for a
+    format the native kernels run (native_supports)."""
+    hit = _native_support.get(id(f))
+    if hit is None:
+        native_supports(f)
+        hit = _native_support.get(id(f))
+    if hit is None:  # the cache is full: ask again (registering an equal spec gives the same slot)
+        return _adaptive_code(f)[0] if f.adaptive is not None and _native is not None else f.variant_code
+    return hit[2]
 
 
 class NativeKernels:
@@ -120,14 +162,14 @@ class NativeKernels:
                offset: int = 0) -> np.ndarray:
         if not native_supports(f):
             return ReferenceKernels.encode(x, f, block, out, key, offset)
-        _native.encode(x, out, f.variant_code, block, key, offset)
+        _native.encode(x, out, native_code(f), block, key, offset)
         return out
 
     @staticmethod
     def decode(message: np.ndarray, count: int, f: Format, block: int, out: np.ndarray) -> np.ndarray:
         if not native_supports(f):
             return ReferenceKernels.decode(message, count, f, block, out)
-        _native.decode(message, out, f.variant_code, block)
+        _native.decode(message, out, native_code(f), block)
         return out
 
     @staticmethod
@@ -135,14 +177,14 @@ class NativeKernels:
                           sum_out: np.ndarray | None, key: int | None = None, offset: int = 0) -> np.ndarray:
         if not native_supports(f):
             return ReferenceKernels.decode_add_encode(message, local, f, block, out, sum_out, key, offset)
-        _native.decode_add_encode(message, local, out, sum_out, f.variant_code, block, key, offset)
+        _native.decode_add_encode(message, local, out, sum_out, native_code(f), block, key, offset)
         return out
 
     @staticmethod
     def decode_accumulate(message: np.ndarray, acc: np.ndarray, f: Format, block: int) -> np.ndarray:
         if not native_supports(f):
             return ReferenceKernels.decode_accumulate(message, acc, f, block)
-        _native.decode_accumulate(message, acc, f.variant_code, block)
+        _native.decode_accumulate(message, acc, native_code(f), block)
         return acc
 
 

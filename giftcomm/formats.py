@@ -71,7 +71,9 @@ class Format:
     default, or "floor"); "" for every other format. The rows of FORMATS carry the default;
     :meth:`with_scale_rule` gives the other variant.
     native: whether the C kernels (native/) and the CUDA kernels (giftcomm/cuda/kernels)
-    implement this row. True for every row of FORMATS today; False declares a *reference-only*
+    implement this row (the adaptive rows: the C kernels with the row's AdaptiveSpec passed at
+    run time, and the CUDA kernels of giftcomm.cuda.adaptive for the INT8/INT4-tier settings;
+    giftcomm.cuda.codec.supports says which). True for every row of FORMATS today; False declares a *reference-only*
     row (a format landing Python-first): it runs everywhere (plain calls, plans, the simulation,
     error feedback, the adapters) on giftcomm.reference, host arrays directly and CuPy arrays
     through host copies, and the generated dispatch lists of ``native/gc_formats.h`` leave it out.
@@ -167,8 +169,7 @@ ADAPTIVE_BLOCK = 256
 def _adaptive_row(name: str, code: int, spec: AdaptiveSpec) -> Format:
     """An adaptive-precision row (giftcomm.adaptive): uint8 wire bytes, no single element format."""
     spec.check_block(ADAPTIVE_BLOCK)
-    return Format(name, code, np.dtype(np.uint8), True, 448.0, 0, 0, ADAPTIVE_BLOCK, "adaptive", 8, native=False,
-                  adaptive=spec)
+    return Format(name, code, np.dtype(np.uint8), True, 448.0, 0, 0, ADAPTIVE_BLOCK, "adaptive", 8, adaptive=spec)
 
 
 #: the adaptive-precision rows (giftcomm.adaptive): per 256-value super-block 8 bits (INT8 with

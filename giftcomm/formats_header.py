@@ -25,7 +25,8 @@ __all__ = ["c_header", "format_facts", "ELEMENT_KINDS", "HEADER_PATH"]
 ELEMENT_KINDS: dict[str, int] = {"float8_e4m3fn": 0, "float8_e5m2": 1, "float4_e2m1fn": 2}
 #: the generated row lists by family (scale kind): what the kernels' dispatch expands
 _ROW_LISTS = {"F32": ("f32", "FP8 elements, float32 block scales"),
-              "E8M0": ("e8m0", "MX: E8M0 scale per 32 values")}
+              "E8M0": ("e8m0", "MX: E8M0 scale per 32 values"),
+              "ADAPTIVE": ("adaptive", "adaptive precision: tiers per super-block (the spec registered at run time)")}
 _SCALE_KIND_NAMES = {"": "NONE", "f32": "F32", "e8m0": "E8M0", "nvfp4": "NVFP4", "adaptive": "ADAPTIVE"}
 HEADER_PATH = "native/gc_formats.h"
 """Where the generated header lives, relative to the repository root (the CUDA loader serves the
@@ -69,7 +70,7 @@ def c_header() -> str:
     rows = sorted(FORMATS.values(), key=lambda f: f.code)
     native = [f for f in rows if f.native]
     for f in native:
-        if f.scaled and _elem_kind(f) < 0:
+        if f.scaled and f.adaptive is None and _elem_kind(f) < 0:
             raise ValueError(f"format {f.name} is declared native but the kernels have no element kind for "
                              f"{f.wire_dtype.name} (ELEMENT_KINDS); declare it native=False (reference only)")
     elems = sorted(ELEMENT_KINDS.items(), key=lambda kv: kv[1])

@@ -6,6 +6,7 @@
  *   mxfp4: [ceil(n/2) packed E2M1 bytes, value 2j in the low nibble][ceil(n/32) E8M0 bytes]
  *   nvfp4: [ceil(n/2) packed E2M1 bytes][ceil(n/16) E4M3 bytes][zero pad to 4][ceil(n/1024) float32]
  *   pass-through (bf16, fp16): n little-endian 2-byte values; (fp32): n float32 values.
+ *   adaptive rows: frames of choice bits, float32 super-scales and tier sections (gc_adaptive.h).
  *
  * Every kernel is bit-identical to giftcomm/reference/codec.py (NumPy + ml_dtypes). The kernels
  * are plain C written so that gcc auto-vectorizes them; native/gc_kernels.h is compiled once per
@@ -26,6 +27,7 @@
  * (GC_VARIANT_FORMAT) and, for the E8M0 formats, the shared-exponent rule above them
  * (GC_VARIANT_RULE: GC_RULE_CEIL or GC_RULE_FLOOR). */
 #include "gc_formats.h"
+#include "gc_adaptive.h"
 
 /* The formats these kernels implement: the table's native rows (GC_NATIVE_ROWS); gc_module.c
  * reports them (giftcomm.codec runs every other row of the table on the NumPy reference). */

@@ -154,11 +154,13 @@
 
 /* the rows the C and CUDA kernels implement (Format.native), all and by family, in code order:
  * X(NAME, name) per row; the kernels' dispatch switches and CUDA entry points expand these */
-#define GC_NATIVE_ROWS(X) X(E4M3, e4m3) X(E5M2, e5m2) X(BF16, bf16) X(FP16, fp16) X(FP32, fp32) X(NVFP4, nvfp4) X(MXFP4, mxfp4) X(MXFP8, mxfp8) X(MXFP8_E5M2, mxfp8_e5m2)
+#define GC_NATIVE_ROWS(X) X(E4M3, e4m3) X(E5M2, e5m2) X(BF16, bf16) X(FP16, fp16) X(FP32, fp32) X(NVFP4, nvfp4) X(MXFP4, mxfp4) X(MXFP8, mxfp8) X(MXFP8_E5M2, mxfp8_e5m2) X(ADA4_5, ada4_5) X(ADA4, ada4)
 /* FP8 elements, float32 block scales */
 #define GC_F32_ROWS(X) X(E4M3, e4m3) X(E5M2, e5m2)
 /* MX: E8M0 scale per 32 values */
 #define GC_E8M0_ROWS(X) X(MXFP4, mxfp4) X(MXFP8, mxfp8) X(MXFP8_E5M2, mxfp8_e5m2)
+/* adaptive precision: tiers per super-block (the spec registered at run time) */
+#define GC_ADAPTIVE_ROWS(X) X(ADA4_5, ada4_5) X(ADA4, ada4)
 
 /* the same facts by code (c: any int expression; an unknown code gives 0 / -1) */
 #define GC_FMT_SCALE(c) ((c) == GC_E4M3 ? GC_E4M3_SCALE : (c) == GC_E5M2 ? GC_E5M2_SCALE : (c) == GC_BF16 ? GC_BF16_SCALE : (c) == GC_FP16 ? GC_FP16_SCALE : (c) == GC_FP32 ? GC_FP32_SCALE : (c) == GC_NVFP4 ? GC_NVFP4_SCALE : (c) == GC_MXFP4 ? GC_MXFP4_SCALE : (c) == GC_MXFP8 ? GC_MXFP8_SCALE : (c) == GC_MXFP8_E5M2 ? GC_MXFP8_E5M2_SCALE : (c) == GC_ADA4_5 ? GC_ADA4_5_SCALE : (c) == GC_ADA4 ? GC_ADA4_SCALE : 0)

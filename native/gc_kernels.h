@@ -126,6 +126,7 @@ GC_INLINE void K(dec8_block)(const uint8_t *restrict codes, size_t len, float sc
 #endif
 
 #include "gc_kernels_mx.h"
+#include "gc_kernels_ada.h"
 
 GC_INLINE void K(encode8)(const float *x, size_t n, uint8_t *msg, size_t block, const int e5, const gc_rng *rng)
 {
@@ -294,7 +295,8 @@ GC_INLINE void K(acc32)(const uint8_t *msg, size_t n, float *acc)
 }
 
 /* ---- entry points: dispatch on the variant code v (validated by the caller: gc_module.c); the
- * FP8 rows with float32 scales (GC_F32_ROWS) and the MX rows (GC_E8M0_ROWS) come from the
+ * FP8 rows with float32 scales (GC_F32_ROWS), the MX rows (GC_E8M0_ROWS) and the adaptive rows
+ * (GC_ADAPTIVE_ROWS; their spec from the slot in the variant code, gc_adaptive.h) come from the
  * generated table, gc_formats.h ---- */
 
 static void K(encode)(int v, const float *x, size_t n, uint8_t *msg, size_t block, const gc_rng *rng)
@@ -309,6 +311,10 @@ static void K(encode)(int v, const float *x, size_t n, uint8_t *msg, size_t bloc
     case GC_BF16: K(encode16)(x, n, msg, 0); break;
     case GC_FP16: K(encode16)(x, n, msg, 1); break;
     case GC_FP32: memmove(msg, x, 4 * n); break;
+    GC_ADAPTIVE_ROWS(GC_CASE_OF)
+        if (gc_ada_spec_of(v))
+            K(encode_ada)(gc_ada_spec_of(v), x, n, msg, block, rng);
+        break;
     default: break;
     }
 }
@@ -323,6 +329,10 @@ static void K(decode)(int v, const uint8_t *msg, size_t n, float *out, size_t bl
     case GC_BF16: K(decode16)(msg, n, out, 0); break;
     case GC_FP16: K(decode16)(msg, n, out, 1); break;
     case GC_FP32: memmove(out, msg, 4 * n); break;
+    GC_ADAPTIVE_ROWS(GC_CASE_OF)
+        if (gc_ada_spec_of(v))
+            K(decode_ada)(gc_ada_spec_of(v), msg, n, out, NULL, block, 0);
+        break;
     default: break;
     }
 }
@@ -340,6 +350,10 @@ static void K(decode_add_encode)(int v, const uint8_t *msg_in, const float *loca
     case GC_BF16: K(dae16)(msg_in, local, n, msg_out, sum_out, 0); break;
     case GC_FP16: K(dae16)(msg_in, local, n, msg_out, sum_out, 1); break;
     case GC_FP32: K(dae32)(msg_in, local, n, msg_out, sum_out); break;
+    GC_ADAPTIVE_ROWS(GC_CASE_OF)
+        if (gc_ada_spec_of(v))
+            K(dae_ada)(gc_ada_spec_of(v), msg_in, local, n, msg_out, sum_out, block, tmp, rng);
+        break;
     default: break;
     }
 }
@@ -354,6 +368,10 @@ static void K(decode_accumulate)(int v, const uint8_t *msg, size_t n, float *acc
     case GC_BF16: K(acc16)(msg, n, acc, 0); break;
     case GC_FP16: K(acc16)(msg, n, acc, 1); break;
     case GC_FP32: K(acc32)(msg, n, acc); break;
+    GC_ADAPTIVE_ROWS(GC_CASE_OF)
+        if (gc_ada_spec_of(v))
+            K(decode_ada)(gc_ada_spec_of(v), msg, n, acc, NULL, block, 1);
+        break;
     default: break;
     }
 }

@@ -14,7 +14,14 @@
  * fmt_code: giftcomm.formats.Format.variant_code: the format code (native/gc_formats.h, generated
  * from giftcomm/formats.py) plus, for the E8M0 formats, the scale rule << GC_SCALE_RULE_SHIFT;
  * block: 1..2^20 elements per scale (checked for every format, used by e4m3/e5m2; a fixed-block
- * format takes only its own). A code these kernels do not implement is a ValueError.
+ * format takes only its own). A code these kernels do not implement is a ValueError. An adaptive
+ * row's code carries, in place of the scale rule, the slot of its spec (gc_adaptive.h), registered
+ * with _adaptive_slot; decoding a message whose choice bits do not give the row's tier counts is
+ * the reference's ValueError ("corrupt adaptive message: ...").
+ *
+ *   _adaptive_slot(budget_mbits, frame, share8_permille, top, mid, block) -> slot (1..63): register
+ *                 an AdaptiveSpec (an equal one gets the same slot); ValueError for a spec these
+ *                 kernels cannot run (a budget below the all-2-bit frames, an unknown tier element).
  *
  *   _formats() -> {name: facts} of the formats these kernels implement (facts: GC_<NAME>_FACTS as
  *                 compiled; giftcomm.codec compares them with giftcomm.formats_header.format_facts).
@@ -42,6 +49,9 @@
 #include "gc_channel.h"
 
 static const gc_kernels *g_kernels = &gc_kernels_generic;
+
+gc_ada_spec gc_ada_specs[GC_ADA_SLOTS];
+int gc_ada_nslots = 1; /* slot 0 stays unregistered */
 
 static int isa_supported(const gc_kernels *k)
 {
@@ -83,7 +93,14 @@ static const gc_format_row *format_of(int v)
 static int rule_ok(const gc_format_row *f, int v)
 {
     int rule = GC_VARIANT_RULE(v);
+    if (f->scale == GC_SCALE_ADAPTIVE) /* the rule bits carry the registered spec's slot */
+        return v >= 0 && gc_ada_spec_of(v) != NULL;
     return v >= 0 && (rule == GC_RULE_CEIL || (rule == GC_RULE_FLOOR && f->scale == GC_SCALE_E8M0));
+}
+
+static int ada_block_ok(size_t block)
+{
+    return block % GC_ADA_BLOCK_MULTIPLE == 0 && block <= GC_ADA_MAX_BLOCK;
 }
 
 static int check_fmt_block(int v, long long block)
@@ -92,6 +109,11 @@ static int check_fmt_block(int v, long long block)
     if (!f) {
         PyErr_Format(PyExc_ValueError, "format code %d is not implemented by the native kernels (see "
                      "giftcomm.codec.native_formats())", GC_VARIANT_FORMAT(v));
+        return -1;
+    }
+    if (!rule_ok(f, v) && f->scale == GC_SCALE_ADAPTIVE) {
+        PyErr_Format(PyExc_ValueError, "variant code %d: adaptive format %s takes the slot of a spec registered "
+                     "with _adaptive_slot (giftcomm.codec.native_code), got slot %d", v, f->name, GC_VARIANT_RULE(v));
         return -1;
     }
     if (!rule_ok(f, v)) {
@@ -108,7 +130,25 @@ static int check_fmt_block(int v, long long block)
         PyErr_Format(PyExc_ValueError, "block must be between 1 and %u, got %lld", GC_MAX_BLOCK, block);
         return -1;
     }
+    if (f->scale == GC_SCALE_ADAPTIVE && !ada_block_ok((size_t)block)) {
+        PyErr_Format(PyExc_ValueError, "the native kernels take adaptive super-blocks of a multiple of %u values up "
+                     "to %u, got %lld", GC_ADA_BLOCK_MULTIPLE, GC_ADA_MAX_BLOCK, block);
+        return -1;
+    }
     return 0;
+}
+
+/* ValueError (the reference's words) when a frame's choice bits do not give the row's tier counts */
+static int check_ada_message(int v, const Py_buffer *msg, size_t n, size_t block)
+{
+    const gc_ada_spec *sp = GC_FMT_SCALE(GC_VARIANT_FORMAT(v)) == GC_SCALE_ADAPTIVE ? gc_ada_spec_of(v) : NULL;
+    size_t bad, k8, k4;
+    if (!sp || !gc_ada_find_corrupt(sp, (const uint8_t *)msg->buf, n, block, &bad))
+        return 0;
+    gc_ada_counts(sp, bad, block, &k8, &k4);
+    PyErr_Format(PyExc_ValueError, "corrupt adaptive message: a frame's choice bits do not give (%zu, %zu, %zu) "
+                 "super-blocks at 8/4/2 bits", k8, k4, bad - k8 - k4);
+    return -1;
 }
 
 /* message_nbytes(n, fmt, block) of a valid variant */
@@ -119,6 +159,7 @@ static size_t msg_nbytes(size_t n, int v, size_t block)
     case GC_SCALE_F32: return gc_scales_offset(n) + 4 * ((n + block - 1) / block);
     case GC_SCALE_NVFP4: return gc_group_offset(n) + 4 * ((n + GC_NVFP4_GROUP - 1) / GC_NVFP4_GROUP);
     case GC_SCALE_E8M0: return gc_payload_bytes(n, fmt) + (n + block - 1) / block;
+    case GC_SCALE_ADAPTIVE: return gc_ada_message_bytes(gc_ada_spec_of(v), n, block);
     default: return n * (size_t)GC_FMT_ITEMSIZE(fmt);
     }
 }
@@ -128,7 +169,8 @@ const gc_kernels *gc_active_kernels(void) { return g_kernels; }
 size_t gc_message_nbytes(size_t n, int v, size_t block)
 {
     const gc_format_row *f = format_of(v);
-    if (!f || !rule_ok(f, v) || block < 1 || block > GC_MAX_BLOCK || (f->fixed_block && block != (size_t)f->fixed_block))
+    if (!f || !rule_ok(f, v) || block < 1 || block > GC_MAX_BLOCK || (f->fixed_block && block != (size_t)f->fixed_block)
+        || (f->scale == GC_SCALE_ADAPTIVE && !ada_block_ok(block)))
         return SIZE_MAX;
     return msg_nbytes(n, v, block);
 }
@@ -252,7 +294,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args)
     }
     size_t n = (size_t)out.len / 4;
     PyObject *ret = NULL;
-    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0) {
+    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0 && check_ada_message(fmt, &msg, n, (size_t)block) == 0) {
         const gc_kernels *k = g_kernels;
         Py_BEGIN_ALLOW_THREADS
         k->decode(fmt, (const uint8_t *)msg.buf, n, (float *)out.buf, (size_t)block);
@@ -291,7 +333,8 @@ static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
         have_sum = 1;
     }
     size_t n = (size_t)loc.len / 4;
-    if (check_msg(&min, n, fmt, (size_t)block, "msg_in") < 0 || check_msg(&mout, n, fmt, (size_t)block, "msg_out") < 0)
+    if (check_msg(&min, n, fmt, (size_t)block, "msg_in") < 0 || check_msg(&mout, n, fmt, (size_t)block, "msg_out") < 0
+        || check_ada_message(fmt, &min, n, (size_t)block) < 0)
         goto done;
     if (have_sum && (size_t)sum.len != 4 * n) {
         PyErr_Format(PyExc_ValueError, "sum_out must hold %zu float32 values, got %zd bytes", n, sum.len);
@@ -300,6 +343,13 @@ static PyObject *py_decode_add_encode(PyObject *self, PyObject *args)
     if (GC_FMT_SCALE(GC_VARIANT_FORMAT(fmt)) == GC_SCALE_F32) { /* block-local scratch of the FP8 hop */
         size_t t = n < (size_t)block ? n : (size_t)block;
         tmp = (float *)PyMem_RawMalloc(4 * (t ? t : 1));
+        if (!tmp) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (GC_FMT_SCALE(GC_VARIANT_FORMAT(fmt)) == GC_SCALE_ADAPTIVE && !have_sum) { /* the whole sum: a frame's tiers need all of it */
+        tmp = (float *)PyMem_RawMalloc(4 * (n ? n : 1));
         if (!tmp) {
             PyErr_NoMemory();
             goto done;
@@ -344,7 +394,7 @@ static PyObject *py_decode_accumulate(PyObject *self, PyObject *args)
     }
     size_t n = (size_t)acc.len / 4;
     PyObject *ret = NULL;
-    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0) {
+    if (check_msg(&msg, n, fmt, (size_t)block, "msg") == 0 && check_ada_message(fmt, &msg, n, (size_t)block) == 0) {
         const gc_kernels *k = g_kernels;
         Py_BEGIN_ALLOW_THREADS
         k->decode_accumulate(fmt, (const uint8_t *)msg.buf, n, (float *)acc.buf, (size_t)block);
@@ -375,6 +425,43 @@ static PyObject *py_formats(PyObject *self, PyObject *args)
         Py_DECREF(facts);
     }
     return d;
+}
+
+/* ---- the adaptive rows' specs ---- */
+
+static int ada_tier_index(const char *name, const char *a, const char *b)
+{
+    return strcmp(name, a) == 0 ? 0 : strcmp(name, b) == 0 ? 1 : -1;
+}
+
+static PyObject *py_adaptive_slot(PyObject *self, PyObject *args)
+{
+    unsigned long long budget, frame, share8;
+    long long block;
+    const char *top, *mid;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKssL:_adaptive_slot", &budget, &frame, &share8, &top, &mid, &block))
+        return NULL;
+    gc_ada_spec sp = {(uint32_t)budget, (uint32_t)frame, (uint32_t)share8, ada_tier_index(top, "e4m3", "int8"),
+                      ada_tier_index(mid, "e2m1", "int4")};
+    if (sp.top_int8 < 0 || sp.mid_int4 < 0 || frame < 1 || frame > 65536 || share8 > 1000 || budget > 1000000
+        || block < 1 || !ada_block_ok((size_t)block))
+        return PyErr_Format(PyExc_ValueError, "not an adaptive spec these kernels run: budget %llu, frame %llu, "
+                            "share8 %llu, top %s, mid %s, block %lld", budget, frame, share8, top, mid, block);
+    for (size_t nsb = 1; nsb <= frame; nsb++) /* every frame size meets the budget at 2 bits */
+        if (gc_ada_avail(&sp, nsb, (size_t)block) < 0)
+            return PyErr_Format(PyExc_ValueError, "budget %llu mbit/value is below what a frame of %zu super-blocks of "
+                                "%lld needs with every super-block at 2 bits", budget, nsb, block);
+    for (int i = 1; i < gc_ada_nslots; i++) {
+        const gc_ada_spec *q = &gc_ada_specs[i];
+        if (q->budget_mbits == sp.budget_mbits && q->frame == sp.frame && q->share8_permille == sp.share8_permille
+            && q->top_int8 == sp.top_int8 && q->mid_int4 == sp.mid_int4)
+            return PyLong_FromLong(i);
+    }
+    if (gc_ada_nslots >= GC_ADA_SLOTS)
+        return PyErr_Format(PyExc_ValueError, "all %d adaptive spec slots are taken", GC_ADA_SLOTS - 1);
+    gc_ada_specs[gc_ada_nslots] = sp;
+    return PyLong_FromLong(gc_ada_nslots++);
 }
 
 /* ---- kernel variant selection ---- */
@@ -445,6 +532,9 @@ static PyMethodDef methods[] = {
      "decode_accumulate(msg, acc, fmt_code, block): acc (float32[n]) += decode(msg)."},
     {"_formats", py_formats, METH_NOARGS,
      "{name: facts} of the formats these kernels implement (facts as compiled from native/gc_formats.h)."},
+    {"_adaptive_slot", py_adaptive_slot, METH_VARARGS,
+     "_adaptive_slot(budget_mbits, frame, share8_permille, top, mid, block) -> slot: register an adaptive row's spec "
+     "(giftcomm.adaptive.AdaptiveSpec); its variant code is the format code | slot << GC_SCALE_RULE_SHIFT."},
     {"_isa", py_isa, METH_NOARGS, "Name of the kernel variant in use."},
     {"_isas", py_isas, METH_NOARGS, "Kernel variants this CPU can run, best first."},
     {"_set_isa", py_set_isa, METH_VARARGS, "Select a kernel variant by name (tests, benchmarks)."},

@@ -1,14 +1,18 @@
 """Values per second of the native codec kernels for every block-scaled format and both roundings.
 
     python perf/bench_formats.py [--n 4M] [--repeats 7] [--rounds 1] [--isa avx512vbmi]
-                                   [--data wide|normal] [--formats e4m3,nvfp4,mxfp4]
+                                   [--data wide|normal|gradient] [--formats e4m3,nvfp4,mxfp4]
 
 One row per (format, rounding, kernel): the median time of ``repeats`` calls on ``n`` values
-(float32 inputs, 1-D; e4m3/e5m2 with block 256, the MX formats and nvfp4 with their own block),
-as values per second and as input GB/s (4 bytes per value). Single-threaded, like the kernels.
-With ``--rounds R`` the whole table is measured R times, every round going through all formats
-in turn (so that a slow spell of a shared host falls on all of them alike); each row then shows
-the median over the rounds and the lowest and highest round.
+(float32 inputs, 1-D; e4m3/e5m2 with block 256, the MX formats and nvfp4 with their own block,
+the adaptive rows with their super-block of 256), as values per second, nanoseconds per value
+and input GB/s (4 bytes per value). Single-threaded, like the kernels. With ``--rounds R`` the
+whole table is measured R times, every round going through all formats in turn (so that a slow
+spell of a shared host falls on all of them alike); each row then shows the median over the
+rounds and the lowest and highest round. When nvfp4 is in the run, each adaptive row's time per
+kernel and rounding is also printed as a ratio to nvfp4's, both from this run (the median of the
+per-round ratios). ``--data gradient``: normal values, each 256-value block scaled by its own
+log-normal factor (what the adaptive rows rank).
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ import numpy as np
 from giftcomm import codec
 from giftcomm.formats import get_format, message_nbytes, resolve_block
 
-FORMATS = ("e4m3", "e5m2", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2")
+FORMATS = ("e4m3", "e5m2", "nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2", "ada4_5", "ada4")
+#: the baseline each adaptive row's time is compared with
+BASELINE = "nvfp4"
 
 
 def _timing():
@@ -60,7 +66,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--isa", default=None)
-    p.add_argument("--data", choices=("wide", "normal"), default="normal")
+    p.add_argument("--data", choices=("wide", "normal", "gradient"), default="normal")
     p.add_argument("--formats", default=",".join(FORMATS))
     a = p.parse_args()
     if a.isa:
@@ -74,6 +80,8 @@ def main() -> None:
     x = rng.standard_normal(n).astype(np.float32)
     if a.data == "wide":
         x *= np.exp2(rng.uniform(-20, 19, n)).astype(np.float32)
+    elif a.data == "gradient":
+        x *= np.repeat(np.exp(2 * rng.standard_normal(-(-n // 256))), 256)[:n].astype(np.float32)
     local = rng.standard_normal(n).astype(np.float32)
     k = codec.NativeKernels
     rows: dict[tuple[str, str, str], list[float]] = {}
@@ -104,14 +112,21 @@ def main() -> None:
     print(f"# native variant {codec.native_variant()}; n = {n}; data {a.data}; median of {a.repeats}"
           + (f", median of {a.rounds} rounds (lowest, highest round)" if a.rounds > 1 else "")
           + f"; commit {_commit()}")
-    print(f"{'format':<11} {'rounding':<10} {'kernel':<18} {'Gvalues/s':>9} {'GB/s in':>8}"
+    print(f"{'format':<11} {'rounding':<10} {'kernel':<18} {'Gvalues/s':>9} {'ns/value':>8} {'GB/s in':>8}"
           + (f"  {'rounds low-high':>15}" if a.rounds > 1 else ""))
     for (name, rounding, kname), v in rows.items():
         med = float(np.median(v))
-        line = f"{name:<11} {rounding:<10} {kname:<18} {med:9.3f} {4 * med:8.2f}"
+        line = f"{name:<11} {rounding:<10} {kname:<18} {med:9.3f} {1 / med:8.3f} {4 * med:8.2f}"
         if a.rounds > 1:
             line += f"  {min(v):7.3f}-{max(v):.3f}"
         print(line)
+    ratios = [(name, rounding, kname, float(np.median(np.divide(rows[(BASELINE, rounding, kname)], v))))
+              for (name, rounding, kname), v in rows.items()
+              if get_format(name).adaptive is not None and (BASELINE, rounding, kname) in rows]
+    if ratios:
+        print(f"# time per value of each adaptive row / {BASELINE}'s, same run (median of the per-round ratios)")
+        for name, rounding, kname, r in ratios:
+            print(f"{name + '/' + BASELINE:<15} {rounding:<10} {kname:<18} {r:6.2f}x")
 
 
 if __name__ == "__main__":

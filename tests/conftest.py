@@ -80,8 +80,9 @@ OWN_ALGORITHMS: list[str] = [a for a in ALGORITHM_NAMES if not BY_NAME[a].native
 
 
 def native_only(names: list[str]) -> list[str]:
-    """The formats of ``names`` that the C and CUDA kernels implement (Format.native)."""
-    return [name for name in names if FORMATS[name].native]
+    """The formats of ``names`` that the C and CUDA kernels implement (Format.native; the adaptive
+    rows have C kernels only: tests/test_adaptive_native.py)."""
+    return [name for name in names if FORMATS[name].native and FORMATS[name].adaptive is None]
 
 
 #: a format name no table row will ever take, for the tests of an unknown format's error (a

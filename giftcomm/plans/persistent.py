@@ -31,7 +31,7 @@ from .. import _xp
 from .. import accounting as _stats
 from ..algorithms import Algorithm
 from ..algorithms.partition import accumulation_dtype
-from ..codec import native_available, native_supports
+from ..codec import native_available, native_code, native_supports
 from ..collectives import call as calls
 from ..collectives import engine, native, oneshot
 from ..collectives.agree import error_code, meet_plans, raise_failures
@@ -154,7 +154,8 @@ class AllreducePlan(_ChannelCalls):
         # the native fast path: float32 NumPy arrays, one-shot, rounding to nearest
         self._fast = (channel and algorithm.one_exchange and not self._stochastic and call.imp.source == "numpy"
                       and call.arr.dtype == np.float32 and native_supports(self._wire.fmt))
-        self._fmt_code, self._block, self._avg = self._wire.fmt.variant_code, self._wire.block, call.op == "avg"
+        # the code the C kernels take (an adaptive row's: with its registered spec's slot)
+        self._fmt_code, self._block, self._avg = native_code(self._wire.fmt), self._wire.block, call.op == "avg"
         self.last_run = (algorithm.name, None)  # what engine.last_algorithm reports after a call
         self.used = 0  # a cached plan's last use (giftcomm.plans.cache's eviction order)
         # its giftcomm.stats slot, where every call counts (giftcomm.accounting; plan_allreduce and
