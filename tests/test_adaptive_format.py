@@ -38,11 +38,11 @@ def choices(msg: np.ndarray, n: int) -> np.ndarray:
 
 
 def test_there_are_adaptive_rows():
-    # native in C (tests/test_adaptive_native.py); on CuPy arrays through the reference
+    # native in C (tests/test_adaptive_native.py) and CUDA (tests/test_adaptive_gpu_emulated.py)
     from giftcomm.cuda import codec as cuda_codec
 
     assert ADAPTIVE and all(FORMATS[n].scale_kind == "adaptive" and FORMATS[n].native for n in ADAPTIVE)
-    assert not any(cuda_codec.supports(FORMATS[n]) for n in ADAPTIVE)
+    assert all(cuda_codec.supports(FORMATS[n]) for n in ADAPTIVE)
 
 
 @pytest.mark.parametrize("fmt", ADAPTIVE)
@@ -213,17 +213,20 @@ def test_int8_top_tier_is_more_precise_than_e4m3(rng):
 
 def test_int4_mid_tier_is_more_precise_than_e2m1(rng):
     """The 4-bit tier's INT4 elements (-7..7 under E4M3 scales per 16) lose less than NVFP4's
-    E2M1 on the same bytes (gradient-like blocks)."""
+    E2M1 on the same bytes (gradient-like blocks): the mean over the 4-bit super-blocks of each
+    one's relative L2 error (a norm over all of them would be one block's: the blocks' scales
+    spread over orders of magnitude). Over 150 seeds the ratio was 0.88-0.96, mean 0.92."""
     x = spread(rng, NSB * B)
     errs = {}
     for mid in ("e2m1", "int4"):
         f = with_spec(ADAPTIVE[0], mid=mid)
         msg = ref.encode(x, f)
-        t4 = np.repeat(choices(msg, NSB) == TIER_T4, B)
+        t4 = choices(msg, NSB) == TIER_T4
         assert t4.any() and message_nbytes(x.size, f) == message_nbytes(x.size, with_spec(ADAPTIVE[0], mid="e2m1"))
-        y = ref.decode(msg, x.size, f)
-        errs[mid] = np.linalg.norm((y - x)[t4]) / np.linalg.norm(x[t4])
-    assert errs["int4"] < 0.95 * errs["e2m1"]
+        y = ref.decode(msg, x.size, f).reshape(NSB, B)[t4]
+        want = x.reshape(NSB, B)[t4]
+        errs[mid] = np.mean(np.linalg.norm(y - want, axis=1) / np.linalg.norm(want, axis=1))
+    assert errs["int4"] < 0.97 * errs["e2m1"]
 
 
 def test_bad_mid_tier_is_refused():
