@@ -37,6 +37,26 @@ def torch_seeded(seed: int):
         yield
 
 
+def _native_isas() -> list:
+    try:
+        from giftcomm import _codec_native
+    except ImportError:  # the optional build is missing: the native tests skip themselves
+        return []
+    return list(_codec_native._isas())
+
+
+@pytest.fixture(params=_native_isas())
+def isa(request):
+    """Run the test with one native kernel variant (generic, avx2, avx512, as the build and the CPU
+    have them) selected; restore the default afterwards."""
+    from giftcomm import _codec_native
+
+    before = _codec_native._isa()
+    _codec_native._set_isa(request.param)
+    yield request.param
+    _codec_native._set_isa(before)
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     seed = int(os.environ.get("GIFTCOMM_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))

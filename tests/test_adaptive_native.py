@@ -23,7 +23,6 @@ native = pytest.importorskip("giftcomm._codec_native")
 
 B = 256
 ADAPTIVE = [name for name, f in FORMATS.items() if f.adaptive is not None]
-ISAS = native._isas()
 
 
 def variant(fmt: str, **changes) -> Format:
@@ -42,13 +41,6 @@ SPECS["ada4/frame5/share0"] = variant(ADAPTIVE[-1], frame=5, share8_permille=0)
 #: frames with a partial last frame whose last super-block is partial
 COUNTS = [0, 1, 255, 256, 257, 8 * B, 3 * 8 * B + 5 * B + 77]
 
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = native._isa()
-    native._set_isa(request.param)
-    yield request.param
-    native._set_isa(before)
 
 
 def assert_same_f32(got: np.ndarray, want: np.ndarray, what: str = "") -> None:

@@ -39,20 +39,11 @@ FMT_NAMES = [name for name, f in FORMATS.items() if f.native and f.fixed_block i
 FP8 = [f for f in FMT_NAMES if FORMATS[f].scaled]
 SIZES = [0, 1, 3, 255, 256, 257, 1000, 4099]
 BLOCKS = [1, 7, 32, 256, 1024]
-ISAS = native._isas()
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- helpers
 
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Run the test with one kernel variant selected; restore the default afterwards."""
-    before = native._isa()
-    native._set_isa(request.param)
-    yield request.param
-    native._set_isa(before)
 
 
 @pytest.fixture
