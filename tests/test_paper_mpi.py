@@ -286,6 +286,7 @@ def test_every_rank_selects_the_same_weights_from_its_own_scores():
     assert chosen[0] == select_for(PaperOptions(top_n=1), mean)
     # the ranks' own scores pick different weights (rank 0 a, rank 1 b): only the average agrees
     own = comm.allgather(select_for(PaperOptions(top_n=1), local))
-    assert own[0] == (f"layers.{a}.weight",) and own[1] == (f"layers.{b}.weight",)
+    assert own[0] == (f"layers.{a}.weight",)
+    assert comm.Get_size() == 1 or own[1] == (f"layers.{b}.weight",)
     fps = comm.allgather([geo.fingerprint() for geo in sync.geometries])
     assert all(f == fps[0] for f in fps)
