@@ -252,8 +252,7 @@ def test_adaptive_kernels_clean_under_address_sanitizer():
     """The adaptive kernels built -fsanitize=address,alignment (exact-size allocations): no
     out-of-bounds access, no misaligned word access, the message at an odd address."""
     lib = _libasan()
-    if lib is None:
-        pytest.skip("libasan not found (g++ -print-file-name=libasan.so)")
+    assert lib, "libasan not found (g++ -print-file-name=libasan.so)"  # as test_gpu_emulated: g++ ships it
     env = dict(os.environ, LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=23",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _ASAN_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
